@@ -1,0 +1,214 @@
+"""The typed run configuration: one frozen dataclass per config group.
+
+Every key has a type and a default here. Hydra composes YAML onto these classes
+(registered as structured configs), so an unknown key or a wrong type fails at
+compose time with the key's full path. The worker loads `RUN_DIR/config.yaml`
+back into the same classes with `load_run_config`.
+
+This module is imported on both sides of the wall: it must stay free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+# Allowed values of the string-valued choices, checked by `validate`.
+PRECISIONS = ("fp32", "bf16", "fp16")
+SHARDING_STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+SCHEDULES = ("constant", "linear", "cosine", "wsd")
+OPTIMIZERS = ("adamw",)
+LAUNCHERS = ("local", "slurm")
+DEVICES = ("cpu", "cuda")
+DATA_KINDS = ("stdlib", "memmap", "synthetic")
+TOKEN_DTYPES = ("uint16", "uint32")
+AC_MODES = ("none", "full", "selective")
+WANDB_MODES = ("online", "offline", "disabled")
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the Llama-style decoder."""
+
+    name: str = "tiny"
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 704  # SwiGLU hidden size (w1/w3 output, w2 input)
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed precision: compute dtype under autocast; master weights stay fp32."""
+
+    name: str = "fp32"
+    compute_dtype: str = "fp32"  # fp32 | bf16 | fp16
+    reduce_dtype: str = "fp32"  # gradient reduction dtype
+    fp8: bool = False  # torchao float8 linear layers on top of bf16
+    fp8_recipe: str = "tensorwise"
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """Data / model parallel layout. -1 means: infer from the world size."""
+
+    name: str = "none"
+    strategy: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    pp_microbatches: int = 0  # 0: one per pipeline stage
+    cpu_offload: bool = False
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Learning-rate schedule: linear warmup, then the named decay."""
+
+    name: str = "cosine"  # constant | linear | cosine | wsd
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of optim.lr
+    decay_fraction: float = 0.2  # wsd only: share of the steps spent decaying
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW; weight decay never applies to norms and biases."""
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the workers run and how many there are."""
+
+    name: str = "local"
+    launcher: str = "local"  # local | slurm
+    nodes: int = 1
+    procs_per_node: int = 1  # torchrun --nproc_per_node: GPUs (or CPU workers) per node
+    device: str = "cpu"  # cpu | cuda
+    gpu: str = ""  # accelerator model for peak FLOPs and memory (h100, a100, ...); "" unknown
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time_limit: str = "01:00:00"
+    max_restarts: int = 0
+    rdzv_port: int = 29500
+    cpu_threads: int = 0  # torch threads per CPU worker; 0: cores / procs_per_node
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Token source. Byte-level tokens for the embedded corpus."""
+
+    name: str = "stdlib"
+    kind: str = "stdlib"  # stdlib | memmap | synthetic
+    train_path: str = ""  # memmap: pre-tokenized token file
+    val_path: str = ""  # memmap: held-out token file
+    token_dtype: str = "uint16"  # memmap: uint16 | uint32
+    vocab_size: int = 256  # largest token id + 1 that the data can contain
+    val_fraction: float = 0.05  # stdlib: share of files held out
+    cache_dir: str = "~/.cache/trainctl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: steps, batch math, memory options, evaluation cadence."""
+
+    steps: int = 100
+    seq_len: int = 256
+    global_batch: int = -1  # sequences per optimizer step; -1: micro_batch x grad_accum x dp
+    micro_batch: int = 1  # sequences per rank per forward; -1: derive
+    grad_accum: int = 1  # micro-batches per optimizer step; -1: derive
+    seed: int = 0
+    activation_checkpointing: str = "none"  # none | full | selective
+    ac_every: int = 2  # selective: checkpoint every k-th block
+    compile: bool = False
+    eval_every: int = 50  # 0 disables
+    eval_batches: int = 8
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    mode: str = "disabled"  # online | offline | disabled
+    project: str = "trainctl"
+    entity: str = ""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_every: int = 10
+    progress: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole, composed configuration of one run."""
+
+    name: str = ""  # run directory name under runs_dir; "" -> <recipe or model>-<timestamp>
+    recipe: str = ""  # set by the recipe file that was chosen, for the record
+    description: str = ""
+    runs_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+GROUPS = ("model", "precision", "sharding", "schedule", "optim", "cluster", "data")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The config as YAML, in schema order."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _unfreeze(node) -> None:
+    # Frozen dataclasses give read-only nodes; merging YAML onto them needs write access.
+    OmegaConf.set_readonly(node, None)
+    if OmegaConf.is_dict(node):
+        for key in node:
+            _unfreeze(node._get_node(key))
+
+
+def structured_schema() -> DictConfig:
+    """The schema as a typed, writable OmegaConf node (struct mode: unknown keys fail)."""
+    node = OmegaConf.structured(RunConfig)
+    _unfreeze(node)
+    return node
+
+
+def from_dict(data: dict | DictConfig) -> RunConfig:
+    """Type-check a mapping against the schema and build a frozen RunConfig."""
+    return OmegaConf.to_object(OmegaConf.merge(structured_schema(), data))
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a run directory's `config.yaml` (or the file itself) into a RunConfig."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.yaml"
+    return from_dict(OmegaConf.load(path))

@@ -1,0 +1,53 @@
+"""Parameter counts and training FLOPs of the Llama decoder, without torch.
+
+The counts here must equal `sum(p.numel())` of the model the worker builds
+(a test checks it) and the published counts of the named models.
+"""
+
+from __future__ import annotations
+
+from trainctl.config.schema import ModelConfig
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.dim // m.n_heads
+
+
+def layer_params(m: ModelConfig) -> int:
+    """Parameters of one transformer block: attention, SwiGLU MLP, two RMSNorm weights."""
+    kv_dim = m.n_kv_heads * head_dim(m)
+    attention = m.dim * m.dim * 2 + m.dim * kv_dim * 2  # wq, wo, wk, wv (no biases)
+    mlp = 3 * m.dim * m.ffn_dim  # w1, w2, w3
+    norms = 2 * m.dim
+    return attention + mlp + norms
+
+
+def embedding_params(m: ModelConfig) -> int:
+    return m.vocab_size * m.dim
+
+
+def output_params(m: ModelConfig) -> int:
+    """The output projection; zero extra parameters when tied to the embedding."""
+    return 0 if m.tie_embeddings else m.vocab_size * m.dim
+
+
+def param_count(m: ModelConfig) -> int:
+    """Total parameters, counting a tied embedding once."""
+    return embedding_params(m) + m.n_layers * layer_params(m) + m.dim + output_params(m)
+
+
+def matmul_params(m: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding lookup and norms."""
+    return m.n_layers * (layer_params(m) - 2 * m.dim) + m.vocab_size * m.dim
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of forward + backward per token: 6N plus the attention term.
+
+    6N counts every weight matmul (2 FLOPs per multiply-add, x3 for forward +
+    backward). The attention term 12 * layers * dim * seq_len counts QK^T and
+    attention x V, forward and backward, over the full (not causally halved)
+    sequence, as in PaLM's MFU definition. Activation recomputation is not
+    counted: this is model FLOPs, the numerator of MFU.
+    """
+    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.dim * seq_len
