@@ -1,0 +1,171 @@
+"""A Llama-style decoder, readable in one sitting.
+
+Token embedding -> N x (RMSNorm -> grouped-query attention with RoPE -> residual,
+RMSNorm -> SwiGLU MLP -> residual) -> RMSNorm -> output projection. No biases.
+
+Built on the meta device (no memory), parallelized, then materialized with
+`model.to_empty(device=...)` and `model.init_weights()`: `to_empty` leaves
+garbage in every tensor, so `init_weights` also recomputes the RoPE table.
+Blocks live in a ModuleDict keyed by their index as a string, so a pipeline
+split can delete layers and keep the remaining names (and checkpoints) stable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainctl.config.schema import ModelConfig
+
+INIT_STD = 0.02
+
+
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos and sin of the rotary angles, shape [max_seq_len, head_dim // 2, 2] in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] by the position's angles."""
+    seq_len = x.shape[1]
+    cos, sin = freqs[:seq_len, None, :, 0], freqs[:seq_len, None, :, 1]  # [seq, 1, head_dim/2]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 for stability under bf16 autocast, then cast back.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_kv_heads key/value heads shared by n_heads query heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
+        # The kv heads are shared by groups of query heads (enable_gqa avoids materializing copies).
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.w1, self.w3):
+            nn.init.trunc_normal_(linear.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def init_weights(self, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(out_std)
+        self.feed_forward.init_weights(out_std)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from the config, so checkpoints need not carry it.
+        self.register_buffer("freqs", self._rope_table(device=None), persistent=False)
+
+    def _rope_table(self, device) -> torch.Tensor:
+        c = self.cfg
+        return rope_frequencies(c.dim // c.n_heads, c.max_seq_len, c.rope_theta, device=device)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic init given the torch seed; call after `to_empty`."""
+        self.freqs.copy_(self._rope_table(device=self.freqs.device))
+        nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD if self.cfg.tie_embeddings else 1.0)
+        # Residual-branch outputs shrink with depth so the residual stream's variance stays O(1).
+        out_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        for block in self.layers.values():
+            block.init_weights(out_std)
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            bound = 3 / math.sqrt(self.cfg.dim)
+            nn.init.trunc_normal_(self.output.weight, std=1 / math.sqrt(self.cfg.dim), a=-bound, b=bound)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for tokens [batch, seq]; position t sees only tokens <= t."""
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.freqs)
+        return self.output(self.norm(h))
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Llama:
+    """The model on `device` (meta by default: shapes only, no memory, no init)."""
+    with torch.device(device):
+        return Llama(cfg)
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters (a tied weight counted once)."""
+    return sum(p.numel() for p in model.parameters())
