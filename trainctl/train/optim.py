@@ -1,0 +1,85 @@
+"""AdamW with decay / no-decay parameter groups, and the learning-rate schedules.
+
+Weight decay applies to the matmul weights only. Norm weights and biases (1-D) are
+never decayed: shrinking them toward zero fights the normalization. The token
+embedding is not decayed either (as in OLMo): each row is updated only when its
+token appears, so decay would pull rare tokens to zero between their updates.
+With tied embeddings the output projection is the embedding and follows it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainctl.config.schema import OptimConfig, ScheduleConfig
+from trainctl.train.errors import WorkerConfigError
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matmul weights, and everything else with weight_decay=0."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():  # yields a tied weight once
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
+    """AdamW over `param_groups`: fused kernels on CUDA, multi-tensor (foreach) elsewhere."""
+    fused = device_type == "cuda"
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=fused,
+        foreach=not fused,
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _decay(kind: str, progress: float) -> float:
+    """Multiplier in [0, 1] going from 1 (progress 0) to 0 (progress 1)."""
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress  # linear and the wsd decay phase
+
+
+def lr_at(step: int, lr: float, schedule: ScheduleConfig, total_steps: int) -> float:
+    """Learning rate for 0-indexed optimizer step `step` of `total_steps`.
+
+    Linear warmup: step w (< warmup_steps) gets lr * (w + 1) / warmup_steps, so it starts
+    near zero and the last warmup step reaches lr. Then `constant` stays at lr; `linear`
+    and `cosine` decay from lr right after warmup to min_lr_ratio * lr at the last step;
+    `wsd` holds lr and decays linearly to the floor over the last decay_fraction of steps.
+    """
+    warmup = schedule.warmup_steps
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule.name == "constant":
+        return lr
+    floor = schedule.min_lr_ratio * lr
+    last = total_steps - 1
+    if schedule.name == "wsd":
+        decay_steps = max(1, round(schedule.decay_fraction * total_steps))
+        start = max(warmup, last - decay_steps)
+    elif schedule.name in ("linear", "cosine"):
+        start = warmup
+    else:
+        raise WorkerConfigError(f"schedule.name={schedule.name!r}: unknown schedule; use constant, linear, cosine or wsd")
+    if step <= start:
+        return lr
+    progress = min(1.0, (step - start) / max(1, last - start))
+    return floor + (lr - floor) * _decay(schedule.name, progress)
