@@ -1,0 +1,200 @@
+"""Cross-field validation and resolution of a composed RunConfig.
+
+`resolve(cfg)` checks everything that can be checked before launch, collects every
+problem (one line each: the key, the value, why, what would work) and raises one
+`ConfigError`; on success it returns the config with every derived value filled
+in (parallel degrees, batch math), which is what the worker receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainctl.config import schema as s
+from trainctl.config.errors import ConfigError
+from trainctl.plan.hardware import GPUS
+from trainctl.plan.topology import ParallelDims, infer_dims
+
+
+def resolve(cfg: s.RunConfig) -> s.RunConfig:
+    """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
+    problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train) + check_data(cfg.data, cfg.model)
+    problems += check_cluster(cfg.cluster, cfg.precision)
+    dims, topo_problems = infer_dims(cfg.sharding, world_size(cfg.cluster))
+    problems += topo_problems
+    if dims is not None:
+        problems += check_model_parallel(dims, cfg.model)
+        train, batch_problems = resolve_batch(cfg.train, dims.dp)
+        problems += batch_problems
+    if problems:
+        raise ConfigError(problems)
+    sharding = dataclasses.replace(cfg.sharding, **dims.as_dict())
+    return dataclasses.replace(cfg, sharding=sharding, train=train)
+
+
+def world_size(cluster: s.ClusterConfig) -> int:
+    return cluster.nodes * cluster.procs_per_node
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    if value in allowed:
+        return []
+    return [f"{key}={value!r}: not a valid choice; use one of: {', '.join(allowed)}"]
+
+
+def check_choices(cfg: s.RunConfig) -> list[str]:
+    """Every string-valued enumeration against its allowed values."""
+    return (
+        _choice("precision.compute_dtype", cfg.precision.compute_dtype, s.PRECISIONS)
+        + _choice("precision.reduce_dtype", cfg.precision.reduce_dtype, ("fp32", "bf16"))
+        + _choice("precision.fp8_recipe", cfg.precision.fp8_recipe, s.FP8_RECIPES)
+        + _choice("sharding.strategy", cfg.sharding.strategy, s.SHARDING_STRATEGIES)
+        + _choice("schedule.name", cfg.schedule.name, s.SCHEDULES)
+        + _choice("optim.name", cfg.optim.name, s.OPTIMIZERS)
+        + _choice("cluster.launcher", cfg.cluster.launcher, s.LAUNCHERS)
+        + _choice("cluster.device", cfg.cluster.device, s.DEVICES)
+        + _choice("data.kind", cfg.data.kind, s.DATA_KINDS)
+        + _choice("data.token_dtype", cfg.data.token_dtype, s.TOKEN_DTYPES)
+        + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing, s.AC_MODES)
+        + _choice("logging.wandb.mode", cfg.logging.wandb.mode, s.WANDB_MODES)
+        + ([] if not cfg.cluster.gpu or cfg.cluster.gpu in GPUS else _choice("cluster.gpu", cfg.cluster.gpu, ("", *GPUS)))
+    )
+
+
+def _at_least(key: str, value: float, low: float, hint: str = "") -> list[str]:
+    if value >= low:
+        return []
+    return [f"{key}={value}: must be >= {low}{'; ' + hint if hint else ''}"]
+
+
+def _positive(key: str, value: float) -> list[str]:
+    return [] if value > 0 else [f"{key}={value}: must be > 0"]
+
+
+def _within(key: str, value: float, low: float, high: float, *, open_low: bool = False) -> list[str]:
+    ok = (value > low if open_low else value >= low) and value <= high
+    bracket = "(" if open_low else "["
+    return [] if ok else [f"{key}={value}: must be in {bracket}{low}, {high}]"]
+
+
+def check_ranges(cfg: s.RunConfig) -> list[str]:
+    """Rates, counts and ratios: no zero or negative where it makes no sense."""
+    t, o, sch, lg, c = cfg.train, cfg.optim, cfg.schedule, cfg.logging, cfg.cluster
+    problems = (
+        _positive("train.steps", t.steps)
+        + _positive("train.seq_len", t.seq_len)
+        + _at_least("train.seed", t.seed, 0)
+        + _at_least("train.eval_every", t.eval_every, 0, "0 disables evaluation")
+        + _at_least("train.ac_every", t.ac_every, 1)
+        + _positive("optim.lr", o.lr)
+        + _at_least("optim.weight_decay", o.weight_decay, 0)
+        + _at_least("optim.grad_clip", o.grad_clip, 0, "0 disables clipping")
+        + _within("optim.beta1", o.beta1, 0, 0.999999)
+        + _within("optim.beta2", o.beta2, 0, 0.999999)
+        + _positive("optim.eps", o.eps)
+        + _at_least("schedule.warmup_steps", sch.warmup_steps, 0)
+        + _within("schedule.min_lr_ratio", sch.min_lr_ratio, 0, 1)
+        + _within("schedule.decay_fraction", sch.decay_fraction, 0, 1, open_low=True)
+        + _positive("logging.log_every", lg.log_every)
+        + _at_least("cluster.nodes", c.nodes, 1)
+        + _at_least("cluster.procs_per_node", c.procs_per_node, 1)
+        + _at_least("cluster.max_restarts", c.max_restarts, 0)
+        + _at_least("cluster.cpu_threads", c.cpu_threads, 0, "0 picks cores / workers")
+        + _within("cluster.rdzv_port", c.rdzv_port, 1, 65535)
+        + _at_least("sharding.pp_microbatches", cfg.sharding.pp_microbatches, 0, "0 means one per stage")
+    )
+    if t.eval_every > 0:
+        problems += _positive("train.eval_batches", t.eval_batches)
+    if t.steps > 0 and sch.warmup_steps >= t.steps:
+        problems.append(f"schedule.warmup_steps={sch.warmup_steps}: warmup is not shorter than training (train.steps={t.steps}); lower it below {t.steps}")
+    return problems
+
+
+def check_model(m: s.ModelConfig, t: s.TrainConfig) -> list[str]:
+    """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit."""
+    problems = []
+    for key, value in (("dim", m.dim), ("n_layers", m.n_layers), ("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)):
+        problems += _positive(f"model.{key}", value)
+    problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
+    if problems:
+        return problems
+    if m.dim % m.n_heads:
+        problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim}")
+    elif (m.dim // m.n_heads) % 2:
+        problems.append(f"model.n_heads={m.n_heads}: head dim {m.dim // m.n_heads} is odd, RoPE needs an even head dim")
+    if m.n_heads % m.n_kv_heads:
+        problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query attention); use a divisor such as {_divisors(m.n_heads)}")
+    if t.seq_len > m.max_seq_len:
+        problems.append(f"train.seq_len={t.seq_len}: longer than model.max_seq_len={m.max_seq_len} of model {m.name}; use at most {m.max_seq_len}")
+    return problems
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_data(d: s.DataConfig, m: s.ModelConfig) -> list[str]:
+    problems = _positive("data.vocab_size", d.vocab_size) + _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
+    if d.kind == "memmap":
+        for key in ("train_path", "val_path"):
+            if not getattr(d, key):
+                problems.append(f"data.{key}: required for data.kind=memmap; pass data.{key}=/path/to/tokens.bin")
+    if d.kind == "stdlib" and d.vocab_size != 256:
+        problems.append(f"data.vocab_size={d.vocab_size}: the stdlib corpus is byte-level, so its vocabulary is 256")
+    if d.vocab_size > m.vocab_size:
+        problems.append(f"data.vocab_size={d.vocab_size}: the data has more token ids than model.vocab_size={m.vocab_size}; raise model.vocab_size or pick matching data")
+    return problems
+
+
+def check_cluster(c: s.ClusterConfig, p: s.PrecisionConfig) -> list[str]:
+    problems = []
+    if c.launcher == "local" and c.nodes > 1:
+        problems.append(f"cluster.nodes={c.nodes}: a local launch runs on this machine only; use cluster=slurm for several nodes")
+    if p.fp8 and c.device == "cuda" and c.gpu in GPUS and not GPUS[c.gpu].fp8:
+        fp8_gpus = ", ".join(k for k, v in GPUS.items() if v.fp8)
+        problems.append(f"precision=fp8: cluster.gpu={c.gpu} has no fp8 tensor cores; use precision=bf16 or a GPU with them ({fp8_gpus})")
+    if p.fp8 and p.compute_dtype != "bf16":
+        problems.append(f"precision.compute_dtype={p.compute_dtype}: fp8 training runs on top of bf16; set precision.compute_dtype=bf16")
+    return problems
+
+
+def check_model_parallel(dims: ParallelDims, m: s.ModelConfig) -> list[str]:
+    problems = []
+    if dims.tp > 1:
+        for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("dim", m.dim)):
+            if value % dims.tp:
+                problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that divides it ({_divisors(value)})")
+    if dims.pp > m.n_layers:
+        problems.append(f"sharding.pp={dims.pp}: more pipeline stages than model.n_layers={m.n_layers}")
+    return problems
+
+
+def resolve_batch(t: s.TrainConfig, dp: int) -> tuple[s.TrainConfig, list[str]]:
+    """global_batch = micro_batch x grad_accum x dp, deriving the one set to -1."""
+    values = {"global_batch": t.global_batch, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum}
+    problems = [f"train.{k}={v}: must be a positive integer, or -1 to derive it" for k, v in values.items() if v == 0 or v < -1]
+    derived = [k for k, v in values.items() if v == -1]
+    if len(derived) > 1:
+        problems.append(f"train.{' and train.'.join(derived)} are all -1: set all but one of global_batch, micro_batch, grad_accum")
+    if problems:
+        return t, problems
+    g, mb, ga = t.global_batch, t.micro_batch, t.grad_accum
+    if derived == ["global_batch"]:
+        g = mb * ga * dp
+    elif derived:
+        other = ga if derived == ["micro_batch"] else mb
+        if g % (other * dp):
+            return t, [
+                f"train.global_batch={g}: not divisible by {'grad_accum' if derived == ['micro_batch'] else 'micro_batch'} x data-parallel degree "
+                f"= {other} x {dp}; use a multiple of {other * dp}"
+            ]
+        if derived == ["micro_batch"]:
+            mb = g // (ga * dp)
+        else:
+            ga = g // (mb * dp)
+    if g != mb * ga * dp:
+        return t, [
+            f"train.global_batch={g}: must equal micro_batch x grad_accum x data-parallel degree = {mb} x {ga} x {dp} = {mb * ga * dp}; "
+            "set one of them to -1 to derive it"
+        ]
+    return dataclasses.replace(t, global_batch=g, micro_batch=mb, grad_accum=ga), []
