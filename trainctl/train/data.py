@@ -1,0 +1,363 @@
+"""The worker's token data: build the token files once, then serve batches as a pure function of (seed, step).
+
+Three sources, chosen by `data.kind`:
+- `stdlib`: this Python's standard library `.py` sources as byte-level tokens (ids 0..255). Each file is
+  followed by one 0 byte as a document separator (0 never occurs in source text). Files are split into
+  train/val by a crc32 of their relative path, tokenized once into `train.bin` / `val.bin` (uint16) and
+  `meta.json` under `data.cache_dir/stdlib-py<version>-<fingerprint>/`.
+- `memmap`: the user's own flat token files (`data.train_path`, `data.val_path`, `data.token_dtype`).
+- `synthetic`: random tokens generated per sample from the (seed, step, sample) RNG; no file I/O.
+
+Sampling: sample j (0 <= j < global_batch) of a step starts at the j-th offset drawn by
+`np.random.default_rng([seed, step])`; rank r, micro-batch a, row b reads j = r*(A*M) + a*M + b. The union
+over ranks and micro-batches is therefore the same global batch whatever the dp / accumulation split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainctl.config.schema import DATA_KINDS, TOKEN_DTYPES, DataConfig
+
+SEPARATOR = 0  # appended after every stdlib file; never occurs in Python source
+STDLIB_VOCAB = 256  # byte-level tokens
+CACHE_FORMAT = 1  # bump when the layout of the cached files changes
+_CACHE_DTYPE = np.uint16
+_SPLITS = ("train", "val")
+# Nonzero stream tags: numpy's SeedSequence treats [a, b] and [a, b, 0] alike, so a tag of 0 could collide.
+_SPLIT_TAG = {"train": 1, "val": 2}
+_EVAL_TAG = 0x5EED_E7A1
+# Golden-ratio (Kronecker) sequence: eval sample j sits at frac(j * phi^-1) of the valid starts. Any prefix
+# is spread evenly over the whole split, and sample j does not depend on how many samples are asked for,
+# so the eval set of dp=2 x n=4 equals that of dp=1 x n=8.
+_INV_PHI = (math.sqrt(5.0) - 1.0) / 2.0
+_VOCAB_SAMPLE_CHUNKS = 64
+_VOCAB_SAMPLE_TOKENS = 1 << 16  # per chunk: check_vocab reads at most 64 x 64k tokens per file
+
+
+class DataError(Exception):
+    """A problem with the data that the user caused and can fix (message names the config key)."""
+
+
+# ---------------------------------------------------------------- config checks
+
+
+def _check_config(cfg: DataConfig) -> None:
+    """Reject data settings that no source can serve, naming the key and what would work."""
+    if cfg.kind not in DATA_KINDS:
+        raise DataError(f"data.kind={cfg.kind!r} is unknown; use one of {', '.join(DATA_KINDS)}")
+    if cfg.kind == "stdlib":
+        if not 0.0 < cfg.val_fraction < 1.0:
+            raise DataError(f"data.val_fraction={cfg.val_fraction} must be between 0 and 1 (exclusive); e.g. 0.05")
+        if cfg.vocab_size < STDLIB_VOCAB:
+            raise DataError(f"data.vocab_size={cfg.vocab_size} is below the stdlib corpus's {STDLIB_VOCAB} byte tokens; use 256")
+    if cfg.kind == "memmap":
+        if cfg.token_dtype not in TOKEN_DTYPES:
+            raise DataError(f"data.token_dtype={cfg.token_dtype!r} is unknown; use one of {', '.join(TOKEN_DTYPES)}")
+        dtype_limit = np.iinfo(cfg.token_dtype).max + 1
+        if cfg.vocab_size > dtype_limit:
+            raise DataError(f"data.vocab_size={cfg.vocab_size} does not fit data.token_dtype={cfg.token_dtype}; use uint32")
+    if cfg.vocab_size < 1:
+        raise DataError(f"data.vocab_size={cfg.vocab_size} must be >= 1")
+
+
+# ---------------------------------------------------------------- stdlib corpus
+
+
+def stdlib_root() -> Path:
+    """The running Python's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def list_stdlib_sources(root: Path) -> list[str]:
+    """Relative POSIX paths of the stdlib's non-empty `.py` files, sorted; third-party packages excluded."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if name.endswith(".py") and path.is_file() and path.stat().st_size > 0:
+                found.append(path.relative_to(root).as_posix())
+    return sorted(found)
+
+
+def is_val_file(rel_path: str, val_fraction: float) -> bool:
+    """Whether a stdlib file is held out; crc32 keeps the split stable across runs and machines."""
+    return zlib.crc32(rel_path.encode("utf-8")) / 2**32 < val_fraction
+
+
+def stdlib_cache_dir(cfg: DataConfig) -> Path:
+    """Where this Python's stdlib tokens are cached: keyed so different Pythons and splits never collide."""
+    key = f"{stdlib_root()}\0{sys.version}\0{cfg.val_fraction!r}\0{CACHE_FORMAT}"
+    fingerprint = hashlib.sha1(key.encode("utf-8")).hexdigest()[:12]
+    version = ".".join(str(v) for v in sys.version_info[:3])
+    return Path(cfg.cache_dir).expanduser() / f"stdlib-py{version}-{fingerprint}"
+
+
+def _sources_digest(root: Path, rel_paths: list[str]) -> str:
+    # Paths and sizes are enough to notice a reinstalled or patched stdlib without reading every file.
+    h = hashlib.sha1()
+    for rel in rel_paths:
+        h.update(f"{rel}\0{(root / rel).stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    # A temp name in the same directory + os.replace: readers see the old file or the whole new one, and
+    # two processes building at once both write identical content, so either rename may win.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should be readable by others
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_meta(cache: Path) -> dict | None:
+    try:
+        return json.loads((cache / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _stdlib_cache_is_complete(cache: Path, meta: dict | None) -> bool:
+    """Whether meta.json exists, matches this cache format, and the token files have the recorded sizes."""
+    if meta is None or meta.get("format") != CACHE_FORMAT or meta.get("dtype") != "uint16":
+        return False
+    itemsize = np.dtype(_CACHE_DTYPE).itemsize
+    for split in _SPLITS:
+        path = cache / f"{split}.bin"
+        if not path.is_file() or path.stat().st_size != meta["tokens"][split] * itemsize:
+            return False
+    return True
+
+
+def _tokenize_files(root: Path, rel_paths: list[str]) -> bytes:
+    """Byte tokens of the files, each followed by the separator."""
+    sep = bytes([SEPARATOR])
+    return b"".join((root / rel).read_bytes() + sep for rel in rel_paths)
+
+
+def build_stdlib_cache(cfg: DataConfig) -> Path:
+    """Tokenize the stdlib into the cache unless a complete, matching cache is there; returns its directory."""
+    root, cache = stdlib_root(), stdlib_cache_dir(cfg)
+    rel_paths = list_stdlib_sources(root)
+    if not rel_paths:
+        raise DataError(f"data.kind=stdlib: no .py files under {root}; use data.kind=memmap or synthetic")
+    digest = _sources_digest(root, rel_paths)
+    meta = _read_meta(cache)
+    if _stdlib_cache_is_complete(cache, meta) and meta.get("sources_digest") == digest:
+        return cache
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.cache_dir={cfg.cache_dir!r} is not writable ({e.strerror}); set a writable directory") from e
+    held_out = {p for p in rel_paths if is_val_file(p, cfg.val_fraction)}
+    split_files = {"train": [p for p in rel_paths if p not in held_out], "val": [p for p in rel_paths if p in held_out]}
+    for split, files in split_files.items():
+        if not files:
+            raise DataError(f"data.val_fraction={cfg.val_fraction} leaves no {split} files; use a value like 0.05")
+    tokens = {}
+    for split in _SPLITS:
+        array = np.frombuffer(_tokenize_files(root, split_files[split]), dtype=np.uint8).astype(_CACHE_DTYPE)
+        tokens[split] = int(array.size)
+        _write_atomically(cache / f"{split}.bin", array.tobytes())
+    meta = {
+        "format": CACHE_FORMAT,
+        "dtype": "uint16",
+        "vocab_size": STDLIB_VOCAB,
+        "separator": SEPARATOR,
+        "tokens": tokens,
+        "files": {split: len(files) for split, files in split_files.items()},
+        "val_fraction": cfg.val_fraction,
+        "stdlib": str(root),
+        "python_version": sys.version,
+        "sources_digest": digest,
+    }
+    # meta.json goes last: it is the commit marker that says both token files are complete.
+    _write_atomically(cache / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    return cache
+
+
+# ---------------------------------------------------------------- token files
+
+
+def _open_token_file(path: Path, dtype: str, key: str) -> np.ndarray:
+    """A read-only memmap of a flat token file, or a DataError naming the key that points at it."""
+    if not path.is_file():
+        raise DataError(f"{key}={str(path)!r}: file not found; point it at a flat token file")
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+        raise DataError(f"{key}={str(path)!r}: file is empty; it needs at least train.seq_len+1 tokens")
+    if size % itemsize:
+        raise DataError(f"{key}={str(path)!r}: {size} bytes is not a multiple of {itemsize} ({dtype}); check data.token_dtype")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _open_split(cfg: DataConfig, split: str) -> tuple[np.ndarray, str]:
+    """The token array of a split and the config key to blame for it."""
+    if cfg.kind == "memmap":
+        key = f"data.{split}_path"
+        path = cfg.train_path if split == "train" else cfg.val_path
+        if not path:
+            raise DataError(f"{key} is empty; data.kind=memmap needs a pre-tokenized token file")
+        return _open_token_file(Path(path).expanduser(), cfg.token_dtype, key), key
+    cache = stdlib_cache_dir(cfg)
+    if not _stdlib_cache_is_complete(cache, _read_meta(cache)):
+        raise DataError(f"data.cache_dir={cfg.cache_dir!r}: no complete stdlib token cache at {cache}; run prepare_data first")
+    return _open_token_file(cache / f"{split}.bin", "uint16", "data.cache_dir"), "data.cache_dir"
+
+
+def prepare_data(data_cfg: DataConfig) -> None:
+    """Build and cache token files if needed, and check user files; idempotent, safe to run concurrently."""
+    _check_config(data_cfg)
+    if data_cfg.kind == "stdlib":
+        build_stdlib_cache(data_cfg)
+    elif data_cfg.kind == "memmap":
+        for split in _SPLITS:
+            _open_split(data_cfg, split)
+
+
+def _sampled_max(tokens: np.ndarray) -> int:
+    """Largest token id in evenly spaced chunks of the array (all of it when small)."""
+    if tokens.size <= _VOCAB_SAMPLE_CHUNKS * _VOCAB_SAMPLE_TOKENS:
+        return int(tokens.max())
+    starts = np.linspace(0, tokens.size - _VOCAB_SAMPLE_TOKENS, _VOCAB_SAMPLE_CHUNKS).astype(np.int64)
+    return max(int(tokens[s : s + _VOCAB_SAMPLE_TOKENS].max()) for s in starts)
+
+
+def check_vocab(data_cfg: DataConfig, model_vocab: int) -> None:
+    """Fail early if the data can hold token ids the model cannot embed; reads a bounded sample of files.
+
+    Cheap enough for every launch (at most a few MB per file). Batches are also checked against
+    `data.vocab_size` as they are read, so an id the sample missed still fails with a DataError.
+    """
+    _check_config(data_cfg)
+    data_vocab = STDLIB_VOCAB if data_cfg.kind == "stdlib" else data_cfg.vocab_size
+    if data_vocab > model_vocab:
+        raise DataError(f"model.vocab_size={model_vocab} is below data.vocab_size={data_vocab}; raise model.vocab_size to >= {data_vocab}")
+    if data_cfg.kind != "memmap":
+        return
+    for split in _SPLITS:
+        tokens, key = _open_split(data_cfg, split)
+        largest = _sampled_max(tokens)
+        if largest >= data_cfg.vocab_size:
+            raise DataError(f"{key}: token id {largest} >= data.vocab_size={data_cfg.vocab_size}; set data.vocab_size (and model.vocab_size) to > {largest}")
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _to_inputs_targets(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split [rows, seq_len+1] tokens into int64 (inputs, targets), targets shifted by one token."""
+    batch = torch.from_numpy(samples.astype(np.int64))
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class TokenBatches:
+    """Batches of one split for one data-parallel rank, each a pure function of (seed, step)."""
+
+    def __init__(self, data_cfg: DataConfig, split: str, seq_len: int, global_batch: int, micro_batch: int,
+                 grad_accum: int, dp_rank: int, dp_size: int, seed: int):
+        assert split in _SPLITS, split
+        assert global_batch == micro_batch * grad_accum * dp_size, (global_batch, micro_batch, grad_accum, dp_size)
+        assert 0 <= dp_rank < dp_size and seq_len >= 1, (dp_rank, dp_size, seq_len)
+        _check_config(data_cfg)
+        if seed < 0:
+            raise DataError(f"train.seed={seed} must be >= 0 (it seeds numpy's batch sampler)")
+        self.split, self.seq_len, self.seed = split, seq_len, seed
+        self.global_batch, self.micro_batch, self.grad_accum = global_batch, micro_batch, grad_accum
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.vocab_size = STDLIB_VOCAB if data_cfg.kind == "stdlib" else data_cfg.vocab_size
+        self._tokens: np.ndarray | None = None  # None: synthetic
+        if data_cfg.kind != "synthetic":
+            self._tokens, self._key = _open_split(data_cfg, split)
+            if self._tokens.size < seq_len + 1:
+                raise DataError(f"{self._key}: the {split} split has {self._tokens.size} tokens, fewer than train.seq_len+1="
+                                f"{seq_len + 1}; use more data or a smaller train.seq_len")
+
+    @property
+    def num_tokens(self) -> int | None:
+        """Tokens in this split (None for synthetic data)."""
+        return None if self._tokens is None else int(self._tokens.size)
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's `grad_accum` (inputs, targets) pairs of shape [micro_batch, seq_len] for `step`."""
+        assert step >= 0, step
+        starts = self._step_starts(step)
+        per_rank = self.grad_accum * self.micro_batch
+        out = []
+        for a in range(self.grad_accum):
+            first = self.dp_rank * per_rank + a * self.micro_batch
+            sample_ids = range(first, first + self.micro_batch)
+            if self._tokens is None:
+                rows = [self._synthetic_sample([self.seed, step, j, _SPLIT_TAG[self.split]]) for j in sample_ids]
+            else:
+                rows = [self._window(int(starts[j])) for j in sample_ids]
+            out.append(self._checked_pair(rows))
+        return out
+
+    def eval_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`n` fixed micro-batches for this rank: independent of seed and step, disjoint across dp ranks.
+
+        Eval sample j = dp_rank * n * micro_batch + i * micro_batch + b, so the union over ranks is the
+        same set for any dp split with the same total. Held out when split == "val".
+        """
+        per_rank = n * self.micro_batch
+        out = []
+        for i in range(n):
+            first = self.dp_rank * per_rank + i * self.micro_batch
+            sample_ids = range(first, first + self.micro_batch)
+            if self._tokens is None:
+                rows = [self._synthetic_sample([_EVAL_TAG, j, _SPLIT_TAG[self.split]]) for j in sample_ids]
+            else:
+                rows = [self._window(self._eval_start(j)) for j in sample_ids]
+            out.append(self._checked_pair(rows))
+        return out
+
+    def _num_starts(self) -> int:
+        # A sample reads seq_len+1 tokens, so the last valid start is size - seq_len - 1.
+        return self._tokens.size - self.seq_len
+
+    def _step_starts(self, step: int) -> np.ndarray | None:
+        """Start offsets of the whole global batch of `step`; every rank draws all and keeps its own."""
+        if self._tokens is None:
+            return None
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, self._num_starts(), size=self.global_batch)
+
+    def _eval_start(self, j: int) -> int:
+        return int(((j + 1) * _INV_PHI) % 1.0 * self._num_starts())
+
+    def _window(self, start: int) -> np.ndarray:
+        return self._tokens[start : start + self.seq_len + 1]
+
+    def _synthetic_sample(self, seed_words: list[int]) -> np.ndarray:
+        # Seeded per sample so a rank generates only its own rows, whatever the global batch.
+        rng = np.random.default_rng(seed_words)
+        return rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int64)
+
+    def _checked_pair(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        samples = np.stack(rows)
+        # One max over the rows we read anyway: an out-of-range id would otherwise surface as an opaque
+        # index error (or a CUDA device assert) inside the embedding.
+        if self._tokens is not None and int(samples.max()) >= self.vocab_size:
+            raise DataError(f"{self._key}: token id {int(samples.max())} >= data.vocab_size={self.vocab_size}; "
+                            f"set data.vocab_size (and model.vocab_size) above the largest id")
+        return _to_inputs_targets(samples)
