@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Shared setup for quickstart.sh and test.sh: a .venv with torch and trainctl installed.
+# Idempotent: a second run only checks. Source it from the project root.
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TRAINCTL_TORCH_VERSION:-2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+PY=.venv/bin/python
+
+# torch first, pinned: an unpinned resolve of "torch>=2.11" would pull the newest CUDA build (GBs).
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch==$TORCH_VERSION (CPU wheel)"
+  "$PY" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy
+fi
+
+# The project and its dev tools; torch is already satisfied so nothing heavy is fetched.
+if ! "$PY" -c "import trainctl, hydra, typer, rich, wandb, pytest" >/dev/null 2>&1 \
+   || [ pyproject.toml -nt .venv/.trainctl-installed ]; then
+  echo "[setup] installing trainctl (editable) with dev extras"
+  "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+  touch .venv/.trainctl-installed
+fi
+export PATH="$PWD/.venv/bin:$PATH"

@@ -1,0 +1,155 @@
+"""The `trainctl` command line: one small function per command, rendered with rich.
+
+Launcher side of the wall: nothing here (or below it) imports torch or wandb, so
+every command except a real launch answers in well under a second on a login node.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from trainctl.config import compose as composer
+from trainctl.config.errors import ConfigError
+from trainctl.config.schema import GROUPS, RunConfig, to_yaml
+from trainctl.config.validate import resolve
+
+app = typer.Typer(
+    help="Compose, plan and launch Llama training runs. Overrides use Hydra's grammar: key=value, group=option, +key=value, ~key.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect config groups and the resolved config.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+out = Console()
+err = Console(stderr=True)
+
+OVERRIDES = typer.Argument(None, help="Hydra overrides, e.g. recipe=tiny_cpu optim.lr=1e-4 model=llama2_7b", show_default=False)
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line per problem, exit code 2."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _resolved(overrides: list[str] | None) -> RunConfig:
+    return resolve(composer.compose(list(overrides or [])))
+
+
+@app.command()
+def recipes() -> None:
+    """List the recipes, one line each.  Example: trainctl recipes"""
+    table = Table("recipe", "description", box=None, header_style="bold")
+    for name in composer.list_options("recipe"):
+        table.add_row(name, composer.recipe_description(name))
+    out.print(table)
+
+
+@config_app.command("groups")
+def config_groups() -> None:
+    """Every config group and its options.  Example: trainctl config groups"""
+    table = Table("group", "options", "default", box=None, header_style="bold")
+    defaults = composer.compose_dictconfig([])
+    for group in GROUPS:
+        table.add_row(group, ", ".join(composer.list_options(group)), str(defaults[group].name))
+    table.add_row("recipe", ", ".join(composer.list_options("recipe")), "(none)")
+    out.print(table)
+
+
+@config_app.command("show")
+def config_show(overrides: list[str] = OVERRIDES) -> None:
+    """Print the resolved config as YAML.  Example: trainctl config show recipe=llama7b_fsdp optim.lr=1e-4"""
+    cfg = _resolved(overrides)
+    text = to_yaml(cfg)
+    if out.is_terminal:
+        out.print(Syntax(text, "yaml", background_color="default"))
+    else:
+        sys.stdout.write(text)
+
+
+@app.command()
+def plan(
+    overrides: list[str] = OVERRIDES,
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Show the run plan: topology, batch math, size, FLOPs, memory.  Example: trainctl plan recipe=llama7b_fsdp cluster.nodes=2"""
+    from trainctl.plan.plan import build
+
+    run_plan = build(_resolved(overrides))
+    if as_json:
+        sys.stdout.write(json.dumps(run_plan.to_dict(), indent=2) + "\n")
+        return
+    from trainctl.render import render_plan
+
+    render_plan(out, run_plan.to_dict())
+
+
+@app.command()
+def launch(
+    overrides: list[str] = OVERRIDES,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the run directory and stop; start nothing."),
+    name: str = typer.Option("", "--name", help="Run directory name (default: recipe or model, then a timestamp)."),
+) -> None:
+    """Write a run directory and start the workers.  Example: trainctl launch recipe=tiny_cpu train.steps=50"""
+    from trainctl.launch import rundir
+    from trainctl.plan.plan import build
+
+    cfg = _resolved(overrides)
+    run_plan = build(cfg)
+    if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
+        raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; run on a Slurm login node, use cluster=local, or pass --dry-run"])
+    run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None, overrides=list(overrides or []))
+    for warning in run_plan.warnings:
+        err.print(f"[yellow]warning:[/] {warning}")
+    out.print(f"run directory: [bold]{run_dir}[/]")
+    if dry_run:
+        out.print(f"dry run: start it with [bold]bash {run_dir / 'launch.sh'}[/]")
+        return
+    if cfg.cluster.launcher == "slurm":
+        from trainctl.launch import slurm
+
+        job_id = slurm.submit(run_dir)
+        out.print(f"submitted Slurm job [bold]{job_id}[/]; logs in {run_dir / 'logs'}")
+        return
+    from trainctl.launch import local
+
+    code = local.run(run_dir)
+    raise typer.Exit(code)
+
+
+def _report(problems: list[str]) -> None:
+    for line in problems:
+        err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+
+
+def main() -> None:
+    """Console-script entry: user errors print one line each and exit 2, never a traceback."""
+    from trainctl.launch.errors import LaunchError
+
+    try:
+        app()
+    except ConfigError as exc:
+        _report(exc.problems)
+        sys.exit(2)
+    except UserError as exc:
+        _report(exc.problems)
+        sys.exit(2)
+    except LaunchError as exc:
+        _report([str(exc)])
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
