@@ -117,6 +117,8 @@ def _one_line(exc: BaseException) -> str:
         inner = inner.__cause__
     lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     head = lines[0] if lines else type(inner).__name__
+    if head.endswith(":") and len(lines) > 1:  # "In 'recipe/x': ValidationError raised while composing config:" + the reason
+        head = f"{head} {lines[1]}"
     full_key = getattr(inner, "full_key", None)
     if isinstance(inner, (ConfigAttributeError, ConfigKeyError)) and full_key:
         return f"{full_key}: unknown key; {_valid_keys_hint(full_key)}"

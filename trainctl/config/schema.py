@@ -123,7 +123,7 @@ class DataConfig:
     train_path: str = ""  # memmap: pre-tokenized token file
     val_path: str = ""  # memmap: held-out token file
     token_dtype: str = "uint16"  # memmap: uint16 | uint32
-    vocab_size: int = 256  # largest token id + 1 that the data can contain
+    vocab_size: int = 256  # largest token id + 1 the data can contain; 0: the model's vocab_size
     val_fraction: float = 0.05  # stdlib: share of files held out
     cache_dir: str = "~/.cache/trainctl"
 
@@ -150,6 +150,7 @@ class WandbConfig:
     mode: str = "disabled"  # online | offline | disabled
     project: str = "trainctl"
     entity: str = ""
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,14 @@ def resolve(cfg: s.RunConfig) -> s.RunConfig:
     if problems:
         raise ConfigError(problems)
     sharding = dataclasses.replace(cfg.sharding, **dims.as_dict())
-    return dataclasses.replace(cfg, sharding=sharding, train=train)
+    return dataclasses.replace(cfg, sharding=sharding, train=train, data=resolve_data_vocab(cfg.data, cfg.model))
+
+
+def resolve_data_vocab(d: s.DataConfig, m: s.ModelConfig) -> s.DataConfig:
+    """data.vocab_size=0 means 'as the model' (256 for the byte-level stdlib corpus)."""
+    if d.vocab_size:
+        return d
+    return dataclasses.replace(d, vocab_size=256 if d.kind == "stdlib" else m.vocab_size)
 
 
 def world_size(cluster: s.ClusterConfig) -> int:
@@ -134,12 +141,12 @@ def _divisors(n: int) -> str:
 
 
 def check_data(d: s.DataConfig, m: s.ModelConfig) -> list[str]:
-    problems = _positive("data.vocab_size", d.vocab_size) + _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
+    problems = _at_least("data.vocab_size", d.vocab_size, 0, "0 means the model's vocab_size") + _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
     if d.kind == "memmap":
         for key in ("train_path", "val_path"):
             if not getattr(d, key):
                 problems.append(f"data.{key}: required for data.kind=memmap; pass data.{key}=/path/to/tokens.bin")
-    if d.kind == "stdlib" and d.vocab_size != 256:
+    if d.kind == "stdlib" and d.vocab_size not in (0, 256):
         problems.append(f"data.vocab_size={d.vocab_size}: the stdlib corpus is byte-level, so its vocabulary is 256")
     if d.vocab_size > m.vocab_size:
         problems.append(f"data.vocab_size={d.vocab_size}: the data has more token ids than model.vocab_size={m.vocab_size}; raise model.vocab_size or pick matching data")

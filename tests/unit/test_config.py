@@ -1,0 +1,223 @@
+"""Composition, typing and validation of configs: every recipe and every group option."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainctl.config import schema
+from trainctl.config.compose import compose, list_options, recipe_description
+from trainctl.config.errors import ConfigError
+from trainctl.config.validate import resolve, resolve_batch
+from trainctl.plan.topology import infer_dims
+
+RECIPES = list_options("recipe")
+
+# A group option composed onto llama7b_fsdp (Slurm, 8 GPUs, FSDP) sometimes needs a
+# companion change to be a valid run; each one says why.
+FIXUPS = {
+    ("model", "tiny"): ["train.seq_len=256", "data=stdlib"],  # tiny's max_seq_len is 1024, vocab 256
+    ("sharding", "none"): ["cluster.procs_per_node=1"],  # no data parallelism: one process
+    ("data", "stdlib"): ["model=tiny", "train.seq_len=256"],  # byte corpus: vocab 256 fits any model; keep it small
+}
+
+
+def test_recipes_exist():
+    for required in ("tiny_cpu", "llama7b_fsdp", "llama3_8b_fp8", "llama70b_3d", "llama1b_bench"):
+        assert required in RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = resolve(compose([f"recipe={recipe}"]))
+    assert cfg.recipe == recipe
+    assert recipe_description(recipe)
+    dims = (cfg.sharding.dp_replicate, cfg.sharding.dp_shard, cfg.sharding.cp, cfg.sharding.tp, cfg.sharding.pp)
+    product = 1
+    for d in dims:
+        assert d >= 1
+        product *= d
+    assert product == cfg.cluster.nodes * cfg.cluster.procs_per_node
+    t = cfg.train
+    assert t.global_batch == t.micro_batch * t.grad_accum * cfg.sharding.dp_replicate * cfg.sharding.dp_shard
+
+
+GROUP_OPTIONS = [(g, o) for g in schema.GROUPS for o in list_options(g)]
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_group_option_composes_and_validates(group, option):
+    overrides = ["recipe=llama7b_fsdp", f"{group}={option}", *FIXUPS.get((group, option), [])]
+    cfg = resolve(compose(overrides))
+    assert getattr(cfg, group).name == option
+
+
+def test_recipe_choices_lose_to_command_line():
+    cfg = compose(["recipe=llama7b_fsdp", "model=llama3_8b", "optim.lr=1e-4", "cluster.nodes=4"])
+    assert cfg.model.name == "llama3_8b"
+    assert cfg.optim.lr == 1e-4
+    assert cfg.cluster.nodes == 4
+    assert cfg.precision.name == "bf16"  # still the recipe's
+
+
+def test_defaults_without_recipe():
+    cfg = compose([])
+    assert (cfg.model.name, cfg.precision.name, cfg.sharding.name, cfg.cluster.name) == ("tiny", "fp32", "none", "local")
+
+
+def test_group_yaml_sets_published_shape():
+    cfg = compose(["model=llama2_70b"])
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim) == (8192, 80, 64, 8, 28672)
+
+
+def _problems(overrides):
+    with pytest.raises(ConfigError) as info:
+        resolve(compose(overrides))
+    return info.value.problems
+
+
+def test_unknown_key_names_full_path_and_valid_keys():
+    (line,) = _problems(["model.dimm=3"])
+    assert line.startswith("model.dimm: unknown key")
+    assert "n_kv_heads" in line
+
+
+def test_unknown_nested_key_added_with_plus():
+    (line,) = _problems(["+logging.wandb.projekt=x"])
+    assert line.startswith("logging.wandb.projekt: unknown key")
+
+
+def test_wrong_type_names_key():
+    (line,) = _problems(["train.steps=many"])
+    assert line.startswith("train.steps:") and "many" in line
+
+
+def test_unknown_option_lists_valid_ones():
+    (line,) = _problems(["model=llama4"])
+    assert line.startswith("model=llama4: unknown model")
+    for option in list_options("model"):
+        assert option in line
+
+
+def test_unknown_recipe_lists_recipes():
+    (line,) = _problems(["recipe=gpt5"])
+    assert "tiny_cpu" in line and "llama7b_fsdp" in line
+
+
+def test_bad_override_syntax_is_one_line():
+    (line,) = _problems(["train.steps"])
+    assert "train.steps" in line and "\n" not in line
+
+
+def test_list_override_and_group_deletion():
+    cfg = compose(["recipe=tiny_cpu", "logging.wandb.tags=[a,b]", "~recipe"])
+    assert cfg.logging.wandb.tags == ["a", "b"]
+    assert cfg.recipe == ""  # ~recipe removed the recipe from the defaults list
+
+
+def test_deleting_a_typed_key_is_a_clear_error():
+    (line,) = _problems(["~model.dim"])
+    assert line.startswith("model.dim")
+
+
+def test_all_problems_reported_at_once():
+    problems = _problems(
+        [
+            "recipe=tiny_cpu",
+            "optim.lr=-1",
+            "train.steps=0",
+            "model.n_kv_heads=3",
+            "train.seq_len=4096",
+            "cluster.procs_per_node=3",
+            "data.val_fraction=0",
+        ]
+    )
+    keys = {p.split("=")[0].split(":")[0] for p in problems}
+    assert {"optim.lr", "train.steps", "model.n_kv_heads", "train.seq_len", "train.global_batch", "data.val_fraction"} <= keys
+    assert all("\n" not in p for p in problems)
+
+
+def test_warmup_longer_than_training():
+    (line,) = _problems(["train.steps=10", "schedule.warmup_steps=10"])
+    assert line.startswith("schedule.warmup_steps=10") and "train.steps=10" in line
+
+
+def test_heads_must_divide_dim():
+    problems = _problems(["model.n_heads=7"])
+    assert any(p.startswith("model.n_heads=7") for p in problems)
+
+
+def test_unknown_choice_value():
+    (line,) = _problems(["precision.compute_dtype=fp64"])
+    assert "fp32" in line and "bf16" in line
+
+
+def test_tp_must_divide_heads():
+    problems = _problems(["recipe=llama7b_fsdp", "sharding.tp=3", "cluster.procs_per_node=6"])
+    assert any(p.startswith("sharding.tp=3") for p in problems)
+
+
+def test_memmap_needs_paths():
+    problems = _problems(["data=memmap", "model=llama2_7b"])
+    assert {p.split(":")[0] for p in problems} >= {"data.train_path", "data.val_path"}
+
+
+def test_local_launch_cannot_span_nodes():
+    problems = _problems(["cluster.nodes=2"])
+    assert any(p.startswith("cluster.nodes=2") and "cluster=slurm" in p for p in problems)
+
+
+def test_fp8_needs_fp8_gpu():
+    problems = _problems(["recipe=llama3_8b_fp8", "cluster.gpu=a100"])
+    assert any("fp8" in p and "a100" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "micro", "accum", "dp", "expected"),
+    [
+        (-1, 4, 2, 2, (16, 4, 2)),
+        (64, 4, -1, 2, (64, 4, 8)),
+        (64, -1, 2, 4, (64, 8, 2)),
+        (16, 2, 4, 2, (16, 2, 4)),
+    ],
+)
+def test_batch_math_derives_the_missing_term(global_batch, micro, accum, dp, expected):
+    t = dataclasses.replace(schema.TrainConfig(), global_batch=global_batch, micro_batch=micro, grad_accum=accum)
+    resolved, problems = resolve_batch(t, dp)
+    assert problems == []
+    assert (resolved.global_batch, resolved.micro_batch, resolved.grad_accum) == expected
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "micro", "accum", "dp", "fragment"),
+    [(10, 4, -1, 2, "multiple of 8"), (16, 2, 2, 2, "= 8"), (-1, -1, 2, 2, "set all but one"), (0, 1, 1, 1, "positive")],
+)
+def test_batch_math_errors(global_batch, micro, accum, dp, fragment):
+    t = dataclasses.replace(schema.TrainConfig(), global_batch=global_batch, micro_batch=micro, grad_accum=accum)
+    _, problems = resolve_batch(t, dp)
+    assert problems and fragment in problems[0]
+
+
+def test_topology_infers_one_degree():
+    s = dataclasses.replace(schema.ShardingConfig(), strategy="fsdp", dp_shard=-1, tp=8, pp=4)
+    dims, problems = infer_dims(s, 128)
+    assert problems == []
+    assert (dims.dp_shard, dims.tp, dims.pp, dims.dp) == (4, 8, 4, 4)
+
+
+def test_topology_rejects_mismatch():
+    s = dataclasses.replace(schema.ShardingConfig(), strategy="ddp", dp_replicate=2, tp=2)
+    dims, problems = infer_dims(s, 8)
+    assert dims is None and "multiply to 4" in problems[0]
+
+
+def test_topology_rejects_indivisible_world():
+    s = dataclasses.replace(schema.ShardingConfig(), strategy="fsdp", dp_shard=-1, tp=4)
+    _, problems = infer_dims(s, 6)
+    assert "not divisible" in problems[0]
+
+
+def test_config_yaml_round_trips():
+    cfg = resolve(compose(["recipe=llama70b_3d", "logging.wandb.tags=[x]"]))
+    assert schema.from_dict(__import__("omegaconf").OmegaConf.create(schema.to_yaml(cfg))) == cfg
