@@ -1,0 +1,134 @@
+"""The run plan: topology, batch math, FLOPs, memory, warnings and the launch command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.plan.plan import ASSUMED_MFU, PlanError, build, with_run_dir
+
+LLAMA2_7B = ModelConfig(
+    name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096
+)
+P_7B = 6_738_415_616  # published; see test_memory for the arithmetic
+
+
+def llama7b_zero3_h100(**train) -> RunConfig:
+    """Llama 2 7B, FSDP (zero3) over 8 H100s of one node, bf16, 64 x 4096-token sequences per step."""
+    return RunConfig(
+        recipe="llama7b_fsdp",
+        model=LLAMA2_7B,
+        precision=PrecisionConfig(name="bf16", compute_dtype="bf16"),
+        sharding=ShardingConfig(name="fsdp", strategy="zero3", dp_shard=8),
+        cluster=ClusterConfig(name="h100", launcher="local", nodes=1, procs_per_node=8, device="cuda", gpu="h100"),
+        train=TrainConfig(**{"steps": 1000, "seq_len": 4096, "global_batch": 64, "micro_batch": 2, "grad_accum": 4, **train}),
+    )
+
+
+def replace(cfg: RunConfig, **groups) -> RunConfig:
+    """Replace fields inside groups: replace(cfg, sharding={"strategy": "ddp"})."""
+    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
+
+
+def test_topology_and_batch_math():
+    plan = build(llama7b_zero3_h100())
+    assert plan.world_size == 8
+    assert (plan.dims.dp_shard, plan.dims.dp, plan.dims.tp) == (8, 8, 1)
+    assert plan.batch.tokens_per_step == 64 * 4096
+    assert plan.batch.tokens_total == 64 * 4096 * 1000
+    assert (plan.batch.micro_batch, plan.batch.grad_accum, plan.batch.dp) == (2, 4, 8)
+
+
+def test_params_and_flops_of_llama2_7b():
+    plan = build(llama7b_zero3_h100())
+    assert plan.params_total == P_7B
+    assert plan.params_per_mp_rank == P_7B
+    # 6 x matmul params + 12 x layers x dim x seq: matmul params leave out norms and the embedding lookup,
+    # 32 x (4 x 4096^2 + 3 x 4096 x 11008) + 32000 x 4096 = 6,607,077,376.
+    expected = 6 * 6_607_077_376 + 12 * 32 * 4096 * 4096
+    assert plan.flops_per_token == pytest.approx(expected)
+    assert plan.flops_per_step == pytest.approx(expected * 64 * 4096)
+
+
+def test_rough_step_time_at_the_assumed_mfu_on_h100():
+    plan = build(llama7b_zero3_h100())
+    assert plan.peak_flops_per_device == pytest.approx(989.4e12)
+    assert plan.rough_step_time_s == pytest.approx(plan.flops_per_step / (8 * 989.4e12 * ASSUMED_MFU))
+
+
+def test_memory_of_zero3_on_8_ranks_fits_without_warning():
+    plan = build(llama7b_zero3_h100())
+    assert plan.memory.weights + plan.memory.grads + plan.memory.optimizer == 16 * P_7B // 8
+    assert plan.warnings == ()
+
+
+def test_tensor_parallel_splits_params_per_rank():
+    plan = build(replace(llama7b_zero3_h100(global_batch=32, grad_accum=4), sharding={"dp_shard": 4, "tp": 2}))
+    assert plan.params_per_mp_rank == P_7B // 2
+    assert plan.dims.dp == 4
+
+
+def test_ddp_7b_on_h100_warns_it_wont_fit():
+    cfg = replace(llama7b_zero3_h100(), sharding={"name": "ddp", "strategy": "ddp", "dp_shard": 1, "dp_replicate": 8})
+    (warning,) = build(cfg).warnings
+    assert "exceeds" in warning and "h100" in warning
+
+
+def test_batch_mismatch_is_warned():
+    (warning,) = build(llama7b_zero3_h100(global_batch=60)).warnings
+    assert "train.global_batch=60" in warning and "64" in warning
+
+
+def test_unknown_gpu_is_warned_and_gives_no_throughput():
+    plan = build(replace(llama7b_zero3_h100(), cluster={"gpu": ""}))
+    assert plan.peak_flops_per_device is None and plan.rough_step_time_s is None
+    assert any("cluster.gpu" in w for w in plan.warnings)
+
+
+def test_cpu_run_has_no_peak_and_no_memory_check():
+    cfg = replace(llama7b_zero3_h100(), cluster={"device": "cpu", "gpu": ""})
+    plan = build(cfg)
+    assert plan.peak_flops_per_device is None
+    assert plan.warnings == ()
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [{"sharding": {"dp_shard": -1}}, {"train": {"grad_accum": -1}}, {"sharding": {"dp_shard": 4}}],
+    ids=["unresolved-degree", "unresolved-batch", "degrees-not-world"],
+)
+def test_unresolved_or_inconsistent_config_raises_plan_error(groups):
+    with pytest.raises(PlanError):
+        build(replace(llama7b_zero3_h100(), **groups))
+
+
+def test_launch_command_is_local_torchrun_on_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    plan = build(llama7b_zero3_h100(), run_dir=run_dir)
+    argv = list(plan.launch_argv)
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    for arg in ("--standalone", "--nnodes=1", "--nproc_per_node=8", "--max_restarts=0"):
+        assert arg in argv
+    assert argv[-3:] == ["-m", "trainctl.train", str(run_dir)]
+    assert plan.launch_command.endswith(f"-m trainctl.train {run_dir}")
+
+
+def test_with_run_dir_repoints_the_command():
+    cfg = llama7b_zero3_h100()
+    plan = with_run_dir(build(cfg), cfg.cluster, Path("/runs/x"))
+    assert plan.launch_argv[-1] == "/runs/x"
+    assert "/runs/x" in plan.launch_command
+
+
+def test_to_dict_is_json_serializable_and_complete():
+    plan = build(llama7b_zero3_h100())
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["params_total"] == P_7B
+    assert data["dims"]["dp"] == 8
+    assert data["batch"]["tokens_per_step"] == 64 * 4096
+    assert data["memory"]["total_bytes"] == plan.memory.total
+    assert data["launch_argv"] == list(plan.launch_argv)

@@ -1,0 +1,86 @@
+"""The torchrun command line that starts the workers, locally or inside an sbatch script.
+
+Both launchers run the same `torch.distributed.run ... -m trainctl.train RUN_DIR`.
+We start torchrun as `<python> -m torch.distributed.run` with the interpreter that
+planned the run, so the workers use the same environment on every node without
+depending on PATH; torch is imported only in that child process, never here.
+
+Output: every rank's stdout/stderr is captured under RUN_DIR/logs/torchrun/
+(`--redirects=3`), and only local rank 0 is also shown on the console
+(`--tee=3 --local-ranks-filter=0`); the workers write RUN_DIR/logs/rank{R}.log themselves.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from trainctl.config.schema import ClusterConfig
+
+WORKER_MODULE = "trainctl.train"
+TORCHRUN_LOG_SUBDIR = "logs/torchrun"
+
+
+def torchrun_prefix(python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "torch.distributed.run"]
+
+
+def output_args(run_dir: Path) -> list[str]:
+    """Capture all ranks to files, show local rank 0 on the console."""
+    return [f"--log-dir={run_dir / TORCHRUN_LOG_SUBDIR}", "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
+
+
+def worker_args(run_dir: Path) -> list[str]:
+    return ["-m", WORKER_MODULE, str(run_dir)]
+
+
+def local_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None) -> list[str]:
+    """torchrun on this machine: one node, a standalone rendezvous on a free port."""
+    return [
+        *torchrun_prefix(python),
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc_per_node={cluster.procs_per_node}",
+        f"--max_restarts={cluster.max_restarts}",
+        *output_args(run_dir),
+        *worker_args(run_dir),
+    ]
+
+
+def slurm_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None) -> list[str]:
+    """srun starting one torchrun per node (the sbatch script sets MASTER_ADDR); `${...}` is expanded by the shell."""
+    return [
+        "srun",
+        "--kill-on-bad-exit=1",
+        # Recent Slurm no longer passes the job's CPUs on to srun; without this torchrun and all its workers share one core.
+        "--cpus-per-task=${SLURM_CPUS_ON_NODE}",
+        *torchrun_prefix(python),
+        "--nnodes=${SLURM_NNODES}",
+        f"--nproc_per_node={cluster.procs_per_node}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=${{MASTER_ADDR}}:{cluster.rdzv_port}",
+        "--rdzv_id=${SLURM_JOB_ID}",
+        f"--max_restarts={cluster.max_restarts}",
+        *output_args(run_dir),
+        *worker_args(run_dir),
+    ]
+
+
+def launch_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None) -> list[str]:
+    """The command for the configured launcher."""
+    if cluster.launcher == "slurm":
+        return slurm_argv(cluster, run_dir, python)
+    assert cluster.launcher == "local", f"unknown launcher {cluster.launcher!r}: validate should have rejected it"
+    return local_argv(cluster, run_dir, python)
+
+
+def _quote_keeping_vars(arg: str) -> str:
+    # Double quotes keep ${VAR} live for the shell while protecting spaces; escape what double quotes don't.
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`")
+    return f'"{escaped}"'
+
+
+def shell_join(argv: list[str]) -> str:
+    """One shell line; arguments containing `${` keep their variables expandable, all others are quoted literally."""
+    return " ".join(_quote_keeping_vars(a) if "${" in a else shlex.quote(a) for a in argv)
