@@ -14,7 +14,7 @@ def format_value(key: str, value) -> str:
         return str(value)
     if isinstance(value, (int, float)):
         if key.endswith("bytes"):
-            return f"{value / GIB:,.2f} GiB"
+            return f"{value / GIB:,.2f} GiB" if value >= GIB else f"{value / 2**20:,.1f} MiB"
         if "flops" in key:
             return f"{value:.3e}"
         if isinstance(value, int):
@@ -36,8 +36,15 @@ def _section(title: str, data: dict) -> Table:
     return table
 
 
+# Shown on their own after the tables (too long for a table cell), or not at all.
+_OWN_LINE = ("launch_command",)
+_HIDDEN = ("launch_argv",)
+
+
 def render_plan(console: Console, plan: dict) -> None:
-    """Scalars first as the 'run' table, then one table per nested section, then warnings."""
+    """Scalars first as the 'run' table, then one table per nested section, then the launch command and warnings."""
+    plan = {k: v for k, v in plan.items() if k not in _HIDDEN}
+    own_line = {k: plan.pop(k) for k in _OWN_LINE if k in plan}
     scalars = {k: v for k, v in plan.items() if not isinstance(v, (dict, list))}
     sections = {k: v for k, v in plan.items() if isinstance(v, dict)}
     lists = {k: v for k, v in plan.items() if isinstance(v, list)}
@@ -46,6 +53,10 @@ def render_plan(console: Console, plan: dict) -> None:
     for title, data in sections.items():
         console.print()
         console.print(_section(title, data))
+    for title, value in own_line.items():
+        console.print()
+        console.print(f"[bold]{title}[/]")
+        console.print(value, soft_wrap=True, highlight=False, markup=False)
     for title, items in lists.items():
         if title == "warnings":
             for warning in items:
