@@ -13,14 +13,39 @@ split can delete layers and keep the remaining names (and checkpoints) stable.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainctl.config.schema import ModelConfig
 
 INIT_STD = 0.02
+
+
+def _fill(param: torch.Tensor, init_fn: Callable[[torch.Tensor], object]) -> None:
+    """Initialize `param` in place with values that do not depend on how it is sharded.
+
+    A sharded (DTensor) parameter gets its local slice of a full-size tensor drawn from
+    the (identically seeded) RNG on every rank, so FSDP/TP runs start from exactly the
+    weights a single process would draw; drawing per shard would repeat one shard's
+    values on every rank on CPU, and differ from the unsharded init on CUDA.
+    """
+    if not isinstance(param, DTensor):
+        init_fn(param)
+        return
+    full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+    init_fn(full)
+    # src_data_rank=None: every rank holds the same full tensor, so slice locally, no communication.
+    local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    param.to_local().copy_(local)
+
+
+def _normal(param: torch.Tensor, std: float) -> None:
+    _fill(param, partial(nn.init.trunc_normal_, std=std, a=-3 * std, b=3 * std))
 
 
 def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -47,7 +72,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        _fill(self.weight, nn.init.ones_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 for stability under bf16 autocast, then cast back.
@@ -69,8 +94,8 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
-        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+            _normal(linear.weight, INIT_STD)
+        _normal(self.wo.weight, out_std)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -95,8 +120,8 @@ class FeedForward(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.w1, self.w3):
-            nn.init.trunc_normal_(linear.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+            _normal(linear.weight, INIT_STD)
+        _normal(self.w2.weight, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -142,15 +167,16 @@ class Llama(nn.Module):
     def init_weights(self) -> None:
         """Deterministic init given the torch seed; call after `to_empty`."""
         self.freqs.copy_(self._rope_table(device=self.freqs.device))
-        nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD if self.cfg.tie_embeddings else 1.0)
+        # Untied: unit-variance embeddings (the first RMSNorm rescales them anyway).
+        _fill(self.tok_embeddings.weight, partial(nn.init.normal_, std=INIT_STD if self.cfg.tie_embeddings else 1.0))
         # Residual-branch outputs shrink with depth so the residual stream's variance stays O(1).
         out_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
-        for block in self.layers.values():
+        # By type, not through self.layers: blocks may be wrapped (checkpointing, compile).
+        for block in (m for m in self.modules() if isinstance(m, TransformerBlock)):
             block.init_weights(out_std)
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
-            bound = 3 / math.sqrt(self.cfg.dim)
-            nn.init.trunc_normal_(self.output.weight, std=1 / math.sqrt(self.cfg.dim), a=-bound, b=bound)
+            _normal(self.output.weight, 1 / math.sqrt(self.cfg.dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for tokens [batch, seq]; position t sees only tokens <= t."""

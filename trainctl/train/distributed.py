@@ -1,0 +1,118 @@
+"""Process group, device, seeding, CPU threads and the DeviceMesh of one worker.
+
+Under torchrun the usual env vars (RANK, LOCAL_RANK, WORLD_SIZE, ...) describe the
+world. Run directly (`python -m trainctl.train RUN_DIR`, RANK unset) the worker is a
+world of one with an in-process store, so every code path below (mesh, collectives,
+DDP/FSDP) is the same whether one rank or many.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainctl.config.schema import ClusterConfig
+from trainctl.plan.topology import ParallelDims
+from trainctl.train.errors import WorkerConfigError
+
+# Mesh dimensions, outermost first: pipeline stages talk least, tensor parallel most.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def pick_device(cluster: ClusterConfig, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK or cpu, as `cluster.device` asks; fails clearly if CUDA is missing."""
+    if cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            raise WorkerConfigError("cluster.device=cuda: no CUDA device is visible to this worker; use cluster.device=cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cluster: ClusterConfig) -> World:
+    """Join the process group (nccl on CUDA, gloo on CPU) and pick this rank's device."""
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    device = pick_device(cluster, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return World(rank, local_rank, world_size, local_world, device)
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_cpu_threads(cluster: ClusterConfig, local_world_size: int) -> int:
+    """torch intra-op threads: `cluster.cpu_threads`, or this node's cores shared among its ranks."""
+    threads = cluster.cpu_threads or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def enable_tf32(device: torch.device) -> None:
+    """fp32 matmuls on tensor cores (TF32): the peak FLOPs table assumes it."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical init; data order comes from the data module's own seed."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
+    """A DeviceMesh over every rank with all five named dims (size-1 dims included)."""
+    if dims.world_size != dist.get_world_size():
+        raise WorkerConfigError(
+            f"sharding degrees {dims.as_dict()} multiply to {dims.world_size} but this job has "
+            f"{dist.get_world_size()} ranks; relaunch from the run plan or fix cluster.nodes x cluster.procs_per_node"
+        )
+    shape = tuple(getattr(dims, name) for name in MESH_DIMS)
+    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
+    """(dp_rank, dp_size): this rank's place among the ranks that read different data."""
+    replicate, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    dp_rank = replicate.get_local_rank() * shard.size() + shard.get_local_rank()
+    return dp_rank, replicate.size() * shard.size()
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean over all ranks (ranks that share data contribute equal copies, so the mean is unchanged)."""
+    if dist.get_world_size() > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor /= dist.get_world_size()
+    return tensor

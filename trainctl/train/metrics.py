@@ -1,0 +1,154 @@
+"""Where the numbers go: rank-0 console (rich progress bar or plain lines), metrics.jsonl, W&B.
+
+Every rank logs to `RUN_DIR/logs/rank{R}.log` through python logging (set up by
+`__main__`); only rank 0 prints, writes metrics.jsonl and talks to W&B. wandb is
+imported only when `logging.wandb.mode` is not disabled: it is slow to import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainctl.config.schema import LoggingConfig
+from trainctl.plan.hardware import match_gpu, peak_flops
+
+log = logging.getLogger("trainctl.train")
+
+
+def print0(message: str, is_main: bool) -> None:
+    """The one rank-0 console print; every rank also records the line in its log file."""
+    log.info(message)
+    if is_main:
+        print(message, flush=True)
+
+
+def device_peak_flops(device: torch.device, compute_dtype: str) -> float | None:
+    """Dense peak FLOP/s of one device for MFU; None on CPU or an unknown GPU (MFU is then omitted)."""
+    if device.type != "cuda":
+        return None
+    gpu = match_gpu(torch.cuda.get_device_name(device))
+    return None if gpu is None else peak_flops(gpu, compute_dtype)
+
+
+def _format(values: dict) -> str:
+    parts = []
+    for key, value in values.items():
+        parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+    return " ".join(parts)
+
+
+class _Progress:
+    """A rich progress bar with ETA, shown only on a TTY."""
+
+    def __init__(self, total_steps: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self._bar = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
+        )
+        self._task = self._bar.add_task("", total=total_steps)
+        self._bar.start()
+
+    def update(self, step: int, description: str) -> None:
+        self._bar.update(self._task, completed=step, description=description)
+
+    def print(self, message: str) -> None:
+        self._bar.console.print(message, markup=False, highlight=False)
+
+    def close(self) -> None:
+        self._bar.stop()
+
+
+class MetricsLogger:
+    """Sends train/eval/final records to the console, metrics.jsonl and W&B (rank 0)."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, is_main: bool, config: dict):
+        self.is_main = is_main
+        self._jsonl = None
+        self._wandb = None
+        self._progress = None
+        if not is_main:
+            return
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tail -f works
+        if cfg.progress and sys.stdout.isatty():
+            self._progress = _Progress(total_steps)
+        if cfg.wandb.mode != "disabled":
+            self._wandb = _start_wandb(run_dir, cfg, config)
+
+    def train(self, step: int, values: dict) -> None:
+        self._emit({"kind": "train", "step": step, **values}, step)
+
+    def eval(self, step: int, val_loss: float) -> None:
+        self._emit({"kind": "eval", "step": step, "val_loss": val_loss}, step)
+
+    def final(self, summary: dict) -> None:
+        self._emit({"kind": "final", **summary}, summary["steps"])
+
+    def _emit(self, record: dict, step: int) -> None:
+        line = _format(record)
+        log.info(line)
+        if not self.is_main:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        if self._progress is None:
+            print(line, flush=True)
+            return
+        if record["kind"] == "train":
+            self._progress.update(step, f"loss {record['loss']:.4f}")
+        else:
+            self._progress.print(line)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(run_dir: Path, cfg: LoggingConfig, config: dict):
+    import wandb  # lazy: only runs that log to W&B pay for the import
+
+    return wandb.init(
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity or None,
+        name=run_dir.name,
+        mode=cfg.wandb.mode,
+        dir=str(run_dir),  # offline runs land under RUN_DIR/wandb/
+        config=config,
+    )
+
+
+class StepTimer:
+    """Wall time per logging interval; syncs the device only when asked (at logging steps)."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._start = time.perf_counter()
+        self._steps = 0
+
+    def tick(self) -> None:
+        self._steps += 1
+
+    def lap(self) -> tuple[float, int]:
+        """(seconds, steps) since the last lap."""
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        now = time.perf_counter()
+        elapsed, steps = now - self._start, self._steps
+        self._start, self._steps = now, 0
+        return elapsed, steps
+
+    def restart(self) -> None:
+        """Drop the time since the last lap (e.g. spent in evaluation) from the next interval."""
+        self._start, self._steps = time.perf_counter(), 0

@@ -1,0 +1,132 @@
+"""Turn the meta-device model into the trained one: one `parallelize` with a fixed order.
+
+The order matters and is the same as torchtitan's:
+  pipeline split (first: later steps see only this stage's layers)
+  -> tensor parallel (swaps Linear weights for DTensors on the tp mesh)
+  -> float8 (swaps Linears for float8 ones; must see the TP layout)
+  -> activation checkpointing (wraps blocks; must wrap what FSDP will shard)
+  -> compile (per block, around the checkpointed block)
+  -> FSDP2 fully_shard (per block, then the root)
+  -> materialize: to_empty + init_weights (every shard inits its own slice)
+  -> DDP (last: it needs real weights and broadcasts rank 0's).
+This issue implements AC, compile, FSDP2 (zero2/zero3/fsdp/hsdp) and DDP; the rest is
+refused up front by `check_supported` with a one-line message naming the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.train.errors import WorkerConfigError
+from trainctl.train.precision import fsdp_mp_policy, uses_fsdp
+
+
+def check_supported(sharding: ShardingConfig, precision: PrecisionConfig) -> None:
+    """Refuse, before any work, what this worker does not implement yet."""
+    later = [
+        (sharding.tp > 1, f"sharding.tp={sharding.tp}: tensor parallelism is not implemented in this worker yet (issue 3)"),
+        (sharding.pp > 1, f"sharding.pp={sharding.pp}: pipeline parallelism is not implemented in this worker yet (issue 3)"),
+        (sharding.cp > 1, f"sharding.cp={sharding.cp}: context parallelism is not implemented in this worker yet (issue 3)"),
+        (sharding.strategy == "zero1", "sharding.strategy=zero1: optimizer-state sharding is not implemented in this worker yet; use ddp or zero2"),
+        (sharding.cpu_offload, "sharding.cpu_offload=true: CPU offload is not implemented in this worker yet; set it to false"),
+        (precision.fp8, "precision.fp8=true: float8 training is not implemented in this worker yet; use precision=bf16"),
+        (precision.compute_dtype == "fp16", "precision.compute_dtype=fp16: fp16 with loss scaling is not implemented in this worker yet; use bf16"),
+    ]
+    for unsupported, message in later:
+        if unsupported:
+            raise WorkerConfigError(message)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleDict:
+    return model.layers
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+    """Recompute block activations in backward: all blocks (full) or every `every`-th (selective)."""
+    if mode == "none":
+        return
+    blocks = transformer_blocks(model)
+    for index, (name, block) in enumerate(list(blocks.items())):
+        if mode == "full" or (index + 1) % every == 0:
+            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block: same code per block, so one compiled graph is reused by all."""
+    blocks = transformer_blocks(model)
+    for name, block in list(blocks.items()):
+        blocks[name] = torch.compile(block)
+
+
+def dp_mesh_for(strategy: str, mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh: replicate dim (ddp), shard dim (fsdp), or both (hsdp)."""
+    if strategy == "ddp":
+        return mesh["dp_replicate"]
+    if strategy == "hsdp":
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy) -> None:
+    """fully_shard each block (its own all-gather unit), then the root (embeddings, norm, output)."""
+    for block in transformer_blocks(model).values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    # The root's parameters are needed again right away by backward: never reshard them after forward.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate real (possibly sharded) storage on `device` and run the model's deterministic init."""
+    model.to_empty(device=device)
+    model.init_weights()
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=dp_mesh.get_group())
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    sharding: ShardingConfig,
+    train: TrainConfig,
+    precision: PrecisionConfig,
+    device: torch.device,
+) -> nn.Module:
+    """Apply the parallelisms in the fixed order above to a meta-device model; returns it materialized."""
+    check_supported(sharding, precision)
+    # pipeline split, tensor parallel, float8: refused by check_supported until implemented.
+    apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
+    if train.compile:
+        apply_compile(model)
+    if uses_fsdp(sharding.strategy):
+        # zero2 keeps gathered block weights from forward to backward (more memory, one fewer all-gather).
+        reshard = sharding.strategy != "zero2"
+        apply_fsdp(model, dp_mesh_for(sharding.strategy, mesh), reshard, fsdp_mp_policy(precision))
+    materialize(model, device)
+    if sharding.strategy == "ddp":
+        model = apply_ddp(model, dp_mesh_for("ddp", mesh), device)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The Llama module under a DDP wrapper (FSDP2 modifies the module in place)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Context for one backward: reduce gradients across dp ranks only when `enabled` (last micro-batch)."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
