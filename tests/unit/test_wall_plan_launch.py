@@ -1,0 +1,25 @@
+"""The wall: planning and writing a run never imports torch or wandb."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CHECK = """
+import sys
+from pathlib import Path
+import trainctl.plan.plan, trainctl.plan.memory
+import trainctl.launch.command, trainctl.launch.rundir, trainctl.launch.local, trainctl.launch.slurm
+from trainctl.config.schema import RunConfig, TrainConfig
+cfg = RunConfig(train=TrainConfig(global_batch=1, micro_batch=1, grad_accum=1))
+plan = trainctl.plan.plan.build(cfg)
+trainctl.launch.rundir.create(cfg, plan, Path(sys.argv[1]), "wall", [])
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "wandb"))
+print(",".join(heavy))
+"""
+
+
+def test_plan_and_launch_leave_torch_and_wandb_unimported(tmp_path):
+    # A fresh interpreter: in this one, other tests may already have imported torch.
+    done = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == ""
