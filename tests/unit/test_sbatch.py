@@ -65,7 +65,8 @@ def test_script_expands_to_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
     """Run the script with fake srun/scontrol that record what they receive, as on a compute node."""
     bin_dir, run_dir = tmp_path / "bin", tmp_path / "run dir"  # a space, to check quoting
     bin_dir.mkdir()
-    write_exe(bin_dir / "scontrol", "echo node017\necho node018\n")
+    # More names than a pipe buffer holds: a `scontrol | head -n 1` under pipefail would die of SIGPIPE every time.
+    write_exe(bin_dir / "scontrol", "echo node017\nfor i in $(seq 20000); do echo node-spare-$i; done\n")
     write_exe(bin_dir / "srun", f'printf "%s\\n" "$@" > {tmp_path}/srun_args\necho "$OMP_NUM_THREADS" > {tmp_path}/omp\n')
     script = tmp_path / "launch.sh"
     script.write_text(slurm.render_sbatch(slurm_config(rdzv_port=29511, max_restarts=2), run_dir, workdir=tmp_path))
