@@ -1,0 +1,70 @@
+"""Helpers for the torchrun tests: write a run directory by hand, run the worker, read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from trainctl.config.schema import DataConfig, LoggingConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, to_yaml
+
+WORKER_TIMEOUT_S = 240
+
+# Tiny enough that a step is milliseconds on one core; fp32 so every run is bitwise-reproducible.
+TINY = ModelConfig(name="test", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
+
+
+def base_config(cache_dir: Path, **train) -> RunConfig:
+    """A fp32 run on the stdlib byte corpus: global batch 8 of 64 tokens, logged every step."""
+    train_cfg = TrainConfig(steps=30, seq_len=64, global_batch=8, micro_batch=8, grad_accum=1, seed=1,
+                            eval_every=0, eval_batches=2)
+    return RunConfig(
+        name="dist-test",
+        model=TINY,
+        optim=OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0),
+        schedule=ScheduleConfig(name="cosine", warmup_steps=2, min_lr_ratio=0.1),
+        data=DataConfig(kind="stdlib", cache_dir=str(cache_dir)),
+        train=replace(train_cfg, **train),
+        logging=LoggingConfig(log_every=1, progress=False),
+    )
+
+
+def write_run_dir(root: Path, cfg: RunConfig) -> Path:
+    """What the launcher would write, minus plan.json and the launch script (the worker reads neither)."""
+    run_dir = root / cfg.name
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def run_worker(run_dir: Path, nproc: int | None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N -m trainctl.train RUN_DIR`, or a plain process when nproc is None."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    if nproc is None:
+        cmd = [sys.executable, "-m", "trainctl.train", str(run_dir)]
+    else:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", "-m", "trainctl.train", str(run_dir)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+
+
+def train_and_check(root: Path, cfg: RunConfig, nproc: int | None) -> Path:
+    run_dir = write_run_dir(root, cfg)
+    proc = run_worker(run_dir, nproc)
+    logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-4000:]}"
+    return run_dir
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def series(run_dir: Path, key: str) -> list[float]:
+    return [r[key] for r in records(run_dir, "train")]
