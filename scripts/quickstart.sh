@@ -5,6 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_setup.sh
 
+name="quickstart-$(date +%Y%m%d-%H%M%S)"
 trainctl recipes
 trainctl plan recipe=tiny_cpu "$@"
-trainctl launch recipe=tiny_cpu --name "quickstart-$(date +%Y%m%d-%H%M%S)" "$@"
+trainctl launch recipe=tiny_cpu --name "$name" "$@"
+
+# The demo's promise: validation loss at the end is at most half of the step-0 one.
+python - "runs/$name/result.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ratio = r["final_val_loss"] / r["initial_val_loss"]
+print(f"val loss {r['initial_val_loss']:.3f} -> {r['final_val_loss']:.3f} (x{ratio:.2f}) in {r['steps']} steps, {r['wall_time_s']:.0f} s")
+sys.exit(0 if ratio <= 0.5 else 1)
+PY

@@ -137,6 +137,7 @@ def _report(problems: list[str]) -> None:
 def main() -> None:
     """Console-script entry: user errors print one line each and exit 2, never a traceback."""
     from trainctl.launch.errors import LaunchError
+    from trainctl.plan.plan import PlanError
 
     try:
         app()
@@ -146,7 +147,7 @@ def main() -> None:
     except UserError as exc:
         _report(exc.problems)
         sys.exit(2)
-    except LaunchError as exc:
+    except (LaunchError, PlanError) as exc:
         _report([str(exc)])
         sys.exit(2)
 

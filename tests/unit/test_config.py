@@ -221,3 +221,14 @@ def test_topology_rejects_indivisible_world():
 def test_config_yaml_round_trips():
     cfg = resolve(compose(["recipe=llama70b_3d", "logging.wandb.tags=[x]"]))
     assert schema.from_dict(__import__("omegaconf").OmegaConf.create(schema.to_yaml(cfg))) == cfg
+
+
+def test_run_name_must_be_one_folder():
+    problems = _problems(["name=my run"])
+    assert any(p.startswith("name='my run'") for p in problems)
+    assert _problems(["name=a/b"])
+
+
+def test_cpu_offload_needs_fsdp():
+    problems = _problems(["recipe=tiny_cpu", "sharding.cpu_offload=true"])
+    assert any(p.startswith("sharding.cpu_offload") and "zero3" in p for p in problems)

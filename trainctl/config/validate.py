@@ -9,6 +9,7 @@ in (parallel degrees, batch math), which is what the worker receives.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from trainctl.config import schema as s
 from trainctl.config.errors import ConfigError
@@ -19,7 +20,7 @@ from trainctl.plan.topology import ParallelDims, infer_dims
 def resolve(cfg: s.RunConfig) -> s.RunConfig:
     """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train) + check_data(cfg.data, cfg.model)
-    problems += check_cluster(cfg.cluster, cfg.precision)
+    problems += check_cluster(cfg.cluster, cfg.precision) + check_names(cfg) + check_offload(cfg.sharding)
     dims, topo_problems = infer_dims(cfg.sharding, world_size(cfg.cluster))
     problems += topo_problems
     if dims is not None:
@@ -163,6 +164,22 @@ def check_cluster(c: s.ClusterConfig, p: s.PrecisionConfig) -> list[str]:
     if p.fp8 and p.compute_dtype != "bf16":
         problems.append(f"precision.compute_dtype={p.compute_dtype}: fp8 training runs on top of bf16; set precision.compute_dtype=bf16")
     return problems
+
+
+def check_names(cfg: s.RunConfig) -> list[str]:
+    """Run names become folder names and sbatch paths: no separators, no whitespace."""
+    problems = []
+    if cfg.name and (re.search(r"[\s/]", cfg.name) or cfg.name in (".", "..")):
+        problems.append(f"name={cfg.name!r}: a run name is one folder name without spaces or '/'; e.g. name=llama7b-lr1e-4")
+    if re.search(r"\s", cfg.runs_dir):
+        problems.append(f"runs_dir={cfg.runs_dir!r}: paths with spaces break sbatch's --output; pick a path without whitespace")
+    return problems
+
+
+def check_offload(sh: s.ShardingConfig) -> list[str]:
+    if sh.cpu_offload and sh.strategy not in ("zero2", "zero3", "fsdp", "hsdp"):
+        return [f"sharding.cpu_offload=true: offload is an FSDP2 policy; use sharding=zero3 (or zero2/hsdp), not {sh.strategy}"]
+    return []
 
 
 def check_model_parallel(dims: ParallelDims, m: s.ModelConfig) -> list[str]:
