@@ -1,0 +1,81 @@
+"""`trainctl launch` end to end, as a user types it: CLI -> run dir -> torchrun -> 2 gloo workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+# tiny_cpu, shrunk so the whole launch takes seconds on 2 cores.
+SMALL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=176",
+    "train.seq_len=64",
+    "train.steps=30",
+    "train.eval_every=15",
+    "train.eval_batches=4",
+    "schedule.warmup_steps=3",
+    "logging.log_every=5",
+]
+
+
+def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    trainctl = Path(sys.executable).parent / "trainctl"
+    return subprocess.run([str(trainctl), "launch", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("cli")
+    cache = tmp_path / "cache"
+    proc = launch(tmp_path, "recipe=tiny_cpu", "sharding=fsdp", f"data.cache_dir={cache}", *SMALL, "--name", "fsdp")
+    return tmp_path / "runs" / "fsdp", proc
+
+
+def test_launch_trains_and_exits_zero(fsdp_run):
+    run_dir, proc = fsdp_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["steps"] == 30
+    assert result["final_val_loss"] < 0.8 * result["initial_val_loss"]
+
+
+def test_rank0_output_streams_to_the_terminal(fsdp_run):
+    _, proc = fsdp_run
+    assert "val_loss" in proc.stdout
+    assert "run directory:" in proc.stdout
+
+
+def test_run_directory_is_complete(fsdp_run):
+    run_dir, _ = fsdp_run
+    for name in ("config.yaml", "plan.json", "launch.sh", "code.json", "overrides.txt", "metrics.jsonl", "result.json", "launch.json"):
+        assert (run_dir / name).is_file(), name
+    for rank in (0, 1):
+        assert "train" in (run_dir / "logs" / f"rank{rank}.log").read_text()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["dims"]["dp_shard"] == 2
+    assert str(run_dir) in (run_dir / "launch.sh").read_text()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [line for line in lines if line.get("kind") == "train"]
+    assert [line["step"] for line in train] == [5, 10, 15, 20, 25, 30]
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert json.loads((run_dir / "launch.json").read_text())["exit_code"] == 0
+
+
+def test_worker_crash_names_rank_and_log(tmp_path):
+    missing = tmp_path / "nope.bin"
+    proc = launch(tmp_path, "recipe=tiny_cpu", "data=memmap", f"data.train_path={missing}", f"data.val_path={missing}", *SMALL, "--name", "crash")
+    assert proc.returncode != 0
+    run_dir = tmp_path / "runs" / "crash"
+    assert "failed" in proc.stderr and str(run_dir / "logs") in proc.stderr, proc.stderr[-3000:]
+    assert "data.train_path" in (run_dir / "logs" / "rank0.log").read_text()
