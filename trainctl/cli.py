@@ -105,9 +105,13 @@ def launch(
     """Write a run directory and start the workers.  Example: trainctl launch recipe=tiny_cpu train.steps=50"""
     from trainctl.launch import rundir
     from trainctl.plan.plan import build
+    from trainctl.plan.support import unsupported
 
     cfg = _resolved(overrides)
     run_plan = build(cfg)
+    missing = unsupported(cfg.sharding, cfg.precision)
+    if missing and not dry_run:
+        raise UserError(missing)
     if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
         raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; run on a Slurm login node, use cluster=local, or pass --dry-run"])
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None, overrides=list(overrides or []))

@@ -70,7 +70,7 @@ def test_unsupported_option_fails_with_one_line_naming_the_key(root, data_cache)
     run_dir = write_run_dir(root, cfg)
     proc = run_worker(run_dir, 2)
     assert proc.returncode != 0
-    message = "sharding.tp=2: tensor parallelism is not implemented in this worker yet"
+    message = "sharding.tp=2: tensor parallelism is not implemented in the worker yet"
     assert message in proc.stderr
     log = (run_dir / "logs" / "rank0.log").read_text()
     error_lines = [line for line in log.splitlines() if " ERROR " in line]

@@ -154,3 +154,14 @@ def test_console_script_is_installed():
     assert script.exists(), "pip install -e . should install the trainctl console script"
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60, cwd=project_root())
     assert proc.returncode == 0 and "launch" in proc.stdout
+
+
+def test_launch_refuses_what_the_worker_cannot_run_yet(workdir):
+    proc = trainctl("launch", "recipe=llama70b_3d", cwd=workdir)
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert any(line.startswith("error: sharding.tp=8") for line in lines)
+    assert any(line.startswith("error: sharding.pp=4") for line in lines)
+    assert not (workdir / "runs").exists()
+    shown = trainctl("plan", "recipe=llama70b_3d", cwd=workdir)
+    assert shown.returncode == 0 and "tensor parallelism is not implemented" in shown.stdout

@@ -15,6 +15,7 @@ from trainctl.launch.command import launch_argv, shell_join
 from trainctl.plan import memory
 from trainctl.plan.flops import flops_per_token, param_count
 from trainctl.plan.hardware import GPUS, peak_flops
+from trainctl.plan.support import unsupported
 from trainctl.plan.topology import ParallelDims
 
 # The MFU the rough step time assumes: a typical well-tuned FSDP run on H100s; real runs vary widely.
@@ -160,7 +161,7 @@ def build(cfg: RunConfig, run_dir: Path | None = None) -> RunPlan:
     per_step = per_token * batch.tokens_per_step
     mem = memory.estimate(cfg.model, cfg.precision, cfg.sharding, dims)
     peak = device_peak(cfg)
-    warnings = [batch_warning(batch), gpu_warning(cfg.cluster)]
+    warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision)]
     if cfg.cluster.device == "cuda":
         warnings.append(memory.fit_warning(mem, cfg.cluster.gpu))
     argv = launch_argv(cfg.cluster, run_dir or default_run_dir(cfg))

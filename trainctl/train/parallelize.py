@@ -25,24 +25,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.plan.support import unsupported
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.precision import fsdp_mp_policy, uses_fsdp
 
 
 def check_supported(sharding: ShardingConfig, precision: PrecisionConfig) -> None:
-    """Refuse, before any work, what this worker does not implement yet."""
-    later = [
-        (sharding.tp > 1, f"sharding.tp={sharding.tp}: tensor parallelism is not implemented in this worker yet (issue 3)"),
-        (sharding.pp > 1, f"sharding.pp={sharding.pp}: pipeline parallelism is not implemented in this worker yet (issue 3)"),
-        (sharding.cp > 1, f"sharding.cp={sharding.cp}: context parallelism is not implemented in this worker yet (issue 3)"),
-        (sharding.strategy == "zero1", "sharding.strategy=zero1: optimizer-state sharding is not implemented in this worker yet; use ddp or zero2"),
-        (sharding.cpu_offload, "sharding.cpu_offload=true: CPU offload is not implemented in this worker yet; set it to false"),
-        (precision.fp8, "precision.fp8=true: float8 training is not implemented in this worker yet; use precision=bf16"),
-        (precision.compute_dtype == "fp16", "precision.compute_dtype=fp16: fp16 with loss scaling is not implemented in this worker yet; use bf16"),
-    ]
-    for unsupported, message in later:
-        if unsupported:
-            raise WorkerConfigError(message)
+    """Refuse, before any work, what this worker does not implement yet (the launcher refuses it too)."""
+    missing = unsupported(sharding, precision)
+    if missing:
+        raise WorkerConfigError("; ".join(missing))
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleDict:
