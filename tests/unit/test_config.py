@@ -232,3 +232,25 @@ def test_run_name_must_be_one_folder():
 def test_cpu_offload_needs_fsdp():
     problems = _problems(["recipe=tiny_cpu", "sharding.cpu_offload=true"])
     assert any(p.startswith("sharding.cpu_offload") and "zero3" in p for p in problems)
+
+
+# Published parameter counts (model cards / papers); the plan's count must match each one.
+PUBLISHED_PARAMS = {
+    "llama2_7b": 6_738_415_616,
+    "llama2_13b": 13_015_864_320,
+    "llama2_70b": 68_976_648_192,
+    "llama3_8b": 8_030_261_248,
+    "llama3_70b": 70_553_706_496,
+    "llama3_1b": 1_235_814_400,  # Llama 3.2 1B, tied embeddings
+}
+
+
+@pytest.mark.parametrize(("model", "published"), PUBLISHED_PARAMS.items())
+def test_plan_param_count_matches_published(model, published):
+    from trainctl.plan.flops import param_count
+
+    assert param_count(compose([f"model={model}"]).model) == published
+
+
+def test_every_model_but_tiny_has_a_published_count():
+    assert set(list_options("model")) - {"tiny"} == set(PUBLISHED_PARAMS)
