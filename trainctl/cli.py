@@ -129,7 +129,7 @@ def launch(
         return
     from trainctl.launch import local
 
-    code = local.run(run_dir)
+    code = local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0)
     raise typer.Exit(code)
 
 

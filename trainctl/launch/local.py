@@ -33,6 +33,7 @@ from trainctl.config.schema import ClusterConfig
 from trainctl.launch.command import local_argv, shell_join
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.failure import Failure, find_failure
+from trainctl.launch.progress import ProgressSink
 
 TAIL_BYTES = 64 * 1024  # enough for torchrun's error summary with a few failures listed
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -118,12 +119,15 @@ def write_launch_record(run_dir: Path, started: str, exit_code: int, failure: Fa
     (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def run(run_dir: Path, out: BinaryIO | None = None) -> int:
-    """Run RUN_DIR/launch.sh to completion; returns its exit code (0 on success)."""
+def run(run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0) -> int:
+    """Run RUN_DIR/launch.sh to completion; returns its exit code (0 on success).
+
+    With `total_steps` and a terminal on stdout, a progress bar with ETA stays under the output.
+    """
     script = run_dir / "launch.sh"
     if not script.is_file():
         raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
-    sink = out or sys.stdout.buffer
+    sink = out or (ProgressSink(run_dir, total_steps) if total_steps and sys.stdout.isatty() else sys.stdout.buffer)
     started = _now()
     # A new session puts the child in its own process group: we forward signals to it deliberately,
     # and a Ctrl-C at the terminal reaches only us first.
@@ -134,6 +138,8 @@ def run(run_dir: Path, out: BinaryIO | None = None) -> int:
         finally:
             proc.stdout.close()
             returncode = proc.wait()
+            if isinstance(sink, ProgressSink):
+                sink.close()
     exit_code = _exit_code(returncode)
     failure = find_failure(tail.decode(errors="replace"), run_dir) if exit_code else None
     if exit_code:

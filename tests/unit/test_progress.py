@@ -1,0 +1,32 @@
+"""The launcher's progress bar: lines pass through above it, its position follows metrics.jsonl."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from trainctl.launch.progress import ProgressSink
+
+
+def test_progress_follows_metrics_and_passes_lines(tmp_path):
+    screen = io.StringIO()
+    sink = ProgressSink(tmp_path, total_steps=40, console=Console(file=screen, force_terminal=True, width=100))
+    sink.write(b"[default0]:world 2 on cpu\n[default0]:kind=tr")  # a line split across chunks
+    assert sink.step == 0  # no metrics.jsonl yet
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        f.write(json.dumps({"kind": "eval", "step": 0, "val_loss": 5.0}) + "\n")
+        f.write(json.dumps({"kind": "train", "step": 10, "loss": 3.25}) + "\n")
+        f.write('{"kind": "train", "step": 20, "lo')  # still being written
+    sink.write(b"ain step=10 loss=3.25\n")
+    assert sink.step == 10
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('ss": 2.5}\n')
+    sink.write(b"[default0]:kind=train step=20 loss=2.5\n")
+    assert sink.step == 20
+    sink.close()
+    shown = screen.getvalue()
+    assert "world 2 on cpu" in shown
+    assert "[default0]:kind=train step=10 loss=3.25" in shown  # the split line arrived whole
+    assert "20/40" in shown and "loss 2.5000" in shown and "eta" in shown

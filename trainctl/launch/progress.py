@@ -1,0 +1,73 @@
+"""A rich progress bar with ETA for a local run, drawn by the launcher.
+
+Under torchrun the workers' stdout is a pipe, never a terminal, so the bar lives here:
+rank 0's streamed lines are printed above it, and its position comes from the
+records rank 0 appends to RUN_DIR/metrics.jsonl (read after each chunk of output,
+which the worker prints right after writing the record).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class ProgressSink:
+    """A binary sink for `stream_output` that prints lines above a live progress bar."""
+
+    def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None):
+        self._metrics = run_dir / "metrics.jsonl"
+        self._offset = 0
+        self._pending = b""
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("", total=total_steps)
+        self.step = 0
+        self._progress.start()
+
+    def write(self, chunk: bytes) -> None:
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            self._progress.console.print(line.decode(errors="replace").rstrip("\r"), markup=False, highlight=False, soft_wrap=True)
+        self._poll_metrics()
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._pending:
+            self.write(b"\n")
+        self._poll_metrics()
+        self._progress.stop()
+
+    def _poll_metrics(self) -> None:
+        """Advance the bar to the newest complete train record."""
+        try:
+            with self._metrics.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]  # a record still being written waits for the next poll
+        self._offset += len(complete)
+        for raw in complete.splitlines():
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            if record.get("kind") == "train":
+                self.step = int(record["step"])
+                self._progress.update(self._task, completed=self.step, description=f"loss {record['loss']:.4f}")
