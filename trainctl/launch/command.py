@@ -84,3 +84,15 @@ def _quote_keeping_vars(arg: str) -> str:
 def shell_join(argv: list[str]) -> str:
     """One shell line; arguments containing `${` keep their variables expandable, all others are quoted literally."""
     return " ".join(_quote_keeping_vars(a) if "${" in a else shlex.quote(a) for a in argv)
+
+
+def omp_threads_export(cluster: ClusterConfig, cores: str) -> str:
+    """The launch script's OMP_NUM_THREADS line: cluster.cpu_threads, else the user's, else `cores` / workers.
+
+    torchrun would otherwise force one thread per worker. `cores` is a shell expression
+    for the node's CPU count (`$(nproc)` locally, `$SLURM_CPUS_ON_NODE` in a job).
+    """
+    if cluster.cpu_threads > 0:
+        return f"export OMP_NUM_THREADS={cluster.cpu_threads}"
+    n = cluster.procs_per_node
+    return f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( {cores} / {n} > 0 ? {cores} / {n} : 1 ))}}"
