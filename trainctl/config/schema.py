@@ -24,7 +24,8 @@ LAUNCHERS = ("local", "slurm")
 DEVICES = ("cpu", "cuda")
 DATA_KINDS = ("stdlib", "memmap", "synthetic")
 TOKEN_DTYPES = ("uint16", "uint32")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 WANDB_MODES = ("online", "offline", "disabled")
 FP8_RECIPES = ("tensorwise", "rowwise")
 
@@ -55,11 +56,20 @@ class PrecisionConfig:
     reduce_dtype: str = "fp32"  # gradient reduction dtype
     fp8: bool = False  # torchao float8 linear layers on top of bf16
     fp8_recipe: str = "tensorwise"
+    # Linear layers whose name contains one of these stay in bf16 (the output layer is
+    # sensitive; torchao also skips layers whose dims are not multiples of 16).
+    fp8_exclude: list[str] = field(default_factory=lambda: ["output"])
+    loss_scaling: bool = False  # dynamic loss scaling (required for fp16)
+    init_scale: float = 65536.0  # first loss scale of the dynamic scaler
 
 
 @dataclass(frozen=True)
 class ShardingConfig:
-    """Data / model parallel layout. -1 means: infer from the world size."""
+    """Data / model parallel layout. -1 means: infer from the world size.
+
+    With pipeline parallelism each of the step's `train.grad_accum` micro-batches is one
+    pipeline microbatch: the schedule runs grad_accum of them per optimizer step.
+    """
 
     name: str = "none"
     strategy: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp
@@ -68,8 +78,10 @@ class ShardingConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    pp_microbatches: int = 0  # 0: one per pipeline stage
-    cpu_offload: bool = False
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble
+    pp_stages_per_rank: int = 1  # >1 for the interleaved schedules (virtual stages)
+    pp_layers: list[int] = field(default_factory=list)  # layers per stage, in order; []: split evenly
+    cpu_offload: bool = False  # FSDP2 offload of parameters, gradients and optimizer states to CPU
 
 
 @dataclass(frozen=True)
@@ -138,8 +150,9 @@ class TrainConfig:
     micro_batch: int = 1  # sequences per rank per forward; -1: derive
     grad_accum: int = 1  # micro-batches per optimizer step; -1: derive
     seed: int = 0
-    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing: str = "none"  # none | full | selective (every k-th block) | op (per-op: keep matmuls)
     ac_every: int = 2  # selective: checkpoint every k-th block
+    activation_offload: bool = False  # keep saved activations in CPU memory until backward
     compile: bool = False
     eval_every: int = 50  # 0 disables
     eval_batches: int = 8

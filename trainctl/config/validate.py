@@ -27,6 +27,7 @@ def resolve(cfg: s.RunConfig) -> s.RunConfig:
         problems += check_model_parallel(dims, cfg.model)
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems
+        problems += check_pipeline(cfg.sharding, dims, cfg.model, train) + check_context_parallel(dims, cfg.cluster, train)
     if problems:
         raise ConfigError(problems)
     sharding = dataclasses.replace(cfg.sharding, **dims.as_dict())
@@ -64,6 +65,7 @@ def check_choices(cfg: s.RunConfig) -> list[str]:
         + _choice("data.kind", cfg.data.kind, s.DATA_KINDS)
         + _choice("data.token_dtype", cfg.data.token_dtype, s.TOKEN_DTYPES)
         + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing, s.AC_MODES)
+        + _choice("sharding.pp_schedule", cfg.sharding.pp_schedule, s.PP_SCHEDULES)
         + _choice("logging.wandb.mode", cfg.logging.wandb.mode, s.WANDB_MODES)
         + ([] if not cfg.cluster.gpu or cfg.cluster.gpu in GPUS else _choice("cluster.gpu", cfg.cluster.gpu, ("", *GPUS)))
     )
@@ -109,7 +111,8 @@ def check_ranges(cfg: s.RunConfig) -> list[str]:
         + _at_least("cluster.max_restarts", c.max_restarts, 0)
         + _at_least("cluster.cpu_threads", c.cpu_threads, 0, "0 picks cores / workers")
         + _within("cluster.rdzv_port", c.rdzv_port, 1, 65535)
-        + _at_least("sharding.pp_microbatches", cfg.sharding.pp_microbatches, 0, "0 means one per stage")
+        + _at_least("sharding.pp_stages_per_rank", cfg.sharding.pp_stages_per_rank, 1)
+        + _positive("precision.init_scale", cfg.precision.init_scale)
     )
     if t.eval_every > 0:
         problems += _positive("train.eval_batches", t.eval_batches)
@@ -163,6 +166,8 @@ def check_cluster(c: s.ClusterConfig, p: s.PrecisionConfig) -> list[str]:
         problems.append(f"precision=fp8: cluster.gpu={c.gpu} has no fp8 tensor cores; use precision=bf16 or a GPU with them ({fp8_gpus})")
     if p.fp8 and p.compute_dtype != "bf16":
         problems.append(f"precision.compute_dtype={p.compute_dtype}: fp8 training runs on top of bf16; set precision.compute_dtype=bf16")
+    if p.compute_dtype == "fp16" and not p.loss_scaling:
+        problems.append("precision.loss_scaling=false: fp16 gradients underflow without loss scaling; set precision.loss_scaling=true or use precision=bf16")
     return problems
 
 
@@ -191,6 +196,42 @@ def check_model_parallel(dims: ParallelDims, m: s.ModelConfig) -> list[str]:
     if dims.pp > m.n_layers:
         problems.append(f"sharding.pp={dims.pp}: more pipeline stages than model.n_layers={m.n_layers}")
     return problems
+
+
+def check_pipeline(sh: s.ShardingConfig, dims: ParallelDims, m: s.ModelConfig, t: s.TrainConfig) -> list[str]:
+    """Stages, layer split, schedule and chunking of a pipeline-parallel run."""
+    if dims.pp == 1:
+        return []
+    problems = []
+    stages = dims.pp * sh.pp_stages_per_rank
+    interleaved = sh.pp_schedule.startswith("interleaved")
+    if interleaved and sh.pp_stages_per_rank < 2:
+        problems.append(f"sharding.pp_stages_per_rank={sh.pp_stages_per_rank}: schedule {sh.pp_schedule} runs several stages per rank; set it to 2 or more")
+    if not interleaved and sh.pp_stages_per_rank != 1:
+        problems.append(f"sharding.pp_stages_per_rank={sh.pp_stages_per_rank}: schedule {sh.pp_schedule} runs one stage per rank; set it to 1 or use an interleaved schedule")
+    if sh.pp_layers:
+        if len(sh.pp_layers) != stages or sum(sh.pp_layers) != m.n_layers or min(sh.pp_layers) < 1:
+            problems.append(
+                f"sharding.pp_layers={list(sh.pp_layers)}: needs {stages} positive entries (pp x pp_stages_per_rank) summing to model.n_layers={m.n_layers}"
+            )
+    elif stages > m.n_layers:
+        problems.append(f"sharding.pp={dims.pp} x pp_stages_per_rank={sh.pp_stages_per_rank}: {stages} stages for model.n_layers={m.n_layers}; use fewer stages")
+    # Each of the step's grad_accum micro-batches is one pipeline microbatch.
+    if sh.pp_schedule != "gpipe" and t.grad_accum < dims.pp:
+        problems.append(f"train.grad_accum={t.grad_accum}: schedule {sh.pp_schedule} needs at least sharding.pp={dims.pp} pipeline microbatches per step; raise train.global_batch or lower train.micro_batch")
+    if interleaved and t.grad_accum % dims.pp:
+        problems.append(f"train.grad_accum={t.grad_accum}: interleaved schedules need a multiple of sharding.pp={dims.pp} microbatches per step")
+    return problems
+
+
+def check_context_parallel(dims: ParallelDims, c: s.ClusterConfig, t: s.TrainConfig) -> list[str]:
+    if dims.cp == 1:
+        return []
+    if c.device != "cuda":
+        return [f"sharding.cp={dims.cp}: context parallelism needs CUDA attention kernels (torch's context_parallel); use sharding.cp=1 on cluster.device={c.device}"]
+    if t.seq_len % (2 * dims.cp):
+        return [f"sharding.cp={dims.cp}: train.seq_len={t.seq_len} must be a multiple of 2 x cp = {2 * dims.cp} (load-balanced sequence shards)"]
+    return []
 
 
 def resolve_batch(t: s.TrainConfig, dp: int) -> tuple[s.TrainConfig, list[str]]:
