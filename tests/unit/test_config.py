@@ -254,3 +254,29 @@ def test_plan_param_count_matches_published(model, published):
 
 def test_every_model_but_tiny_has_a_published_count():
     assert set(list_options("model")) - {"tiny"} == set(PUBLISHED_PARAMS)
+
+
+def test_interleaved_schedule_needs_several_stages_per_rank():
+    problems = _problems(["recipe=llama70b_3d", "sharding.pp_stages_per_rank=1"])
+    assert any(p.startswith("sharding.pp_stages_per_rank=1") for p in problems)
+
+
+def test_pipeline_layer_split_must_cover_the_model():
+    problems = _problems(["recipe=tiny_3d_cpu", "sharding.pp_layers=[1,2]"])
+    assert any(p.startswith("sharding.pp_layers=[1, 2]") and "n_layers=4" in p for p in problems)
+    resolve(compose(["recipe=tiny_3d_cpu", "sharding.pp_layers=[1,3]"]))  # a valid uneven split
+
+
+def test_pipeline_needs_enough_microbatches():
+    problems = _problems(["recipe=tiny_3d_cpu", "train.global_batch=2", "train.micro_batch=1"])
+    assert any(p.startswith("train.grad_accum=1") and "sharding.pp=2" in p for p in problems)
+
+
+def test_context_parallel_needs_cuda():
+    problems = _problems(["recipe=tiny_cpu", "sharding.cp=2", "sharding.dp_replicate=1"])
+    assert any(p.startswith("sharding.cp=2") and "cluster.device=cpu" in p for p in problems)
+
+
+def test_fp16_needs_loss_scaling():
+    problems = _problems(["precision=fp16", "precision.loss_scaling=false"])
+    assert any(p.startswith("precision.loss_scaling=false") for p in problems)
