@@ -52,12 +52,18 @@ def pick_device(cluster: ClusterConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(cluster: ClusterConfig) -> World:
-    """Join the process group (nccl on CUDA, gloo on CPU) and pick this rank's device."""
+def init_distributed(cluster: ClusterConfig, cpu_collectives: bool = False) -> World:
+    """Join the process group (nccl on CUDA, gloo on CPU) and pick this rank's device.
+
+    cpu_collectives: on CUDA, also gloo for CPU tensors (FSDP2 CPU offload reduces the
+    gradient norm and clips over host-memory gradients).
+    """
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     device = pick_device(cluster, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and cpu_collectives:
+        backend = "cuda:nccl,cpu:gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:

@@ -88,6 +88,10 @@ class MetricsLogger:
     def eval(self, step: int, val_loss: float) -> None:
         self._emit({"kind": "eval", "step": step, "val_loss": val_loss}, step)
 
+    def memory(self, step: int, values: dict) -> None:
+        """Measured per-rank memory (memory_stats.memory_record), logged once."""
+        self._emit({"kind": "memory", "step": step, **values}, step)
+
     def final(self, summary: dict) -> None:
         self._emit({"kind": "final", **summary}, summary["steps"])
 

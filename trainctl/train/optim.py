@@ -5,6 +5,10 @@ never decayed: shrinking them toward zero fights the normalization. The token
 embedding is not decayed either (as in OLMo): each row is updated only when its
 token appears, so decay would pull rare tokens to zero between their updates.
 With tied embeddings the output projection is the embedding and follows it.
+
+ZeRO-1 (sharding.strategy=zero1) keeps DDP for the gradients and wraps AdamW in torch's
+ZeroRedundancyOptimizer: each data-parallel rank holds the AdamW states of its share of
+the (whole) parameter tensors, steps them, and broadcasts the updated ones to the others.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from trainctl.config.schema import OptimConfig, ScheduleConfig
 from trainctl.train.errors import WorkerConfigError
@@ -32,17 +38,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
-    """AdamW over `param_groups`: fused kernels on CUDA, multi-tensor (foreach) elsewhere."""
-    fused = device_type == "cuda"
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        fused=fused,
-        foreach=not fused,
-    )
+def zero1_group(strategy: str, mesh: DeviceMesh) -> torch.distributed.ProcessGroup | None:
+    """The data-parallel group that shares the optimizer states under zero1; None otherwise."""
+    return mesh["dp_replicate"].get_group() if strategy == "zero1" else None
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device_type: str, shard_group: torch.distributed.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`: fused kernels on CUDA, multi-tensor (foreach) elsewhere.
+
+    With `shard_group` (zero1) it is a ZeroRedundancyOptimizer over that group. Its
+    `param_groups` still list every parameter with its lr and weight decay (set_lr and
+    clipping work unchanged); it copies them to its local AdamW at each step.
+    """
+    groups = param_groups(model, cfg.weight_decay)
+    # FSDP2 CPU offload keeps the parameters in host memory: the step runs there (no CUDA kernels).
+    fused = device_type == "cuda" and all(p.device.type == "cuda" for g in groups for p in g["params"])
+    hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused)
+    if shard_group is None:
+        return torch.optim.AdamW(groups, **hyper)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=shard_group, **hyper)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
