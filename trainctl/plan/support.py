@@ -1,6 +1,6 @@
 """What the worker implements today, checked without torch.
 
-Valid configs the worker cannot run yet (tensor/pipeline/context parallelism, zero1,
+Valid configs the worker cannot run yet (pipeline/context parallelism, zero1,
 offload, fp8, fp16) are listed here once: the plan shows them as warnings, `launch`
 refuses them before anything is submitted, and the worker refuses them at startup.
 """
@@ -13,7 +13,6 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig
 def unsupported(sharding: ShardingConfig, precision: PrecisionConfig) -> list[str]:
     """One line per requested feature the worker does not implement yet."""
     later = [
-        (sharding.tp > 1, f"sharding.tp={sharding.tp}: tensor parallelism is not implemented in the worker yet; use sharding.tp=1"),
         (sharding.pp > 1, f"sharding.pp={sharding.pp}: pipeline parallelism is not implemented in the worker yet; use sharding.pp=1"),
         (sharding.cp > 1, f"sharding.cp={sharding.cp}: context parallelism is not implemented in the worker yet; use sharding.cp=1"),
         (sharding.strategy == "zero1", "sharding.strategy=zero1: optimizer-state sharding is not implemented in the worker yet; use sharding=ddp or sharding=zero2"),

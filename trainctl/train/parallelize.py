@@ -9,7 +9,8 @@ The order matters and is the same as torchtitan's:
   -> FSDP2 fully_shard (per block, then the root)
   -> materialize: to_empty + init_weights (every shard inits its own slice)
   -> DDP (last: it needs real weights and broadcasts rank 0's).
-This issue implements AC, compile, FSDP2 (zero2/zero3/fsdp/hsdp) and DDP; the rest is
+This issue implements TP (tensor_parallel.py), AC, compile, FSDP2 (zero2/zero3/fsdp/hsdp) and DDP
+(over TP: FSDP2 replication, see apply_replicate_over_tp); the rest is
 refused up front by `check_supported` with a one-line message naming the key.
 """
 
@@ -28,6 +29,7 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.plan.support import unsupported
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.precision import fsdp_mp_policy, uses_fsdp
+from trainctl.train.tensor_parallel import apply_replicate_over_tp, apply_tp
 
 
 def check_supported(sharding: ShardingConfig, precision: PrecisionConfig) -> None:
@@ -96,7 +98,9 @@ def parallelize(
 ) -> nn.Module:
     """Apply the parallelisms in the fixed order above to a meta-device model; returns it materialized."""
     check_supported(sharding, precision)
-    # pipeline split, tensor parallel, float8: refused by check_supported until implemented.
+    # pipeline split, float8: refused by check_supported until implemented.
+    if sharding.tp > 1:
+        apply_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
@@ -104,8 +108,10 @@ def parallelize(
         # zero2 keeps gathered block weights from forward to backward (more memory, one fewer all-gather).
         reshard = sharding.strategy != "zero2"
         apply_fsdp(model, dp_mesh_for(sharding.strategy, mesh), reshard, fsdp_mp_policy(precision))
+    elif sharding.strategy == "ddp" and sharding.tp > 1:
+        apply_replicate_over_tp(model, dp_mesh_for("hsdp", mesh))
     materialize(model, device)
-    if sharding.strategy == "ddp":
+    if sharding.strategy == "ddp" and sharding.tp == 1:
         model = apply_ddp(model, dp_mesh_for("ddp", mesh), device)
     return model
 

@@ -114,14 +114,19 @@ def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Ten
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to global norm `max_norm` (0: no clipping); returns the pre-clip norm, as a tensor, unsynced."""
+    """Clip to global norm `max_norm` (0: no clipping); returns the pre-clip norm, as a tensor, unsynced.
+
+    FSDP and TP gradients are DTensors (shards, or TP's partial sums for the norm weights): their
+    norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
+    and then applied, because clip_grad_norm_ fails on gradients of different meshes.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    # FSDP2 grads are DTensors: the norm is a partial (per-shard) DTensor until reduced.
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def step_metrics(job: Job, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, lap: tuple[float, int], step: int) -> dict:
