@@ -20,13 +20,13 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.plan.support import unsupported
+from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.precision import fsdp_mp_policy, uses_fsdp
 from trainctl.train.tensor_parallel import apply_replicate_over_tp, apply_tp
@@ -37,20 +37,6 @@ def check_supported(sharding: ShardingConfig, precision: PrecisionConfig) -> Non
     missing = unsupported(sharding, precision)
     if missing:
         raise WorkerConfigError("; ".join(missing))
-
-
-def transformer_blocks(model: nn.Module) -> nn.ModuleDict:
-    return model.layers
-
-
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
-    """Recompute block activations in backward: all blocks (full) or every `every`-th (selective)."""
-    if mode == "none":
-        return
-    blocks = transformer_blocks(model)
-    for index, (name, block) in enumerate(list(blocks.items())):
-        if mode == "full" or (index + 1) % every == 0:
-            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -69,18 +55,36 @@ def dp_mesh_for(strategy: str, mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy) -> None:
-    """fully_shard each block (its own all-gather unit), then the root (embeddings, norm, output)."""
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, cpu_offload: bool = False) -> None:
+    """fully_shard each block (its own all-gather unit), then the root (embeddings, norm, output).
+
+    cpu_offload: the sharded parameters, their gradients (hence the optimizer step and its
+    states) live in host memory; each unit is copied to the device for its all-gather.
+    """
+    # Pinned host memory makes the host-device copies asynchronous; it needs a CUDA runtime.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for block in transformer_blocks(model).values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
     # The root's parameters are needed again right away by backward: never reshard them after forward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate real (possibly sharded) storage on `device` and run the model's deterministic init."""
-    model.to_empty(device=device)
+def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
+    """Allocate real (possibly sharded) storage on `device` and run the model's deterministic init.
+
+    With FSDP2 CPU offload the parameters must be materialized in host memory (FSDP2 refuses
+    device ones); only the buffers (the RoPE table) go to `device`, where the forward runs.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
     model.init_weights()
+    if cpu_offload:
+        move_buffers(model, device)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
@@ -107,11 +111,12 @@ def parallelize(
     if uses_fsdp(sharding.strategy):
         # zero2 keeps gathered block weights from forward to backward (more memory, one fewer all-gather).
         reshard = sharding.strategy != "zero2"
-        apply_fsdp(model, dp_mesh_for(sharding.strategy, mesh), reshard, fsdp_mp_policy(precision))
+        apply_fsdp(model, dp_mesh_for(sharding.strategy, mesh), reshard, fsdp_mp_policy(precision), sharding.cpu_offload)
     elif sharding.strategy == "ddp" and sharding.tp > 1:
         apply_replicate_over_tp(model, dp_mesh_for("hsdp", mesh))
-    materialize(model, device)
-    if sharding.strategy == "ddp" and sharding.tp == 1:
+    materialize(model, device, sharding.cpu_offload)
+    # zero1 is DDP for the gradients; its optimizer (optim.py) shards the AdamW states.
+    if sharding.strategy in ("ddp", "zero1") and sharding.tp == 1:
         model = apply_ddp(model, dp_mesh_for("ddp", mesh), device)
     return model
 

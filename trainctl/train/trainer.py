@@ -25,9 +25,11 @@ from trainctl.models.llama import build_model
 from trainctl.plan.flops import flops_per_token
 from trainctl.plan.topology import ParallelDims
 from trainctl.train import distributed as D
+from trainctl.train.activations import activation_offload
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
+from trainctl.train.memory_stats import memory_record
 from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
-from trainctl.train.optim import build_optimizer, lr_at, set_lr
+from trainctl.train.optim import build_optimizer, lr_at, set_lr, zero1_group
 from trainctl.train.parallelize import check_supported, gradient_sync, parallelize
 from trainctl.train.precision import autocast_context
 
@@ -61,6 +63,8 @@ def train_loop(job: Job) -> dict:
         loss = forward_backward(job, job.train_data.micro_batches(step))
         grad_norm = clip_gradients(job.model, cfg.optim.grad_clip)
         job.optimizer.step()
+        if step == 0:  # every model state exists now (gradients not yet zeroed): measure once
+            job.metrics.memory(1, memory_record(job.model, job.optimizer))
         job.optimizer.zero_grad(set_to_none=True)
         timer.tick()
         done = step + 1
@@ -106,7 +110,7 @@ def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Ten
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         last = index == len(micro_batches) - 1
         with gradient_sync(job.model, enabled=last):
-            with autocast_context(precision, strategy, device):
+            with autocast_context(precision, strategy, device), activation_offload(job.cfg.train.activation_offload, device):
                 loss = token_loss_sum(job.model, inputs, targets) / rank_tokens
             loss.backward()
         total += loss.detach()
@@ -189,7 +193,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     s = cfg.sharding
     mesh = D.build_mesh(ParallelDims(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.pp), world.device)
     model = parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, world.device)
-    optimizer = build_optimizer(model, cfg.optim, world.device.type)
+    optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(s.strategy, mesh))
     train_data, val_data = build_data(cfg, mesh, world)
     metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, world.is_main, asdict(cfg))
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {s.strategy}, "
@@ -199,7 +203,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:
     """The worker: join the world, train, write result.json; always closes W&B and the process group."""
-    world = D.init_distributed(cfg.cluster)
+    world = D.init_distributed(cfg.cluster, cpu_collectives=cfg.sharding.cpu_offload)
     job = None
     try:
         job = setup(cfg, run_dir, world)
