@@ -86,13 +86,16 @@ def shell_join(argv: list[str]) -> str:
     return " ".join(_quote_keeping_vars(a) if "${" in a else shlex.quote(a) for a in argv)
 
 
-def omp_threads_export(cluster: ClusterConfig, cores: str) -> str:
-    """The launch script's OMP_NUM_THREADS line: cluster.cpu_threads, else the user's, else `cores` / workers.
+def omp_threads_export(cluster: ClusterConfig, cores: str, keep_user_value: bool) -> str:
+    """The launch script's OMP_NUM_THREADS line: cluster.cpu_threads, else `cores` / workers.
 
     torchrun would otherwise force one thread per worker. `cores` is a shell expression
-    for the node's CPU count (`$(nproc)` locally, `$SLURM_CPUS_ON_NODE` in a job).
+    for the node's CPU count (`$(nproc)` locally, `$SLURM_CPUS_ON_NODE` in a job). A local
+    run keeps a value the user exported; a Slurm job does not, since sbatch would carry
+    over whatever the login shell happened to have.
     """
     if cluster.cpu_threads > 0:
         return f"export OMP_NUM_THREADS={cluster.cpu_threads}"
     n = cluster.procs_per_node
-    return f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( {cores} / {n} > 0 ? {cores} / {n} : 1 ))}}"
+    share = f"$(( {cores} / {n} > 0 ? {cores} / {n} : 1 ))"
+    return f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{share}}}" if keep_user_value else f"export OMP_NUM_THREADS={share}"
