@@ -19,10 +19,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 # The project and its dev tools; torch is already satisfied so nothing heavy is fetched.
-if ! "$PY" -c "import trainctl, hydra, typer, rich, wandb, pytest" >/dev/null 2>&1 \
+if ! "$PY" -c "import trainctl, hydra, typer, rich, wandb, pytest, torchao" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.trainctl-installed ]; then
-  echo "[setup] installing trainctl (editable) with dev extras"
-  "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+  # fp8 extra: torchao declares no dependency on torch, so the pinned CPU torch above stays.
+  echo "[setup] installing trainctl (editable) with dev and fp8 extras"
+  "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev,fp8]"
   touch .venv/.trainctl-installed
 fi
 export PATH="$PWD/.venv/bin:$PATH"

@@ -28,6 +28,7 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.plan.support import unsupported
 from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.errors import WorkerConfigError
+from trainctl.train.float8 import apply_float8
 from trainctl.train.precision import fsdp_mp_policy, uses_fsdp
 from trainctl.train.tensor_parallel import apply_replicate_over_tp, apply_tp
 
@@ -102,9 +103,10 @@ def parallelize(
 ) -> nn.Module:
     """Apply the parallelisms in the fixed order above to a meta-device model; returns it materialized."""
     check_supported(sharding, precision)
-    # pipeline split, float8: refused by check_supported until implemented.
+    # pipeline split: refused by check_supported until implemented.
     if sharding.tp > 1:
         apply_tp(model, mesh["tp"])
+    apply_float8(model, precision, uses_fsdp(sharding.strategy))
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)

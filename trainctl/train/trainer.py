@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,11 +27,13 @@ from trainctl.plan.topology import ParallelDims
 from trainctl.train import distributed as D
 from trainctl.train.activations import activation_offload
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
+from trainctl.train.float8 import register_float8_scale_precompute
+from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
 from trainctl.train.memory_stats import memory_record
 from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, lr_at, set_lr, zero1_group
 from trainctl.train.parallelize import check_supported, gradient_sync, parallelize
-from trainctl.train.precision import autocast_context
+from trainctl.train.precision import autocast_context, uses_fsdp
 
 log = logging.getLogger("trainctl.train")
 
@@ -48,6 +50,7 @@ class Job:
     val_data: TokenBatches
     metrics: MetricsLogger
     peak_flops: float | None
+    scaler: NoLossScaling | DynamicLossScaler = field(default_factory=NoLossScaling)  # fp16 loss scaling
 
 
 def train_loop(job: Job) -> dict:
@@ -61,8 +64,9 @@ def train_loop(job: Job) -> dict:
         lr = lr_at(step, cfg.optim.lr, cfg.schedule, train.steps)
         set_lr(job.optimizer, lr)
         loss = forward_backward(job, job.train_data.micro_batches(step))
+        job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
         grad_norm = clip_gradients(job.model, cfg.optim.grad_clip)
-        job.optimizer.step()
+        job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
         if step == 0:  # every model state exists now (gradients not yet zeroed): measure once
             job.metrics.memory(1, memory_record(job.model, job.optimizer))
         job.optimizer.zero_grad(set_to_none=True)
@@ -112,7 +116,7 @@ def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Ten
         with gradient_sync(job.model, enabled=last):
             with autocast_context(precision, strategy, device), activation_offload(job.cfg.train.activation_offload, device):
                 loss = token_loss_sum(job.model, inputs, targets) / rank_tokens
-            loss.backward()
+            job.scaler.scale(loss).backward()
         total += loss.detach()
     return total
 
@@ -145,6 +149,7 @@ def step_metrics(job: Job, loss: torch.Tensor, grad_norm: torch.Tensor, lr: floa
         "tokens_per_s": tokens_per_s,
         "step_time_s": step_time,
         "tokens_seen": tokens_per_step(job.cfg.train) * step,
+        **job.scaler.metrics(),
     }
     if job.peak_flops:
         flops = flops_per_token(job.cfg.model, job.cfg.train.seq_len) * tokens_per_s
@@ -194,11 +199,13 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     mesh = D.build_mesh(ParallelDims(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.pp), world.device)
     model = parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, world.device)
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(s.strategy, mesh))
+    register_float8_scale_precompute(optimizer, model, cfg.precision, uses_fsdp(s.strategy))
     train_data, val_data = build_data(cfg, mesh, world)
     metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, world.is_main, asdict(cfg))
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {s.strategy}, "
            f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x dp", world.is_main)
-    return Job(cfg, world, model, optimizer, train_data, val_data, metrics, device_peak_flops(world.device, cfg.precision.compute_dtype))
+    return Job(cfg, world, model, optimizer, train_data, val_data, metrics, device_peak_flops(world.device, cfg.precision.compute_dtype),
+               build_loss_scaler(cfg.precision, world.device))
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:

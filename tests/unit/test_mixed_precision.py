@@ -1,0 +1,112 @@
+"""Loss scaling and float8 conversion, in one process (no process group needed)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from trainctl.config.schema import ModelConfig, PrecisionConfig
+from trainctl.models.llama import build_model
+from trainctl.train.errors import WorkerConfigError
+from trainctl.train.float8 import apply_float8, count_float8_linears, wants_float8
+from trainctl.train.loss_scaling import INJECT_INF_ENV, DynamicLossScaler, NoLossScaling, build_loss_scaler
+
+FP16 = PrecisionConfig(name="fp16", compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
+# dim 64, kv heads 2 x 16, ffn 96: every block Linear is 16-aligned.
+SMALL = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=256, max_seq_len=32)
+LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
+
+
+def one_step(scaler, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> float:
+    """The loop's order: scaled backward, unscale, norm (clip), step; returns the unscaled grad norm."""
+    loss = model(torch.ones(4, 8)).square().mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    params = list(model.parameters())
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm else torch.nn.utils.get_total_norm([p.grad for p in params])
+    scaler.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def linear_and_sgd() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_without_loss_scaling_the_scaler_is_a_no_op():
+    assert isinstance(build_loss_scaler(PrecisionConfig(), torch.device("cpu")), NoLossScaling)
+
+
+def test_unscaled_gradients_match_plain_fp32_backward(monkeypatch):
+    monkeypatch.delenv(INJECT_INF_ENV, raising=False)
+    plain_model, plain_opt = linear_and_sgd()
+    plain_norm = one_step(NoLossScaling(), plain_model, plain_opt)
+    scaled_model, scaled_opt = linear_and_sgd()
+    scaler = build_loss_scaler(FP16, torch.device("cpu"))
+    scaled_norm = one_step(scaler, scaled_model, scaled_opt)
+    # The clipping code sees the true norm, not 1024 times it; the update is the same.
+    assert scaled_norm == pytest.approx(plain_norm, rel=1e-6)
+    assert scaled_model.weight.detach() == pytest.approx(plain_model.weight.detach(), rel=1e-6)
+    assert scaler.metrics() == {"loss_scale": 1024.0, "skipped_steps": 0}
+
+
+def test_injected_overflow_skips_the_step_and_halves_the_scale(monkeypatch):
+    monkeypatch.setenv(INJECT_INF_ENV, "1")
+    scaler = build_loss_scaler(FP16, torch.device("cpu"))
+    assert isinstance(scaler, DynamicLossScaler) and scaler.inject_inf_step == 1
+    model, optimizer = linear_and_sgd()
+    one_step(scaler, model, optimizer, max_norm=1.0)
+    before = model.weight.detach().clone()
+    norm = one_step(scaler, model, optimizer, max_norm=1.0)
+    assert not torch.isfinite(torch.tensor(norm))
+    assert torch.equal(model.weight.detach(), before), "an overflowed step must leave the weights unchanged"
+    assert scaler.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}
+    one_step(scaler, model, optimizer, max_norm=1.0)
+    assert not torch.equal(model.weight.detach(), before), "training continues after the skipped step"
+    assert scaler.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}
+
+
+def test_state_dict_round_trip_keeps_scale_and_skips(monkeypatch):
+    monkeypatch.setenv(INJECT_INF_ENV, "0")
+    scaler = build_loss_scaler(FP16, torch.device("cpu"))
+    one_step(scaler, *linear_and_sgd())
+    monkeypatch.delenv(INJECT_INF_ENV)
+    restored = build_loss_scaler(FP16, torch.device("cpu"))
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}
+
+
+@pytest.mark.parametrize(("fqn", "shape", "wanted"), [
+    ("layers.0.attention.wq", (64, 64), True),
+    ("output", (64, 256), False),  # excluded by name
+    ("layers.0.feed_forward.w1", (64, 40), False),  # 40 is not a multiple of 16
+    ("layers.0.feed_forward.w2", (40, 64), False),
+])
+def test_float8_filter(fqn, shape, wanted):
+    assert wants_float8(nn.Linear(*shape, device="meta"), fqn, ("output",)) is wanted
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_converts_every_eligible_linear_of_the_meta_model(recipe):
+    model = build_model(SMALL, "meta")
+    precision = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True, fp8_recipe=recipe, fp8_exclude=["output", "w2"])
+    converted = apply_float8(model, precision, fsdp=False)
+    # w2 of every block and the output layer are excluded by name.
+    assert converted == count_float8_linears(model) == (LINEARS_PER_BLOCK - 1) * SMALL.n_layers
+    assert type(model.output) is nn.Linear and type(model.layers["0"].feed_forward.w2) is nn.Linear
+
+
+def test_float8_off_converts_nothing():
+    model = build_model(SMALL, "meta")
+    assert apply_float8(model, PrecisionConfig(), fsdp=True) == 0 and count_float8_linears(model) == 0
+
+
+def test_missing_torchao_is_one_line_naming_the_key_and_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes `import torchao.float8` raise ImportError
+    with pytest.raises(WorkerConfigError, match=r"precision.fp8=true needs torchao: pip install 'trainctl\[fp8\]'"):
+        apply_float8(build_model(SMALL, "meta"), PrecisionConfig(compute_dtype="bf16", fp8=True), fsdp=False)
