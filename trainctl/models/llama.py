@@ -12,8 +12,10 @@ split can delete layers and keep the remaining names (and checkpoints) stable.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -46,6 +48,14 @@ def _fill(param: torch.Tensor, init_fn: Callable[[torch.Tensor], object]) -> Non
 
 def _normal(param: torch.Tensor, std: float) -> None:
     _fill(param, partial(nn.init.trunc_normal_, std=std, a=-3 * std, b=3 * std))
+
+
+@contextlib.contextmanager
+def _rng_for(name: str, seed: int, device: torch.device) -> Iterator[None]:
+    """Draw from a stream seeded by (`seed`, `name`), leaving the global RNG state as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+        yield
 
 
 def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -165,25 +175,39 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic init given the torch seed; call after `to_empty`."""
-        self.freqs.copy_(self._rope_table(device=self.freqs.device))
-        # Untied: unit-variance embeddings (the first RMSNorm rescales them anyway).
-        _fill(self.tok_embeddings.weight, partial(nn.init.normal_, std=INIT_STD if self.cfg.tie_embeddings else 1.0))
+        """Deterministic init given the torch seed; call after `to_empty`.
+
+        Each top-level piece (embedding, every block by its key, norm, output) draws from its
+        own stream seeded by the torch seed and its name: a pipeline stage holding only some
+        pieces inits them exactly as the full model would.
+        """
+        seed, device = torch.initial_seed(), self.freqs.device
+        self.freqs.copy_(self._rope_table(device=device))
+        if self.tok_embeddings is not None:
+            with _rng_for("tok_embeddings", seed, device):
+                # Untied: unit-variance embeddings (the first RMSNorm rescales them anyway).
+                _fill(self.tok_embeddings.weight, partial(nn.init.normal_, std=INIT_STD if self.cfg.tie_embeddings else 1.0))
         # Residual-branch outputs shrink with depth so the residual stream's variance stays O(1).
         out_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
-        # By type, not through self.layers: blocks may be wrapped (checkpointing, compile).
-        for block in (m for m in self.modules() if isinstance(m, TransformerBlock)):
-            block.init_weights(out_std)
-        self.norm.reset_parameters()
-        if not self.cfg.tie_embeddings:
-            _normal(self.output.weight, 1 / math.sqrt(self.cfg.dim))
+        for key, wrapped in self.layers.items():
+            # Blocks may be wrapped (checkpointing, compile): init the TransformerBlock inside.
+            block = next(m for m in wrapped.modules() if isinstance(m, TransformerBlock))
+            with _rng_for(f"layers.{key}", seed, device):
+                block.init_weights(out_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.cfg.tie_embeddings:
+            with _rng_for("output", seed, device):
+                _normal(self.output.weight, 1 / math.sqrt(self.cfg.dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for tokens [batch, seq]; position t sees only tokens <= t."""
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage may lack the embedding (it receives hidden states) or the head (it returns them).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.freqs)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Llama:

@@ -103,7 +103,7 @@ def parallelize(
 ) -> nn.Module:
     """Apply the parallelisms in the fixed order above to a meta-device model; returns it materialized."""
     check_supported(sharding, precision)
-    # pipeline split: refused by check_supported until implemented.
+    # pipeline split: done before, by pipeline.build_pipeline (each stage's part comes here).
     if sharding.tp > 1:
         apply_tp(model, mesh["tp"])
     apply_float8(model, precision, uses_fsdp(sharding.strategy))
@@ -114,11 +114,12 @@ def parallelize(
         # zero2 keeps gathered block weights from forward to backward (more memory, one fewer all-gather).
         reshard = sharding.strategy != "zero2"
         apply_fsdp(model, dp_mesh_for(sharding.strategy, mesh), reshard, fsdp_mp_policy(precision), sharding.cpu_offload)
-    elif sharding.strategy == "ddp" and sharding.tp > 1:
+    elif sharding.strategy == "ddp" and (sharding.tp > 1 or sharding.pp > 1):
+        # Also under a pipeline: DDP's reducer breaks when a schedule runs several forwards before a backward.
         apply_replicate_over_tp(model, dp_mesh_for("hsdp", mesh))
     materialize(model, device, sharding.cpu_offload)
     # zero1 is DDP for the gradients; its optimizer (optim.py) shards the AdamW states.
-    if sharding.strategy in ("ddp", "zero1") and sharding.tp == 1:
+    if sharding.strategy in ("ddp", "zero1") and sharding.tp == 1 and sharding.pp == 1:
         model = apply_ddp(model, dp_mesh_for("ddp", mesh), device)
     return model
 

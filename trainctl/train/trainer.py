@@ -33,6 +33,14 @@ from trainctl.train.memory_stats import memory_record
 from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, lr_at, set_lr, zero1_group
 from trainctl.train.parallelize import check_supported, gradient_sync, parallelize
+from trainctl.train.pipeline import (
+    Pipeline,
+    build_pipeline,
+    norm_over_stages,
+    pipeline_eval_totals,
+    pipeline_forward_backward,
+    pp_group_of,
+)
 from trainctl.train.precision import autocast_context, uses_fsdp
 
 log = logging.getLogger("trainctl.train")
@@ -51,6 +59,7 @@ class Job:
     metrics: MetricsLogger
     peak_flops: float | None
     scaler: NoLossScaling | DynamicLossScaler = field(default_factory=NoLossScaling)  # fp16 loss scaling
+    pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule (model: their parts)
 
 
 def train_loop(job: Job) -> dict:
@@ -63,9 +72,13 @@ def train_loop(job: Job) -> dict:
     for step in range(train.steps):
         lr = lr_at(step, cfg.optim.lr, cfg.schedule, train.steps)
         set_lr(job.optimizer, lr)
-        loss = forward_backward(job, job.train_data.micro_batches(step))
+        micro_batches = job.train_data.micro_batches(step)
+        if job.pipeline is None:
+            loss = forward_backward(job, micro_batches)
+        else:
+            loss = pipeline_forward_backward(job.pipeline, micro_batches)
         job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
-        grad_norm = clip_gradients(job.model, cfg.optim.grad_clip)
+        grad_norm = clip_gradients(job.model, cfg.optim.grad_clip, pp_group_of(job.pipeline))
         job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
         if step == 0:  # every model state exists now (gradients not yet zeroed): measure once
             job.metrics.memory(1, memory_record(job.model, job.optimizer))
@@ -121,7 +134,7 @@ def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Ten
     return total
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip to global norm `max_norm` (0: no clipping); returns the pre-clip norm, as a tensor, unsynced.
 
     FSDP and TP gradients are DTensors (shards, or TP's partial sums for the norm weights): their
@@ -132,6 +145,7 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
+    norm = norm_over_stages(norm, pp_group)  # pipeline: add the other stages' gradients
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
@@ -164,11 +178,15 @@ def evaluate(job: Job) -> float:
         return float("nan")
     job.model.eval()
     totals = torch.zeros(2, device=job.world.device, dtype=torch.float64)  # (loss sum, tokens)
-    for inputs, targets in job.val_data.eval_batches(job.cfg.train.eval_batches):
-        inputs, targets = inputs.to(job.world.device), targets.to(job.world.device)
-        with autocast_context(job.cfg.precision, job.cfg.sharding.strategy, job.world.device):
-            totals[0] += token_loss_sum(job.model, inputs, targets).double()
-        totals[1] += targets.numel()
+    batches = job.val_data.eval_batches(job.cfg.train.eval_batches)
+    if job.pipeline is not None:
+        totals = pipeline_eval_totals(job.pipeline, batches)  # the same on every stage
+    else:
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(job.world.device), targets.to(job.world.device)
+            with autocast_context(job.cfg.precision, job.cfg.sharding.strategy, job.world.device):
+                totals[0] += token_loss_sum(job.model, inputs, targets).double()
+            totals[1] += targets.numel()
     job.model.train()
     # Ranks that share data (tp, later) add equal copies to both sums: the ratio is unchanged.
     if dist.get_world_size() > 1:
@@ -189,6 +207,14 @@ def build_data(cfg: RunConfig, mesh, world: D.World) -> tuple[TokenBatches, Toke
     return TokenBatches(cfg.data, "train", **common), TokenBatches(cfg.data, "val", **common)
 
 
+def build_parallel_model(cfg: RunConfig, mesh, device: torch.device) -> tuple[nn.Module, Pipeline | None]:
+    """The parallelized model; with pp > 1, this rank's stages (their parts in a ModuleList) and the schedule."""
+    if cfg.sharding.pp > 1:
+        pipeline = build_pipeline(cfg.model, mesh, cfg.sharding, cfg.train, cfg.precision, device)
+        return pipeline.parts, pipeline
+    return parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, device), None
+
+
 def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     """Mesh, model, optimizer, data and metrics for this rank."""
     check_supported(cfg.sharding, cfg.precision)
@@ -197,7 +223,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     D.seed_everything(cfg.train.seed)
     s = cfg.sharding
     mesh = D.build_mesh(ParallelDims(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.pp), world.device)
-    model = parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, world.device)
+    model, pipeline = build_parallel_model(cfg, mesh, world.device)
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(s.strategy, mesh))
     register_float8_scale_precompute(optimizer, model, cfg.precision, uses_fsdp(s.strategy))
     train_data, val_data = build_data(cfg, mesh, world)
@@ -205,7 +231,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {s.strategy}, "
            f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x dp", world.is_main)
     return Job(cfg, world, model, optimizer, train_data, val_data, metrics, device_peak_flops(world.device, cfg.precision.compute_dtype),
-               build_loss_scaler(cfg.precision, world.device))
+               build_loss_scaler(cfg.precision, world.device), pipeline=pipeline)
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:

@@ -1,0 +1,224 @@
+"""Pipeline parallelism through torch.distributed.pipelining.
+
+The model is cut into `pp x pp_stages_per_rank` stages of consecutive blocks (evenly, or as
+`sharding.pp_layers` says); the first stage also holds the embedding, the last the final
+norm and output head. Rank r of the pp mesh holds stages r, r + pp, ... (the looped placement
+the interleaved schedules expect). Each stage is built on the meta device as a Llama that
+lacks what it does not hold, keeps the global block keys (stable names for checkpoints),
+and goes through the same `parallelize` as an unsplit model (TP, float8, AC, compile, FSDP).
+Init is per block and per name (see Llama.init_weights), so a stage starts from exactly the
+weights the full model would.
+
+One optimizer step is one schedule step over this dp rank's `train.grad_accum` micro-batches,
+each one pipeline microbatch. The last stage's loss is the summed token cross-entropy over
+the tokens of the whole rank step (as in the unsplit loop) with `scale_grads=False`, so the
+gradients match the unsplit path; the schedule itself syncs FSDP/DDP gradients after the
+last microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.models.llama import Llama, build_model
+from trainctl.train.errors import WorkerConfigError
+from trainctl.train.parallelize import parallelize
+from trainctl.train.precision import autocast_context
+
+# Single-stage schedules take one stage; the interleaved ones a list (several stages per rank).
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"}
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that drives them."""
+
+    schedule: object  # a torch.distributed.pipelining schedule
+    parts: nn.ModuleList  # this rank's model parts, in stage order (optimizer, clipping, train/eval)
+    group: dist.ProcessGroup  # the pp group: ranks holding the other stages of the same model copy
+    is_first: bool  # holds stage 0: feeds the token ids
+    is_last: bool  # holds the last stage: computes the loss
+    n_microbatches: int
+    rank_tokens: int  # target tokens of this rank's whole step: the loss normalizer
+    device: torch.device
+    # A fresh autocast context per schedule call. It spans the backward passes the schedule
+    # runs too: harmless, since backward ops run in the dtypes their forward ops chose.
+    autocast: Callable[[], contextlib.AbstractContextManager]
+
+
+def stage_layer_counts(n_layers: int, n_stages: int, pp_layers: list[int]) -> list[int]:
+    """Blocks per stage: `pp_layers` if given, else an even split with the remainder on the first stages."""
+    if pp_layers:
+        return list(pp_layers)
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(n_stages)]
+
+
+def stage_layers(n_layers: int, n_stages: int, pp_layers: list[int]) -> list[range]:
+    """The global block indices of every stage, in order."""
+    ranges, start = [], 0
+    for count in stage_layer_counts(n_layers, n_stages, pp_layers):
+        ranges.append(range(start, start + count))
+        start += count
+    assert start == n_layers, (n_layers, pp_layers)
+    return ranges
+
+
+def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """Looped placement: rank r holds stages r, r + pp, r + 2 pp, ..."""
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) -> Llama:
+    """A meta-device Llama holding only `layers` (global keys kept), the embedding if first, the head if last."""
+    model = build_model(cfg, "meta")
+    for key in list(model.layers.keys()):
+        if int(key) not in layers:
+            del model.layers[key]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def normalized_token_loss(logits: torch.Tensor, targets: torch.Tensor, rank_tokens: int) -> torch.Tensor:
+    """Summed token cross-entropy of one microbatch over the rank step's token count (fp32 softmax)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / rank_tokens
+
+
+def check_pipeline_options(cfg: ModelConfig, sharding: ShardingConfig, train: TrainConfig, precision: PrecisionConfig) -> None:
+    """Refuse what a split model cannot do (one line naming the key)."""
+    if train.compile and sharding.pp_schedule == "interleaved_zero_bubble":
+        # Its split input/weight backward does not support compiled modules (torch 2.11-2.13 raise).
+        raise WorkerConfigError(
+            "train.compile=true: sharding.pp_schedule=interleaved_zero_bubble cannot run compiled blocks; "
+            "set train.compile=false or use sharding.pp_schedule=interleaved_1f1b"
+        )
+    if precision.loss_scaling:
+        raise WorkerConfigError(
+            "precision.loss_scaling=true: fp16 loss scaling is not implemented with sharding.pp > 1; use precision=bf16 or sharding.pp=1"
+        )
+    if cfg.tie_embeddings:
+        raise WorkerConfigError(
+            "model.tie_embeddings=true: with sharding.pp > 1 the embedding and the output head live on different stages; "
+            "set model.tie_embeddings=false or sharding.pp=1"
+        )
+
+
+def build_pipeline(
+    model_cfg: ModelConfig,
+    mesh: DeviceMesh,
+    sharding: ShardingConfig,
+    train: TrainConfig,
+    precision: PrecisionConfig,
+    device: torch.device,
+) -> Pipeline:
+    """Split the model into this rank's stages, parallelize and materialize each, and build the schedule."""
+    check_pipeline_options(model_cfg, sharding, train, precision)
+    pp_mesh = mesh["pp"]
+    group = pp_mesh.get_group()
+    n_stages = sharding.pp * sharding.pp_stages_per_rank
+    layers = stage_layers(model_cfg.n_layers, n_stages, list(sharding.pp_layers))
+    stage_ids = local_stage_ids(pp_mesh.get_local_rank(), sharding.pp, sharding.pp_stages_per_rank)
+    parts, stages = [], []
+    for stage_id in stage_ids:
+        part = build_stage_model(model_cfg, layers[stage_id], first=stage_id == 0, last=stage_id == n_stages - 1)
+        part = parallelize(part, mesh, sharding, train, precision, device)
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_id, n_stages, device, group=group))
+    rank_tokens = train.grad_accum * train.micro_batch * train.seq_len
+    schedule_cls = SCHEDULES[sharding.pp_schedule]
+    schedule = schedule_cls(
+        stages if sharding.pp_schedule in MULTI_STAGE else stages[0],
+        n_microbatches=train.grad_accum,
+        loss_fn=partial(normalized_token_loss, rank_tokens=rank_tokens),
+        # Our loss is already normalized over the whole step: the schedule must not divide again.
+        scale_grads=False,
+    )
+    return Pipeline(schedule, nn.ModuleList(parts), group, 0 in stage_ids, n_stages - 1 in stage_ids,
+                    train.grad_accum, rank_tokens, device, partial(autocast_context, precision, sharding.strategy, device))
+
+
+def _run_schedule(pipeline: Pipeline, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """One schedule call over `micro_batches` (concatenated, split back by the schedule); the last stage's losses."""
+    inputs = torch.cat([inputs for inputs, _ in micro_batches]).to(pipeline.device, non_blocking=True)
+    targets = torch.cat([targets for _, targets in micro_batches]).to(pipeline.device, non_blocking=True)
+    args = (inputs,) if pipeline.is_first else ()
+    losses: list[torch.Tensor] = []
+    # Outputs are not needed (the loss is computed inside): do not keep the merged logits.
+    with pipeline.autocast():
+        run(*args, target=targets if pipeline.is_last else None, losses=losses, return_outputs=False)
+    return losses
+
+
+def sum_over_stages(value: torch.Tensor, pipeline: Pipeline) -> torch.Tensor:
+    """Every pp rank gets the last stage's value (the other ranks contribute zeros)."""
+    value = value if pipeline.is_last else torch.zeros_like(value)
+    dist.all_reduce(value, group=pipeline.group)
+    return value
+
+
+def pipeline_forward_backward(pipeline: Pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One schedule step over this rank's micro-batches; returns the rank's mean token loss, same on every pp rank."""
+    losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches)
+    total = torch.stack(losses).sum().detach() if pipeline.is_last else torch.zeros((), device=pipeline.device)
+    return sum_over_stages(total, pipeline)
+
+
+@torch.no_grad()
+def pipeline_eval_totals(pipeline: Pipeline, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(summed token loss, tokens) over `batches`, forward only, the same on every pp rank.
+
+    The schedule runs exactly `n_microbatches` microbatches per call: the batches go through in
+    groups of that size, the last group padded with copies whose losses are dropped.
+    """
+    totals = torch.zeros(2, device=pipeline.device, dtype=torch.float64)
+    n = pipeline.n_microbatches
+    for start in range(0, len(batches), n):
+        group = batches[start : start + n]
+        real = len(group)
+        losses = _run_schedule(pipeline, pipeline.schedule.eval, group + [group[-1]] * (n - real))
+        if pipeline.is_last:
+            # The loss function divides by rank_tokens; multiply back for the plain sum.
+            totals[0] += torch.stack(losses[:real]).double().sum() * pipeline.rank_tokens
+        totals[1] += sum(targets.numel() for _, targets in group)
+    totals[0] = sum_over_stages(totals[0].clone(), pipeline)
+    return totals
+
+
+def pp_group_of(pipeline: Pipeline | None) -> dist.ProcessGroup | None:
+    return pipeline.group if pipeline is not None else None
+
+
+def norm_over_stages(norm: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The global 2-norm from this rank's stages' norm: squares summed over the pp group (None: no pp)."""
+    if group is None:
+        return norm
+    squared = norm.double().pow(2)
+    dist.all_reduce(squared, group=group)
+    return squared.sqrt().to(norm.dtype)
