@@ -110,3 +110,13 @@ def test_missing_torchao_is_one_line_naming_the_key_and_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes `import torchao.float8` raise ImportError
     with pytest.raises(WorkerConfigError, match=r"precision.fp8=true needs torchao: pip install 'trainctl\[fp8\]'"):
         apply_float8(build_model(SMALL, "meta"), PrecisionConfig(compute_dtype="bf16", fp8=True), fsdp=False)
+
+
+def test_every_precision_runs_but_float8_over_tensor_parallel():
+    from trainctl.config.schema import ShardingConfig
+    from trainctl.plan.support import unsupported
+
+    fp8 = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True)
+    assert unsupported(ShardingConfig(), fp8) == unsupported(ShardingConfig(), FP16) == []
+    (line,) = unsupported(ShardingConfig(tp=2), fp8)
+    assert line.startswith("precision.fp8=true: float8 with sharding.tp=2 is not implemented")

@@ -1,7 +1,7 @@
 """What the worker implements today, checked without torch.
 
 Valid configs the worker cannot run yet (context parallelism,
-zero1 over tp or pp) are listed here once: the plan shows them as warnings, `launch`
+zero1 over tp or pp, float8 over tp) are listed here once: the plan shows them as warnings, `launch`
 refuses them before anything is submitted, and the worker refuses them at startup.
 """
 
@@ -11,12 +11,14 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig
 
 
 def unsupported(sharding: ShardingConfig, precision: PrecisionConfig) -> list[str]:
-    """One line per requested feature the worker does not implement yet (every precision option runs now)."""
+    """One line per requested feature the worker does not implement yet."""
     later = [
         (sharding.cp > 1, f"sharding.cp={sharding.cp}: context parallelism is not implemented in the worker yet; use sharding.cp=1"),
         # ZeroRedundancyOptimizer shards whole plain tensors; over TP the parameters are DTensors.
         (sharding.strategy == "zero1" and sharding.tp > 1, f"sharding.strategy=zero1: optimizer-state sharding over sharding.tp={sharding.tp} is not implemented in the worker yet; use sharding=zero2 or sharding=fsdp with tp"),
         # zero1 keeps DDP for the gradients, and DDP's reducer breaks under a pipeline schedule.
         (sharding.strategy == "zero1" and sharding.pp > 1, f"sharding.strategy=zero1: optimizer-state sharding with sharding.pp={sharding.pp} is not implemented in the worker yet; use sharding=zero2 or sharding=fsdp with pp"),
+        # Swapping TP-sharded Linears for Float8Linear drops TP's input/output hooks; it needs torchao's float8 TP styles.
+        (precision.fp8 and sharding.tp > 1, f"precision.fp8=true: float8 with sharding.tp={sharding.tp} is not implemented in the worker yet; use sharding.tp=1 or precision=bf16"),
     ]
     return [message for wanted, message in later if wanted]
