@@ -280,3 +280,8 @@ def test_context_parallel_needs_cuda():
 def test_fp16_needs_loss_scaling():
     problems = _problems(["precision=fp16", "precision.loss_scaling=false"])
     assert any(p.startswith("precision.loss_scaling=false") for p in problems)
+
+
+def test_pipeline_refuses_tied_embeddings():
+    problems = _problems(["recipe=tiny_3d_cpu", "model.tie_embeddings=true"])
+    assert any(p.startswith("model.tie_embeddings=true") for p in problems)

@@ -77,3 +77,14 @@ def test_gradients_reach_every_parameter():
     model(tokens).sum().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_tied_embeddings_stay_tied_after_materialize():
+    model = build_model(ModelConfig(tie_embeddings=True), "meta")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert model.output.weight is model.tok_embeddings.weight
+    tokens = torch.randint(0, 256, (2, 8))
+    model(tokens).sum().backward()
+    # One parameter: the gradient carries both the embedding lookup and the output projection.
+    assert model.output.weight.grad is model.tok_embeddings.weight.grad

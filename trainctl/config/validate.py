@@ -203,6 +203,8 @@ def check_pipeline(sh: s.ShardingConfig, dims: ParallelDims, m: s.ModelConfig, t
     if dims.pp == 1:
         return []
     problems = []
+    if m.tie_embeddings:
+        problems.append("model.tie_embeddings=true: the first and last pipeline stages would share the embedding; use sharding.pp=1 or an untied model")
     stages = dims.pp * sh.pp_stages_per_rank
     interleaved = sh.pp_schedule.startswith("interleaved")
     if interleaved and sh.pp_stages_per_rank < 2:

@@ -183,6 +183,10 @@ class Llama(nn.Module):
         """
         seed, device = torch.initial_seed(), self.freqs.device
         self.freqs.copy_(self._rope_table(device=device))
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            # to_empty gives each module's meta parameters their own new storage, which unties them
+            # (FSDP2 keeps shared parameters shared itself; then this is a no-op).
+            self.output.weight = self.tok_embeddings.weight
         if self.tok_embeddings is not None:
             with _rng_for("tok_embeddings", seed, device):
                 # Untied: unit-variance embeddings (the first RMSNorm rescales them anyway).
