@@ -13,7 +13,7 @@ from trainctl.config.schema import ShardingConfig
 pytestmark = pytest.mark.dist
 
 REL = 1e-5
-PARITY_STEPS = 5
+PARITY_STEPS = 10
 
 
 def assert_same_curve(run_dir, reference, key: str, steps: int = PARITY_STEPS) -> None:
@@ -35,6 +35,7 @@ def runs(tmp_path_factory, data_cache):
         "fsdp": (base_config(data_cache, micro_batch=4, grad_accum=1), 2),
         "zero2": (base_config(data_cache, micro_batch=2, grad_accum=2), 2),
         "hsdp": (base_config(data_cache, micro_batch=4, grad_accum=1), 2),
+        "hsdp2x2": (base_config(data_cache, micro_batch=2, grad_accum=1), 4),
     }
     sharding = {
         "ddp": ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2),
@@ -42,6 +43,8 @@ def runs(tmp_path_factory, data_cache):
         "zero2": ShardingConfig(name="zero2", strategy="zero2", dp_shard=2),
         # A 2-D (replicate 2 x shard 1) mesh: the HSDP code path on two ranks.
         "hsdp": ShardingConfig(name="hsdp", strategy="hsdp", dp_replicate=2, dp_shard=1),
+        # The real HSDP layout: shard within groups of 2, replicate across 2 groups (4 ranks).
+        "hsdp2x2": ShardingConfig(name="hsdp", strategy="hsdp", dp_replicate=2, dp_shard=2),
     }
     out = {}
     for name, (cfg, nproc) in configs.items():
@@ -50,7 +53,7 @@ def runs(tmp_path_factory, data_cache):
     return out
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "hsdp"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "hsdp", "hsdp2x2"])
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_data_parallel_matches_one_process(runs, name, key):
     assert_same_curve(runs[name], runs["single"], key)
