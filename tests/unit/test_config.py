@@ -285,3 +285,15 @@ def test_fp16_needs_loss_scaling():
 def test_pipeline_refuses_tied_embeddings():
     problems = _problems(["recipe=tiny_3d_cpu", "model.tie_embeddings=true"])
     assert any(p.startswith("model.tie_embeddings=true") for p in problems)
+
+
+def test_zero_bubble_refuses_compiled_blocks():
+    problems = _problems(["recipe=llama2_13b_pp", "train.compile=true"])
+    assert any(p.startswith("train.compile=true") and "interleaved_zero_bubble" in p for p in problems)
+
+
+def test_fp16_with_pipeline_is_refused_at_launch():
+    from trainctl.plan.support import unsupported
+
+    cfg = resolve(compose(["recipe=tiny_3d_cpu", "precision=fp16"]))
+    assert any(line.startswith("precision.loss_scaling=true") for line in unsupported(cfg.sharding, cfg.precision))

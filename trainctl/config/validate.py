@@ -205,6 +205,9 @@ def check_pipeline(sh: s.ShardingConfig, dims: ParallelDims, m: s.ModelConfig, t
     problems = []
     if m.tie_embeddings:
         problems.append("model.tie_embeddings=true: the first and last pipeline stages would share the embedding; use sharding.pp=1 or an untied model")
+    if t.compile and sh.pp_schedule == "interleaved_zero_bubble":
+        # Its split input/weight backward rejects compiled modules (torch 2.11-2.13).
+        problems.append("train.compile=true: sharding.pp_schedule=interleaved_zero_bubble cannot run compiled blocks; set train.compile=false or use interleaved_1f1b")
     stages = dims.pp * sh.pp_stages_per_rank
     interleaved = sh.pp_schedule.startswith("interleaved")
     if interleaved and sh.pp_stages_per_rank < 2:
