@@ -37,8 +37,11 @@ def device_peak_flops(device: torch.device, compute_dtype: str) -> float | None:
 
 
 def _format(values: dict) -> str:
+    """One console line of scalars; lists (e.g. per-rank figures) stay in metrics.jsonl only."""
     parts = []
     for key, value in values.items():
+        if isinstance(value, (list, dict)):
+            continue
         parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
     return " ".join(parts)
 
