@@ -17,6 +17,7 @@ refused up front by `check_supported` with a one-line message naming the key.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch import nn
@@ -57,17 +58,26 @@ def dp_mesh_for(strategy: str, mesh: DeviceMesh) -> DeviceMesh:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, cpu_offload: bool = False) -> None:
-    """fully_shard each block (its own all-gather unit), then the root (embeddings, norm, output).
+    """fully_shard the embedding, each block, and norm + output as their own units, then the root.
 
-    cpu_offload: the sharded parameters, their gradients (hence the optimizer step and its
-    states) live in host memory; each unit is copied to the device for its all-gather.
+    Separate units let FSDP all-gather a large vocabulary matrix only around its own use and
+    free it afterwards. A tied embedding is one parameter used at both ends: it stays in the
+    root unit. cpu_offload: the sharded parameters, their gradients (hence the optimizer step
+    and its states) live in host memory; each unit is copied to the device for its all-gather.
     """
     # Pinned host memory makes the host-device copies asynchronous; it needs a CUDA runtime.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
+    tied = getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings
+    if getattr(model, "tok_embeddings", None) is not None and not tied:
+        shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward)
     for block in transformer_blocks(model).values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
-    # The root's parameters are needed again right away by backward: never reshard them after forward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+        shard(block, reshard_after_forward=reshard_after_forward)
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if head and not tied:
+        # Used last in forward and first in backward: resharding in between would only re-gather.
+        shard(head, reshard_after_forward=False)
+    shard(model, reshard_after_forward=False)
 
 
 def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
