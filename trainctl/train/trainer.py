@@ -168,6 +168,8 @@ def step_metrics(job: Job, loss: torch.Tensor, grad_norm: torch.Tensor, lr: floa
     if job.peak_flops:
         flops = flops_per_token(job.cfg.model, job.cfg.train.seq_len) * tokens_per_s
         values["mfu"] = flops / (job.world.world_size * job.peak_flops)
+    if job.world.device.type == "cuda":
+        values["peak_mem_gib"] = torch.cuda.max_memory_allocated(job.world.device) / 2**30
     return values
 
 

@@ -1,0 +1,113 @@
+"""Throughput, MFU and peak memory of one recipe under several variants, through the real CLI.
+
+Each variant is `trainctl launch RECIPE <base overrides> <variant overrides>`; the figures are
+read back from the run's metrics.jsonl (train records after the first `--skip` logged steps,
+which include compilation and warmup). Results go to a JSON file and a Markdown table.
+
+The default variants are the single-GPU checks of the parallelism/precision issue on the ~1B
+recipe: bf16 with compile off and on, activation checkpointing none / selective / full, and fp8.
+
+    python scripts/bench_variants.py --out benchmarks/llama1b_h100   # on a GPU machine
+    python scripts/bench_variants.py --recipe tiny_cpu --base sharding=none cluster.procs_per_node=1 \\
+        train.steps=6 logging.log_every=2 --variants eager --out /tmp/bench   # smoke test on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# Named by what they change on top of the recipe (llama1b_bench: bf16, compile on, no AC).
+VARIANTS = {
+    "recipe": [],
+    "compile": ["train.compile=true"],
+    "eager": ["train.compile=false"],
+    "ac_selective": ["train.activation_checkpointing=selective"],
+    "ac_full": ["train.activation_checkpointing=full"],
+    "ac_op": ["train.activation_checkpointing=op"],
+    "fp8": ["precision=fp8"],
+}
+DEFAULT = ["eager", "compile", "ac_selective", "ac_full", "fp8"]
+
+
+def run_variant(recipe: str, base: list[str], extra: list[str], runs_dir: Path, name: str) -> dict:
+    """Launch one variant and summarize its train records."""
+    cmd = [sys.executable, "-m", "trainctl.cli", "launch", f"recipe={recipe}", f"runs_dir={runs_dir}", *base, *extra, "--name", name]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    run_dir = runs_dir / name
+    result = {"variant": name, "overrides": [*base, *extra], "exit_code": proc.returncode, "run_dir": str(run_dir)}
+    if proc.returncode != 0:
+        result["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return result
+    return {**result, **summarize(run_dir / "metrics.jsonl")}
+
+
+def summarize(metrics: Path, skip: int = 1) -> dict:
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in records if r.get("kind") == "train"][skip:]
+    if not train:
+        return {"error": ["no train records after warmup; raise train.steps"]}
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in train if key in r]
+        return statistics.median(values) if values else None
+
+    return {
+        "tokens_per_s": median("tokens_per_s"),
+        "mfu": median("mfu"),
+        "step_time_s": median("step_time_s"),
+        "peak_mem_gib": max((r["peak_mem_gib"] for r in train if "peak_mem_gib" in r), default=None),
+        "final_loss": train[-1]["loss"],
+    }
+
+
+def markdown(results: list[dict], header: str) -> str:
+    def cell(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    lines = [header, "", "| variant | tokens/s | MFU | step s | peak GiB | loss | overrides |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {' '.join(r['error'])} | | | | | {' '.join(r['overrides'])} |")
+            continue
+        lines.append(
+            f"| {r['variant']} | {cell(r['tokens_per_s'], ',.0f')} | {cell(r['mfu'], '.1%')} | {cell(r['step_time_s'], '.3f')} | "
+            f"{cell(r['peak_mem_gib'], '.1f')} | {cell(r['final_loss'], '.3f')} | {' '.join(r['overrides'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def device_name() -> str:
+    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu', torch.__version__)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return proc.stdout.strip() or platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="llama1b_bench")
+    parser.add_argument("--base", nargs="*", default=[], help="overrides for every variant")
+    parser.add_argument("--variants", nargs="*", default=DEFAULT, choices=sorted(VARIANTS))
+    parser.add_argument("--out", type=Path, required=True, help="output stem: writes OUT.json and OUT.md")
+    args = parser.parse_args()
+
+    runs_dir = args.out.parent / f"{args.out.name}-runs"
+    results = [run_variant(args.recipe, args.base, VARIANTS[v], runs_dir, v) for v in args.variants]
+    stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    command = " ".join(["python", "scripts/bench_variants.py", *sys.argv[1:]])
+    meta = {"recipe": args.recipe, "device": device_name(), "date": stamp, "command": command}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+    header = f"# {args.recipe} on {meta['device']}\n\n{stamp}\n\n`{command}`"
+    args.out.with_suffix(".md").write_text(markdown(results, header))
+    sys.stdout.write(markdown(results, header))
+
+
+if __name__ == "__main__":
+    main()
