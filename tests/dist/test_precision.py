@@ -31,7 +31,8 @@ FSDP2 = ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2)
 BF16 = PrecisionConfig(name="bf16", compute_dtype="bf16")
 FP16 = PrecisionConfig(name="fp16", compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
 FP8 = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True, fp8_recipe="tensorwise")
-TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp8": 2e-2}
+TP2 = ShardingConfig(name="tp", strategy="none", tp=2)
+TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp8": 2e-2, "fp8_tp": 2e-2}
 FP32_NOISE = 1e-6
 
 
@@ -58,6 +59,8 @@ def runs(root, data_cache):
         "bf16": train_and_check(root, tiny(data_cache, "bf16-fsdp", BF16, FSDP2, nproc=2), 2),
         "fp16": train_and_check(root, tiny(data_cache, "fp16-single", FP16), None),
         "fp8": train_and_check(root, tiny(data_cache, "fp8-fsdp", FP8, FSDP2, nproc=2), 2),
+        # Float8Linear sharded by tensor parallelism (2 ranks, dp 1: each sees the whole batch of 4).
+        "fp8_tp": train_and_check(root, replace(tiny(data_cache, "fp8-tp", FP8), sharding=TP2), 2),
     }
 
 
@@ -79,13 +82,13 @@ def decreases(losses: list[float]) -> bool:
     return sum(losses[-5:]) / 5 < 0.95 * sum(losses[:5]) / 5
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp8", "fp8_tp"])
 def test_reduced_precision_tracks_fp32(fp32, runs, kind):
     difference = max_relative_difference(series(runs[kind], "loss"), series(fp32, "loss"))
     assert FP32_NOISE < difference <= TOLERANCE[kind], difference
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp8", "fp8_tp"])
 def test_reduced_precision_loss_decreases(runs, kind):
     assert decreases(series(runs[kind], "loss"))
 
@@ -104,6 +107,14 @@ def test_fp8_converts_every_block_linear_but_the_output(runs):
     linears = 7 * TINY.n_layers  # wq wk wv wo w1 w2 w3, all 16-aligned in TINY
     expected = f"float8: {linears} of {linears + 1} Linear layers converted (recipe tensorwise, fsdp float8 all-gather True)"
     assert expected in log
+
+
+def test_fp8_over_tensor_parallel_converts_before_sharding(runs):
+    # Converted on the full-size meta model, then each Float8Linear is sharded by TP.
+    for rank in (0, 1):
+        log = (runs["fp8_tp"] / "logs" / f"rank{rank}.log").read_text()
+        assert f"float8: {7 * TINY.n_layers} of {7 * TINY.n_layers + 1} Linear layers converted" in log
+        assert "tensor parallel x2" in log
 
 
 def test_injected_overflow_skips_exactly_that_step(injected):

@@ -112,11 +112,32 @@ def test_missing_torchao_is_one_line_naming_the_key_and_the_extra(monkeypatch):
         apply_float8(build_model(SMALL, "meta"), PrecisionConfig(compute_dtype="bf16", fp8=True), fsdp=False)
 
 
-def test_every_precision_runs_but_float8_over_tensor_parallel():
+def test_every_precision_runs_with_tensor_parallel():
     from trainctl.config.schema import ShardingConfig
     from trainctl.plan.support import unsupported
 
     fp8 = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True)
     assert unsupported(ShardingConfig(), fp8) == unsupported(ShardingConfig(), FP16) == []
-    (line,) = unsupported(ShardingConfig(tp=2), fp8)
-    assert line.startswith("precision.fp8=true: float8 with sharding.tp=2 is not implemented")
+    assert unsupported(ShardingConfig(tp=2), fp8) == []
+
+
+@pytest.mark.parametrize("exclude", [["output"], ["output", "w2"]])
+def test_tensor_parallel_uses_float8_styles_only_where_every_linear_is_float8(exclude):
+    """torchao's float8 TP styles cast a sub-layer's input to float8: all its Linears must be Float8Linear."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from trainctl.train.tensor_parallel import block_plan
+
+    model = build_model(SMALL, "meta")
+    precision = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True, fp8_exclude=exclude)
+    apply_float8(model, precision, fsdp=False)
+    plan = block_plan(model.layers["0"], float8_tensorwise=True)
+    assert type(plan["attention.wq"]) is Float8ColwiseParallel
+    assert type(plan["attention.wo"]) is Float8RowwiseParallel
+    mlp_float8 = "w2" not in exclude
+    assert (type(plan["feed_forward.w1"]) is Float8ColwiseParallel) == mlp_float8
+    assert type(plan["feed_forward.w2"]) is (Float8RowwiseParallel if mlp_float8 else RowwiseParallel)
+    # Without the tensorwise recipe (or off CUDA) the plain styles shard the Float8Linear as is.
+    plain = block_plan(model.layers["0"], float8_tensorwise=False)
+    assert type(plain["attention.wq"]) is ColwiseParallel

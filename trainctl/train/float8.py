@@ -1,9 +1,9 @@
 """torchao float8 training: eligible nn.Linear layers become Float8Linear, on top of bf16.
 
 torchao is an optional dependency (`pip install 'trainctl[fp8]'`), imported only when
-`precision.fp8` is on. Conversion runs on the meta-device model after tensor parallelism
-(Float8Linear must see the TP layout) and before activation checkpointing, compile and
-FSDP2 (which wrap or shard the converted modules).
+`precision.fp8` is on. Conversion runs on the meta-device model before tensor parallelism
+(TP then shards each Float8Linear, with torchao's float8 styles for the tensorwise recipe) and
+before activation checkpointing, compile and FSDP2 (which wrap or shard the converted modules).
 
 A Linear stays in bf16 when its name contains one of `precision.fp8_exclude` (the output
 layer is sensitive to fp8 rounding) or when its in/out features are not multiples of 16

@@ -2,8 +2,10 @@
 
 The order matters and is the same as torchtitan's:
   pipeline split (first: later steps see only this stage's layers)
+  -> float8 (swaps Linears for torchao Float8Linear; before TP, so that TP can use torchao's
+     float8 styles and shard the Float8Linear itself -- converting already-sharded Linears
+     would drop TP's input/output hooks)
   -> tensor parallel (swaps Linear weights for DTensors on the tp mesh)
-  -> float8 (swaps Linears for float8 ones; must see the TP layout)
   -> activation checkpointing (wraps blocks; must wrap what FSDP will shard)
   -> compile (per block, around the checkpointed block)
   -> FSDP2 fully_shard (per block, then the root)
@@ -114,9 +116,11 @@ def parallelize(
     """Apply the parallelisms in the fixed order above to a meta-device model; returns it materialized."""
     check_supported(sharding, precision)
     # pipeline split: done before, by pipeline.build_pipeline (each stage's part comes here).
-    if sharding.tp > 1:
-        apply_tp(model, mesh["tp"])
     apply_float8(model, precision, uses_fsdp(sharding.strategy))
+    if sharding.tp > 1:
+        # float8 activations in TP collectives: tensorwise recipe only, and NCCL (gloo has no float8 dtypes).
+        float8_collectives = precision.fp8 and precision.fp8_recipe == "tensorwise" and device.type == "cuda"
+        apply_tp(model, mesh["tp"], float8_tensorwise=float8_collectives)
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
