@@ -4,16 +4,14 @@ The parts keep the full model's parameter names, start from the same weights (in
 depend on the split), and chained together compute the same logits.
 """
 
-from dataclasses import replace
 
 import pytest
 import torch
 
-from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig
 from trainctl.models.llama import build_model
 from trainctl.plan.support import unsupported
-from trainctl.train.errors import WorkerConfigError
-from trainctl.train.pipeline import build_stage_model, check_pipeline_options, local_stage_ids, stage_layers
+from trainctl.train.pipeline import build_stage_model, local_stage_ids, stage_layers
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=32)
 
@@ -78,19 +76,6 @@ def test_init_still_depends_on_the_seed():
     assert not torch.equal(a.layers["2"].feed_forward.w1.weight, b.layers["2"].feed_forward.w1.weight)
     assert not torch.equal(a.tok_embeddings.weight, b.tok_embeddings.weight)
 
-
-
-@pytest.mark.parametrize(("model", "sharding", "train", "precision", "key"), [
-    (replace(CFG, tie_embeddings=True), ShardingConfig(pp=2), TrainConfig(), PrecisionConfig(), "model.tie_embeddings=true"),
-    (CFG, ShardingConfig(pp=2, pp_schedule="interleaved_zero_bubble", pp_stages_per_rank=2), TrainConfig(compile=True),
-     PrecisionConfig(), "train.compile=true"),
-    (CFG, ShardingConfig(pp=2), TrainConfig(), PrecisionConfig(loss_scaling=True), "precision.loss_scaling=true"),
-])
-def test_what_a_split_model_cannot_do_is_refused_naming_the_key(model, sharding, train, precision, key):
-    with pytest.raises(WorkerConfigError, match=key.replace(".", r"\.")) as error:
-        check_pipeline_options(model, sharding, train, precision)
-    assert "\n" not in str(error.value)
-    check_pipeline_options(CFG, ShardingConfig(pp=2), TrainConfig(compile=True), PrecisionConfig())  # fine
 
 
 def test_pipeline_is_supported_except_under_zero1():

@@ -38,7 +38,6 @@ from torch.distributed.pipelining import (
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.models.llama import Llama, build_model
-from trainctl.train.errors import WorkerConfigError
 from trainctl.train.parallelize import parallelize
 from trainctl.train.precision import autocast_context
 
@@ -111,25 +110,6 @@ def normalized_token_loss(logits: torch.Tensor, targets: torch.Tensor, rank_toke
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / rank_tokens
 
 
-def check_pipeline_options(cfg: ModelConfig, sharding: ShardingConfig, train: TrainConfig, precision: PrecisionConfig) -> None:
-    """Refuse what a split model cannot do (one line naming the key)."""
-    if train.compile and sharding.pp_schedule == "interleaved_zero_bubble":
-        # Its split input/weight backward does not support compiled modules (torch 2.11-2.13 raise).
-        raise WorkerConfigError(
-            "train.compile=true: sharding.pp_schedule=interleaved_zero_bubble cannot run compiled blocks; "
-            "set train.compile=false or use sharding.pp_schedule=interleaved_1f1b"
-        )
-    if precision.loss_scaling:
-        raise WorkerConfigError(
-            "precision.loss_scaling=true: fp16 loss scaling is not implemented with sharding.pp > 1; use precision=bf16 or sharding.pp=1"
-        )
-    if cfg.tie_embeddings:
-        raise WorkerConfigError(
-            "model.tie_embeddings=true: with sharding.pp > 1 the embedding and the output head live on different stages; "
-            "set model.tie_embeddings=false or sharding.pp=1"
-        )
-
-
 def build_pipeline(
     model_cfg: ModelConfig,
     mesh: DeviceMesh,
@@ -139,7 +119,6 @@ def build_pipeline(
     device: torch.device,
 ) -> Pipeline:
     """Split the model into this rank's stages, parallelize and materialize each, and build the schedule."""
-    check_pipeline_options(model_cfg, sharding, train, precision)
     pp_mesh = mesh["pp"]
     group = pp_mesh.get_group()
     n_stages = sharding.pp * sharding.pp_stages_per_rank
