@@ -38,7 +38,8 @@ FP32_NOISE = 1e-6
 
 def tiny(cache, name: str, precision: PrecisionConfig, sharding: ShardingConfig = ShardingConfig(), nproc: int = 1, **train):
     """dim 64, 2 layers, seq 32, global batch 4: reduced-precision matmuls are slow on CPU."""
-    cfg = base_config(cache, steps=STEPS, seq_len=32, global_batch=4, micro_batch=4 // nproc, **train)
+    train = {"micro_batch": 4 // nproc, **train}
+    cfg = base_config(cache, steps=STEPS, seq_len=32, global_batch=4, **train)
     return replace(cfg, name=name, precision=precision, sharding=sharding)
 
 
@@ -62,6 +63,27 @@ def runs(root, data_cache):
         # Float8Linear sharded by tensor parallelism (2 ranks, dp 1: each sees the whole batch of 4).
         "fp8_tp": train_and_check(root, replace(tiny(data_cache, "fp8-tp", FP8), sharding=TP2), 2),
     }
+
+
+PP2 = ShardingConfig(name="pp", strategy="none", pp=2, pp_schedule="1f1b")
+
+
+@pytest.fixture(scope="module")
+def fp16_pipeline(root, data_cache):
+    """fp16 over 2 pipeline stages (the schedule's loss function applies the scale); inf injected at one step."""
+    cfg = replace(tiny(data_cache, "fp16-pp", FP16, micro_batch=2, grad_accum=2), sharding=PP2)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRAINCTL_TEST_INJECT_INF_STEP", str(INJECT_STEP))
+        return train_and_check(root, cfg, 2)
+
+
+def test_fp16_pipeline_tracks_fp32_and_skips_the_injected_overflow(fp32, fp16_pipeline):
+    skipped = series(fp16_pipeline, "skipped_steps")
+    assert skipped == [0] * INJECT_STEP + [1] * (STEPS - INJECT_STEP)  # both stages skipped that step
+    losses, reference = series(fp16_pipeline, "loss"), series(fp32, "loss")
+    # Up to the skipped step the curve is fp32's within fp16 tolerance; after it, training goes on.
+    assert max_relative_difference(losses[:INJECT_STEP] + reference[INJECT_STEP:], reference) <= TOLERANCE["fp16"]
+    assert decreases(losses)
 
 
 @pytest.fixture(scope="module")

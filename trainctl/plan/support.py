@@ -1,7 +1,7 @@
 """What the worker implements today, checked without torch.
 
 Valid configs the worker cannot run yet (context parallelism,
-zero1 over tp or pp, fp16 over pp) are listed here once: the plan shows them as warnings, `launch`
+zero1 over tp or pp) are listed here once: the plan shows them as warnings, `launch`
 refuses them before anything is submitted, and the worker refuses them at startup.
 """
 
@@ -18,7 +18,5 @@ def unsupported(sharding: ShardingConfig, precision: PrecisionConfig) -> list[st
         (sharding.strategy == "zero1" and sharding.tp > 1, f"sharding.strategy=zero1: optimizer-state sharding over sharding.tp={sharding.tp} is not implemented in the worker yet; use sharding=zero2 or sharding=fsdp with tp"),
         # zero1 keeps DDP for the gradients, and DDP's reducer breaks under a pipeline schedule.
         (sharding.strategy == "zero1" and sharding.pp > 1, f"sharding.strategy=zero1: optimizer-state sharding with sharding.pp={sharding.pp} is not implemented in the worker yet; use sharding=zero2 or sharding=fsdp with pp"),
-        # The pipeline's loss function would have to apply the scale; not done yet.
-        (precision.loss_scaling and sharding.pp > 1, f"precision.loss_scaling=true: fp16 loss scaling with sharding.pp={sharding.pp} is not implemented in the worker yet; use precision=bf16 or sharding.pp=1"),
     ]
     return [message for wanted, message in later if wanted]

@@ -62,8 +62,12 @@ class NoLossScaling:
 class DynamicLossScaler:
     """A torch GradScaler plus the bookkeeping the loop logs: current scale, skipped steps."""
 
-    def __init__(self, scaler: GradScaler, init_scale: float, inject_inf_step: int | None = None):
+    def __init__(self, scaler: GradScaler, init_scale: float, inject_inf_step: int | None = None, device: torch.device | None = None):
         self.scaler = scaler
+        if device is not None:
+            # GradScaler creates its scale tensor on the first scale(); a pipeline stage without the
+            # loss never calls it, yet unscales and steps like every rank. Create it now.
+            scaler.scale(torch.ones((), device=device))
         self.loss_scale = init_scale
         self.skipped_steps = 0
         self.steps_run = 0
@@ -114,4 +118,4 @@ def build_loss_scaler(precision: PrecisionConfig, device: torch.device) -> NoLos
         scaler = ShardedGradScaler(device=device.type, init_scale=precision.init_scale, process_group=dist.group.WORLD)
     else:
         scaler = GradScaler(device.type, init_scale=precision.init_scale)
-    return DynamicLossScaler(scaler, precision.init_scale, injected_inf_step())
+    return DynamicLossScaler(scaler, precision.init_scale, injected_inf_step(), device)

@@ -66,6 +66,7 @@ class Pipeline:
     # A fresh autocast context per schedule call. It spans the backward passes the schedule
     # runs too: harmless, since backward ops run in the dtypes their forward ops chose.
     autocast: Callable[[], contextlib.AbstractContextManager]
+    loss_fn: StageLoss  # the last stage's loss; holds the unscaled microbatch losses of the last call
 
 
 def stage_layer_counts(n_layers: int, n_stages: int, pp_layers: list[int]) -> list[int]:
@@ -110,6 +111,29 @@ def normalized_token_loss(logits: torch.Tensor, targets: torch.Tensor, rank_toke
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / rank_tokens
 
 
+class StageLoss:
+    """The last stage's loss function: `normalized_token_loss`, times the fp16 loss scale if any.
+
+    The schedule calls backward on what this returns, so scaling here scales every stage's
+    gradients (the optimizer step then unscales them as in the unsplit loop). The unscaled
+    values are kept in call order for reporting; `take()` hands them over and resets.
+    """
+
+    def __init__(self, rank_tokens: int, scale_loss: Callable[[torch.Tensor], torch.Tensor]):
+        self.rank_tokens = rank_tokens
+        self.scale_loss = scale_loss
+        self.unscaled: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = normalized_token_loss(logits, targets, self.rank_tokens)
+        self.unscaled.append(loss.detach())
+        return self.scale_loss(loss)
+
+    def take(self) -> list[torch.Tensor]:
+        values, self.unscaled = self.unscaled, []
+        return values
+
+
 def build_pipeline(
     model_cfg: ModelConfig,
     mesh: DeviceMesh,
@@ -117,6 +141,7 @@ def build_pipeline(
     train: TrainConfig,
     precision: PrecisionConfig,
     device: torch.device,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> Pipeline:
     """Split the model into this rank's stages, parallelize and materialize each, and build the schedule."""
     pp_mesh = mesh["pp"]
@@ -131,16 +156,17 @@ def build_pipeline(
         parts.append(part)
         stages.append(PipelineStage(part, stage_id, n_stages, device, group=group))
     rank_tokens = train.grad_accum * train.micro_batch * train.seq_len
+    loss_fn = StageLoss(rank_tokens, scale_loss)
     schedule_cls = SCHEDULES[sharding.pp_schedule]
     schedule = schedule_cls(
         stages if sharding.pp_schedule in MULTI_STAGE else stages[0],
         n_microbatches=train.grad_accum,
-        loss_fn=partial(normalized_token_loss, rank_tokens=rank_tokens),
+        loss_fn=loss_fn,
         # Our loss is already normalized over the whole step: the schedule must not divide again.
         scale_grads=False,
     )
     return Pipeline(schedule, nn.ModuleList(parts), group, 0 in stage_ids, n_stages - 1 in stage_ids,
-                    train.grad_accum, rank_tokens, device, partial(autocast_context, precision, sharding.strategy, device))
+                    train.grad_accum, rank_tokens, device, partial(autocast_context, precision, sharding.strategy, device), loss_fn)
 
 
 def _run_schedule(pipeline: Pipeline, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -149,10 +175,14 @@ def _run_schedule(pipeline: Pipeline, run, micro_batches: list[tuple[torch.Tenso
     targets = torch.cat([targets for _, targets in micro_batches]).to(pipeline.device, non_blocking=True)
     args = (inputs,) if pipeline.is_first else ()
     losses: list[torch.Tensor] = []
+    pipeline.loss_fn.take()  # drop calls made outside a schedule step (e.g. while the stages initialize)
     # Outputs are not needed (the loss is computed inside): do not keep the merged logits.
     with pipeline.autocast():
         run(*args, target=targets if pipeline.is_last else None, losses=losses, return_outputs=False)
-    return losses
+    # The schedule reports one (scaled) loss per microbatch; ours are the same values unscaled,
+    # in the same order, as the last calls of the loss function.
+    unscaled = pipeline.loss_fn.take()
+    return unscaled[len(unscaled) - len(losses):]
 
 
 def sum_over_stages(value: torch.Tensor, pipeline: Pipeline) -> torch.Tensor:

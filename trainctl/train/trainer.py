@@ -209,10 +209,11 @@ def build_data(cfg: RunConfig, mesh, world: D.World) -> tuple[TokenBatches, Toke
     return TokenBatches(cfg.data, "train", **common), TokenBatches(cfg.data, "val", **common)
 
 
-def build_parallel_model(cfg: RunConfig, mesh, device: torch.device) -> tuple[nn.Module, Pipeline | None]:
+def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> tuple[nn.Module, Pipeline | None]:
     """The parallelized model; with pp > 1, this rank's stages (their parts in a ModuleList) and the schedule."""
     if cfg.sharding.pp > 1:
-        pipeline = build_pipeline(cfg.model, mesh, cfg.sharding, cfg.train, cfg.precision, device)
+        # The schedule runs backward itself: its loss function applies the fp16 loss scale.
+        pipeline = build_pipeline(cfg.model, mesh, cfg.sharding, cfg.train, cfg.precision, device, scaler.scale)
         return pipeline.parts, pipeline
     return parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, device), None
 
@@ -225,7 +226,8 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     D.seed_everything(cfg.train.seed)
     s = cfg.sharding
     mesh = D.build_mesh(ParallelDims(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.pp), world.device)
-    model, pipeline = build_parallel_model(cfg, mesh, world.device)
+    scaler = build_loss_scaler(cfg.precision, world.device)
+    model, pipeline = build_parallel_model(cfg, mesh, world.device, scaler)
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(s.strategy, mesh))
     register_float8_scale_precompute(optimizer, model, cfg.precision, uses_fsdp(s.strategy))
     train_data, val_data = build_data(cfg, mesh, world)
@@ -233,7 +235,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {s.strategy}, "
            f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x dp", world.is_main)
     return Job(cfg, world, model, optimizer, train_data, val_data, metrics, device_peak_flops(world.device, cfg.precision.compute_dtype),
-               build_loss_scaler(cfg.precision, world.device), pipeline=pipeline)
+               scaler, pipeline=pipeline)
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:
