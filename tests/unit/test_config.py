@@ -256,40 +256,27 @@ def test_every_model_but_tiny_has_a_published_count():
     assert set(list_options("model")) - {"tiny"} == set(PUBLISHED_PARAMS)
 
 
-def test_interleaved_schedule_needs_several_stages_per_rank():
-    problems = _problems(["recipe=llama70b_3d", "sharding.pp_stages_per_rank=1"])
-    assert any(p.startswith("sharding.pp_stages_per_rank=1") for p in problems)
+# (overrides, how the one problem about them starts, a fragment it must also name)
+SINGLE_PROBLEMS = [
+    (["recipe=llama70b_3d", "sharding.pp_stages_per_rank=1"], "sharding.pp_stages_per_rank=1", "interleaved"),
+    (["recipe=tiny_3d_cpu", "train.global_batch=2", "train.micro_batch=1"], "train.grad_accum=1", "sharding.pp=2"),
+    (["recipe=tiny_cpu", "sharding.cp=2", "sharding.dp_replicate=1"], "sharding.cp=2", "cluster.device=cpu"),
+    (["precision=fp16", "precision.loss_scaling=false"], "precision.loss_scaling=false", "fp16"),
+    (["recipe=tiny_3d_cpu", "model.tie_embeddings=true"], "model.tie_embeddings=true", "pipeline"),
+    (["recipe=llama2_13b_pp", "train.compile=true"], "train.compile=true", "interleaved_zero_bubble"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "start", "fragment"), SINGLE_PROBLEMS, ids=[p[1] for p in SINGLE_PROBLEMS])
+def test_pipeline_precision_and_cp_rules(overrides, start, fragment):
+    problems = _problems(overrides)
+    assert any(p.startswith(start) and fragment in p for p in problems), problems
 
 
 def test_pipeline_layer_split_must_cover_the_model():
     problems = _problems(["recipe=tiny_3d_cpu", "sharding.pp_layers=[1,2]"])
     assert any(p.startswith("sharding.pp_layers=[1, 2]") and "n_layers=4" in p for p in problems)
     resolve(compose(["recipe=tiny_3d_cpu", "sharding.pp_layers=[1,3]"]))  # a valid uneven split
-
-
-def test_pipeline_needs_enough_microbatches():
-    problems = _problems(["recipe=tiny_3d_cpu", "train.global_batch=2", "train.micro_batch=1"])
-    assert any(p.startswith("train.grad_accum=1") and "sharding.pp=2" in p for p in problems)
-
-
-def test_context_parallel_needs_cuda():
-    problems = _problems(["recipe=tiny_cpu", "sharding.cp=2", "sharding.dp_replicate=1"])
-    assert any(p.startswith("sharding.cp=2") and "cluster.device=cpu" in p for p in problems)
-
-
-def test_fp16_needs_loss_scaling():
-    problems = _problems(["precision=fp16", "precision.loss_scaling=false"])
-    assert any(p.startswith("precision.loss_scaling=false") for p in problems)
-
-
-def test_pipeline_refuses_tied_embeddings():
-    problems = _problems(["recipe=tiny_3d_cpu", "model.tie_embeddings=true"])
-    assert any(p.startswith("model.tie_embeddings=true") for p in problems)
-
-
-def test_zero_bubble_refuses_compiled_blocks():
-    problems = _problems(["recipe=llama2_13b_pp", "train.compile=true"])
-    assert any(p.startswith("train.compile=true") and "interleaved_zero_bubble" in p for p in problems)
 
 
 def test_fp16_with_pipeline_is_supported():
