@@ -190,7 +190,7 @@ def evaluate(job: Job) -> float:
                 totals[0] += token_loss_sum(job.model, inputs, targets).double()
             totals[1] += targets.numel()
     job.model.train()
-    # Ranks that share data (tp, later) add equal copies to both sums: the ratio is unchanged.
+    # Ranks that share data (tp, pp) add equal copies to both sums: the ratio is unchanged.
     if dist.get_world_size() > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
