@@ -28,6 +28,9 @@ AC_MODES = ("none", "full", "selective", "op")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 WANDB_MODES = ("online", "offline", "disabled")
 FP8_RECIPES = ("tensorwise", "rowwise")
+LOAD_ONLY = ("all", "model", "model_optim")
+NONFINITE_POLICIES = ("stop", "skip")
+SPIKE_POLICIES = ("off", "warn", "skip")
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,30 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Distributed checkpoints under RUN_DIR/checkpoints/step-NNNNNNNN, committed atomically."""
+
+    every: int = 0  # save every N optimizer steps; 0: only at the end and on a stop request
+    keep_last: int = 2  # committed checkpoints kept (>= 2); older ones pruned after a newer commit
+    save_final: bool = True  # save after the last step
+    async_save: bool = False  # write in the background while the loop continues
+    resume: str = "auto"  # auto: newest valid checkpoint of this run | never | a checkpoint or run directory
+    load_only: str = "all"  # resume from a path: all | model | model_optim (a fresh run otherwise)
+
+
+@dataclass(frozen=True)
+class GuardsConfig:
+    """What the loop does with bad numbers, agreed across ranks before the optimizer step."""
+
+    nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm
+    max_consecutive_skips: int = 3  # skip: stop after this many skipped steps in a row
+    spike: str = "off"  # off | warn | skip: loss-spike detector (robust z-score over a window)
+    spike_window: int = 50  # steps of loss history for the median and MAD
+    spike_zscore: float = 6.0  # a loss this many robust deviations above the median is a spike
+    inject_nan_step: int = -1  # testing: make the loss NaN at this step (-1: never)
+
+
+@dataclass(frozen=True)
 class WandbConfig:
     mode: str = "disabled"  # online | offline | disabled
     project: str = "trainctl"
@@ -190,6 +217,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
 
 
 GROUPS = ("model", "precision", "sharding", "schedule", "optim", "cluster", "data")

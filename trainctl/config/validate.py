@@ -67,6 +67,9 @@ def check_choices(cfg: s.RunConfig) -> list[str]:
         + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing, s.AC_MODES)
         + _choice("sharding.pp_schedule", cfg.sharding.pp_schedule, s.PP_SCHEDULES)
         + _choice("logging.wandb.mode", cfg.logging.wandb.mode, s.WANDB_MODES)
+        + _choice("checkpoint.load_only", cfg.checkpoint.load_only, s.LOAD_ONLY)
+        + _choice("guards.nonfinite", cfg.guards.nonfinite, s.NONFINITE_POLICIES)
+        + _choice("guards.spike", cfg.guards.spike, s.SPIKE_POLICIES)
         + ([] if not cfg.cluster.gpu or cfg.cluster.gpu in GPUS else _choice("cluster.gpu", cfg.cluster.gpu, ("", *GPUS)))
     )
 
@@ -113,7 +116,14 @@ def check_ranges(cfg: s.RunConfig) -> list[str]:
         + _within("cluster.rdzv_port", c.rdzv_port, 1, 65535)
         + _at_least("sharding.pp_stages_per_rank", cfg.sharding.pp_stages_per_rank, 1)
         + _positive("precision.init_scale", cfg.precision.init_scale)
+        + _at_least("checkpoint.every", cfg.checkpoint.every, 0, "0 saves only at the end and on a stop request")
+        + _at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 2, "the newest checkpoint may be damaged; keep one to fall back on")
+        + _at_least("guards.max_consecutive_skips", cfg.guards.max_consecutive_skips, 1)
+        + _at_least("guards.spike_window", cfg.guards.spike_window, 5, "the median and MAD need a few steps of history")
+        + _positive("guards.spike_zscore", cfg.guards.spike_zscore)
     )
+    if not cfg.checkpoint.resume:
+        problems.append("checkpoint.resume='': use auto (newest checkpoint of this run), never, or a checkpoint/run directory")
     if t.eval_every > 0:
         problems += _positive("train.eval_batches", t.eval_batches)
     if t.steps > 0 and sch.warmup_steps >= t.steps:
