@@ -133,6 +133,24 @@ def launch(
     raise typer.Exit(code)
 
 
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="The run directory.", show_default=False),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints (default: newest).", show_default=False),
+    out_dir: Path = typer.Option(None, "--out", help="Output folder (default: RUN/export/step-NNNNNNNN).", show_default=False),
+    max_shard_size: str = typer.Option(None, "--max-shard-size", help="Bytes per file before sharding (e.g. 5000000000, 5GB).", show_default=False),
+) -> None:
+    """Write a checkpoint's model as safetensors.  Example: trainctl export runs/tiny_cpu-20250101-120000"""
+    import subprocess
+
+    # The exporter imports torch: a child process keeps this side of the wall torch-free.
+    args = [sys.executable, "-m", "trainctl.models.export", str(run)]
+    for flag, value in (("--checkpoint", checkpoint), ("--out", out_dir), ("--max-shard-size", max_shard_size)):
+        if value is not None:
+            args += [flag, str(value)]
+    raise typer.Exit(subprocess.run(args).returncode)
+
+
 def _report(problems: list[str]) -> None:
     for line in problems:
         err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
