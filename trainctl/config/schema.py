@@ -31,6 +31,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 LOAD_ONLY = ("all", "model", "model_optim")
 NONFINITE_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("off", "warn", "skip")
+PREEMPTION_SIGNALS = ("SIGUSR2", "SIGUSR1", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,24 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class PreemptionConfig:
+    """Slurm: the early-warning signal before the time limit, and requeueing.
+
+    SIGUSR2 by default: SIGTERM is what Slurm itself sends when it ends a job (scancel,
+    preemption, the time limit), with only KillWait seconds to go, so it cannot also be the
+    early warning; SIGUSR1 is used by NCCL. The signal is sent to every job step (not `B:`,
+    which reaches only the batch shell), where torchrun forwards it to its workers.
+    """
+
+    signal: str = "SIGUSR2"  # one of PREEMPTION_SIGNALS
+    lead_s: int = 120  # seconds before the time limit; 0: no early signal (Slurm rounds to ~60 s)
+    requeue: bool = True  # sbatch --requeue: the job may go back to the queue (preemption, node failure)
+    max_requeues: int = 3  # an attempt after this many requeues stops instead of training
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
-    """Where the workers run and how many there are."""
+    """Where the workers run and how many there are; the Slurm keys are used only by cluster=slurm."""
 
     name: str = "local"
     launcher: str = "local"  # local | slurm
@@ -123,10 +140,20 @@ class ClusterConfig:
     partition: str = ""
     account: str = ""
     qos: str = ""
-    time_limit: str = "01:00:00"
-    max_restarts: int = 0
+    time_limit: str = "01:00:00"  # sbatch --time: MM, HH:MM:SS, D-HH:MM:SS, ...
+    max_restarts: int = 0  # torchrun --max-restarts (whole-group restarts after a worker failure)
     rdzv_port: int = 29500
     cpu_threads: int = 0  # torch threads per CPU worker; 0: cores / procs_per_node
+    gpus_per_node: int = -1  # -1: procs_per_node on cuda, 0 on cpu
+    cpus_per_task: int = 0  # CPUs of the one task per node; 0: cpu_threads x procs, else the node if exclusive, else procs
+    mem: str = ""  # sbatch --mem per node (64G, 0 = all of it); "": the partition's default
+    constraint: str = ""  # sbatch --constraint (node features)
+    exclusive: bool = False  # whole nodes
+    job_name: str = ""  # "": the run directory's name
+    extra_directives: list[str] = field(default_factory=list)  # each becomes `#SBATCH <line>`, e.g. --reservation=x
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load, ...), verbatim
+    env: dict[str, str] = field(default_factory=dict)  # exported in the job, values quoted
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
 
 @dataclass(frozen=True)
@@ -241,6 +268,8 @@ def structured_schema() -> DictConfig:
     """The schema as a typed, writable OmegaConf node (struct mode: unknown keys fail)."""
     node = OmegaConf.structured(RunConfig)
     _unfreeze(node)
+    # A user-named map: `cluster.env.NAME=value` adds a key instead of failing as unknown.
+    OmegaConf.set_struct(node.cluster.env, False)
     return node
 
 

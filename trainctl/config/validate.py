@@ -13,6 +13,7 @@ import re
 
 from trainctl.config import schema as s
 from trainctl.config.errors import ConfigError
+from trainctl.config.slurm import check_slurm
 from trainctl.plan.hardware import GPUS
 from trainctl.plan.topology import ParallelDims, infer_dims
 
@@ -20,7 +21,7 @@ from trainctl.plan.topology import ParallelDims, infer_dims
 def resolve(cfg: s.RunConfig) -> s.RunConfig:
     """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train) + check_data(cfg.data, cfg.model)
-    problems += check_cluster(cfg.cluster, cfg.precision) + check_names(cfg) + check_offload(cfg.sharding)
+    problems += check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster) + check_names(cfg) + check_offload(cfg.sharding)
     dims, topo_problems = infer_dims(cfg.sharding, world_size(cfg.cluster))
     problems += topo_problems
     if dims is not None:
