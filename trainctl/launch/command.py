@@ -20,6 +20,14 @@ from trainctl.config.schema import ClusterConfig
 
 WORKER_MODULE = "trainctl.train"
 TORCHRUN_LOG_SUBDIR = "logs/torchrun"
+TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default for --signals-to-handle
+
+
+class Expand(str):
+    """An argument the shell must expand (`${SLURM_NNODES}`); only our own templates are marked so.
+
+    Deciding by content instead would let a path containing `${` and `$(...)` run commands.
+    """
 
 
 def torchrun_prefix(python: str | None = None) -> list[str]:
@@ -48,20 +56,31 @@ def local_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None)
     ]
 
 
-def slurm_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None) -> list[str]:
-    """srun starting one torchrun per node (the sbatch script sets MASTER_ADDR); `${...}` is expanded by the shell."""
+def handled_signals(cluster: ClusterConfig) -> str:
+    """torchrun's --signals-to-handle: its defaults plus the preemption signal, all forwarded to the workers."""
+    names = list(TORCHRUN_DEFAULT_SIGNALS)
+    if cluster.preemption.signal not in names:
+        names.append(cluster.preemption.signal)
+    return ",".join(names)
+
+
+def slurm_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None, srun_options: tuple[str, ...] = ()) -> list[str]:
+    """srun starting one torchrun per node (the sbatch script sets MASTER_ADDR); `Expand` arguments are expanded by the shell."""
     return [
         "srun",
+        "--ntasks-per-node=1",
         "--kill-on-bad-exit=1",
         # Recent Slurm no longer passes the job's CPUs on to srun; without this torchrun and all its workers share one core.
-        "--cpus-per-task=${SLURM_CPUS_ON_NODE}",
+        Expand("--cpus-per-task=${SLURM_CPUS_ON_NODE}"),
+        *srun_options,
         *torchrun_prefix(python),
-        "--nnodes=${SLURM_NNODES}",
-        f"--nproc_per_node={cluster.procs_per_node}",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=${{MASTER_ADDR}}:{cluster.rdzv_port}",
-        "--rdzv_id=${SLURM_JOB_ID}",
-        f"--max_restarts={cluster.max_restarts}",
+        Expand("--nnodes=${SLURM_NNODES}"),
+        f"--nproc-per-node={cluster.procs_per_node}",
+        "--rdzv-backend=c10d",
+        Expand(f"--rdzv-endpoint=${{MASTER_ADDR}}:{cluster.rdzv_port}"),
+        Expand("--rdzv-id=${SLURM_JOB_ID}"),
+        f"--max-restarts={cluster.max_restarts}",
+        f"--signals-to-handle={handled_signals(cluster)}",
         *output_args(run_dir),
         *worker_args(run_dir),
     ]
@@ -82,8 +101,8 @@ def _quote_keeping_vars(arg: str) -> str:
 
 
 def shell_join(argv: list[str]) -> str:
-    """One shell line; arguments containing `${` keep their variables expandable, all others are quoted literally."""
-    return " ".join(_quote_keeping_vars(a) if "${" in a else shlex.quote(a) for a in argv)
+    """One shell line; `Expand` arguments keep their variables expandable, all others are quoted literally."""
+    return " ".join(_quote_keeping_vars(a) if isinstance(a, Expand) else shlex.quote(a) for a in argv)
 
 
 def omp_threads_export(cluster: ClusterConfig, cores: str, keep_user_value: bool) -> str:

@@ -40,8 +40,9 @@ def default_name(cfg: RunConfig, now: datetime | None = None) -> str:
 
 def check_name(name: str) -> None:
     """A run name must be one plain path component (it becomes a directory under runs_dir)."""
-    if not name or "/" in name or "\\" in name or "\0" in name or name.startswith("."):
-        raise LaunchError(f"run name {name!r} is not a plain directory name; use letters, digits, '-', '_' (no '/', not starting with '.')")
+    # Whitespace too: the name lands in #SBATCH lines and script comments, where a newline would start a command.
+    if not name or any(c in name for c in "/\\\0") or any(c.isspace() or not c.isprintable() for c in name) or name.startswith("."):
+        raise LaunchError(f"run name {name!r} is not a plain directory name; use letters, digits, '-', '_' (no '/', no spaces, not starting with '.')")
 
 
 def reserve(runs_dir: Path, base: str) -> Path:

@@ -1,69 +1,186 @@
-"""Slurm: the sbatch script of a run, and its submission.
+"""Slurm: the sbatch script of a run, and its submission (job state, logs, cancel: `slurm_jobs.py`).
 
 One task per node runs torchrun, which starts `procs_per_node` workers; the
-first node of the allocation hosts the c10d rendezvous. CPUs: with
-`cluster.cpu_threads` set we ask for threads x procs CPUs per node, otherwise
-for whole nodes (`--exclusive`), the usual shape of a multi-GPU training job.
-Job status, logs, cancel and preemption are not handled here yet.
+first node of the allocation hosts the c10d rendezvous. CPUs: `cluster.cpus_per_task`,
+else cpu_threads x procs, else the whole node when exclusive, else one per worker.
+
+Quoting: `#SBATCH` lines are read by sbatch, not by a shell, so they cannot be quoted;
+their values are single tokens (validation refuses whitespace, and we check again here).
+Every other value from the config reaches the shell through `shlex.quote`, except
+`cluster.setup`, the one place where the user writes shell on purpose.
+
+Preemption: Slurm sends `cluster.preemption.signal` lead_s seconds before the time limit
+to every job step (not `B:`, which reaches only the batch shell); torchrun forwards it to
+its workers (`--signals-to-handle`). An attempt started after more than `max_requeues`
+requeues stops at once. Checkpoint-and-requeue in the worker is not implemented yet:
+today the signal ends the workers.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
 from datetime import datetime
 from pathlib import Path
 
-from trainctl.config.schema import ClusterConfig, RunConfig
-from trainctl.launch.command import omp_threads_export, shell_join, slurm_argv
+from trainctl.config.schema import ClusterConfig, PreemptionConfig, RunConfig
+from trainctl.config.slurm import cpus_per_task, gpus_per_node
+from trainctl.launch.command import Expand, omp_threads_export, shell_join, slurm_argv
 from trainctl.launch.errors import LaunchError
 
 SBATCH_TIMEOUT_S = 60
+ATTEMPTS_FILE = "slurm-attempts.jsonl"  # one line per attempt start and end, written by the job itself
+SETUP_BEGIN = "# ---- cluster.setup: user shell, kept verbatim (not quoted by trainctl) ----"
+SETUP_END = "# ---- end of cluster.setup ----"
 
 
-def sbatch_directives(cluster: ClusterConfig, job_name: str, run_dir: Path) -> list[str]:
-    """The #SBATCH lines: resources first, then the optional scheduling keys that are set."""
-    lines = [
-        f"--job-name={job_name}",
-        f"--nodes={cluster.nodes}",
-        "--ntasks-per-node=1",
-    ]
-    if cluster.device == "cuda":
-        lines.append(f"--gpus-per-node={cluster.procs_per_node}")
-    if cluster.cpu_threads > 0:
-        lines.append(f"--cpus-per-task={cluster.cpu_threads * cluster.procs_per_node}")
-    else:
+def batch_log(run_dir: Path) -> Path:
+    """The batch script's own output, all attempts appended (`%j` is the job id)."""
+    return run_dir / "logs" / "slurm-%j.out"
+
+
+def attempt_log_name(job_id: str, attempt: int | str) -> str:
+    """The workers' output of one attempt (srun --output): torchrun's messages and local rank 0 of each node."""
+    return f"slurm-{job_id}.{attempt}.out"
+
+
+def _directive_value(what: str, value: str) -> str:
+    # A directive ends at a newline and sbatch splits it at spaces; '%' would be read as a filename pattern.
+    if re.search(r"[\s%]", value):
+        raise LaunchError(f"{what} {value!r} cannot go into an #SBATCH line (whitespace or '%'); choose one without")
+    return value
+
+
+def job_name(cluster: ClusterConfig, run_dir: Path) -> str:
+    return cluster.job_name or run_dir.name
+
+
+def resource_directives(cluster: ClusterConfig) -> list[str]:
+    lines = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1"]
+    gpus = gpus_per_node(cluster)
+    if gpus:
+        lines.append(f"--gpus-per-node={gpus}")
+    cpus = cpus_per_task(cluster)
+    if cpus:
+        lines.append(f"--cpus-per-task={cpus}")
+    if cluster.exclusive:
         lines.append("--exclusive")
+    if cluster.mem:
+        lines.append(f"--mem={cluster.mem}")
     lines.append(f"--time={cluster.time_limit}")
-    for key in ("partition", "account", "qos"):
+    return lines
+
+
+def preemption_directives(p: PreemptionConfig) -> list[str]:
+    # No `B:` prefix: the signal must reach torchrun in every job step, not the idle batch shell.
+    lines = [f"--signal={p.signal.removeprefix('SIG')}@{p.lead_s}"] if p.lead_s > 0 else []
+    lines.append("--requeue" if p.requeue else "--no-requeue")
+    return lines
+
+
+def sbatch_directives(cluster: ClusterConfig, name: str, run_dir: Path) -> list[str]:
+    """The #SBATCH lines: resources, scheduling keys that are set, logs, preemption, then the user's extras."""
+    lines = [f"--job-name={_directive_value('job name', name)}", *resource_directives(cluster)]
+    for key in ("partition", "account", "qos", "constraint"):
         value = getattr(cluster, key)
         if value:
-            lines.append(f"--{key}={value}")
-    lines.append(f"--output={run_dir / 'logs' / 'slurm-%j.out'}")
+            lines.append(f"--{key}={_directive_value(f'cluster.{key}', value)}")
+    lines += [f"--output={_directive_value('run directory', str(run_dir))}/logs/slurm-%j.out", "--open-mode=append"]
+    lines += preemption_directives(cluster.preemption)
+    for extra in cluster.extra_directives:
+        if "\n" in extra or "\r" in extra:
+            raise LaunchError(f"cluster.extra_directives entry {extra!r} spans several lines; one directive per entry")
+        lines.append(extra)
     return [f"#SBATCH {line}" for line in lines]
+
+
+def requeue_guard(p: PreemptionConfig) -> list[str]:
+    """Stop an attempt that comes after more requeues than allowed (Slurm has no per-job cap)."""
+    if not p.requeue:
+        return []
+    return [
+        f'if [ "$ATTEMPT" -gt {p.max_requeues} ]; then',
+        f'  echo "trainctl: job $SLURM_JOB_ID was requeued $ATTEMPT times, more than cluster.preemption.max_requeues={p.max_requeues}; not starting again" >&2',
+        "  exit 1",
+        "fi",
+    ]
+
+
+def environment_lines(cluster: ClusterConfig) -> list[str]:
+    """Our exports, then the user's (which may override ours), every value quoted."""
+    lines = [
+        omp_threads_export(cluster, "$SLURM_CPUS_ON_NODE", keep_user_value=False),
+        "export PYTHONUNBUFFERED=1",
+    ]
+    if cluster.preemption.lead_s > 0:
+        # torchrun gives its workers this long after forwarding a signal before it kills them.
+        lines.append(f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={cluster.preemption.lead_s}")
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in cluster.env.items()]
+    return lines
+
+
+def setup_block(setup: list[str]) -> list[str]:
+    if not setup:
+        return []
+    # Module and conda scripts often read unset variables; `set -u` would kill the job there.
+    return [SETUP_BEGIN, "set +u", *setup, "set -u", SETUP_END]
+
+
+def record_function() -> list[str]:
+    """A shell function appending one JSON line per attempt start and end to RUN_DIR/slurm-attempts.jsonl.
+
+    Slurm forgets finished jobs after MinJobAge and sacct needs accounting, so the run keeps its own record.
+    Every value printed is a number or a Slurm node list: nothing needs JSON escaping.
+    """
+    fmt = '{"event": "%s", "job_id": "%s", "attempt": %s, "nodes": "%s", "exit_code": %s, "time": "%s"}\\n'
+    return [
+        "record() {",
+        f'  printf \'{fmt}\' "$1" "$SLURM_JOB_ID" "$ATTEMPT" "$SLURM_JOB_NODELIST" "${{2:-null}}" "$(date -Iseconds)" >> "$RUN_DIR/{ATTEMPTS_FILE}"',
+        "}",
+    ]
+
+
+def launch_lines(cluster: ClusterConfig, run_dir: Path) -> list[str]:
+    """Head node, the srun line with the attempt's log, and the attempt's records."""
+    srun = shell_join(slurm_argv(cluster, run_dir, srun_options=(Expand("--output=${ATTEMPT_LOG}"), "--open-mode=append")))
+    return [
+        *record_function(),
+        "# The first node of the allocation hosts the rendezvous. No `| head -n 1`: under pipefail,",
+        "# scontrol dying of SIGPIPE after head exits would fail the job.",
+        'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "MASTER_ADDR=${NODES%%$'\\n'*}",
+        "export MASTER_ADDR",
+        f'ATTEMPT_LOG="$RUN_DIR/logs/{attempt_log_name("$SLURM_JOB_ID", "$ATTEMPT")}"',
+        f'echo "trainctl: job $SLURM_JOB_ID attempt $ATTEMPT on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:{cluster.rdzv_port}; workers\' output: $ATTEMPT_LOG"',
+        "record start",
+        "STATUS=0",
+        f"{srun} || STATUS=$?",
+        'record end "$STATUS"',
+        'exit "$STATUS"',
+    ]
 
 
 def render_sbatch(cfg: RunConfig, run_dir: Path, workdir: Path | None = None) -> str:
     """The complete sbatch script for a run whose directory is `run_dir` (absolute paths recommended)."""
     workdir = workdir or Path.cwd()
+    c = cfg.cluster
     return "\n".join(
         [
             "#!/bin/bash",
-            *sbatch_directives(cfg.cluster, run_dir.name, run_dir),
+            *sbatch_directives(c, job_name(c, run_dir), run_dir),
             "",
-            f"# Generated by trainctl for run {run_dir.name}. Submit with: sbatch {shlex.quote(str(run_dir / 'launch.sh'))}",
+            "# Generated by trainctl. Submit again with: sbatch RUN_DIR/launch.sh",
             "set -euo pipefail",
+            f"RUN_DIR={shlex.quote(str(run_dir))}",
+            "ATTEMPT=${SLURM_RESTART_COUNT:-0}  # 0, then 1, 2, ... after each requeue",
+            *requeue_guard(c.preemption),
             f"cd {shlex.quote(str(workdir))}",
-            omp_threads_export(cfg.cluster, "$SLURM_CPUS_ON_NODE", keep_user_value=False),
-            "export PYTHONUNBUFFERED=1",
-            "# The first node of the allocation hosts the rendezvous. No `| head -n 1`: under pipefail,",
-            "# scontrol dying of SIGPIPE after head exits would fail the job.",
-            'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-            "MASTER_ADDR=${NODES%%$'\\n'*}",
-            "export MASTER_ADDR",
-            shell_join(slurm_argv(cfg.cluster, run_dir)),
+            *environment_lines(c),
+            *setup_block(list(c.setup)),
+            *launch_lines(c, run_dir),
             "",
         ]
     )
