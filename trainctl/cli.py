@@ -96,6 +96,74 @@ def plan(
     render_plan(out, run_plan.to_dict())
 
 
+RUNS_DIR = typer.Option(Path("runs"), "--runs-dir", help="Where the runs are (the config's runs_dir).")
+RUN = typer.Argument(..., help="A run directory, or a run name under --runs-dir.", show_default=False)
+
+
+def _step(state) -> str:
+    if state.step is None:
+        return "-"
+    return f"{state.step}/{state.steps}" if state.steps else str(state.step)
+
+
+@app.command("runs")
+def list_runs(runs_dir: Path = RUNS_DIR) -> None:
+    """List runs with their state (Slurm runs from squeue/sacct).  Example: trainctl runs"""
+    from trainctl.launch import runs
+
+    table = Table("run", "launcher", "job", "state", "step", "detail", box=None, header_style="bold")
+    for st in runs.run_states(runs.list_runs(runs_dir)):
+        table.add_row(st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), st.detail)
+    out.print(table)
+
+
+@app.command()
+def status(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
+    """Show one run's state, progress and log.  Example: trainctl status tiny_cpu-20250101-120000"""
+    from trainctl.launch import runs
+
+    run_dir = runs.find_run(run, runs_dir)
+    st = runs.run_state(run_dir)
+    rows = [("run", str(run_dir)), ("launcher", st.launcher or "- (not launched)"), ("job", st.job_id), ("state", st.state),
+            ("detail", st.detail), ("step", _step(st)), ("log", str(runs.log_path(run_dir, None)))]
+    for key, value in rows:
+        if value:
+            out.print(f"{key:9}{value}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def logs(
+    run: str = RUN,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends (Ctrl-C stops following, not the run)."),
+    rank: int = typer.Option(None, "--rank", help="A rank's own log (RUN/logs/rankN.log); default: the workers' output of the newest attempt.", show_default=False),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
+    """Print a run's log.  Example: trainctl logs tiny_cpu-20250101-120000 --follow"""
+    from trainctl.launch import runs
+
+    run_dir = runs.find_run(run, runs_dir)
+    if not follow:
+        path = runs.log_path(run_dir, rank)
+        if not path.is_file():
+            raise UserError([f"{path} does not exist yet (state {runs.run_state(run_dir).state}); try again later or use --follow"])
+        sys.stdout.buffer.write(path.read_bytes())
+        return
+    try:
+        runs.follow(lambda: runs.log_path(run_dir, rank), lambda: runs.run_state(run_dir).active, sys.stdout.buffer)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def cancel(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
+    """Stop a running or pending run (scancel on Slurm).  Example: trainctl cancel tiny_cpu-20250101-120000"""
+    from trainctl.launch import runs
+
+    st = runs.cancel(runs.find_run(run, runs_dir))
+    what = f"Slurm job {st.job_id}" if st.launcher == "slurm" else "the local launch"
+    out.print(f"cancelled {what} of run {st.name} (it was {st.state})")
+
+
 @app.command()
 def launch(
     overrides: list[str] = OVERRIDES,
@@ -125,7 +193,7 @@ def launch(
         from trainctl.launch import slurm
 
         job_id = slurm.submit(run_dir)
-        out.print(f"submitted Slurm job [bold]{job_id}[/]; logs in {run_dir / 'logs'}")
+        out.print(f"submitted Slurm job [bold]{job_id}[/]; follow it with: trainctl logs {run_dir} --follow", soft_wrap=True)
         return
     from trainctl.launch import local
 

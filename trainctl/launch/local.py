@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -104,8 +105,11 @@ def _now() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def write_launch_record(run_dir: Path, started: str, exit_code: int, failure: Failure | None) -> None:
-    record = {"launcher": "local", "start": started, "end": _now(), "exit_code": exit_code}
+def write_launch_record(run_dir: Path, started: str, pid: int, exit_code: int | None = None, failure: Failure | None = None) -> None:
+    """RUN_DIR/launch.json: written at the start (pid and host, for `trainctl status` and `cancel`), again at the end."""
+    record = {"launcher": "local", "start": started, "pid": pid, "host": socket.gethostname()}
+    if exit_code is not None:
+        record.update(end=_now(), exit_code=exit_code)
     if failure is not None:
         record["failure"] = failure.to_dict()
     (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -124,6 +128,7 @@ def run(run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0) -> int
     # A new session puts the child in its own process group: we forward signals to it deliberately,
     # and a Ctrl-C at the terminal reaches only us first.
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    write_launch_record(run_dir, started, proc.pid)
     with forwarding_signals(proc):
         try:
             tail = stream_output(proc.stdout, sink)
@@ -136,5 +141,5 @@ def run(run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0) -> int
     failure = find_failure(tail.decode(errors="replace"), run_dir) if exit_code else None
     if exit_code:
         print(report_failure(failure, exit_code, run_dir), file=sys.stderr, flush=True)
-    write_launch_record(run_dir, started, exit_code, failure)
+    write_launch_record(run_dir, started, proc.pid, exit_code, failure)
     return exit_code

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def main(argv: list[str]) -> int:
         print(f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(run_dir, int(os.environ.get("RANK", 0)))
+    # Which machine each rank ran on: the first thing to know when one node misbehaves.
+    log.info("rank %s of %s on host %s, pid %d", os.environ.get("RANK", 0), os.environ.get("WORLD_SIZE", 1), socket.gethostname(), os.getpid())
     # Imported after logging is set up: torch import warnings land in the rank's log.
     from trainctl.train.data import DataError
     from trainctl.train.errors import WorkerConfigError
