@@ -66,12 +66,12 @@ def test_compile_smoke(root, data_cache, reference):
 
 
 def test_unsupported_option_fails_with_one_line_naming_the_key(root, data_cache):
-    # Context parallelism is still refused by the worker (validate also refuses it on CPU; the run dir here is hand-written).
+    # Context parallelism needs CUDA: the worker re-checks the device (validate refuses it first; this run dir is hand-written).
     cfg = replace(base_config(data_cache, steps=STEPS), name="cp2", sharding=ShardingConfig(name="cp", strategy="none", cp=2))
     run_dir = write_run_dir(root, cfg)
     proc = run_worker(run_dir, 2)
     assert proc.returncode != 0
-    message = "sharding.cp=2: context parallelism is not implemented in the worker yet"
+    message = "sharding.cp=2: context parallelism needs CUDA attention kernels"
     assert message in proc.stderr
     log = (run_dir / "logs" / "rank0.log").read_text()
     error_lines = [line for line in log.splitlines() if " ERROR " in line]

@@ -101,6 +101,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.repeat_kv = False  # context parallelism: copy kv heads up front (see train/context_parallel.py)
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -114,8 +115,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and self.repeat_kv:
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            grouped = False
         # The kv heads are shared by groups of query heads (enable_gqa avoids materializing copies).
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -204,12 +209,17 @@ class Llama(nn.Module):
             with _rng_for("output", seed, device):
                 _normal(self.output.weight, 1 / math.sqrt(self.cfg.dim))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for tokens [batch, seq]; position t sees only tokens <= t."""
+    def forward(self, tokens: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for tokens [batch, seq]; position t sees only tokens <= t.
+
+        freqs: the RoPE rows of the tokens' positions (context parallelism passes its shard);
+        default: positions 0..seq-1.
+        """
         # A pipeline stage may lack the embedding (it receives hidden states) or the head (it returns them).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        freqs = self.freqs if freqs is None else freqs
         for block in self.layers.values():
-            h = block(h, self.freqs)
+            h = block(h, freqs)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

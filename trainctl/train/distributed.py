@@ -105,7 +105,12 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
             f"{dist.get_world_size()} ranks; relaunch from the run plan or fix cluster.nodes x cluster.procs_per_node"
         )
     shape = tuple(getattr(dims, name) for name in MESH_DIMS)
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    if dims.cp > 1:
+        from trainctl.train.context_parallel import flatten_dp_cp
+
+        flatten_dp_cp(mesh)
+    return mesh
 
 
 def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:

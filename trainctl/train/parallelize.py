@@ -11,9 +11,9 @@ The order matters and is the same as torchtitan's:
   -> FSDP2 fully_shard (per block, then the root)
   -> materialize: to_empty + init_weights (every shard inits its own slice)
   -> DDP (last: it needs real weights and broadcasts rank 0's).
-This issue implements TP (tensor_parallel.py), AC, compile, FSDP2 (zero2/zero3/fsdp/hsdp) and DDP
-(over TP: FSDP2 replication, see apply_replicate_over_tp); the rest is
-refused up front by `check_supported` with a one-line message naming the key.
+Context parallelism changes no module except attention's kv heads: it shards each step's
+sequences (context_parallel.py) and joins the cp ranks to data parallelism for gradients.
+What is not implemented is refused up front by `check_supported`, one line naming the key.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.plan.support import unsupported
 from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
+from trainctl.train.context_parallel import expand_kv_heads_for_cp
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import apply_float8
 from trainctl.train.precision import fsdp_mp_policy, uses_fsdp
@@ -51,12 +52,17 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def dp_mesh_for(strategy: str, mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel sub-mesh: replicate dim (ddp), shard dim (fsdp), or both (hsdp)."""
+    """The data-parallel sub-mesh: replicate dim (ddp), shard dim (fsdp), or both (hsdp).
+
+    Under context parallelism the cp ranks hold the same parameters and see different tokens,
+    so they join data parallelism for the gradients (dims flattened by `flatten_dp_cp`).
+    """
+    cp = mesh["cp"].size() > 1
     if strategy == "ddp":
-        return mesh["dp_replicate"]
+        return mesh["dp_cp"] if cp else mesh["dp_replicate"]
     if strategy == "hsdp":
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", "dp_shard_cp"] if cp else mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard_cp"] if cp else mesh["dp_shard"]
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, cpu_offload: bool = False) -> None:
@@ -121,6 +127,8 @@ def parallelize(
         # float8 activations in TP collectives: tensorwise recipe only, and NCCL (gloo has no float8 dtypes).
         float8_collectives = precision.fp8 and precision.fp8_recipe == "tensorwise" and device.type == "cuda"
         apply_tp(model, mesh["tp"], float8_tensorwise=float8_collectives)
+    if sharding.cp > 1:
+        expand_kv_heads_for_cp(model)  # the ring's kernels take equal q and kv head counts
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
