@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainctl.config.schema import RunConfig
 from trainctl.models.llama import build_model
@@ -26,13 +27,14 @@ from trainctl.plan.flops import flops_per_token
 from trainctl.plan.topology import ParallelDims
 from trainctl.train import distributed as D
 from trainctl.train.activations import activation_offload
+from trainctl.train.context_parallel import check_cp_device, cp_mesh_of, rope_rows, sharded_sequences
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
 from trainctl.train.float8 import register_float8_scale_precompute
 from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
 from trainctl.train.memory_stats import memory_record
 from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, lr_at, set_lr, zero1_group
-from trainctl.train.parallelize import check_supported, gradient_sync, parallelize
+from trainctl.train.parallelize import check_supported, gradient_sync, parallelize, unwrap
 from trainctl.train.pipeline import (
     Pipeline,
     build_pipeline,
@@ -60,6 +62,7 @@ class Job:
     peak_flops: float | None
     scaler: NoLossScaling | DynamicLossScaler = field(default_factory=NoLossScaling)  # fp16 loss scaling
     pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule (model: their parts)
+    cp_mesh: DeviceMesh | None = None  # cp > 1: the ranks that share each sequence
 
 
 def train_loop(job: Job) -> dict:
@@ -111,24 +114,34 @@ def tokens_per_step(train) -> int:
     return train.global_batch * train.seq_len
 
 
-def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of one micro-batch (fp32 logits for the softmax)."""
-    logits = model(inputs)
+def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy of one micro-batch (fp32 logits for the softmax).
+
+    With context parallelism, of this rank's slice of the sequences (sharded here, in place).
+    """
+    if cp_mesh is None:
+        logits = model(inputs)
+    else:
+        freqs = rope_rows(unwrap(model), inputs.shape[1])
+        with sharded_sequences(cp_mesh, inputs, targets, freqs):
+            logits = model(inputs, freqs)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
 def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync)."""
     device, precision, strategy = job.world.device, job.cfg.precision, job.cfg.sharding.strategy
-    # Every micro-batch is full (no padding), so the count is known without a device sync.
-    rank_tokens = sum(targets.numel() for _, targets in micro_batches)
+    # Every micro-batch is full (no padding), so the count is known without a device sync;
+    # a cp rank holds 1/cp of each sequence.
+    cp = job.cp_mesh.size() if job.cp_mesh is not None else 1
+    rank_tokens = sum(targets.numel() for _, targets in micro_batches) // cp
     total = torch.zeros((), device=device)
     for index, (inputs, targets) in enumerate(micro_batches):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         last = index == len(micro_batches) - 1
         with gradient_sync(job.model, enabled=last):
             with autocast_context(precision, strategy, device), activation_offload(job.cfg.train.activation_offload, device):
-                loss = token_loss_sum(job.model, inputs, targets) / rank_tokens
+                loss = token_loss_sum(job.model, inputs, targets, job.cp_mesh) / rank_tokens
             job.scaler.scale(loss).backward()
         total += loss.detach()
     return total
@@ -187,10 +200,11 @@ def evaluate(job: Job) -> float:
         for inputs, targets in batches:
             inputs, targets = inputs.to(job.world.device), targets.to(job.world.device)
             with autocast_context(job.cfg.precision, job.cfg.sharding.strategy, job.world.device):
-                totals[0] += token_loss_sum(job.model, inputs, targets).double()
-            totals[1] += targets.numel()
+                totals[0] += token_loss_sum(job.model, inputs, targets, job.cp_mesh).double()
+            totals[1] += targets.numel()  # after the call: a cp rank's own slice
     job.model.train()
-    # Ranks that share data (tp, pp) add equal copies to both sums: the ratio is unchanged.
+    # Ranks that share data (tp, pp) add equal copies to both sums: the ratio is unchanged;
+    # cp ranks add disjoint slices of the same sequences.
     if dist.get_world_size() > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
@@ -221,6 +235,7 @@ def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> 
 def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     """Mesh, model, optimizer, data and metrics for this rank."""
     check_supported(cfg.sharding, cfg.precision)
+    check_cp_device(cfg.sharding.cp, world.device)
     threads = D.set_cpu_threads(cfg.cluster, world.local_world_size)
     D.enable_tf32(world.device)
     D.seed_everything(cfg.train.seed)
@@ -235,7 +250,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {s.strategy}, "
            f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x dp", world.is_main)
     return Job(cfg, world, model, optimizer, train_data, val_data, metrics, device_peak_flops(world.device, cfg.precision.compute_dtype),
-               scaler, pipeline=pipeline)
+               scaler, pipeline=pipeline, cp_mesh=cp_mesh_of(mesh))
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:
