@@ -185,8 +185,9 @@ def test_union_over_dp_and_accum_equals_single_process_batch(source, stdlib_cfg,
 
 
 def test_starts_follow_the_documented_generator(arange_cfg):
-    seed, step, n = 11, 4, 8
-    expected = np.random.default_rng([seed, step]).integers(0, 5000 - SEQ, size=n)
+    # Step 4 of a global batch of 8 holds stream samples 32..39: draws 32..39 of block 0.
+    seed, step = 11, 4
+    expected = np.random.default_rng([seed, 0]).integers(0, 5000 - SEQ, size=1024)[32:40]
     parts = []
     for r in range(2):
         parts += batches(arange_cfg, dp_rank=r, dp_size=2, grad_accum=2, micro_batch=2, seed=seed).micro_batches(step)
@@ -343,3 +344,29 @@ def test_bad_settings_raise_data_error_naming_the_key(change, key, tmp_path):
 def test_negative_seed_is_a_data_error():
     with pytest.raises(DataError, match=r"train\.seed"):
         batches(DataConfig(kind="synthetic"), seed=-1)
+
+
+# ---------------------------------------------------------------- resume position
+
+
+@pytest.mark.parametrize("source", ["memmap", "synthetic"])
+def test_resume_continues_the_sample_stream_with_another_world_and_batch(source, arange_cfg):
+    cfg = {"memmap": arange_cfg, "synthetic": DataConfig(kind="synthetic", vocab_size=1000)}[source]
+    # Uninterrupted: 3 steps of 4 samples on one rank -> stream samples 0..11.
+    straight = torch.cat([rows(batches(cfg, micro_batch=4).micro_batches(s))[0] for s in range(3)])
+    # Interrupted after step 1 (8 samples seen), resumed on 2 ranks with a global batch of 2 per step.
+    resumed = []
+    for step in (1, 2):
+        for r in range(2):
+            b = batches(cfg, dp_rank=r, dp_size=2, micro_batch=1)
+            b.resume_at(step=1, samples_seen=8)
+            resumed.append(rows(b.micro_batches(step))[0])
+    assert torch.equal(torch.cat(resumed), straight[8:12])
+
+
+def test_samples_across_a_block_boundary_are_the_stream_samples(arange_cfg):
+    b = batches(arange_cfg, micro_batch=4)
+    b.resume_at(step=0, samples_seen=1022)
+    got = rows(b.micro_batches(0))[0][:, 0].tolist()
+    draws = [np.random.default_rng([0, k]).integers(0, 5000 - SEQ, size=1024) for k in (0, 1)]
+    assert got == [int(draws[0][1022]), int(draws[0][1023]), int(draws[1][0]), int(draws[1][1])]

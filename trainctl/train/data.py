@@ -43,6 +43,9 @@ _EVAL_TAG = 0x5EED_E7A1
 # is spread evenly over the whole split, and sample j does not depend on how many samples are asked for,
 # so the eval set of dp=2 x n=4 equals that of dp=1 x n=8.
 _INV_PHI = (math.sqrt(5.0) - 1.0) / 2.0
+# Training samples are drawn in blocks: sample k is draw k % _BLOCK of the block seeded by (seed, k // _BLOCK),
+# so any rank finds any sample without drawing the whole stream.
+_BLOCK = 1024
 _VOCAB_SAMPLE_CHUNKS = 64
 _VOCAB_SAMPLE_TOKENS = 1 << 16  # per chunk: check_vocab reads at most 64 x 64k tokens per file
 
@@ -284,6 +287,7 @@ class TokenBatches:
         self.split, self.seq_len, self.seed = split, seq_len, seed
         self.global_batch, self.micro_batch, self.grad_accum = global_batch, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._base_step = self._base_sample = 0  # see resume_at
         self.vocab_size = STDLIB_VOCAB if data_cfg.kind == "stdlib" else data_cfg.vocab_size
         self._tokens: np.ndarray | None = None  # None: synthetic
         if data_cfg.kind != "synthetic":
@@ -297,19 +301,32 @@ class TokenBatches:
         """Tokens in this split (None for synthetic data)."""
         return None if self._tokens is None else int(self._tokens.size)
 
+    def resume_at(self, step: int, samples_seen: int) -> None:
+        """Continue the sample stream at `samples_seen` from optimizer step `step` on.
+
+        The stream is indexed by sample, not by step: a resume with another world size (or even
+        another global batch) reads the samples that the interrupted run would have read next.
+        """
+        assert 0 <= step and 0 <= samples_seen, (step, samples_seen)
+        self._base_step, self._base_sample = step, samples_seen
+
+    def first_sample(self, step: int) -> int:
+        """Stream index of the first sample of `step`'s global batch."""
+        return self._base_sample + (step - self._base_step) * self.global_batch
+
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's `grad_accum` (inputs, targets) pairs of shape [micro_batch, seq_len] for `step`."""
-        assert step >= 0, step
-        starts = self._step_starts(step)
+        assert step >= self._base_step, (step, self._base_step)
         per_rank = self.grad_accum * self.micro_batch
+        first_of_rank = self.first_sample(step) + self.dp_rank * per_rank
+        starts = self._sample_starts(first_of_rank, per_rank)
         out = []
         for a in range(self.grad_accum):
-            first = self.dp_rank * per_rank + a * self.micro_batch
-            sample_ids = range(first, first + self.micro_batch)
+            sample_ids = range(first_of_rank + a * self.micro_batch, first_of_rank + (a + 1) * self.micro_batch)
             if self._tokens is None:
-                rows = [self._synthetic_sample([self.seed, step, j, _SPLIT_TAG[self.split]]) for j in sample_ids]
+                rows = [self._synthetic_sample([self.seed, j, _SPLIT_TAG[self.split]]) for j in sample_ids]
             else:
-                rows = [self._window(int(starts[j])) for j in sample_ids]
+                rows = [self._window(int(starts[j - first_of_rank])) for j in sample_ids]
             out.append(self._checked_pair(rows))
         return out
 
@@ -335,12 +352,14 @@ class TokenBatches:
         # A sample reads seq_len+1 tokens, so the last valid start is size - seq_len - 1.
         return self._tokens.size - self.seq_len
 
-    def _step_starts(self, step: int) -> np.ndarray | None:
-        """Start offsets of the whole global batch of `step`; every rank draws all and keeps its own."""
+    def _sample_starts(self, first: int, count: int) -> np.ndarray | None:
+        """Start offsets of stream samples [first, first + count): blocks of draws seeded by (seed, block)."""
         if self._tokens is None:
             return None
-        rng = np.random.default_rng([self.seed, step])
-        return rng.integers(0, self._num_starts(), size=self.global_batch)
+        blocks = range(first // _BLOCK, (first + count - 1) // _BLOCK + 1)
+        draws = np.concatenate([np.random.default_rng([self.seed, b]).integers(0, self._num_starts(), size=_BLOCK) for b in blocks])
+        offset = first - blocks[0] * _BLOCK
+        return draws[offset : offset + count]
 
     def _eval_start(self, j: int) -> int:
         return int(((j + 1) * _INV_PHI) % 1.0 * self._num_starts())
