@@ -209,7 +209,7 @@ class GuardsConfig:
     spike: str = "off"  # off | warn | skip: loss-spike detector (robust z-score over a window)
     spike_window: int = 50  # steps of loss history for the median and MAD
     spike_zscore: float = 6.0  # a loss this many robust deviations above the median is a spike
-    inject_nan_step: int = -1  # testing: make the loss NaN at this step (-1: never)
+    inject_nan_step: int = -1  # testing: make the loss NaN at this step (1-based, as logged; -1: never)
 
 
 @dataclass(frozen=True)

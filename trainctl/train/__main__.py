@@ -49,8 +49,10 @@ def main(argv: list[str]) -> int:
     # Which machine each rank ran on: the first thing to know when one node misbehaves.
     log.info("rank %s of %s on host %s, pid %d", os.environ.get("RANK", 0), os.environ.get("WORLD_SIZE", 1), socket.gethostname(), os.getpid())
     # Imported after logging is set up: torch import warnings land in the rank's log.
+    from trainctl.train.checkpoint import CheckpointError
     from trainctl.train.data import DataError
     from trainctl.train.errors import WorkerConfigError
+    from trainctl.train.guards import NonFiniteError
     from trainctl.train.trainer import run
 
     try:
@@ -58,6 +60,10 @@ def main(argv: list[str]) -> int:
     except (WorkerConfigError, DataError) as err:
         log.error("%s", err)
         return EXIT_CONFIG
+    except (NonFiniteError, CheckpointError) as err:
+        # Stopped on purpose with a message that says why and what to do: no traceback.
+        log.error("%s", err)
+        return EXIT_FAILURE
     except BaseException:
         log.exception("training failed")
         return EXIT_FAILURE

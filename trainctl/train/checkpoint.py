@@ -45,6 +45,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ META = "meta.json"
 TMP_SUFFIX = ".tmp"
 _STEP_RE = re.compile(r"step-(\d{8,})")
 _HASH_CHUNK = 4 << 20
+DIE_BEFORE_COMMIT_ENV = "TRAINCTL_TEST_DIE_BEFORE_COMMIT"  # tests: the step whose save is killed
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone lets it through.
 _SAVE_ERRORS = (Exception, CheckpointException)
 
@@ -228,6 +230,12 @@ def _human(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _test_die_before_commit(step: int) -> None:
+    """Test hook: SIGKILL this process once every file of `step` is written, before the commit (first attempt only)."""
+    if os.environ.get(DIE_BEFORE_COMMIT_ENV) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class CheckpointManager:
     """Saves, commits, prunes, verifies and loads the checkpoints under one root directory.
 
@@ -357,6 +365,7 @@ class CheckpointManager:
         held: when the loop started waiting for this commit (blocking time = blocking_s + now - held).
         """
         parts = self._all_gather(part)
+        _test_die_before_commit(step)
         verdict = self._seal(step, tmp, parts) if self.rank == 0 else None
         error, size = self._broadcast(verdict)
         if error is not None:

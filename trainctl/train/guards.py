@@ -134,9 +134,15 @@ class StepGuard:
 
 
 def agreed_step_values(loss: torch.Tensor, grad_norm: torch.Tensor, group=None) -> tuple[float, float]:
-    """(global mean loss, mean gradient norm) as Python floats, identical on every rank of `group`.
+    """(global mean loss, mean gradient norm) as Python floats, identical on every rank of `group`."""
+    mean_loss, mean_norm, _ = agreed_step(loss, grad_norm, False, group)
+    return mean_loss, mean_norm
 
-    One all-reduce (SUM) of both values in float64. A NaN or inf on any rank makes the sum
+
+def agreed_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool, group=None) -> tuple[float, float, bool]:
+    """(global mean loss, mean gradient norm, any rank asked to stop), identical on every rank of `group`.
+
+    One all-reduce (SUM) of the three values in float64. A NaN or inf on any rank makes the sum
     non-finite, so every rank sees a non-finite step. The gradient norm is already global
     (the same on every rank); the float64 mean of identical float32 values returns that value
     exactly. Without an initialized process group this is a world of one: no communication.
@@ -145,14 +151,15 @@ def agreed_step_values(loss: torch.Tensor, grad_norm: torch.Tensor, group=None) 
         grad_norm = grad_norm.full_tensor()
     loss = torch.as_tensor(loss).detach()
     grad_norm = torch.as_tensor(grad_norm, device=loss.device).detach()
-    values = torch.stack([loss.double().reshape(()), grad_norm.double().reshape(())])
+    flag = torch.tensor(float(stop), dtype=torch.float64, device=loss.device)
+    values = torch.stack([loss.double().reshape(()), grad_norm.double().reshape(()), flag])
+    world = 1
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size(group)
         if world > 1:
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-            values /= world
-    mean_loss, mean_norm = values.tolist()
-    return mean_loss, mean_norm
+    total_loss, total_norm, stops = values.tolist()
+    return total_loss / world, total_norm / world, stops > 0
 
 
 def inject_nan(loss: torch.Tensor, step: int, inject_step: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ class MetricsLogger:
         self._jsonl = None
         self._wandb = None
         self._progress = None
+        self.wandb_id: str | None = None
         if not is_main:
             return
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tail -f works
@@ -84,6 +86,7 @@ class MetricsLogger:
             self._progress = _Progress(total_steps)
         if cfg.wandb.mode != "disabled":
             self._wandb = _start_wandb(run_dir, cfg, config)
+            self.wandb_id = self._wandb.id
 
     def train(self, step: int, values: dict) -> None:
         self._emit({"kind": "train", "step": step, **values}, step)
@@ -94,6 +97,13 @@ class MetricsLogger:
     def memory(self, step: int, values: dict) -> None:
         """Measured per-rank memory (memory_stats.memory_record), logged once."""
         self._emit({"kind": "memory", "step": step, **values}, step)
+
+    def resumed(self, step: int, path: str) -> None:
+        """A restart: records of steps after `step` that an earlier attempt logged are superseded."""
+        self._emit({"kind": "resume", "step": step, "checkpoint": path}, step)
+
+    def checkpoint(self, step: int, values: dict) -> None:
+        self._emit({"kind": "checkpoint", "step": step, **values}, step)
 
     def final(self, summary: dict) -> None:
         self._emit({"kind": "final", **summary}, summary["steps"])
@@ -123,12 +133,24 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def wandb_run_id(run_dir: Path) -> str:
+    """The run's W&B id, kept in RUN_DIR/wandb_id: every restart and requeue logs to the same W&B run."""
+    path = run_dir / "wandb_id"
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)  # W&B ids: short, [a-z0-9]
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 def _start_wandb(run_dir: Path, cfg: LoggingConfig, config: dict):
     import wandb  # lazy: only runs that log to W&B pay for the import
 
     return wandb.init(
         project=cfg.wandb.project,
         entity=cfg.wandb.entity or None,
+        id=wandb_run_id(run_dir),
+        resume="allow",
         name=run_dir.name,
         mode=cfg.wandb.mode,
         dir=str(run_dir),  # offline runs land under RUN_DIR/wandb/

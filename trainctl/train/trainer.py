@@ -26,10 +26,13 @@ from trainctl.models.llama import build_model
 from trainctl.plan.flops import flops_per_token
 from trainctl.plan.topology import ParallelDims
 from trainctl.train import distributed as D
+from trainctl.train import state as S
 from trainctl.train.activations import activation_offload
+from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir
 from trainctl.train.context_parallel import check_cp_device, cp_mesh_of, rope_rows, sharded_sequences
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
 from trainctl.train.float8 import register_float8_scale_precompute
+from trainctl.train.guards import StepGuard, agreed_step, inject_nan
 from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
 from trainctl.train.memory_stats import memory_record
 from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
@@ -44,6 +47,8 @@ from trainctl.train.pipeline import (
     pp_group_of,
 )
 from trainctl.train.precision import autocast_context, uses_fsdp
+from trainctl.train.resume import StartPoint, find_source, restore
+from trainctl.train.stop import StopRequest, requeue_slurm_job
 
 log = logging.getLogger("trainctl.train")
 
@@ -63,51 +68,110 @@ class Job:
     scaler: NoLossScaling | DynamicLossScaler = field(default_factory=NoLossScaling)  # fp16 loss scaling
     pipeline: Pipeline | None = None  # pp > 1: this rank's stages and their schedule (model: their parts)
     cp_mesh: DeviceMesh | None = None  # cp > 1: the ranks that share each sequence
+    checkpoints: CheckpointManager | None = None
+    start: StartPoint = field(default_factory=StartPoint)
+    guard: StepGuard | None = None
+    stop: StopRequest = field(default_factory=StopRequest)
+    logged_commit: object = None  # the last SaveStats logged
 
 
 def train_loop(job: Job) -> dict:
-    """Evaluate, train `train.steps` optimizer steps with periodic logging/eval, evaluate; returns the summary."""
-    cfg, train = job.cfg, job.cfg.train
-    val_loss_0 = evaluate(job)
-    job.metrics.eval(0, val_loss_0)
+    """Train from the start point to `train.steps` with logging, eval and checkpoints; returns the summary.
+
+    A stop request (signal) ends the loop early with a checkpoint; the summary says so.
+    """
+    cfg, train, begin = job.cfg, job.cfg.train, job.start.step
+    if job.start.resumed:
+        val_loss_0 = job.start.meta.get("initial_val_loss", float("nan"))
+        job.metrics.resumed(begin, str(job.start.path))
+    else:
+        val_loss_0 = evaluate(job)
+        job.metrics.eval(0, val_loss_0)
     timer, start, val_loss = StepTimer(job.world.device), time.perf_counter(), val_loss_0
     loss = grad_norm = None
-    for step in range(train.steps):
+    stopped_at = None
+    for step in range(begin, train.steps):
         lr = lr_at(step, cfg.optim.lr, cfg.schedule, train.steps)
         set_lr(job.optimizer, lr)
         micro_batches = job.train_data.micro_batches(step)
         if job.pipeline is None:
-            loss = forward_backward(job, micro_batches)
+            local_loss = forward_backward(job, micro_batches, step)
         else:
-            loss = pipeline_forward_backward(job.pipeline, micro_batches)
+            local_loss = pipeline_forward_backward(job.pipeline, micro_batches)
         job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
-        grad_norm = clip_gradients(job.model, cfg.optim.grad_clip, pp_group_of(job.pipeline))
-        job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
-        if step == 0:  # every model state exists now (gradients not yet zeroed): measure once
-            job.metrics.memory(1, memory_record(job.model, job.optimizer))
+        local_norm = clip_gradients(job.model, cfg.optim.grad_clip, pp_group_of(job.pipeline))
+        # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
+        loss, grad_norm, stop = agreed_step(local_loss, local_norm, job.stop.wanted(step + 1))
+        # Under fp16 an overflowing gradient is routine: the loss scaler skips that step itself.
+        guard_norm = 0.0 if isinstance(job.scaler, DynamicLossScaler) else grad_norm
+        if job.guard.decide(step + 1, loss, guard_norm) == "ok":  # steps are named as logged: 1-based
+            job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
+        if step == begin:  # every model state exists now (gradients not yet zeroed): measure once
+            job.metrics.memory(step + 1, memory_record(job.model, job.optimizer))
         job.optimizer.zero_grad(set_to_none=True)
         timer.tick()
         done = step + 1
-        if done % cfg.logging.log_every == 0 or done == train.steps:
+        if done % cfg.logging.log_every == 0 or done == train.steps or stop:
             job.metrics.train(done, step_metrics(job, loss, grad_norm, lr, timer.lap(), done))
-        if train.eval_every and done % train.eval_every == 0 and done != train.steps:
+        if train.eval_every and done % train.eval_every == 0 and done != train.steps and not stop:
             val_loss = evaluate(job)
             job.metrics.eval(done, val_loss)
             timer.restart()
-    if train.steps:
+        job.checkpoints.poll()
+        log_commit(job)
+        if stop:
+            stopped_at = done
+            break
+        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != train.steps:
+            save_checkpoint(job, done, val_loss_0)
+    if stopped_at is not None:
+        save_checkpoint(job, stopped_at, val_loss_0)
+    elif train.steps > begin:
         val_loss = evaluate(job)
         job.metrics.eval(train.steps, val_loss)
+        if cfg.checkpoint.save_final:
+            save_checkpoint(job, train.steps, val_loss_0)
+    job.checkpoints.wait()
+    log_commit(job)
     summary = {
-        "steps": train.steps,
-        "final_train_loss": float(D.all_reduce_mean(loss)) if loss is not None else None,
-        "final_grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "steps": stopped_at or train.steps,
+        "stopped": stopped_at is not None,
+        "resumed_from_step": begin,
+        "final_train_loss": loss,
+        "final_grad_norm": grad_norm,
         "final_val_loss": val_loss,
         "initial_val_loss": val_loss_0,
         "wall_time_s": time.perf_counter() - start,
-        "tokens_seen": tokens_per_step(train) * train.steps,
+        "tokens_seen": tokens_per_step(train) * (stopped_at or train.steps),
+        **job.guard.metrics(),
     }
     job.metrics.final(summary)
     return summary
+
+
+def save_checkpoint(job: Job, step: int, initial_val_loss: float) -> None:
+    """Checkpoint after `step` optimizer steps (see state.py for what it holds)."""
+    meta = {
+        "step": step,
+        "samples_seen": job.train_data.first_sample(step),
+        "tokens_seen": job.train_data.first_sample(step) * job.cfg.train.seq_len,
+        "global_batch": job.cfg.train.global_batch,
+        "sharding": asdict(job.cfg.sharding),
+        "wandb_id": job.metrics.wandb_id,
+        "scaler": job.scaler.state_dict(),
+        "guard": job.guard.state_dict(),
+        "initial_val_loss": initial_val_loss,
+    }
+    job.checkpoints.save(step, S.app_state(job.model, job.optimizer), S.rank_state(job.optimizer), meta)
+    log_commit(job)
+
+
+def log_commit(job: Job) -> None:
+    """Log a save once it is committed (at once when sync; at a later poll/wait when async)."""
+    stats = job.checkpoints.stats
+    if stats is not None and stats != job.logged_commit:
+        job.logged_commit = stats
+        job.metrics.checkpoint(stats.step, {"blocking_s": stats.blocking_s, "total_s": stats.total_s, "bytes": stats.bytes})
 
 
 def tokens_per_step(train) -> int:
@@ -128,7 +192,7 @@ def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], step: int = -1) -> torch.Tensor:
     """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync)."""
     device, precision, strategy = job.world.device, job.cfg.precision, job.cfg.sharding.strategy
     # Every micro-batch is full (no padding), so the count is known without a device sync;
@@ -142,6 +206,7 @@ def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Ten
         with gradient_sync(job.model, enabled=last):
             with autocast_context(precision, strategy, device), activation_offload(job.cfg.train.activation_offload, device):
                 loss = token_loss_sum(job.model, inputs, targets, job.cp_mesh) / rank_tokens
+                loss = inject_nan(loss, step + 1, job.cfg.guards.inject_nan_step)
             job.scaler.scale(loss).backward()
         total += loss.detach()
     return total
@@ -164,19 +229,20 @@ def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGrou
     return norm
 
 
-def step_metrics(job: Job, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, lap: tuple[float, int], step: int) -> dict:
-    """The logged numbers of one step; the only per-log device sync (loss all-reduce, .item())."""
+def step_metrics(job: Job, loss: float, grad_norm: float, lr: float, lap: tuple[float, int], step: int) -> dict:
+    """The logged numbers of one step (loss and norm already agreed across ranks)."""
     elapsed, steps = lap
     step_time = elapsed / max(steps, 1)
     tokens_per_s = tokens_per_step(job.cfg.train) / step_time
     values = {
-        "loss": D.all_reduce_mean(loss).item(),
+        "loss": loss,
         "lr": lr,
-        "grad_norm": grad_norm.item(),
+        "grad_norm": grad_norm,
         "tokens_per_s": tokens_per_s,
         "step_time_s": step_time,
         "tokens_seen": tokens_per_step(job.cfg.train) * step,
         **job.scaler.metrics(),
+        **job.guard.metrics(),
     }
     if job.peak_flops:
         flops = flops_per_token(job.cfg.model, job.cfg.train.seq_len) * tokens_per_s
@@ -249,8 +315,24 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     metrics = MetricsLogger(run_dir, cfg.logging, cfg.train.steps, world.is_main, asdict(cfg))
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {s.strategy}, "
            f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x dp", world.is_main)
-    return Job(cfg, world, model, optimizer, train_data, val_data, metrics, device_peak_flops(world.device, cfg.precision.compute_dtype),
-               scaler, pipeline=pipeline, cp_mesh=cp_mesh_of(mesh))
+    job = Job(cfg, world, model, optimizer, train_data, val_data, metrics, device_peak_flops(world.device, cfg.precision.compute_dtype),
+              scaler, pipeline=pipeline, cp_mesh=cp_mesh_of(mesh), guard=StepGuard(cfg.guards))
+    job.checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+    start_from_checkpoint(job, run_dir)
+    return job
+
+
+def start_from_checkpoint(job: Job, run_dir: Path) -> None:
+    """Restore the newest valid checkpoint of this run (or checkpoint.resume's), if any; last in setup (RNG)."""
+    path, load_only = find_source(job.cfg.checkpoint, run_dir, job.checkpoints)
+    if path is None:
+        return
+    job.start = restore(job.checkpoints, path, load_only, job.model, job.optimizer, job.world.world_size)
+    if job.start.resumed:
+        job.train_data.resume_at(job.start.step, job.start.samples_seen)
+        job.scaler.load_state_dict(job.start.meta["scaler"])
+        job.guard.load_state_dict(job.start.meta["guard"])
+        print0(f"resumed from {path} at step {job.start.step} ({job.start.samples_seen} samples seen)", job.world.is_main)
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:
@@ -259,8 +341,13 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     job = None
     try:
         job = setup(cfg, run_dir, world)
+        job.stop.install()
         summary = train_loop(job)
-        if world.is_main:
+        if summary["stopped"]:
+            # The early preemption warning (not a plain SIGTERM, e.g. scancel): back to the queue.
+            if world.is_main and job.stop.signal_name == "SIGUSR2" and cfg.cluster.launcher == "slurm" and cfg.cluster.preemption.requeue:
+                requeue_slurm_job()
+        elif world.is_main:
             (run_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
     finally:

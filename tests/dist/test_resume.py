@@ -1,0 +1,173 @@
+"""Resume: a run stopped and resumed equals the run done in one go, bitwise (fp32, gloo, deterministic).
+
+A stop request (the test hook TRAINCTL_TEST_STOP_AFTER_STEP acts like the preemption signal)
+checkpoints after step 10 and exits; the same run directory launched again resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
+
+from trainctl.config.schema import CheckpointConfig, GuardsConfig, ShardingConfig
+from trainctl.train.checkpoint import list_committed, verify
+
+pytestmark = pytest.mark.dist
+
+STEPS, STOP_AT = 20, 10
+
+
+def launch(run_dir: Path, nproc: int | None, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(name, None)
+    if nproc is None:
+        cmd = [sys.executable, "-m", "trainctl.train", str(run_dir)]
+    else:
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}", "-m", "trainctl.train", str(run_dir)]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+
+
+def ok(proc: subprocess.CompletedProcess, run_dir: Path) -> None:
+    logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n{logs[-3000:]}"
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step; a resumed attempt's records replace the earlier attempt's for the same steps."""
+    return {r["step"]: r["loss"] for r in records(run_dir, "train")}
+
+
+def final_weights(run_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    (step, path), = list_committed(run_dir / "checkpoints")[-1:]
+    out = tmp / f"{run_dir.name}-{step}.pt"
+    dcp_to_torch_save(path, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state["model"].items()}
+
+
+def config(cache, name: str, sharding: ShardingConfig, micro_batch: int, **ckpt):
+    cfg = base_config(cache, steps=STEPS, micro_batch=micro_batch, grad_accum=8 // micro_batch // _dp(sharding))
+    return replace(cfg, name=name, sharding=sharding, checkpoint=CheckpointConfig(**ckpt))
+
+
+def _dp(s: ShardingConfig) -> int:
+    return max(s.dp_replicate, 1) * max(s.dp_shard, 1)
+
+
+LAYOUTS = {
+    # name: (sharding, workers, micro_batch)
+    "ddp": (ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2), 2, 4),
+    "zero3": (ShardingConfig(name="zero3", strategy="zero3", dp_shard=2), 2, 4),
+    "tp": (ShardingConfig(name="tp", strategy="none", tp=2), 2, 8),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
+    sharding, nproc, micro = LAYOUTS[layout]
+    straight = write_run_dir(tmp_path, config(data_cache, "straight", sharding, micro))
+    ok(launch(straight, nproc), straight)
+    resumed = write_run_dir(tmp_path, config(data_cache, "resumed", sharding, micro))
+    stopped = launch(resumed, nproc, TRAINCTL_TEST_STOP_AFTER_STEP=STOP_AT)
+    ok(stopped, resumed)
+    assert not (resumed / "result.json").exists()  # stopped early: no result yet
+    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
+    ok(launch(resumed, nproc), resumed)
+    resume_records = records(resumed, "resume")
+    assert [r["step"] for r in resume_records] == [STOP_AT]
+    assert losses(resumed) == losses(straight)  # every step, exactly
+    assert len(losses(straight)) == STEPS
+    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    result = json.loads((resumed / "result.json").read_text())
+    assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
+
+
+@pytest.fixture(scope="module")
+def four_worker_runs(tmp_path_factory, data_cache):
+    """zero3 on 4 workers: one run straight through, one stopped after step 10 (its checkpoint is the source)."""
+    root = tmp_path_factory.mktemp("reshard")
+    z4 = ShardingConfig(name="zero3", strategy="zero3", dp_shard=4)
+    straight = write_run_dir(root, config(data_cache, "z4-straight", z4, 2))
+    ok(launch(straight, 4), straight)
+    source = write_run_dir(root, config(data_cache, "z4-stopped", z4, 2))
+    ok(launch(source, 4, TRAINCTL_TEST_STOP_AFTER_STEP=STOP_AT), source)
+    return root, straight, source
+
+
+@pytest.mark.parametrize("target", ["zero3x2", "single", "fsdp2+tp2"])
+def test_resharded_resume_continues_the_loss(four_worker_runs, data_cache, target):
+    root, straight, source = four_worker_runs
+    sharding, nproc, micro = {
+        "zero3x2": (ShardingConfig(name="zero3", strategy="zero3", dp_shard=2), 2, 4),
+        "single": (ShardingConfig(), None, 8),
+        "fsdp2+tp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2, tp=2), 4, 4),
+    }[target]
+    checkpoint = list_committed(source / "checkpoints")[-1][1]
+    # A new run that starts from the other run's checkpoint with everything (step, data position too).
+    cfg = config(data_cache, f"from-4-{target}", sharding, micro, resume=str(checkpoint), load_only="all")
+    run_dir = write_run_dir(root, cfg)
+    ok(launch(run_dir, nproc), run_dir)
+    got, want = losses(run_dir), losses(straight)
+    assert sorted(got) == list(range(STOP_AT + 1, STEPS + 1))
+    # Resharding changes the order of floating-point sums: fp32 noise, not bitwise.
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "resharded" in log or nproc == 4
+
+
+def test_load_only_model_starts_a_fresh_run_from_the_weights(four_worker_runs, data_cache):
+    root, straight, source = four_worker_runs
+    cfg = config(data_cache, "finetune", ShardingConfig(), 8, resume=str(source), load_only="model")
+    run_dir = write_run_dir(root, cfg)
+    ok(launch(run_dir, None), run_dir)
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))  # a fresh schedule from step 0
+    # Its first loss is that of trained weights (well below the untrained run's first loss).
+    assert got[1] < losses(straight)[1] - 0.5
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_at_a_chosen_step(tmp_path, data_cache, policy):
+    sharding, nproc, micro = LAYOUTS["ddp"]
+    cfg = config(data_cache, f"nan-{policy}", sharding, micro, every=4)
+    cfg = replace(cfg, guards=GuardsConfig(nonfinite=policy, inject_nan_step=7))
+    run_dir = write_run_dir(tmp_path, cfg)
+    proc = launch(run_dir, nproc)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    if policy == "stop":
+        assert proc.returncode != 0 and "Traceback" not in log
+        errors = [line for line in log.splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and "step 7" in errors[0] and "not finite" in errors[0], errors
+        assert max(losses(run_dir)) == 6  # stopped at step 7, before its update and its log line
+        assert [s for s, _ in list_committed(run_dir / "checkpoints")] == [4]
+        assert verify(list_committed(run_dir / "checkpoints")[-1][1]) == []
+    else:
+        ok(proc, run_dir)
+        result = json.loads((run_dir / "result.json").read_text())
+        assert result["guard_skipped_steps"] == 1 and result["steps"] == STEPS
+        assert all(v == v for s, v in losses(run_dir).items() if s != 7)  # only the injected step is NaN
+
+
+def test_async_save_gives_the_same_run_and_valid_checkpoints(tmp_path, data_cache):
+    sharding, nproc, micro = LAYOUTS["zero3"]
+    sync = write_run_dir(tmp_path, config(data_cache, "sync", sharding, micro, every=5))
+    ok(launch(sync, nproc), sync)
+    run_dir = write_run_dir(tmp_path, config(data_cache, "async", sharding, micro, every=5, async_save=True))
+    ok(launch(run_dir, nproc), run_dir)
+    assert losses(run_dir) == losses(sync)
+    committed = list_committed(run_dir / "checkpoints")
+    assert [s for s, _ in committed] == [15, 20] and all(verify(p) == [] for _, p in committed)
+    saves = records(run_dir, "checkpoint")
+    assert [r["step"] for r in saves] == [5, 10, 15, 20] and all(r["blocking_s"] <= r["total_s"] for r in saves)

@@ -1,0 +1,77 @@
+"""Where a run starts, and what a checkpoint of it records: the glue between the loop and checkpoint.py.
+
+Start: a run's own newest valid checkpoint always wins (a restart after a crash, a requeue);
+otherwise `checkpoint.resume` names another run's checkpoint or run directory to start from
+(e.g. fine-tuning), restoring `checkpoint.load_only` of it: all (model, optimizer, step and
+data position), model_optim (a fresh step 0 with the optimizer's moments) or model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainctl.config.schema import CheckpointConfig
+from trainctl.train import state as S
+from trainctl.train.checkpoint import META, CheckpointError, CheckpointManager, checkpoint_dir
+
+log = logging.getLogger("trainctl.train")
+
+# What each load_only choice restores (the DCP parts; "all" also the step, data position and RNG).
+_PARTS = {"all": ("model", "optim"), "model_optim": ("model", "optim"), "model": ("model",)}
+
+
+@dataclass
+class StartPoint:
+    """Where the loop begins: step 0 of a fresh run, or the state of a checkpoint."""
+
+    step: int = 0
+    samples_seen: int = 0
+    path: Path | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def resumed(self) -> bool:
+        return self.step > 0
+
+
+def find_source(cfg: CheckpointConfig, run_dir: Path, manager: CheckpointManager) -> tuple[Path | None, str]:
+    """(checkpoint to start from, load_only), the same on every rank; (None, "all") for a fresh start."""
+    own = manager.latest_valid()
+    if own is not None:
+        return own, "all"
+    if cfg.resume in ("auto", "never"):
+        return None, "all"
+    source = Path(cfg.resume).expanduser()
+    if (source / META).is_file():
+        return source, cfg.load_only
+    path = manager.latest_valid(checkpoint_dir(source)) if source.is_dir() else None
+    if path is None:
+        raise CheckpointError(
+            f"checkpoint.resume={cfg.resume}: no committed checkpoint there; pass a step-NNNNNNNN directory or a "
+            "run directory with checkpoints/, or use checkpoint.resume=auto"
+        )
+    return path, cfg.load_only
+
+
+def read_meta(path: Path | None) -> dict:
+    return json.loads((path / META).read_text()) if path is not None else {}
+
+
+def restore(manager: CheckpointManager, path: Path, load_only: str, model, optimizer, world_size: int) -> StartPoint:
+    """Load `path` into the live model/optimizer (resharding as needed); returns where to continue."""
+    parts = _PARTS[load_only]
+    state = S.app_state(model, optimizer, parts)  # in the current layout: DCP fills it from any layout
+    meta, own_rank_state = manager.load(path, state)
+    S.apply_app_state(model, optimizer, state)
+    if load_only != "all":
+        log.info("started from %s (%s only)", path, load_only)
+        S.apply_rank_state(None, optimizer, load_optim=False)
+        return StartPoint(path=path, meta=meta)
+    S.apply_rank_state(own_rank_state, optimizer, load_optim="optim" in parts)
+    if meta.get("world_size") != world_size:
+        log.warning("resuming %s saved by %s ranks on %s ranks: weights and optimizer resharded, data position kept "
+                    "in samples, RNG streams not restored", path, meta.get("world_size"), world_size)
+    return StartPoint(step=meta["step"], samples_seen=meta["samples_seen"], path=path, meta=meta)
