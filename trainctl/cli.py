@@ -202,6 +202,36 @@ def launch(
 
 
 @app.command()
+def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
+    """Relaunch a run from its directory with its own config; it continues from its newest valid checkpoint.  Example: trainctl resume tiny_cpu-20250101-120000"""
+    from trainctl.config.schema import load_run_config
+    from trainctl.launch import runs
+
+    run_dir = runs.find_run(run, runs_dir)
+    state = runs.run_state(run_dir)
+    if state.active:
+        raise UserError([f"run {state.name} is still {state.state}; wait for it, or `trainctl cancel {state.name}` first"])
+    if (run_dir / "result.json").is_file():
+        raise UserError([f"run {state.name} already finished (see {run_dir / 'result.json'}); launch a new run to train further"])
+    cfg = load_run_config(run_dir)
+    if cfg.checkpoint.resume == "never":
+        raise UserError([f"run {state.name} has checkpoint.resume=never: it would start over; launch a new run instead"])
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    out.print(f"resuming {run_dir} from {saved[-1] if saved else 'the start (no checkpoint yet)'}", soft_wrap=True)
+    if cfg.cluster.launcher == "slurm":
+        from trainctl.launch import slurm
+
+        if shutil.which("sbatch") is None:
+            raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; resume from a Slurm login node"])
+        job_id = slurm.submit(run_dir)
+        out.print(f"submitted Slurm job [bold]{job_id}[/]; follow it with: trainctl logs {run_dir} --follow", soft_wrap=True)
+        return
+    from trainctl.launch import local
+
+    raise typer.Exit(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0))
+
+
+@app.command()
 def export(
     run: Path = typer.Argument(..., help="The run directory.", show_default=False),
     checkpoint: str = typer.Option(None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints (default: newest).", show_default=False),

@@ -79,3 +79,26 @@ def test_worker_crash_names_rank_and_log(tmp_path):
     run_dir = tmp_path / "runs" / "crash"
     assert "failed" in proc.stderr and str(run_dir / "logs") in proc.stderr, proc.stderr[-3000:]
     assert "data.train_path" in (run_dir / "logs" / "rank0.log").read_text()
+
+
+def test_resume_relaunches_a_stopped_run_from_its_checkpoint(tmp_path):
+    # The stop hook acts like a preemption signal after step 12: checkpoint, exit 0, no result.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINCTL_TEST_STOP_AFTER_STEP": "12"}
+    trainctl = str(Path(sys.executable).parent / "trainctl")
+    args = ["launch", "recipe=tiny_cpu", f"data.cache_dir={tmp_path / 'cache'}", *SMALL, "--name", "stopped"]
+    first = subprocess.run([trainctl, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run_dir = tmp_path / "runs" / "stopped"
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (run_dir / "result.json").exists() and (run_dir / "checkpoints" / "step-00000012").is_dir()
+    env.pop("TRAINCTL_TEST_STOP_AFTER_STEP")
+    again = subprocess.run([trainctl, "resume", "stopped"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "from step-00000012" in again.stdout
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["resumed_from_step"] == 12 and result["steps"] == 30
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "resume" in kinds
+    # A finished run has nothing left to train; an unknown run is a user error.
+    for run, message in (("stopped", "already finished"), ("no-such-run", "no-such-run")):
+        bad = subprocess.run([trainctl, "resume", run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

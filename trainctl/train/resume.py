@@ -1,6 +1,7 @@
 """Where a run starts, and what a checkpoint of it records: the glue between the loop and checkpoint.py.
 
-Start: a run's own newest valid checkpoint always wins (a restart after a crash, a requeue);
+Start: a run's own newest valid checkpoint always wins (a restart after a crash, a requeue)
+unless `checkpoint.resume=never` (every start is step 0);
 otherwise `checkpoint.resume` names another run's checkpoint or run directory to start from
 (e.g. fine-tuning), restoring `checkpoint.load_only` of it: all (model, optimizer, step and
 data position), model_optim (a fresh step 0 with the optimizer's moments) or model.
@@ -39,10 +40,12 @@ class StartPoint:
 
 def find_source(cfg: CheckpointConfig, run_dir: Path, manager: CheckpointManager) -> tuple[Path | None, str]:
     """(checkpoint to start from, load_only), the same on every rank; (None, "all") for a fresh start."""
+    if cfg.resume == "never":
+        return None, "all"
     own = manager.latest_valid()
     if own is not None:
         return own, "all"
-    if cfg.resume in ("auto", "never"):
+    if cfg.resume == "auto":
         return None, "all"
     source = Path(cfg.resume).expanduser()
     if (source / META).is_file():

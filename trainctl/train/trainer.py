@@ -31,6 +31,7 @@ from trainctl.train.activations import activation_offload
 from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir
 from trainctl.train.context_parallel import check_cp_device, cp_mesh_of, rope_rows, sharded_sequences
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
+from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import register_float8_scale_precompute
 from trainctl.train.guards import StepGuard, agreed_step, inject_nan
 from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
@@ -81,6 +82,9 @@ def train_loop(job: Job) -> dict:
     A stop request (signal) ends the loop early with a checkpoint; the summary says so.
     """
     cfg, train, begin = job.cfg, job.cfg.train, job.start.step
+    if begin >= train.steps:
+        raise WorkerConfigError(f"train.steps={train.steps}: the run's checkpoint {job.start.path} is at step {begin} already; "
+                                "nothing left to train (launch a new run, or resume from it with checkpoint.resume=PATH)")
     if job.start.resumed:
         val_loss_0 = job.start.meta.get("initial_val_loss", float("nan"))
         job.metrics.resumed(begin, str(job.start.path))
