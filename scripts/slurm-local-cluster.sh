@@ -62,6 +62,8 @@ start_munge() {
     return # already running
   fi
   runuser -u munge -- munged
+  mkdir -p "$STATE/run"
+  touch "$STATE/run/munged.ours" # so that 'down' stops only a munged we started
   for _ in $(seq 50); do
     munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && return
     sleep 0.1
@@ -76,7 +78,7 @@ node_addr() { echo "$SUBNET.$((10 + ${1#node}))"; }
 node_memory_mb() {
   local total_kb
   total_kb=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
-  echo $((total_kb / 1024 * 9 / 10 / $1))
+  echo $((total_kb * 9 / 10 / 1024 / $1))
 }
 
 write_config() {
@@ -267,6 +269,9 @@ cmd_down() {
     [ -e "$pidfile" ] && stop_pidfile "$pidfile"
   done
   stop_pidfile "$STATE/run/slurmctld.pid"
+  if [ -e "$STATE/run/munged.ours" ]; then
+    stop_pidfile /run/munge/munged.pid
+  fi
   network_down
   hosts_clean
   unlink_config

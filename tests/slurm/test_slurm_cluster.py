@@ -1,0 +1,142 @@
+"""trainctl on a real Slurm (two nodes on this machine): submit, run across nodes, status, logs, cancel.
+
+Every job is the tiny model for a few steps with one thread per worker (the machine has two
+cores, and each node claims both), so a job takes seconds after its Python start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainctl.launch import runs
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+JOB_TIMEOUT_S = 240
+FAST = [
+    "recipe=tiny_cpu",
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", "model.max_seq_len=64",
+    "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_every=0", "train.eval_batches=2",
+    "schedule.warmup_steps=1", "logging.log_every=1", "logging.progress=false",
+]  # fmt: skip
+SLURM_CPU = ["cluster=slurm", "cluster.device=cpu", "cluster.gpu=", "cluster.cpu_threads=1", "cluster.max_restarts=0", "cluster.time_limit=10"]
+
+
+def trainctl(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(cwd: Path, name: str, *overrides: str) -> Path:
+    done = trainctl("launch", *FAST, *overrides, "--name", name, cwd=cwd, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, f"launch failed:\n{done.stdout}\n{done.stderr}"
+    return cwd / "runs" / name
+
+
+def cluster_report(run_dir: Path) -> str:
+    """What Slurm and the run say, for a failure message."""
+    queue = subprocess.run(["squeue", "--states=all", "--long"], capture_output=True, text=True).stdout
+    nodes = subprocess.run(["sinfo", "-N", "-l"], capture_output=True, text=True).stdout
+    return f"{runs.run_state(run_dir)}\n{queue}\n{nodes}\n{failure_report(run_dir)}"
+
+
+def wait_for(predicate, what: str, run_dir: Path, timeout: float = JOB_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{cluster_report(run_dir)}")
+
+
+def wait_done(run_dir: Path) -> runs.RunState:
+    def finished():
+        state = runs.run_state(run_dir)
+        return None if state.active else state
+
+    return wait_for(finished, f"run {run_dir.name} to end", run_dir)
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def rank_hosts(run_dir: Path) -> set[str]:
+    hosts = set()
+    for log in (run_dir / "logs").glob("rank*.log"):
+        for line in log.read_text().splitlines():
+            if " on host " in line:
+                hosts.add(line.split(" on host ")[1].split(",")[0])
+    return hosts
+
+
+def failure_report(run_dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.*")))
+
+
+def test_one_node_job_completes_with_its_logs_and_records(tmp_path):
+    run_dir = launch(tmp_path, "one-node", *SLURM_CPU, "cluster.procs_per_node=2", "train.steps=4")
+    job_id = json.loads((run_dir / "launch.json").read_text())["job_id"]
+    state = wait_done(run_dir)
+    assert state.state == "COMPLETED", failure_report(run_dir)
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 4
+    assert f"trainctl: job {job_id} attempt 0" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "kind=final" in (run_dir / "logs" / f"slurm-{job_id}.0.out").read_text()
+    records = [json.loads(line) for line in (run_dir / "slurm-attempts.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["exit_code"]) for r in records] == [("start", None), ("end", 0)]
+
+
+def test_two_nodes_give_the_losses_of_two_local_workers(tmp_path):
+    steps = "train.steps=6"
+    two_nodes = launch(tmp_path, "two-nodes", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=1", steps)
+    local = launch(tmp_path, "local", "cluster=local", "cluster.procs_per_node=2", "cluster.cpu_threads=1", steps)
+    state = wait_done(two_nodes)
+    assert state.state == "COMPLETED", failure_report(two_nodes)
+    assert rank_hosts(two_nodes) == {"node1", "node2"}, "each node should host one rank"
+    slurm_losses, local_losses = train_losses(two_nodes), train_losses(local)
+    assert len(slurm_losses) == 6
+    assert slurm_losses == pytest.approx(local_losses, rel=1e-5)
+
+
+def test_status_logs_and_cancel_a_running_job(tmp_path):
+    run_dir = launch(tmp_path, "long", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=1", "train.steps=100000")
+    def trained_or_ended():
+        state = runs.run_state(run_dir)
+        return state if (state.step or 0) >= 2 or not state.active else None
+
+    state = wait_for(trained_or_ended, "two training steps", run_dir)
+    assert state.active, f"the job ended early\n{cluster_report(run_dir)}"
+
+    status = trainctl("status", "long", cwd=tmp_path)
+    assert status.returncode == 0 and "RUNNING" in status.stdout and "node[1-2]" in status.stdout
+    assert "kind=train step=1 " in trainctl("logs", "long", cwd=tmp_path).stdout
+    assert "rank1" in trainctl("logs", "long", "--rank", "1", cwd=tmp_path).stdout
+    follower = subprocess.Popen([sys.executable, "-m", "trainctl.cli", "logs", "long", "--follow"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+
+    cancelled = trainctl("cancel", "long", cwd=tmp_path)
+    assert cancelled.returncode == 0 and "cancelled Slurm job" in cancelled.stdout, cancelled.stderr
+    assert wait_done(run_dir).state == "CANCELLED"
+    try:
+        followed, _ = follower.communicate(timeout=60)  # --follow ends by itself once the job has ended
+    except subprocess.TimeoutExpired:
+        follower.kill()
+        raise AssertionError(f"logs --follow kept going after the job ended\n{cluster_report(run_dir)}") from None
+    assert follower.returncode == 0 and "kind=train step=2 " in followed
+    listing = trainctl("runs", cwd=tmp_path).stdout
+    assert any(line.split()[:1] == ["long"] and "CANCELLED" in line for line in listing.splitlines()), listing
+    again = trainctl("cancel", "long", cwd=tmp_path)
+    assert again.returncode == 2 and "nothing to cancel" in again.stderr
+
+
+def test_a_job_sbatch_refuses_is_a_one_line_error(tmp_path):
+    done = trainctl("launch", *FAST, *SLURM_CPU, "cluster.partition=nosuchpartition", "--name", "refused", cwd=tmp_path)
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert "sbatch rejected" in errors[0] and "invalid partition" in errors[0].lower()
