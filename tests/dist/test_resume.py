@@ -69,6 +69,9 @@ LAYOUTS = {
     "ddp": (ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2), 2, 4),
     "zero3": (ShardingConfig(name="zero3", strategy="zero3", dp_shard=2), 2, 4),
     "tp": (ShardingConfig(name="tp", strategy="none", tp=2), 2, 8),
+    # zero1's optimizer shards are per rank (not resharded); pp: names stay the full model's.
+    "zero1": (ShardingConfig(name="zero1", strategy="zero1", dp_replicate=2), 2, 4),
+    "pp": (ShardingConfig(name="pp", strategy="none", pp=2, pp_schedule="1f1b"), 2, 4),
 }
 
 

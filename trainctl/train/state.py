@@ -55,7 +55,9 @@ def named_view(model: nn.Module) -> nn.Module:
 
 def _options() -> StateDictOptions:
     # Sharded (DTensor) state: each rank saves and loads only its shards; DCP reshards between layouts.
-    return StateDictOptions(full_state_dict=False, cpu_offload=False)
+    # Flattened optimizer state ("param_groups.<name>.lr"): with nested param_groups, a list per
+    # rank, DCP would keep one rank's list for all (pipeline stages hold different parameters).
+    return StateDictOptions(full_state_dict=False, cpu_offload=False, flatten_optimizer_state_dict=True)
 
 
 def app_state(model: nn.Module, optimizer: torch.optim.Optimizer, parts: Sequence[str] = ("model", "optim")) -> dict:
