@@ -27,16 +27,14 @@ from worker_runs import WORKER_TIMEOUT_S, base_config, records, run_worker, writ
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.train.checkpoint import DIE_BEFORE_COMMIT_ENV, checkpoint_dir, list_committed, step_name, verify
 
+from trainctl.launch.command import TORCHRUN_ENV  # what the launch scripts export: restarts need it
+
 pytestmark = pytest.mark.dist
 
 STEPS, EVERY, KEEP = 16, 4, 3
 DDP = ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2)
 START_LINE = re.compile(r"rank (\d+) of \d+ on host \S+, pid (\d+)")
 SLICE_S = 0.005  # how long the workers run between two looks at their progress
-# torch 2.13's torchrun shares its rendezvous TCPStore with the workers and reuses it, unprefixed, for every
-# restart: the restarted workers read the dead attempt's gloo addresses and hang in init_process_group
-# (pytorch/pytorch#135712). Opting out gives each attempt a fresh store; the launch scripts need the same.
-TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def ddp_config(cache: Path, name: str) -> RunConfig:

@@ -263,3 +263,13 @@ def test_submit_reports_sbatch_rejection(fake_sbatch, run_dir):
     with pytest.raises(LaunchError, match="invalid partition"):
         slurm.submit(run_dir)
     assert not (run_dir / "launch.json").exists()
+
+
+def test_launch_scripts_give_restarted_workers_a_fresh_rendezvous_store(tmp_path):
+    # Without it torchrun's restarts hang (see trainctl.launch.command.TORCHRUN_ENV).
+    from trainctl.config.schema import ClusterConfig
+    from trainctl.launch import local
+
+    line = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+    assert line in local.render_script(ClusterConfig(), tmp_path / "run").splitlines()
+    assert line in slurm.render_sbatch(slurm_config(), tmp_path / "run-a").splitlines()

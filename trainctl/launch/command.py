@@ -105,6 +105,16 @@ def shell_join(argv: list[str]) -> str:
     return " ".join(_quote_keeping_vars(a) if isinstance(a, Expand) else shlex.quote(a) for a in argv)
 
 
+# torchrun shares its rendezvous store with the workers and, in torch 2.11-2.13, reuses it unprefixed
+# after a restart: restarted workers read the dead ones' addresses and hang in init_process_group
+# (pytorch/pytorch#135712). A store of their own makes `cluster.max_restarts` actually restart.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_env_exports() -> list[str]:
+    return [f"export {name}={value}" for name, value in TORCHRUN_ENV.items()]
+
+
 def omp_threads_export(cluster: ClusterConfig, cores: str, keep_user_value: bool) -> str:
     """The launch script's OMP_NUM_THREADS line: cluster.cpu_threads, else `cores` / workers.
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from trainctl.config.schema import ClusterConfig
-from trainctl.launch.command import local_argv, omp_threads_export, shell_join
+from trainctl.launch.command import local_argv, omp_threads_export, shell_join, torchrun_env_exports
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.failure import Failure, find_failure
 from trainctl.launch.progress import ProgressSink
@@ -51,6 +51,7 @@ def render_script(cluster: ClusterConfig, run_dir: Path, workdir: Path | None = 
             f"cd {shlex.quote(str(workdir))}",
             omp_threads_export(cluster, "$(nproc)", keep_user_value=True),
             "export PYTHONUNBUFFERED=1",
+            *torchrun_env_exports(),
             "exec " + shell_join(local_argv(cluster, run_dir)),
             "",
         ]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, PreemptionConfig, RunConfig
 from trainctl.config.slurm import cpus_per_task, gpus_per_node
-from trainctl.launch.command import Expand, omp_threads_export, shell_join, slurm_argv
+from trainctl.launch.command import Expand, omp_threads_export, shell_join, slurm_argv, torchrun_env_exports
 from trainctl.launch.errors import LaunchError
 
 SBATCH_TIMEOUT_S = 60
@@ -114,6 +114,7 @@ def environment_lines(cluster: ClusterConfig) -> list[str]:
     lines = [
         omp_threads_export(cluster, "$SLURM_CPUS_ON_NODE", keep_user_value=False),
         "export PYTHONUNBUFFERED=1",
+        *torchrun_env_exports(),
     ]
     if cluster.preemption.lead_s > 0:
         # torchrun gives its workers this long after forwarding a signal before it kills them.
