@@ -140,3 +140,34 @@ def test_a_job_sbatch_refuses_is_a_one_line_error(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(errors) == 1, done.stderr
     assert "sbatch rejected" in errors[0] and "invalid partition" in errors[0].lower()
+
+
+def _last_per_step(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
+    steps = "train.steps=30"
+    run_dir = launch(tmp_path, "preempted", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=1", steps)
+    job_id = json.loads((run_dir / "launch.json").read_text())["job_id"]
+    wait_for(lambda: len(_last_per_step(run_dir)) >= 5 if (run_dir / "metrics.jsonl").exists() else False,
+             "5 training steps", run_dir)
+    # The early warning Slurm sends before the time limit, sent now to every job step (as --signal does).
+    sent = subprocess.run(["scancel", "--signal=USR2", job_id], capture_output=True, text=True)
+    assert sent.returncode == 0, sent.stderr
+    local = launch(tmp_path, "local-ref", "cluster=local", "cluster.procs_per_node=2", "cluster.cpu_threads=1", steps)
+    wait_for(lambda: (run_dir / "result.json").is_file(), "the requeued job to finish", run_dir, timeout=2 * JOB_TIMEOUT_S)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumes = [r for r in records if r["kind"] == "resume"]
+    assert len(resumes) == 1, failure_report(run_dir)
+    stopped_at = resumes[0]["step"]
+    assert 5 <= stopped_at < 30
+    attempts = [json.loads(line) for line in (run_dir / "slurm-attempts.jsonl").read_text().splitlines()]
+    assert {r["attempt"] for r in attempts if r["event"] == "start"} == {0, 1}, attempts
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["resumed_from_step"] == stopped_at and result["steps"] == 30
+    # Checkpoint, requeue, resume: the same losses at every step as a run never interrupted.
+    want = _last_per_step(local)
+    assert _last_per_step(run_dir) == pytest.approx(want, rel=1e-5)
+    assert result["final_train_loss"] == pytest.approx(want[30], rel=1e-5)

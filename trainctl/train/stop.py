@@ -1,8 +1,8 @@
 """Stop requests: a signal asks the loop to checkpoint and exit at the next step boundary.
 
 SIGTERM (torchrun forwards it to its workers when it is itself stopped; Slurm sends it at the
-end) and SIGUSR2 (the early preemption warning the sbatch script asks Slurm for; SIGUSR1 is
-NCCL's) only set a flag here: the loop agrees on it across ranks in the step's one all-reduce,
+end) and the preemption signal (`cluster.preemption.signal`, SIGUSR2 by default: the early
+warning the sbatch script asks Slurm for) only set a flag here: the loop agrees on it across ranks in the step's one all-reduce,
 so every rank saves the same step and leaves together. SIGINT (Ctrl-C) keeps its default: stop now.
 """
 
@@ -15,14 +15,14 @@ import subprocess
 
 log = logging.getLogger("trainctl.train")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 TEST_STOP_ENV = "TRAINCTL_TEST_STOP_AFTER_STEP"  # tests: act as if a stop was requested after this step
 
 
 class StopRequest:
     """A flag raised by STOP_SIGNALS; `requested` is this rank's view (the loop agrees across ranks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preemption_signal: str = "SIGUSR2") -> None:
+        self.preemption_signal = preemption_signal
         self.requested = False
         self.signal_name = ""
         self._previous = {}
@@ -32,8 +32,14 @@ class StopRequest:
         """This rank's answer after `done` steps: a signal arrived (or the test hook's step is reached)."""
         return self.requested or done == self._test_stop_after
 
+    @property
+    def preempted(self) -> bool:
+        """The stop came from the preemption warning (requeue), not a plain SIGTERM (e.g. scancel)."""
+        return self.requested and self.signal_name == self.preemption_signal
+
     def install(self) -> None:
-        for sig in STOP_SIGNALS:
+        for name in dict.fromkeys(("SIGTERM", self.preemption_signal)):
+            sig = signal.Signals[name]
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:

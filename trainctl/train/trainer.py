@@ -345,11 +345,12 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     job = None
     try:
         job = setup(cfg, run_dir, world)
+        job.stop = StopRequest(cfg.cluster.preemption.signal)
         job.stop.install()
         summary = train_loop(job)
         if summary["stopped"]:
             # The early preemption warning (not a plain SIGTERM, e.g. scancel): back to the queue.
-            if world.is_main and job.stop.signal_name == "SIGUSR2" and cfg.cluster.launcher == "slurm" and cfg.cluster.preemption.requeue:
+            if world.is_main and job.stop.preempted and cfg.cluster.launcher == "slurm" and cfg.cluster.preemption.requeue:
                 requeue_slurm_job()
         elif world.is_main:
             (run_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
