@@ -12,8 +12,8 @@ Every other value from the config reaches the shell through `shlex.quote`, excep
 Preemption: Slurm sends `cluster.preemption.signal` lead_s seconds before the time limit
 to every job step (not `B:`, which reaches only the batch shell); torchrun forwards it to
 its workers (`--signals-to-handle`). An attempt started after more than `max_requeues`
-requeues stops at once. Checkpoint-and-requeue in the worker is not implemented yet:
-today the signal ends the workers.
+requeues stops at once. The workers checkpoint on the signal and rank 0 requeues the job
+(trainctl/train/stop.py); the next attempt resumes from that checkpoint.
 """
 
 from __future__ import annotations
