@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -56,6 +57,15 @@ def test_wandb_offline_writes_under_run_dir(full_ac_with_wandb):
     data = history.read_bytes()
     for needle in (b"grad_norm", b"tokens_per_s", b"val_loss", full_ac_with_wandb.name.encode()):
         assert needle in data, needle
+
+
+def test_wandb_run_id_is_kept_for_restarts(full_ac_with_wandb):
+    # A restart or requeue reads RUN_DIR/wandb_id and logs to the same W&B run; checkpoints record it too.
+    run_id = (full_ac_with_wandb / "wandb_id").read_text().strip()
+    (history,) = (full_ac_with_wandb / "wandb").glob("offline-run-*/run-*.wandb")
+    assert history.name == f"run-{run_id}.wandb"
+    (final,) = (full_ac_with_wandb / "checkpoints").glob("step-*")
+    assert json.loads((final / "meta.json").read_text())["wandb_id"] == run_id
 
 
 def test_compile_smoke(root, data_cache, reference):
