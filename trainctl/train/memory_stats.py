@@ -108,32 +108,41 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor]
 
 
 class _StorageTracker(TorchDispatchMode):
-    """Remembers (weakly) the storage of every tensor an op produces."""
+    """Remembers (weakly) the storage of every tensor an op produces, except the `exclude`d ones."""
 
-    def __init__(self):
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
         super().__init__()
+        self.skip = {_storage_key(local_tensor(t)) for t in exclude}
         self.storages: dict[tuple, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                storage = t.untyped_storage()
-                self.storages.setdefault(_storage_key(t), (StorageWeakRef(storage), storage.nbytes()))
+            if isinstance(t, torch.Tensor):
+                self._remember(local_tensor(t))
         return out
+
+    def _remember(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        known = self.storages.get(key)
+        # A freed storage's address and size can come back for a new one: the old entry is dead then.
+        if key not in self.skip and (known is None or known[0].expired()):
+            storage = t.untyped_storage()
+            self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
 
     def alive_bytes(self) -> int:
         return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
 
 
-def retained_activation_bytes(fn: Callable[[], object]) -> tuple[object, int]:
+def retained_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> tuple[object, int]:
     """Run `fn` (a forward + loss); returns (its result, bytes of the storages it created that are still alive).
 
     With the result held and no backward run yet, what stays alive is what the autograd graph
     keeps for backward, whoever keeps it: saved tensors, checkpointed blocks' inputs, the
-    selective-checkpoint cache, and the result itself.
+    selective-checkpoint cache, and the result itself. Views of the `exclude`d tensors (the
+    parameters and buffers: a transposed weight, a slice of the RoPE table) are not counted.
     """
-    tracker = _StorageTracker()
+    tracker = _StorageTracker(exclude)
     with tracker:
         result = fn()
     return result, tracker.alive_bytes()
