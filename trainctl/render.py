@@ -1,4 +1,4 @@
-"""Rich rendering of a run plan: one table per section of `RunPlan.to_dict()`."""
+"""Rich rendering of a run plan (`RunPlan.to_dict()`): run, dims, batch, memory per rank, throughput, notes, advice."""
 
 from __future__ import annotations
 
@@ -7,6 +7,36 @@ from rich.table import Table
 
 GIB = 1024**3
 
+# Rows of the memory table, in the order a step meets them: (key in the plan's memory dict, label).
+MEMORY_ROWS = (
+    ("params_bytes", "weights (fp32 master)"),
+    ("grads_bytes", "gradients (fp32)"),
+    ("optimizer_bytes", "AdamW states"),
+    ("ddp_buckets_bytes", "DDP gradient buckets"),
+    ("gathered_loss_bytes", "FSDP gathered, at loss"),
+    ("gathered_block_bytes", "FSDP gathered, block backward"),
+    ("gathered_end_bytes", "FSDP gathered, end of backward"),
+    ("unsharded_grads_bytes", "FSDP unsharded grads (accumulation)"),
+    ("accumulated_grads_bytes", "gradients kept across micro-batches"),
+    ("weight_casts_bytes", "autocast weight copies"),
+    ("activations_per_micro_batch_bytes", "activations, one micro-batch"),
+    ("activations_bytes", "activations, all in flight"),
+    ("loss_buffers_bytes", "loss gradients (fp32 tokens x vocab)"),
+    ("recompute_bytes", "recomputed block"),
+    ("grad_temp_bytes", "block backward temporaries"),
+    ("step_temp_bytes", "optimizer step temporaries"),
+    ("host_bytes", "in host memory (not on device)"),
+)
+FIT_ROWS = (
+    ("peak_bytes", "peak (allocator)"),
+    ("framework_bytes", "framework allowance"),
+    ("need_bytes", "needed"),
+    ("capacity_bytes", "device memory"),
+    ("headroom_bytes", "headroom"),
+)
+VERDICT_STYLE = {"fits": "green", "tight": "yellow", "does not fit": "bold red", "unknown": "dim"}
+MAX_RANK_COLUMNS = 8
+
 
 def format_value(key: str, value) -> str:
     """Human units chosen by the key's suffix: bytes as GiB, FLOPs in scientific notation, counts with separators."""
@@ -14,7 +44,7 @@ def format_value(key: str, value) -> str:
         return str(value)
     if isinstance(value, (int, float)):
         if key.endswith("bytes"):
-            return f"{value / GIB:,.2f} GiB" if value >= GIB else f"{value / 2**20:,.1f} MiB"
+            return gib(value)
         if "flops" in key:
             return f"{value:.3e}"
         if isinstance(value, int):
@@ -23,6 +53,12 @@ def format_value(key: str, value) -> str:
     if isinstance(value, (list, tuple)):
         return " ".join(str(v) for v in value)
     return str(value)
+
+
+def gib(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / GIB:,.2f} GiB" if abs(value) >= GIB else f"{value / 2**20:,.1f} MiB"
 
 
 def _section(title: str, data: dict) -> Table:
@@ -36,31 +72,96 @@ def _section(title: str, data: dict) -> Table:
     return table
 
 
+def memory_table(memory: dict) -> Table:
+    """One column per pipeline rank (or one for all ranks): the breakdown, the phases, the verdict."""
+    ranks = memory.get("per_pp_rank") or [memory]
+    shown = ranks[:MAX_RANK_COLUMNS]
+    table = Table(title="memory per rank", title_justify="left", title_style="bold", box=None, padding=(0, 2))
+    table.add_column("", style="cyan")
+    for r in shown:
+        table.add_column(f"pp rank {r['pp_rank']}" if len(ranks) > 1 else "every rank", justify="right")
+    for key, label in MEMORY_ROWS:
+        if any(r.get(key) for r in shown):
+            table.add_row(label, *(gib(r.get(key)) for r in shown))
+    for phase in shown[0]["phases_bytes"]:
+        table.add_row(f"at {phase.replace('_', ' ')}", *(gib(r["phases_bytes"][phase]) for r in shown), style="dim")
+    for key, label in FIT_ROWS:
+        table.add_row(label, *(gib(r.get(key)) for r in shown))
+    table.add_row("verdict", *(f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]" for r in shown))
+    return table
+
+
+def throughput_section(t: dict) -> Table:
+    seconds = {k: v for k, v in (t.get("step_time") or {}).items() if k != "total_s" and v}
+    data = {k: v for k, v in t.items() if k != "step_time"}
+    if seconds:
+        data["step_time_parts_s"] = ", ".join(f"{k[:-2]}={v:.3g}" for k, v in seconds.items())
+    return _section("throughput", data)
+
+
+def advice_table(advice: list[dict]) -> Table:
+    table = Table(title="to make it fit (best first)", title_justify="left", title_style="bold", box=None, padding=(0, 2))
+    table.add_column("change", overflow="fold", ratio=1)
+    for column in ("peak", "needed", "verdict", "step time"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for a in advice:
+        cost = "-" if a["slowdown"] is None else f"{a['slowdown']:+.0%}"
+        table.add_row(" ".join(a["overrides"]), gib(a["peak_bytes"]), gib(a["need_bytes"]), a["verdict"], cost)
+    return table
+
+
 # Shown on their own after the tables (too long for a table cell), or not at all.
 _OWN_LINE = ("launch_command",)
 _HIDDEN = ("launch_argv",)
+_SPECIAL = ("memory", "throughput", "notes", "advice", "warnings")
 
 
 def render_plan(console: Console, plan: dict) -> None:
-    """Scalars first as the 'run' table, then one table per nested section, then the launch command and warnings."""
+    """Scalars as the 'run' table, then one table per nested section, memory, throughput, notes, advice, warnings."""
     plan = {k: v for k, v in plan.items() if k not in _HIDDEN}
     own_line = {k: plan.pop(k) for k in _OWN_LINE if k in plan}
+    special = {k: plan.pop(k) for k in _SPECIAL if k in plan}
     scalars = {k: v for k, v in plan.items() if not isinstance(v, (dict, list))}
-    sections = {k: v for k, v in plan.items() if isinstance(v, dict)}
-    lists = {k: v for k, v in plan.items() if isinstance(v, list)}
-    if scalars:
-        console.print(_section("run", scalars))
-    for title, data in sections.items():
+    console.print(_section("run", scalars))
+    for title, data in plan.items():
+        if isinstance(data, dict):
+            console.print()
+            console.print(_section(title, data))
+    if "memory" in special:
         console.print()
-        console.print(_section(title, data))
+        console.print(memory_table(special["memory"]))
+    if "throughput" in special:
+        console.print()
+        console.print(throughput_section(special["throughput"]))
     for title, value in own_line.items():
         console.print()
         console.print(f"[bold]{title}[/]")
         console.print(value, soft_wrap=True, highlight=False, markup=False)
-    for title, items in lists.items():
-        if title == "warnings":
-            for warning in items:
-                console.print(f"[yellow]warning:[/] {warning}")
-        elif items:
-            console.print()
-            console.print(f"[bold]{title}[/]: {format_value(title, items)}", soft_wrap=True)
+    if special.get("notes"):
+        console.print()
+        console.print("[bold]notes[/] (where the worker differs from the textbook)")
+        for note in special["notes"]:
+            console.print(f"- {note}", soft_wrap=True, highlight=False, markup=False)
+    if special.get("advice"):
+        console.print()
+        console.print(advice_table(special["advice"]))
+    for warning in special.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True, highlight=False)
+
+
+def compare_table(axis: str, rows: list[dict]) -> Table:
+    """`plan --compare AXIS`: one row per variant with its busiest rank's memory and step time."""
+    table = Table(title=f"compare {axis} (your model and cluster; busiest rank)", title_justify="left", title_style="bold", box=None, padding=(0, 2))
+    for column in ("variant", "states", "activations", "peak", "needed", "headroom", "verdict", "step s", "vs now", "tokens/s"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["variant"], f"[dim]{r['error']}[/]")
+            continue
+        step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3g}"
+        change = "-" if r["slowdown"] is None else f"{r['slowdown']:+.0%}"
+        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"
+        style = VERDICT_STYLE[r["verdict"]]
+        table.add_row(r["variant"], gib(r["states_bytes"]), gib(r["activations_bytes"]), gib(r["peak_bytes"]), gib(r["need_bytes"]),
+                      gib(r["headroom_bytes"]), f"[{style}]{r['verdict']}[/]", step, change, tps)
+    return table

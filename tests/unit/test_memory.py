@@ -1,11 +1,21 @@
-"""ZeRO arithmetic of the per-rank memory estimate, checked on Llama 2 7B by hand."""
+"""The per-rank memory model, checked by hand on Llama 2 7B and on small shapes.
+
+What the worker's tensors really hold is checked in tests/dist/test_plan_memory.py; here the
+arithmetic: ZeRO stages tensor by tensor, what FSDP2 / DDP / autocast add, pipeline stages and
+micro-batches in flight, activations and the phases.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig
+from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.plan import activations as act
 from trainctl.plan import memory
+from trainctl.plan.shapes import Tensor, stage_tensors, tp_local, zero1_partition
+from trainctl.plan.stages import in_flight, rank_stages, stage_layer_counts
 from trainctl.plan.topology import ParallelDims
 
 LLAMA2_7B = ModelConfig(
@@ -15,87 +25,148 @@ LLAMA2_7B = ModelConfig(
 # + 32 x (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096) = 6,738,415,616.
 P = 6_738_415_616
 BLOCK = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096  # one transformer block: 202,383,360
+TENSORS = 32 * 9 + 3  # 9 per block, embedding, final norm, output
+STEPS = 4 * TENSORS  # AdamW's float32 step counter per tensor
 FP32 = PrecisionConfig(name="fp32", compute_dtype="fp32")
 BF16 = PrecisionConfig(name="bf16", compute_dtype="bf16")
+TRAIN = TrainConfig(seq_len=4096, micro_batch=1, grad_accum=1, global_batch=8)
 
 
-def estimate(strategy: str, precision=FP32, cpu_offload=False, **degrees) -> memory.MemoryEstimate:
+def estimate(strategy: str, precision=FP32, train=TRAIN, cpu_offload=False, model=LLAMA2_7B, **degrees) -> memory.RankMemory:
     dims = ParallelDims(**degrees)
     sharding = ShardingConfig(name=strategy, strategy=strategy, cpu_offload=cpu_offload, **degrees)
-    return memory.estimate(LLAMA2_7B, precision, sharding, dims)
+    (stage,) = rank_stages(model, sharding, train.grad_accum)[:1]
+    return memory.estimate(model, precision, sharding, train, dims, stage)
 
 
 @pytest.mark.parametrize(
     "strategy, degrees, weights, grads, optimizer",
     [
-        ("none", {}, 4 * P, 4 * P, 8 * P),
-        ("ddp", {"dp_replicate": 8}, 4 * P, 4 * P, 8 * P),  # replication saves nothing
-        ("zero1", {"dp_replicate": 8}, 4 * P, 4 * P, P),  # 8P / 8
-        ("zero2", {"dp_shard": 8}, 4 * P, P // 2, P),  # 4P / 8, 8P / 8
-        ("zero3", {"dp_shard": 8}, P // 2, P // 2, P),  # 16P / 8 = 2P in all
-        ("fsdp", {"dp_shard": 8}, P // 2, P // 2, P),
-        ("hsdp", {"dp_replicate": 2, "dp_shard": 4}, P, P, 2 * P),  # 16P / 4: only dp_shard divides
+        ("none", {}, 4 * P, 4 * P, 8 * P + STEPS),
+        ("ddp", {"dp_replicate": 8}, 4 * P, 4 * P, 8 * P + STEPS),  # replication saves nothing
+        ("zero2", {"dp_shard": 8}, P // 2, P // 2, P + STEPS),  # between steps FSDP2 keeps shards only
+        ("zero3", {"dp_shard": 8}, P // 2, P // 2, P + STEPS),  # 16P / 8 = 2P in all
+        ("fsdp", {"dp_shard": 8}, P // 2, P // 2, P + STEPS),
+        ("hsdp", {"dp_replicate": 2, "dp_shard": 4}, P, P, 2 * P + STEPS),  # 16P / 4: only dp_shard divides
     ],
 )
 def test_model_states_follow_zero_stages(strategy, degrees, weights, grads, optimizer):
     est = estimate(strategy, **degrees)
-    assert (est.weights, est.grads, est.optimizer) == (weights, grads, optimizer)
+    assert (est.params, est.grads, est.optimizer) == (weights, grads, optimizer)
     assert est.host == 0
 
 
-def test_replicated_fp32_needs_no_compute_copy_and_totals_16_bytes_per_param():
-    est = estimate("ddp", dp_replicate=8)
-    assert est.compute_copy == 0
-    assert est.total == 16 * P
+def test_zero1_gives_whole_tensors_largest_first_to_the_emptiest_rank():
+    tensors = [Tensor("layers.0.attention.wq.weight", 10, 10), Tensor("layers.0.feed_forward.w1.weight", 6, 10),
+               Tensor("layers.0.feed_forward.w2.weight", 5, 10), Tensor("norm.weight", 7, 1)]
+    # decayed group (matmuls): 100 -> rank 0, 60 -> rank 1, 50 -> rank 1 (110); then the norm (7) -> rank 0 (107).
+    assert zero1_partition(tensors, 2) == [(107, 2), (110, 2)]
 
 
-def test_replicated_bf16_keeps_a_bf16_copy_of_the_whole_model():
-    assert estimate("ddp", precision=BF16, dp_replicate=8).compute_copy == 2 * P
+def test_zero1_busiest_rank_holds_more_than_an_even_share():
+    est = estimate("zero1", dp_replicate=8)
+    assert (est.params, est.grads) == (4 * P, 4 * P)
+    assert 8 * P // 8 < est.optimizer < 8 * P // 8 + 8 * 32000 * 4096  # at most one largest tensor more
 
 
-def test_sharded_params_gather_two_blocks_in_the_compute_dtype():
-    # A block (202M) is larger than the embedding (131M), so it bounds one all-gather.
-    assert estimate("zero3", precision=BF16, dp_shard=8).compute_copy == 2 * BLOCK * 2
-    assert estimate("zero3", precision=FP32, dp_shard=8).compute_copy == 2 * BLOCK * 4
+def test_ddp_keeps_flat_gradient_buckets_beside_the_gradients():
+    assert estimate("ddp", dp_replicate=8).ddp_buckets == 4 * P
+    assert estimate("none").ddp_buckets == 0
+    assert estimate("zero3", dp_shard=8).ddp_buckets == 0
 
 
-def test_zero3_bf16_total_on_8_ranks():
-    assert estimate("zero3", precision=BF16, dp_shard=8).total == 2 * P + 4 * BLOCK
+def test_autocast_keeps_a_bf16_copy_of_every_matmul_weight():
+    matmul = P - 32000 * 4096 - (2 * 32 + 1) * 4096  # all but the embedding lookup and the norms
+    assert estimate("ddp", precision=BF16, dp_replicate=8).weight_casts == 2 * matmul
+    assert estimate("ddp", precision=FP32, dp_replicate=8).weight_casts == 0
+    assert estimate("zero3", precision=BF16, dp_shard=8).weight_casts == 0  # FSDP casts per unit instead
+    full = dataclasses.replace(TRAIN, activation_checkpointing="full")
+    assert estimate("ddp", precision=BF16, train=full, dp_replicate=8).weight_casts == 2 * 32000 * 4096  # only the output
 
 
-def test_tensor_parallel_halves_the_states_and_the_gathered_block():
-    est = estimate("zero3", precision=BF16, dp_shard=4, tp=2)
-    # P/2 per TP rank, 16 bytes each, sharded 4 ways: 2P.
-    assert est.weights + est.grads + est.optimizer == 2 * P
-    assert est.compute_copy == 2 * (BLOCK // 2) * 2
+def test_zero3_gathers_head_at_the_loss_and_two_blocks_in_backward():
+    est = estimate("zero3", precision=BF16, dp_shard=8)
+    assert est.gathered_loss == 2 * (32000 * 4096 + 4096)  # norm + output stay gathered until their backward
+    assert est.gathered_block == BLOCK * (3 * 2 + 4)  # gathered + prefetched (bf16), unsharded grad (bf16), reduce input (fp32)
 
 
-def test_pipeline_parallel_splits_like_tensor_parallel():
-    est = estimate("ddp", dp_replicate=2, pp=4)
-    assert est.total == 16 * P // 4
+def test_zero2_keeps_the_whole_model_gathered_until_backward():
+    assert estimate("zero2", precision=BF16, dp_shard=8).gathered_loss == 2 * P
+
+
+def test_fsdp_accumulation_keeps_unsharded_fp32_gradients():
+    accum = dataclasses.replace(TRAIN, grad_accum=4, global_batch=32)
+    assert estimate("zero3", precision=BF16, train=accum, dp_shard=8).unsharded_grads == 4 * P
+    assert estimate("zero3", precision=BF16, dp_shard=8).unsharded_grads == 0
+    assert estimate("ddp", precision=BF16, train=accum, dp_replicate=8).accumulated_grads == 4 * P
 
 
 def test_cpu_offload_moves_model_states_to_host():
     est = estimate("zero3", precision=BF16, cpu_offload=True, dp_shard=8)
-    assert (est.weights, est.grads, est.optimizer) == (0, 0, 0)
-    assert est.host == 2 * P
-    assert est.total == 4 * BLOCK
+    assert (est.params, est.grads, est.optimizer) == (0, 0, 0)
+    assert est.host == 2 * P + STEPS
+    assert est.gathered_block > 0  # the device still gathers units
 
 
-def test_to_dict_reports_bytes_and_total():
+def test_activation_offload_moves_saved_activations_to_host():
+    offload = dataclasses.replace(TRAIN, activation_offload=True)
+    kept, moved = estimate("zero3", precision=BF16, dp_shard=8), estimate("zero3", precision=BF16, train=offload, dp_shard=8)
+    assert moved.activations == 0
+    assert moved.host == kept.activations
+
+
+def test_tensor_parallel_replicates_norms_and_splits_the_rest():
+    local = [tp_local(t, 4) for t in stage_tensors(LLAMA2_7B, range(32), True, True)]
+    norms = (2 * 32 + 1) * 4096
+    assert sum(t.numel for t in local) == (P - norms) // 4 + norms
+    wo = next(t for t in local if t.name == "layers.0.attention.wo.weight")
+    assert (wo.rows, wo.cols) == (4096, 1024)  # row-parallel: split on its input dim
+
+
+def test_pipeline_stages_split_layers_and_hold_the_ends():
+    assert stage_layer_counts(10, 4, []) == [3, 3, 2, 2]
+    sharding = ShardingConfig(strategy="ddp", pp=4)
+    ranks = rank_stages(LLAMA2_7B, sharding, grad_accum=8)
+    assert [len(r.layers) for r in ranks] == [8, 8, 8, 8]
+    assert (ranks[0].first, ranks[0].last, ranks[3].first, ranks[3].last) == (True, False, False, True)
+    interleaved = rank_stages(LLAMA2_7B, ShardingConfig(strategy="ddp", pp=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), 8)
+    assert interleaved[0].layers == (*range(0, 4), *range(16, 20))  # stages 0 and 4 on pp rank 0
+
+
+@pytest.mark.parametrize(
+    "schedule, rank, v, expected",
+    [
+        ("gpipe", 0, 1, 8),  # every forward before any backward
+        ("1f1b", 0, 1, 4),  # pp - rank warm-up forwards
+        ("1f1b", 3, 1, 1),
+        ("interleaved_1f1b", 0, 2, (4 + 2 * 3 + 1) / 2),  # warm-up (v-1) x 4 + 2 (pp-1-r), +1, in chunks of 1/v
+        ("interleaved_zero_bubble", 0, 2, (4 + 3 + 1) / 2),
+    ],
+)
+def test_micro_batches_in_flight_per_schedule(schedule, rank, v, expected):
+    assert in_flight(schedule, rank, pp=4, v=v, n=8) == expected
+
+
+def test_block_activations_by_hand_and_checkpointing_order():
+    m = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
+    fp32 = act.ActLayout(compute_bytes=4, residual_bytes=4)
+    # 16d + 8 + 4ad + 2a kv + 4H + 4af with d=64, a=4, kv=32, H=4, f=128
+    assert act.block_none(m, fp32) == 16 * 64 + 8 + 16 * 64 + 8 * 32 + 16 + 16 * 128
+    assert act.block_full(m, fp32) == 4 * 64
+    assert act.block_none(m, fp32) > act.block_op(m, fp32) > act.block_full(m, fp32)
+    tp2 = act.ActLayout(compute_bytes=4, residual_bytes=4, tp=2)
+    assert act.block_none(m, tp2) > act.block_none(m, fp32) / 2  # the gathered matmul inputs are not divided
+
+
+def test_loss_buffers_are_two_fp32_vocab_gradients_per_token():
     est = estimate("zero3", precision=BF16, dp_shard=8)
+    assert est.loss_buffers == 2 * 4 * 32000 * 4096
+
+
+def test_peak_is_the_largest_phase_and_to_dict_reports_it():
+    est = estimate("zero3", precision=BF16, dp_shard=8)
+    phases = est.phases()
+    assert est.peak == max(phases.values()) and est.peak_phase in phases
     data = est.to_dict()
-    assert data["total_bytes"] == est.total
-    assert data["weights_bytes"] == P // 2
-
-
-def test_fit_warning_when_ddp_7b_exceeds_an_h100():
-    # 16 x 6.74e9 bytes = 100.4 GiB > 80 GiB.
-    warning = memory.fit_warning(estimate("ddp", dp_replicate=8), "h100")
-    assert warning is not None
-    assert "80 GiB" in warning and "h100" in warning
-
-
-def test_no_fit_warning_for_zero3_on_8_h100s_or_an_unknown_gpu():
-    assert memory.fit_warning(estimate("zero3", precision=BF16, dp_shard=8), "h100") is None
-    assert memory.fit_warning(estimate("ddp", dp_replicate=8), "") is None
+    assert data["peak_bytes"] == est.peak and data["params_bytes"] == P // 2
+    assert data["states_bytes"] == est.params + est.grads + est.optimizer

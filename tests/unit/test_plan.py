@@ -9,23 +9,29 @@ from pathlib import Path
 import pytest
 
 from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
-from trainctl.plan.plan import ASSUMED_MFU, PlanError, build, with_run_dir
+from trainctl.plan.plan import ASSUMED_MFU, PlanError, build, refusal, with_run_dir
 
 LLAMA2_7B = ModelConfig(
     name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096
 )
 P_7B = 6_738_415_616  # published; see test_memory for the arithmetic
+BLOCK_7B = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+
+
+def plain_flops_per_token() -> float:
+    return 6 * 6_607_077_376 + 12 * 32 * 4096 * 4096  # see test_params_and_flops_of_llama2_7b
 
 
 def llama7b_zero3_h100(**train) -> RunConfig:
-    """Llama 2 7B, FSDP (zero3) over 8 H100s of one node, bf16, 64 x 4096-token sequences per step."""
+    """Llama 2 7B, FSDP (zero3) over 8 H100s of one node, bf16, 64 x 4096-token sequences per step, full checkpointing."""
     return RunConfig(
         recipe="llama7b_fsdp",
         model=LLAMA2_7B,
         precision=PrecisionConfig(name="bf16", compute_dtype="bf16"),
         sharding=ShardingConfig(name="fsdp", strategy="zero3", dp_shard=8),
         cluster=ClusterConfig(name="h100", launcher="local", nodes=1, procs_per_node=8, device="cuda", gpu="h100"),
-        train=TrainConfig(**{"steps": 1000, "seq_len": 4096, "global_batch": 64, "micro_batch": 2, "grad_accum": 4, **train}),
+        train=TrainConfig(**{"steps": 1000, "seq_len": 4096, "global_batch": 64, "micro_batch": 2, "grad_accum": 4,
+                             "activation_checkpointing": "full", **train}),
     )
 
 
@@ -54,28 +60,62 @@ def test_params_and_flops_of_llama2_7b():
     assert plan.flops_per_step == pytest.approx(expected * 64 * 4096)
 
 
-def test_rough_step_time_at_the_assumed_mfu_on_h100():
-    plan = build(llama7b_zero3_h100())
+def test_step_time_is_compute_at_the_assumed_mfu_when_nothing_else_costs():
+    plan = build(llama7b_zero3_h100(activation_checkpointing="none"))
     assert plan.peak_flops_per_device == pytest.approx(989.4e12)
-    assert plan.rough_step_time_s == pytest.approx(plan.flops_per_step / (8 * 989.4e12 * ASSUMED_MFU))
+    assert plan.assumed_mfu == ASSUMED_MFU == 0.4
+    # 8192 tokens per micro-batch (full speed), no checkpointing, no pipeline, FSDP traffic hidden behind compute.
+    assert plan.step_time_s == pytest.approx(plan.flops_per_step / (8 * 989.4e12 * ASSUMED_MFU))
+    t = plan.throughput()
+    assert t["time_to_tokens_s"] == pytest.approx(1000 * plan.step_time_s)
+    assert t["gpu_hours"] == pytest.approx(8 * 1000 * plan.step_time_s / 3600)
+    assert t["attention_flops_causal_per_token"] == pytest.approx(6 * 32 * 4096 * 4096)  # half of 12 L d s
+
+
+def test_assumed_mfu_is_configurable():
+    plan = build(replace(llama7b_zero3_h100(activation_checkpointing="none"), cluster={"assumed_mfu": 0.5}))
+    assert plan.step_time_s == pytest.approx(plan.flops_per_step / (8 * 989.4e12 * 0.5))
+
+
+def test_full_checkpointing_adds_a_forward_of_the_blocks():
+    plain = build(llama7b_zero3_h100(activation_checkpointing="none")).step_time
+    full = build(llama7b_zero3_h100()).step_time
+    block_forward = 2 * (BLOCK_7B - 2 * 4096) + 4 * 4096 * 4096
+    assert full.recompute_s / plain.compute_s == pytest.approx(32 * block_forward / plain_flops_per_token())
 
 
 def test_memory_of_zero3_on_8_ranks_fits_without_warning():
-    plan = build(llama7b_zero3_h100())
-    assert plan.memory.weights + plan.memory.grads + plan.memory.optimizer == 16 * P_7B // 8
-    assert plan.warnings == ()
+    plan = build(llama7b_zero3_h100())  # as the llama7b_fsdp recipe
+    assert plan.memory.params + plan.memory.grads == 8 * P_7B // 8
+    assert plan.fit.verdict == "fits" and plan.fit.headroom_bytes > 0.1 * plan.fit.capacity_bytes
+    assert plan.warnings == () and plan.advice == ()
+    assert refusal(plan) is None
+
+
+def test_zero3_7b_without_checkpointing_does_not_fit_8k_tokens_per_h100():
+    # ~6.5 MB of bf16 activations per token over 32 blocks x 8192 tokens: ~50 GiB on top of the states.
+    plan = build(llama7b_zero3_h100(activation_checkpointing="none"))
+    assert plan.fit.verdict == "does not fit"
+    assert plan.memory.activations > 45 * 2**30
 
 
 def test_tensor_parallel_splits_params_per_rank():
     plan = build(replace(llama7b_zero3_h100(global_batch=32, grad_accum=4), sharding={"dp_shard": 4, "tp": 2}))
-    assert plan.params_per_mp_rank == P_7B // 2
+    norms = 65 * 4096  # replicated on both tp ranks
+    assert plan.params_per_mp_rank == (P_7B - norms) // 2 + norms
     assert plan.dims.dp == 4
 
 
-def test_ddp_7b_on_h100_warns_it_wont_fit():
+def test_ddp_7b_on_h100_does_not_fit_and_says_what_would():
     cfg = replace(llama7b_zero3_h100(), sharding={"name": "ddp", "strategy": "ddp", "dp_shard": 1, "dp_replicate": 8})
-    (warning,) = build(cfg).warnings
-    assert "exceeds" in warning and "h100" in warning
+    plan = build(cfg)
+    (warning,) = plan.warnings
+    assert "does not fit" in warning and "h100" in warning
+    assert plan.fit.verdict == "does not fit" and plan.fit.headroom_bytes < 0
+    assert plan.advice and plan.advice[0].verdict == "fits"
+    line = refusal(plan)
+    assert line.startswith("does not fit") and "\n" not in line and "--force" in line
+    assert " ".join(plan.advice[0].overrides) in line
 
 
 def test_batch_mismatch_is_warned():
@@ -85,14 +125,15 @@ def test_batch_mismatch_is_warned():
 
 def test_unknown_gpu_is_warned_and_gives_no_throughput():
     plan = build(replace(llama7b_zero3_h100(), cluster={"gpu": ""}))
-    assert plan.peak_flops_per_device is None and plan.rough_step_time_s is None
+    assert plan.peak_flops_per_device is None and plan.step_time_s is None
     assert any("cluster.gpu" in w for w in plan.warnings)
 
 
-def test_cpu_run_has_no_peak_and_no_memory_check():
-    cfg = replace(llama7b_zero3_h100(), cluster={"device": "cpu", "gpu": ""})
+def test_cpu_run_on_slurm_has_no_peak_and_no_verdict():
+    cfg = replace(llama7b_zero3_h100(), cluster={"device": "cpu", "gpu": "", "launcher": "slurm"})
     plan = build(cfg)
-    assert plan.peak_flops_per_device is None
+    assert plan.peak_flops_per_device is None and plan.step_time_s is None
+    assert plan.fit.verdict == "unknown" and plan.fit.capacity_bytes is None
     assert plan.warnings == ()
 
 
@@ -130,5 +171,9 @@ def test_to_dict_is_json_serializable_and_complete():
     assert data["params_total"] == P_7B
     assert data["dims"]["dp"] == 8
     assert data["batch"]["tokens_per_step"] == 64 * 4096
-    assert data["memory"]["total_bytes"] == plan.memory.total
+    assert data["memory"]["peak_bytes"] == plan.memory.peak
+    assert data["memory"]["verdict"] == plan.fit.verdict
+    assert len(data["memory"]["per_pp_rank"]) == 1
+    assert data["throughput"]["step_time_s"] == plan.step_time_s
+    assert isinstance(data["notes"], list) and data["notes"]
     assert data["launch_argv"] == list(plan.launch_argv)

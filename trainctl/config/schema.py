@@ -136,7 +136,8 @@ class ClusterConfig:
     nodes: int = 1
     procs_per_node: int = 1  # torchrun --nproc_per_node: GPUs (or CPU workers) per node
     device: str = "cpu"  # cpu | cuda
-    gpu: str = ""  # accelerator model for peak FLOPs and memory (h100, a100, ...); "" unknown
+    gpu: str = ""  # accelerator model for peak FLOPs and memory (h100_sxm, h100_pcie, h200, a100_80gb, a100_40gb, ...); "" unknown
+    assumed_mfu: float = 0.0  # MFU the plan's step time assumes; 0: the plan's default (0.4, see plan/throughput.py)
     partition: str = ""
     account: str = ""
     qos: str = ""

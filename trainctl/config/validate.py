@@ -115,6 +115,7 @@ def check_ranges(cfg: s.RunConfig) -> list[str]:
         + _at_least("cluster.max_restarts", c.max_restarts, 0)
         + _at_least("cluster.cpu_threads", c.cpu_threads, 0, "0 picks cores / workers")
         + _within("cluster.rdzv_port", c.rdzv_port, 1, 65535)
+        + _within("cluster.assumed_mfu", c.assumed_mfu, 0, 1)
         + _at_least("sharding.pp_stages_per_rank", cfg.sharding.pp_stages_per_rank, 1)
         + _positive("precision.init_scale", cfg.precision.init_scale)
         + _at_least("checkpoint.every", cfg.checkpoint.every, 0, "0 saves only at the end and on a stop request")

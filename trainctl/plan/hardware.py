@@ -1,8 +1,12 @@
-"""Accelerator specs: dense peak FLOP/s by compute dtype, and memory.
+"""Device kinds: memory, dense peak FLOP/s by compute dtype, and collective bandwidth.
 
-Used by the plan (throughput and memory estimates) and by the worker (MFU).
-Peaks are the vendors' dense (no sparsity) tensor-core numbers; fp32 means
-TF32 tensor cores, which the worker enables on CUDA.
+Used by the plan (memory verdict, throughput) and by the worker (MFU). Peaks are the vendors'
+dense (no sparsity) tensor-core numbers; fp32 means TF32 tensor cores, which the worker
+enables on CUDA. Memory is what the device reports to CUDA (nvidia-smi's total), in GiB.
+Bandwidths are per GPU and unidirectional, as collectives use them: `intra_gbs` the NVLink (or
+PCIe) bus bandwidth within a node, `inter_gbs` one NIC per GPU across nodes (400 Gb/s
+InfiniBand/RoCE for H100/H200/B200, 200 Gb/s for A100/L40S); both are nominal and the plan
+says so where it uses them.
 """
 
 from __future__ import annotations
@@ -16,27 +20,36 @@ class GpuSpec:
     memory_gib: float
     peak_tflops: dict  # compute dtype -> dense TFLOP/s
     fp8: bool  # has fp8 tensor cores
+    intra_gbs: float = 0.0  # GB/s within a node (0: unknown)
+    inter_gbs: float = 0.0  # GB/s across nodes
 
+
+_HOPPER = {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7}
+_AMPERE = {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}
+H100_SXM = GpuSpec("NVIDIA H100 SXM 80GB", 79.6, _HOPPER, True, 450.0, 50.0)
+A100_80GB = GpuSpec("NVIDIA A100 SXM 80GB", 80.0, _AMPERE, False, 300.0, 25.0)
 
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("NVIDIA H100 SXM 80GB", 80, {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7}, True),
-    "h100_pcie": GpuSpec("NVIDIA H100 PCIe 80GB", 80, {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0}, True),
-    "h200": GpuSpec("NVIDIA H200 141GB", 141, {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7}, True),
-    "b200": GpuSpec("NVIDIA B200 180GB", 180, {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 1100.0}, True),
-    "a100": GpuSpec("NVIDIA A100 SXM 80GB", 80, {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, False),
-    "a100_40gb": GpuSpec("NVIDIA A100 40GB", 40, {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}, False),
-    "l40s": GpuSpec("NVIDIA L40S 48GB", 48, {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 183.0}, True),
+    "h100_sxm": H100_SXM,
+    "h100": H100_SXM,  # the name earlier configs use
+    "h100_pcie": GpuSpec("NVIDIA H100 PCIe 80GB", 79.6, {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0}, True, 64.0, 50.0),
+    "h200": GpuSpec("NVIDIA H200 141GB", 140.4, _HOPPER, True, 450.0, 50.0),
+    "b200": GpuSpec("NVIDIA B200 180GB", 178.4, {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 1100.0}, True, 900.0, 50.0),
+    "a100_80gb": A100_80GB,
+    "a100": A100_80GB,  # the name earlier configs use
+    "a100_40gb": GpuSpec("NVIDIA A100 40GB", 40.0, _AMPERE, False, 300.0, 25.0),
+    "l40s": GpuSpec("NVIDIA L40S 48GB", 44.4, {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 183.0}, True, 32.0, 25.0),
 }
 
 # Substrings of torch.cuda.get_device_name() -> key above; most specific first.
 _DEVICE_NAME_PATTERNS = (
     ("H100 PCIe", "h100_pcie"),
-    ("H100", "h100"),
+    ("H100", "h100_sxm"),
     ("H200", "h200"),
     ("B200", "b200"),
     ("A100-SXM4-40GB", "a100_40gb"),
     ("A100-PCIE-40GB", "a100_40gb"),
-    ("A100", "a100"),
+    ("A100", "a100_80gb"),
     ("L40S", "l40s"),
 )
 
@@ -57,3 +70,13 @@ def peak_flops(gpu: str, compute_dtype: str, fp8: bool = False) -> float | None:
     key = "fp8" if fp8 else compute_dtype
     tflops = spec.peak_tflops.get(key)
     return None if tflops is None else tflops * 1e12
+
+
+def device_kinds() -> dict[str, GpuSpec]:
+    """One entry per distinct kind (aliases left out), for `trainctl plan --devices`-style listings and tests."""
+    seen, kinds = set(), {}
+    for key, spec in GPUS.items():
+        if id(spec) not in seen:
+            seen.add(id(spec))
+            kinds[key] = spec
+    return kinds

@@ -1,133 +1,335 @@
-"""Per-rank memory of the model states (weights, gradients, AdamW states), without torch.
+"""Per-rank device memory at its peak, broken down, following what the worker does.
 
-The ZeRO arithmetic, for P parameters split by tensor and pipeline parallelism
-(P_mp ~ P / (tp * pp)) and AdamW in fp32:
+Model states are counted tensor by tensor (trainctl/plan/shapes.py), so the predicted parameter,
+gradient and optimizer bytes are those of the live tensors on each rank (tests/dist checks it):
 
-    strategy           weights      grads        optimizer
-    none, ddp          4 P_mp       4 P_mp       8 P_mp
-    zero1              4 P_mp       4 P_mp       8 P_mp / dp
-    zero2              4 P_mp       4 P_mp / dp  8 P_mp / dp
-    zero3, fsdp, hsdp  4 P_mp / S   4 P_mp / S   8 P_mp / S      (S = dp_shard)
+    strategy          weights (fp32)      grads (fp32, after backward)   AdamW (2 x fp32 + step)
+    none, ddp         local               local                          local
+    zero1             local               local                          ZeroRedundancyOptimizer's
+                                                                         whole-tensor partition
+    zero2, zero3,     FSDP2 shard of      FSDP2 shard                    FSDP2 shard
+    fsdp, hsdp        dp_shard (rank 0's chunk, the largest)
+("local": the tensor-parallel share of this pipeline rank's stage.) Master weights, gradients
+and optimizer states are fp32 whatever the compute dtype.
 
-HSDP shards within a group of dp_shard ranks and replicates across dp_replicate
-groups, so only dp_shard divides. Assumptions, stated once:
-- Master weights, gradients and both AdamW moments are fp32 whatever the compute
-  dtype (FSDP2's MixedPrecisionPolicy keeps the sharded parameters fp32, and
-  gradients land in the parameters' dtype).
-- The tp * pp split is even; in reality norms are replicated across TP ranks and
-  the embedding/output sit on the first/last pipeline stage, so the busiest rank
-  holds slightly more.
-- `compute_copy` is what the forward/backward needs on top of the master
-  weights: for parameter-sharding strategies, the all-gathered units (the
-  current block plus the one being prefetched) in the compute dtype; for
-  replicated strategies under bf16/fp16 autocast, a compute-dtype copy of the
-  whole model (autocast caches the casts and autograd saves them for backward).
-- cpu_offload (FSDP2's CPUOffloadPolicy) moves weights, gradients and optimizer
-  states to host memory; the device keeps only the gathered compute units.
-- Activations are NOT estimated here (a later issue): `total` is the model-state
-  memory only, so a config can still run out of memory when `total` fits.
+On top of them, what the worker's libraries hold during a step, where they differ from the
+textbook ZeRO table (the worker wins):
+- DDP (ddp, zero1 without tp/pp) keeps flat gradient buckets beside .grad
+  (gradient_as_bucket_view=False): one more fp32 copy of the gradients, all the time.
+- torch.autocast (none/ddp/zero1 under bf16/fp16) keeps its compute-dtype copy of each matmul
+  weight from forward to backward (saved for backward); checkpointed blocks re-cast instead.
+- FSDP2 gathers units (embedding, each block, norm + output, root) in the compute dtype. zero3
+  reshards blocks after forward; norm + output (and a tied embedding, in the root) stay gathered
+  until their backward. zero2 keeps every unit gathered from forward to backward.
+- FSDP2 with grad_accum > 1 skips the reduce-scatter on all but the last micro-batch and keeps
+  the unsharded gradients in between (in the fp32 reduce dtype): a full fp32 gradient copy.
+- Backward of one FSDP2 unit: its gathered weights, the prefetched next unit, its unsharded
+  gradient (compute dtype) and the reduce-scatter input (reduce dtype).
+- Loss: log_softmax's fp32 [tokens, V] output is saved, and backward adds two more fp32
+  [tokens, V] gradients (trainctl/plan/activations.py).
+- cpu_offload moves weights, gradients and optimizer states to host memory; the device keeps
+  the gathered units and their gradients.
+- The optimizer step: fused AdamW on CUDA allocates nothing; the foreach AdamW used elsewhere
+  (CPU, or CUDA parameters under cpu_offload run on the host) allocates one fp32 temporary per
+  stepped element.
+Phases: the peak is the largest of (loss) the start of backward, (block) the first block's
+backward, (end) the end of backward, and (step) the optimizer step; each phase lists what is
+alive then. Gradients are conservatively counted as fully present from the end of backward on,
+and at the loss only when grad_accum > 1 (earlier micro-batches' gradients are there).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig
-from trainctl.plan.flops import embedding_params, layer_params, param_count
-from trainctl.plan.hardware import GPUS
+from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.plan import activations as act
+from trainctl.plan.shapes import (
+    Tensor,
+    block_tensors,
+    embedding_tensor,
+    fsdp_local_numel,
+    head_tensors,
+    stage_tensors,
+    tp_local,
+    zero1_partition,
+)
+from trainctl.plan.stages import RankStages
 from trainctl.plan.topology import ParallelDims
 
-FP32_BYTES = 4
+FP32 = 4
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
+STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar tensor)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30
 
-# Strategies whose parameters are sharded (FSDP2 fully_shard): weights are all-gathered per unit.
-PARAM_SHARDING = ("zero3", "fsdp", "hsdp")
-# How many units are all-gathered at once at peak: the running block and the prefetched next one.
-GATHERED_UNITS = 2
+FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")
+RESHARDING = ("zero3", "fsdp", "hsdp")  # reshard_after_forward=True for the embedding and blocks
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per rank. Device memory is weights + grads + optimizer + compute_copy; activations excluded."""
+class RankMemory:
+    """Bytes on one rank (the busiest of its pipeline stage): states, transients, and the phases' sums."""
 
-    weights: int
-    grads: int
-    optimizer: int
-    compute_copy: int
-    host: int  # moved to host memory by cpu_offload; not part of `total`
+    pp_rank: int
+    params: int  # fp32 master weights stored on this rank
+    grads: int  # fp32 gradients stored after backward
+    optimizer: int  # AdamW states (and step scalars) of the tensors this rank steps
+    ddp_buckets: int
+    host: int  # in host memory (cpu_offload); not part of any phase
+    gathered_loss: int  # FSDP units gathered at the start of backward (compute dtype)
+    gathered_block: int  # FSDP during one block's backward: two gathered blocks, unsharded grad, reduce input
+    gathered_end: int  # FSDP at the end of backward: the largest unit's gather, gradient and reduce input
+    unsharded_grads: int  # FSDP no-sync accumulation between micro-batches (grad_accum > 1)
+    accumulated_grads: int  # replicated .grad kept between micro-batches (grad_accum > 1)
+    weight_casts: int  # autocast copies of matmul weights, saved for backward
+    activations: int  # saved for backward, every micro-batch in flight
+    activations_per_micro_batch: int
+    loss_buffers: int  # the two fp32 [tokens, V] gradients at the start of backward
+    recompute: int  # one checkpointed block re-run in backward
+    grad_temp: int  # activation gradients alive inside one block's backward (SwiGLU's, the largest)
+    head_activations: int  # the head's saved tensors (freed before the blocks' backward)
+    last_block_activations: int  # what is still saved when the first block's backward runs
+    grads_head: int  # gradients stored once the head's backward ran
+    grads_tail: int  # gradients stored once every block but the first (and the embedding) ran backward
+    step_temp: int  # the optimizer step's temporaries
+    tokens_per_micro_batch: int  # on this rank: micro_batch x seq_len / cp
+    in_flight: float
+    local_params: int  # elements of this rank's tensor-parallel share of its stage, before data-parallel sharding
 
     @property
-    def total(self) -> int:
-        """Device bytes for the model states (no activations)."""
-        return self.weights + self.grads + self.optimizer + self.compute_copy
+    def states(self) -> int:
+        """Weights + gradients + optimizer states on the device."""
+        return self.params + self.grads + self.optimizer
+
+    def phases(self) -> dict[str, int]:
+        """Bytes alive at each candidate peak (module doc).
+
+        Inside backward, activations are freed block by block while gradients appear, so the
+        blocks' backward peaks at one of its ends: the last block (all activations but the
+        head's, the head's gradients) or the first block (the gradients of all later blocks).
+        """
+        base = self.params + self.optimizer + self.ddp_buckets
+        early = self.unsharded_grads + self.accumulated_grads + self.weight_casts
+        block = self.gathered_block + self.recompute + self.grad_temp
+        return {
+            "loss": base + early + self.activations + self.gathered_loss + self.loss_buffers,
+            "last_block": base + early + self.activations - self.head_activations + self.grads_head + block,
+            "first_block": base + max(self.grads_tail, self.accumulated_grads) + self.last_block_activations + block,
+            "end": base + self.grads + self.gathered_end,
+            "step": base + self.grads + self.step_temp,
+        }
+
+    @property
+    def peak(self) -> int:
+        """Bytes the allocator holds at the step's peak (what torch.cuda.max_memory_allocated measures)."""
+        return max(self.phases().values())
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases()
+        return max(phases, key=phases.get)
 
     def to_dict(self) -> dict:
-        """Every field and the total, keys suffixed `_bytes` (the plan renderer shows those as GiB)."""
-        return {f"{k}_bytes": v for k, v in {**asdict(self), "total": self.total}.items()}
+        data = {k: v for k, v in asdict(self).items() if k not in ("pp_rank", "tokens_per_micro_batch", "in_flight", "local_params")}
+        out = {f"{k}_bytes": v for k, v in data.items()}
+        out["states_bytes"] = self.states
+        out["phases_bytes"] = self.phases()
+        out["peak_bytes"] = self.peak
+        out["peak_phase"] = self.peak_phase
+        out.update(pp_rank=self.pp_rank, tokens_per_micro_batch=self.tokens_per_micro_batch, in_flight=self.in_flight, local_params=self.local_params)
+        return out
 
 
 def _ceil_div(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def model_parallel_params(model: ModelConfig, dims: ParallelDims) -> int:
-    """Parameters held by one tensor/pipeline-parallel rank, assuming an even split (rounded up)."""
-    return _ceil_div(param_count(model), dims.tp * dims.pp)
+def local_tensors(m: ModelConfig, stage: RankStages, tp: int) -> list[Tensor]:
+    return [tp_local(t, tp) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
 
 
-def state_divisors(strategy: str, dims: ParallelDims) -> tuple[int, int, int]:
-    """How many ranks share (weights, grads, optimizer states) under a strategy."""
-    if strategy in ("none", "ddp"):
-        return 1, 1, 1
+def stored_elements(tensors: list[Tensor], strategy: str, dims: ParallelDims, dp_rank: int = 0) -> tuple[int, int, int]:
+    """(weight/gradient elements, optimizer elements, stepped tensors) that data-parallel rank `dp_rank` stores.
+
+    Rank 0 is the busiest under FSDP2 (the first chunks are the full ones); under zero1 the
+    busiest rank is the largest share of the partition.
+    """
+    full = sum(t.numel for t in tensors)
+    if strategy in FSDP_STRATEGIES:
+        shard_rank = dp_rank % dims.dp_shard
+        local = [fsdp_local_numel(t, dims.dp_shard, shard_rank) for t in tensors]
+        return sum(local), sum(local), sum(1 for n in local if n > 0)
     if strategy == "zero1":
-        return 1, 1, dims.dp
-    if strategy == "zero2":
-        return 1, dims.dp, dims.dp
-    if strategy in PARAM_SHARDING:
-        return dims.dp_shard, dims.dp_shard, dims.dp_shard
-    raise AssertionError(f"unknown sharding strategy {strategy!r}: validate should have rejected it")
+        elements, count = zero1_partition(tensors, dims.dp_replicate)[dp_rank]
+        return full, elements, count
+    return full, full, len(tensors)
 
 
-def compute_copy_bytes(model: ModelConfig, precision: PrecisionConfig, strategy: str, dims: ParallelDims) -> int:
-    """Bytes of parameters materialized for compute beyond the fp32 master weights (see module doc)."""
-    dtype_bytes = DTYPE_BYTES[precision.compute_dtype]
-    if strategy in PARAM_SHARDING:
-        # FSDP2 wraps each block, and the embedding and output separately; the largest unit bounds one gather.
-        unit = max(layer_params(model), embedding_params(model)) // dims.tp
-        return GATHERED_UNITS * unit * dtype_bytes
-    if precision.compute_dtype == "fp32":
-        return 0  # the replicated fp32 master weights are used directly
-    return model_parallel_params(model, dims) * dtype_bytes
+def stored_of(tensors: list[Tensor], strategy: str, dims: ParallelDims) -> int:
+    """Elements of `tensors` rank 0 stores (their gradients' share)."""
+    if strategy in FSDP_STRATEGIES:
+        return sum(fsdp_local_numel(t, dims.dp_shard) for t in tensors)
+    return sum(t.numel for t in tensors)
 
 
-def estimate(model: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, dims: ParallelDims) -> MemoryEstimate:
-    """Per-rank model-state memory for a resolved layout (assumptions in the module docstring)."""
-    p_mp = model_parallel_params(model, dims)
-    w_div, g_div, o_div = state_divisors(sharding.strategy, dims)
-    weights = _ceil_div(FP32_BYTES * p_mp, w_div)
-    grads = _ceil_div(FP32_BYTES * p_mp, g_div)
-    optimizer = _ceil_div(ADAMW_STATE_BYTES * p_mp, o_div)
-    compute_copy = compute_copy_bytes(model, precision, sharding.strategy, dims)
+def busiest_dp_rank(tensors: list[Tensor], strategy: str, dims: ParallelDims) -> int:
+    if strategy == "zero1":
+        shares = zero1_partition(tensors, dims.dp_replicate)
+        return shares.index(max(shares))
+    return 0
+
+
+def model_states(m: ModelConfig, sharding: ShardingConfig, dims: ParallelDims, stage: RankStages, dp_rank: int) -> dict[str, int]:
+    """Bytes of the live parameter, gradient and optimizer tensors on one rank (what memory_stats measures)."""
+    tensors = local_tensors(m, stage, dims.tp)
+    stored, stepped, count = stored_elements(tensors, sharding.strategy, dims, dp_rank)
+    return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * stored, "optimizer_bytes": ADAMW_STATE_BYTES * stepped + STEP_BYTES * count}
+
+
+def fsdp_units(m: ModelConfig, stage: RankStages, tp: int) -> dict[str, int]:
+    """Elements of each FSDP2 unit (parallelize.apply_fsdp), tp-local: embedding, one block, head, root."""
+    def numel(ts: list[Tensor]) -> int:
+        return sum(tp_local(t, tp).numel for t in ts)
+
+    tied = m.tie_embeddings and stage.first and stage.last
+    block = numel(block_tensors(m, stage.layers[0])) if stage.layers else 0
+    embedding = numel([embedding_tensor(m)]) if stage.first else 0
+    head = numel(head_tensors(m, stage.first)) if stage.last else 0
+    if tied:  # one parameter at both ends: it stays in the root unit, with the final norm
+        return {"embedding": 0, "block": block, "head": 0, "root": embedding + head}
+    return {"embedding": embedding, "block": block, "head": head, "root": 0}
+
+
+def gathered(units: dict[str, int], n_blocks: int, reshard: bool, c: int, r: int) -> tuple[int, int, int]:
+    """(at the loss, during a block's backward, at the end of backward) bytes of FSDP2's gathered units.
+
+    A unit's backward holds its gathered weights, its unsharded gradient (compute dtype) and the
+    reduce-scatter input (reduce dtype): (2c + r) per element; a block's backward also has the
+    previous block prefetched (+c).
+    """
+    block, root = units["block"], units["root"]
+    largest_end = max(units["embedding"], block)
+    at_end = c * root + (2 * c + r) * largest_end
+    if reshard:
+        return c * (units["head"] + root), c * root + (3 * c + r) * block, at_end
+    everything = units["embedding"] + n_blocks * block + units["head"] + root  # zero2: all kept until their backward
+    return c * everything, c * everything + (c + r) * block, at_end
+
+
+def activation_layout(precision: PrecisionConfig, strategy: str, dims: ParallelDims) -> act.ActLayout:
+    c = DTYPE_BYTES[precision.compute_dtype]
+    fsdp = strategy in FSDP_STRATEGIES
+    # Under FSDP mixed precision the weights (so the embedding's output) are in the compute dtype;
+    # autocast leaves the embedding fp32 and the residual adds promote to fp32.
+    residual = c if fsdp else FP32
+    autocast = not fsdp and c != FP32
+    return act.ActLayout(c, residual, dims.tp, dims.cp, autocast)
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    one: int  # one micro-batch, head included
+    everything: int  # every micro-batch in flight
+    head: int  # the head's part (all in flight)
+    first_block: int  # the first block's (and the token ids') part of everything
+    host: int = 0  # moved to host memory by activation offload
+    unpacked: int = 0  # offloaded tensors copied back to the device for one block's backward
+
+
+def activation_bytes(m: ModelConfig, train: TrainConfig, lay: act.ActLayout, stage: RankStages, tokens: int) -> SavedActivations:
+    """Activations saved for backward on this rank."""
+    mode, n_blocks = train.activation_checkpointing, len(stage.layers)
+    blocks = act.blocks_bytes(m, lay, mode, n_blocks, train.ac_every) * tokens
+    ids = act.TOKEN_ID_BYTES * tokens if stage.first else 0
+    first = act.blocks_bytes(m, lay, mode, 1, train.ac_every) * tokens if mode != "selective" else blocks / max(1, n_blocks)
+    head = int(act.head_bytes(m, lay) * tokens) if stage.last else 0
+    # A pipeline's last stage also keeps its output logits (the schedule's forward cache) until backward.
+    if stage.last and n_blocks < m.n_layers:
+        head += lay.compute_bytes * m.vocab_size * tokens
+    one = int(blocks + ids)
+    everything = int(one * stage.in_flight) + head * stage.last_in_flight
+    first_block = everything - head * stage.last_in_flight - one + int(first + ids)
+    return SavedActivations(one + head, everything, head * stage.last_in_flight, first_block)
+
+
+def offloaded(saved: SavedActivations, m: ModelConfig, lay: act.ActLayout, train: TrainConfig, stage: RankStages, tokens: int) -> SavedActivations:
+    """train.activation_offload: every saved tensor goes to host memory (torch's save_on_cpu).
+
+    What op-level checkpointing caches (the matmul outputs) is kept by checkpointing itself, not
+    saved through autograd's hooks: it stays on the device. In backward each block's tensors come
+    back to the device one block at a time.
+    """
+    wrapped = act.checkpointed_blocks(train.activation_checkpointing, len(stage.layers), train.ac_every)
+    cache = (act.block_op(m, lay) - act.block_full(m, lay)) * wrapped if train.activation_checkpointing == "op" else 0
+    on_device = int(cache * tokens * stage.in_flight)
+    unpacked = int(act.block_none(m, lay) * tokens)
+    return SavedActivations(saved.one, on_device, 0, on_device, saved.everything - on_device, unpacked)
+
+
+def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig, dims: ParallelDims,
+             stage: RankStages, device: str = "cuda") -> RankMemory:
+    """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout."""
+    strategy = sharding.strategy
+    c, r = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.reduce_dtype]
+    tensors = local_tensors(m, stage, dims.tp)
+    local = sum(t.numel for t in tensors)
+    stored, stepped, count = stored_elements(tensors, strategy, dims, busiest_dp_rank(tensors, strategy, dims))
+    fsdp = strategy in FSDP_STRATEGIES or (strategy == "ddp" and (dims.tp > 1 or dims.pp > 1))
+    params, grads = FP32 * stored, FP32 * stored
+    optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
+    ddp = strategy in ("ddp", "zero1") and dims.tp == 1 and dims.pp == 1
+    tokens = train.micro_batch * train.seq_len // dims.cp
+    lay = activation_layout(precision, strategy, dims)
+    saved = activation_bytes(m, train, lay, stage, tokens)
+    if train.activation_offload:
+        saved = offloaded(saved, m, lay, train, stage, tokens)
+    mode = train.activation_checkpointing
+    wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
+    casts = 0
+    if lay.autocast:
+        block_matmul = sum(t.numel for t in tensors if t.is_matmul and t.name.startswith("layers."))
+        per_block = block_matmul // max(1, len(stage.layers))
+        head_matmul = sum(t.numel for t in tensors if t.is_matmul and not t.name.startswith("layers."))
+        casts = c * (per_block * (len(stage.layers) - wrapped) + head_matmul)
+    first_part = [t for t in tensors if t.name.startswith("tok_embeddings") or (stage.layers and t.name.startswith(f"layers.{stage.layers[0]}."))]
+    head_part = [t for t in tensors if t.name.startswith(("norm.", "output."))]
+    at_loss = during_block = at_end = 0
+    if fsdp:
+        units = fsdp_units(m, stage, dims.tp)
+        unit_c = c if strategy in FSDP_STRATEGIES else FP32  # ddp over tp/pp: FSDP2 without mixed precision
+        reshard = strategy in RESHARDING
+        at_loss, during_block, at_end = gathered(units, len(stage.layers), reshard, unit_c, r if strategy in FSDP_STRATEGIES else FP32)
+    accumulating = train.grad_accum > 1
+    unsharded = max(c, r) * local if fsdp and accumulating else 0
+    step_temp = 0 if device == "cuda" and not sharding.cpu_offload else FP32 * stepped
+    host = saved.host
     if sharding.cpu_offload:
-        return MemoryEstimate(weights=0, grads=0, optimizer=0, compute_copy=compute_copy, host=weights + grads + optimizer)
-    return MemoryEstimate(weights=weights, grads=grads, optimizer=optimizer, compute_copy=compute_copy, host=0)
-
-
-def device_memory_bytes(gpu: str) -> int | None:
-    """Memory of one accelerator in bytes; None when the GPU model is unknown."""
-    spec = GPUS.get(gpu)
-    return None if spec is None else int(spec.memory_gib * GIB)
-
-
-def fit_warning(mem: MemoryEstimate, gpu: str) -> str | None:
-    """A one-line warning when the model states alone exceed the GPU's memory; None if they fit or the GPU is unknown."""
-    capacity = device_memory_bytes(gpu)
-    if capacity is None or mem.total <= capacity:
-        return None
-    return (
-        f"estimated {mem.total / GIB:.1f} GiB per rank for weights, gradients and optimizer states "
-        f"(before activations) exceeds the {capacity / GIB:.0f} GiB of one {gpu}; "
-        f"shard more (sharding=fsdp, more ranks, tp/pp) or set sharding.cpu_offload=true"
+        host, params, grads, optimizer, step_temp = host + params + grads + optimizer, 0, 0, 0, 0
+    return RankMemory(
+        pp_rank=stage.pp_rank,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        ddp_buckets=FP32 * local if ddp else 0,
+        host=host,
+        gathered_loss=at_loss,
+        gathered_block=during_block,
+        gathered_end=at_end,
+        unsharded_grads=unsharded,
+        accumulated_grads=grads if accumulating and not fsdp else 0,
+        weight_casts=casts,
+        activations=saved.everything,
+        activations_per_micro_batch=saved.one,
+        loss_buffers=int(act.loss_transient_bytes(m) * tokens) if stage.last else 0,
+        recompute=(int(act.recompute_bytes(m, lay, mode) * tokens) if wrapped else 0) + saved.unpacked,
+        grad_temp=int(act.block_grad_bytes(m, lay) * tokens) if stage.layers else 0,
+        head_activations=saved.head,
+        last_block_activations=saved.first_block,
+        grads_head=0 if sharding.cpu_offload else FP32 * stored_of(head_part, strategy, dims),
+        grads_tail=0 if sharding.cpu_offload else grads - FP32 * stored_of(first_part, strategy, dims),
+        step_temp=step_temp,
+        tokens_per_micro_batch=tokens,
+        in_flight=stage.in_flight,
+        local_params=local,
     )

@@ -12,14 +12,15 @@ from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.launch.command import launch_argv, shell_join
-from trainctl.plan import memory
+from trainctl.plan import advice, fit, memory
+from trainctl.plan.assess import Assessment, assess
 from trainctl.plan.flops import flops_per_token, param_count
-from trainctl.plan.hardware import GPUS, peak_flops
+from trainctl.plan.hardware import GPUS
 from trainctl.plan.support import unsupported
+from trainctl.plan.throughput import DEFAULT_MFU, StepTime, attention_flops_causal, hours
 from trainctl.plan.topology import ParallelDims
 
-# The MFU the rough step time assumes: a typical well-tuned FSDP run on H100s; real runs vary widely.
-ASSUMED_MFU = 0.4
+ASSUMED_MFU = DEFAULT_MFU  # kept for callers of the earlier name
 # Stands in for the run directory before it exists (its name may get a collision suffix).
 RUN_DIR_PLACEHOLDER = "<run_dir>"
 
@@ -48,25 +49,61 @@ class RunPlan:
     dims: ParallelDims
     batch: BatchMath
     params_total: int
-    params_per_mp_rank: int  # parameters of one tensor x pipeline shard (even split assumed)
-    flops_per_token: float  # model FLOPs, forward + backward
+    params_per_mp_rank: int  # parameters of the busiest tensor x pipeline rank (norms replicated over tp)
+    flops_per_token: float  # model FLOPs, forward + backward (attention over the full sequence, as MFU counts it)
+    attention_flops_causal: float  # per token: what causal attention kernels execute (half the full-sequence term)
     flops_per_step: float
-    memory: memory.MemoryEstimate  # per rank, model states only (no activations)
+    memory: memory.RankMemory  # the busiest rank
+    memory_per_pp_rank: tuple[memory.RankMemory, ...]
+    fit: fit.Fit  # the busiest rank's verdict
+    fits_per_pp_rank: tuple[fit.Fit, ...]
     device: str  # cpu | cuda
     gpu: str  # key of hardware.GPUS, "" when unknown
     peak_flops_per_device: float | None  # dense peak for the compute dtype; None when unknown
     assumed_mfu: float
-    rough_step_time_s: float | None  # at assumed_mfu; rough, for orientation only
+    step_time: StepTime | None  # at assumed_mfu (throughput.py); None without a peak
+    notes: tuple[str, ...]  # where the worker differs from the textbook, for this config
+    advice: tuple[advice.Suggestion, ...]  # when a rank does not fit or is tight
     warnings: tuple[str, ...]
     launch_argv: tuple[str, ...]
     launch_command: str
 
+    @property
+    def step_time_s(self) -> float | None:
+        return None if self.step_time is None else self.step_time.total_s
+
+    def throughput(self) -> dict:
+        step = self.step_time_s
+        total = None if step is None else step * self.batch.tokens_total / self.batch.tokens_per_step
+        return {
+            "flops_per_token": self.flops_per_token,
+            "attention_flops_causal_per_token": self.attention_flops_causal,
+            "flops_per_step": self.flops_per_step,
+            "peak_flops_per_device": self.peak_flops_per_device,
+            "assumed_mfu": self.assumed_mfu,
+            "step_time_s": step,
+            "step_time": None if self.step_time is None else self.step_time.to_dict(),
+            "tokens_per_s": None if not step else self.batch.tokens_per_step / step,
+            "time_to_tokens_s": total,
+            "time_to_tokens_h": hours(total),
+            "gpu_hours": None if total is None or self.device != "cuda" else hours(total) * self.world_size,
+        }
+
+    def memory_dict(self) -> dict:
+        per_rank = [{**m.to_dict(), **f.to_dict()} for m, f in zip(self.memory_per_pp_rank, self.fits_per_pp_rank, strict=True)]
+        return {**self.memory.to_dict(), **self.fit.to_dict(), "per_pp_rank": per_rank}
+
     def to_dict(self) -> dict:
         """Plain JSON-serializable data (written to RUN_DIR/plan.json)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        skip = ("memory_per_pp_rank", "fits_per_pp_rank", "fit", "step_time", "attention_flops_causal")
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         data["dims"] = {**self.dims.as_dict(), "dp": self.dims.dp}
         data["batch"] = dataclasses.asdict(self.batch)
-        data["memory"] = self.memory.to_dict()
+        data["memory"] = self.memory_dict()
+        data["throughput"] = self.throughput()
+        data["step_time_s"] = self.step_time_s
+        data["notes"] = list(self.notes)
+        data["advice"] = [a.to_dict() for a in self.advice]
         data["warnings"] = list(self.warnings)
         data["launch_argv"] = list(self.launch_argv)
         return data
@@ -128,19 +165,6 @@ def gpu_warning(cluster: ClusterConfig) -> str | None:
     return f"cluster.gpu={cluster.gpu!r} is not a known GPU ({', '.join(GPUS)}): no memory check and no step-time estimate"
 
 
-def rough_step_time(flops_per_step: float, world: int, peak: float | None) -> float | None:
-    """Seconds per optimizer step if every device ran at ASSUMED_MFU of its peak; None without a peak."""
-    if peak is None:
-        return None
-    return flops_per_step / (world * peak * ASSUMED_MFU)
-
-
-def device_peak(cfg: RunConfig) -> float | None:
-    if cfg.cluster.device != "cuda":
-        return None
-    return peak_flops(cfg.cluster.gpu, cfg.precision.compute_dtype, cfg.precision.fp8)
-
-
 def default_run_dir(cfg: RunConfig) -> Path:
     """Where the run would go when its name is already fixed; a placeholder name otherwise."""
     return Path(cfg.runs_dir) / (cfg.name or RUN_DIR_PLACEHOLDER)
@@ -152,18 +176,40 @@ def with_run_dir(plan: RunPlan, cluster: ClusterConfig, run_dir: Path) -> RunPla
     return dataclasses.replace(plan, launch_argv=tuple(argv), launch_command=shell_join(argv))
 
 
-def build(cfg: RunConfig, run_dir: Path | None = None) -> RunPlan:
+def fit_warning(a: Assessment, gpu: str) -> str | None:
+    """One line when the busiest rank does not fit (or is tight), naming the top advice."""
+    f, mem = a.fit, a.memory
+    if f.verdict not in ("does not fit", "tight") or f.capacity_bytes is None:
+        return None
+    GIB = memory.GIB
+    where = f"pp rank {mem.pp_rank}" if len(a.per_pp_rank) > 1 else "each rank"
+    return (f"{where} needs {f.need_bytes / GIB:.1f} GiB (peak {f.peak_bytes / GIB:.1f} GiB at the {mem.peak_phase} phase + "
+            f"{f.framework_bytes / GIB:.1f} GiB framework) of the {f.capacity_bytes / GIB:.1f} GiB of one {gpu or 'worker'}: {f.verdict}")
+
+
+def refusal(plan: RunPlan) -> str | None:
+    """The one line `launch` refuses with when the busiest rank does not fit; None when it may go ahead."""
+    if fit.fits(plan.fit):
+        return None
+    f, gib = plan.fit, memory.GIB
+    where = f"pp rank {plan.memory.pp_rank}" if len(plan.memory_per_pp_rank) > 1 else "each rank"
+    top = next((a for a in plan.advice if a.verdict in ("fits", "tight")), None)
+    hint = "" if top is None else (f"; try {' '.join(top.overrides)} ({top.need_bytes / gib:.1f} GiB"
+                                   + ("" if top.slowdown is None else f", {top.slowdown:+.0%} step time") + ")")
+    return (f"does not fit: {where} needs {f.need_bytes / gib:.1f} GiB (peak {f.peak_bytes / gib:.1f} GiB + "
+            f"{f.framework_bytes / gib:.1f} GiB framework) of the {f.capacity_bytes / gib:.1f} GiB of one {plan.gpu or plan.device}"
+            f"{hint}; see `trainctl plan` for the breakdown, or pass --force")
+
+
+def build(cfg: RunConfig, run_dir: Path | None = None, with_advice: bool = True) -> RunPlan:
     """The plan of a resolved config; `run_dir` fixes the path in the launch command (see `with_run_dir`)."""
     world = world_size(cfg.cluster)
     dims = resolved_dims(cfg.sharding, world)
     batch = batch_math(cfg.train, dims.dp)
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-    per_step = per_token * batch.tokens_per_step
-    mem = memory.estimate(cfg.model, cfg.precision, cfg.sharding, dims)
-    peak = device_peak(cfg)
-    warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision)]
-    if cfg.cluster.device == "cuda":
-        warnings.append(memory.fit_warning(mem, cfg.cluster.gpu))
+    a = assess(cfg, dims)
+    suggestions = advice.suggest(cfg, a) if with_advice and a.fit.verdict in ("does not fit", "tight") else []
+    warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision), fit_warning(a, cfg.cluster.gpu)]
     argv = launch_argv(cfg.cluster, run_dir or default_run_dir(cfg))
     return RunPlan(
         world_size=world,
@@ -173,15 +219,21 @@ def build(cfg: RunConfig, run_dir: Path | None = None) -> RunPlan:
         dims=dims,
         batch=batch,
         params_total=param_count(cfg.model),
-        params_per_mp_rank=memory.model_parallel_params(cfg.model, dims),
+        params_per_mp_rank=max(m.local_params for m in a.per_pp_rank),
         flops_per_token=per_token,
-        flops_per_step=per_step,
-        memory=mem,
+        attention_flops_causal=attention_flops_causal(cfg.model, cfg.train.seq_len),
+        flops_per_step=per_token * batch.tokens_per_step,
+        memory=a.memory,
+        memory_per_pp_rank=a.per_pp_rank,
+        fit=a.fit,
+        fits_per_pp_rank=a.fits,
         device=cfg.cluster.device,
         gpu=cfg.cluster.gpu,
-        peak_flops_per_device=peak,
-        assumed_mfu=ASSUMED_MFU,
-        rough_step_time_s=rough_step_time(per_step, world, peak),
+        peak_flops_per_device=a.peak_flops,
+        assumed_mfu=a.assumed_mfu,
+        step_time=a.step,
+        notes=a.notes,
+        advice=tuple(suggestions),
         warnings=tuple(w for w in warnings if w),
         launch_argv=tuple(argv),
         launch_command=shell_join(argv),

@@ -1,0 +1,138 @@
+"""Activation bytes that one rank keeps for backward, per token, as the worker's model saves them.
+
+Counted op by op from what autograd saves in trainctl/models/llama.py (checked against the
+saved-tensor hooks and live storages of trainctl/train/memory_stats.py in tests/dist). With
+d = dim, kv = n_kv_heads x head_dim, f = ffn_dim, H = n_heads, V = vocab, `a` the bytes of the
+compute dtype (matmul outputs) and every RMSNorm computing in fp32, one block keeps per token:
+
+    each RMSNorm (x2)   8d + 4        its input as fp32, x * rstd (fp32), rstd
+                        + a d         the normed output in the compute dtype (the matmuls' saved
+                                      input; under autocast each matmul saves its own cast: +2ad
+                                      for wq/wk/wv, +ad for w1/w3)
+    attention           a (d + 2kv)   RoPE'd q and k, v (SDPA's inputs; the pre-RoPE q/k are not
+                                      saved: RoPE multiplies by a constant table)
+                        + 4H          SDPA's log-sum-exp (flash kernels: no seq x seq matrix)
+    SDPA output         a d           (wo's input is a view of it)
+    SwiGLU              4 a f         w1 and w3 outputs, silu(w1 x), their product (w2's input)
+    total               16d + 8 + 4ad + 2a kv + 4H + 4af
+
+Tensor parallelism (sequence parallel) divides it by tp except the two gathered matmul inputs
+(2 a d: PrepareModuleInput all-gathers the sequence and the column-parallel matmuls save the
+full result). Context parallelism divides the tokens by cp and, because the worker repeats the
+kv heads for the ring kernels, counts kv = d. The head keeps the final norm (as a block norm)
+and log_softmax's fp32 output (4V per token, full vocabulary on every tp rank: the output
+projection gathers the logits); the first stage keeps the int64 token ids.
+
+Checkpointing (trainctl/train/activations.py):
+    full       a block keeps only its input: r d / tp (r: the residual stream's bytes: fp32 under
+               autocast and in fp32, the compute dtype under FSDP mixed precision)
+    selective  every ac_every-th block of a stage as full, the others as none
+    op         the block input, plus the outputs of the matmuls and SDPA the policy saves:
+               q, k, v (a(d + 2kv)/tp), wo and w2 outputs (a d each, full size: a row-parallel
+               matmul's partial sums before the reduce-scatter), w1, w3 (2 a f / tp), SDPA out
+               and log-sum-exp ((a d + 4H) / tp)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainctl.config.schema import ModelConfig
+
+FP32 = 4
+TOKEN_ID_BYTES = 8  # int64 token ids and targets
+
+
+@dataclass(frozen=True)
+class ActLayout:
+    """What changes the bytes per token: dtypes and the parallel split of a token's work."""
+
+    compute_bytes: int  # a: matmul outputs and attention tensors
+    residual_bytes: int  # r: the residual stream between blocks
+    tp: int = 1
+    cp: int = 1
+    autocast: bool = False  # torch.autocast (none/ddp/zero1 under bf16/fp16): each matmul casts its own input
+
+
+def kv_dim(m: ModelConfig, cp: int) -> int:
+    """Width of k and v as SDPA sees them (context parallelism repeats the kv heads up to n_heads)."""
+    return m.dim if cp > 1 else m.n_kv_heads * (m.dim // m.n_heads)
+
+
+def norm_bytes(m: ModelConfig, lay: ActLayout, feeds: int = 1) -> float:
+    """One RMSNorm and the saved input of the `feeds` matmuls it feeds (gathered over tp).
+
+    Under autocast every matmul casts (and saves) its own copy of the fp32 input: the attention
+    norm feeds wq, wk and wv (3 copies), the feed-forward norm w1 and w3 (2), the final norm the
+    output projection (1). Without autocast the matmuls share one tensor.
+    """
+    copies = feeds if lay.autocast else 1
+    return (8 * m.dim + FP32) / lay.tp + lay.compute_bytes * m.dim * copies
+
+
+def block_none(m: ModelConfig, lay: ActLayout) -> float:
+    """Bytes per token one block keeps without checkpointing."""
+    a, kv = lay.compute_bytes, kv_dim(m, lay.cp)
+    attention = a * (m.dim + 2 * kv) + FP32 * m.n_heads + a * m.dim
+    mlp = 4 * a * m.ffn_dim
+    return norm_bytes(m, lay, feeds=3) + norm_bytes(m, lay, feeds=2) + (attention + mlp) / lay.tp
+
+
+def block_full(m: ModelConfig, lay: ActLayout) -> float:
+    """A checkpointed block keeps its input only."""
+    return lay.residual_bytes * m.dim / lay.tp
+
+
+def block_op(m: ModelConfig, lay: ActLayout) -> float:
+    """Per-op checkpointing: the input plus the matmul and attention outputs (see module doc)."""
+    a, kv = lay.compute_bytes, kv_dim(m, lay.cp)
+    split = a * (m.dim + 2 * kv) + a * m.dim + FP32 * m.n_heads + 2 * a * m.ffn_dim
+    row_parallel_outputs = 2 * a * m.dim
+    return block_full(m, lay) + split / lay.tp + row_parallel_outputs
+
+
+def checkpointed_blocks(mode: str, n_blocks: int, every: int) -> int:
+    """How many of a stage's blocks a mode wraps (as train/activations.blocks_to_checkpoint)."""
+    if mode in ("full", "op"):
+        return n_blocks
+    if mode == "selective":
+        return n_blocks // every
+    return 0
+
+
+def blocks_bytes(m: ModelConfig, lay: ActLayout, mode: str, n_blocks: int, every: int) -> float:
+    """Bytes per token the stage's blocks keep under a checkpointing mode."""
+    wrapped = checkpointed_blocks(mode, n_blocks, every)
+    kept = block_op(m, lay) if mode == "op" else block_full(m, lay)
+    return wrapped * kept + (n_blocks - wrapped) * block_none(m, lay)
+
+
+def head_bytes(m: ModelConfig, lay: ActLayout) -> float:
+    """The last stage's final norm and log_softmax output (fp32 over the whole vocabulary) plus the targets."""
+    return norm_bytes(m, lay) + FP32 * m.vocab_size + TOKEN_ID_BYTES
+
+
+def loss_transient_bytes(m: ModelConfig) -> float:
+    """Per token, on top of the saved log_softmax output at the start of backward: two fp32 [tokens, V] gradients.
+
+    nll_loss's backward writes a dense gradient and log_softmax's backward another before the
+    first is freed; the forward's own peak (logits, their fp32 copy, log_softmax) is lower.
+    """
+    return 2 * FP32 * m.vocab_size
+
+
+def block_grad_bytes(m: ModelConfig, lay: ActLayout) -> float:
+    """Per token, what one block's backward adds beyond its saved tensors: two [tokens, ffn] gradients.
+
+    SwiGLU's backward holds the gradients of w2's input, of silu(w1 x) and of w3 x while only
+    the product it saved is freed (measured with the CPU allocator's events: +2 a f net).
+    """
+    return 2 * lay.compute_bytes * m.ffn_dim / lay.tp
+
+
+def recompute_bytes(m: ModelConfig, lay: ActLayout, mode: str) -> float:
+    """What one checkpointed block re-creates in backward beyond what it kept (transient, one block at a time)."""
+    if mode == "none":
+        return 0.0
+    kept = block_op(m, lay) if mode == "op" else block_full(m, lay)
+    return block_none(m, lay) - kept

@@ -1,0 +1,76 @@
+"""Ranked suggestions for a rank that does not fit (or barely does): each with its memory and its cost.
+
+Candidates, each a config `launch` accepts (variants.py), tried from the current one:
+    more checkpointing     every mode that keeps less than the current one (selective, op, full)
+    a higher ZeRO stage    zero1 -> zero2 -> zero3 over the same data-parallel ranks
+    more tensor parallel   tp x 2 and x 4 within a node, taken from data parallelism
+    a smaller micro-batch  half and a quarter, with more accumulation (same global batch)
+    CPU offload            zero3 with sharding.cpu_offload=true
+Each is assessed like the config itself: the busiest rank's peak, need and verdict, and the
+step time under the throughput model (throughput.py), reported as the change against the
+current step time. Ranking: those that fit first (fits, then tight), cheapest first; then the
+rest by how much memory they need. Without a device peak (CPU, unknown GPU) the cost is the
+ratio of the times at a nominal peak (compute and recompute only: no bandwidth is known).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainctl.config.schema import AC_MODES, RunConfig
+from trainctl.plan import variants as V
+from trainctl.plan.assess import Assessment, assess, dims_of
+
+VERDICT_ORDER = {"fits": 0, "tight": 1, "unknown": 2, "does not fit": 3}
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    change: str
+    overrides: tuple[str, ...]
+    peak_bytes: int
+    need_bytes: int
+    headroom_bytes: int | None
+    verdict: str
+    step_time_s: float | None
+    slowdown: float | None  # relative change of the step time, +0.33 = 33% slower
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__, overrides=list(self.overrides))
+
+
+def candidates(cfg: RunConfig) -> list[V.Variant]:
+    s, t = cfg.sharding, cfg.train
+    found: list[V.Variant | None] = []
+    order = list(AC_MODES)
+    found += [V.with_checkpointing(cfg, mode) for mode in order if mode != t.activation_checkpointing]
+    if s.strategy in V.ZERO_ORDER or s.strategy == "none":
+        start = V.ZERO_ORDER.index(s.strategy) + 1 if s.strategy in V.ZERO_ORDER else 0
+        found += [V.with_strategy(cfg, name) for name in V.ZERO_ORDER[start:]]
+    found += [V.with_tp(cfg, s.tp * k) for k in (2, 4)]
+    found += [V.with_micro_batch(cfg, t.micro_batch // k) for k in (2, 4) if t.micro_batch % k == 0]
+    if not s.cpu_offload:
+        found.append(V.with_strategy(cfg, "zero3", cpu_offload=True))
+    return [v for v in found if v is not None]
+
+
+def rank_key(s: Suggestion) -> tuple:
+    """Fitting ones first (fits before tight), cheapest first; the others by the memory they need."""
+    if VERDICT_ORDER[s.verdict] <= 1:
+        return (0, VERDICT_ORDER[s.verdict], s.slowdown or 0.0)
+    return (1, s.need_bytes, 0.0)
+
+
+def suggest(cfg: RunConfig, current: Assessment, limit: int = 6) -> list[Suggestion]:
+    """Ranked suggestions (module doc) that lower the busiest rank's need; at most `limit`."""
+    base_time = current.relative_step.total_s
+    out = []
+    for variant in candidates(cfg):
+        a = assess(variant.cfg, dims_of(variant.cfg))
+        if a.fit.need_bytes >= current.fit.need_bytes:
+            continue  # only what helps
+        slowdown = a.relative_step.total_s / base_time - 1 if base_time else None
+        out.append(Suggestion(variant.label, variant.overrides, a.fit.peak_bytes, a.fit.need_bytes, a.fit.headroom_bytes,
+                              a.fit.verdict, None if a.step is None else a.step.total_s, slowdown))
+    out.sort(key=rank_key)
+    return out[:limit]

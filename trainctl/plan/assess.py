@@ -1,0 +1,106 @@
+"""Memory per rank, its verdict, the step time, and the notes that explain both, for one resolved config.
+
+A pure function of the config (`assess`), used by the plan, by its advice (on variants of the
+config) and by `plan --compare`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainctl.config.schema import RunConfig
+from trainctl.plan import fit as fitting
+from trainctl.plan import memory
+from trainctl.plan import throughput as tp_model
+from trainctl.plan.activations import checkpointed_blocks
+from trainctl.plan.flops import flops_per_token
+from trainctl.plan.hardware import GPUS, peak_flops
+from trainctl.plan.notes import notes_for
+from trainctl.plan.stages import rank_stages
+from trainctl.plan.topology import ParallelDims
+
+NOMINAL_PEAK = 1e14  # FLOP/s standing in for an unknown device when only ratios of times are wanted
+
+
+@dataclass(frozen=True)
+class Assessment:
+    per_pp_rank: tuple[memory.RankMemory, ...]
+    fits: tuple[fitting.Fit, ...]
+    busiest: int  # index of the pp rank with the highest need
+    step: tp_model.StepTime | None
+    relative_step: tp_model.StepTime  # at a nominal peak when the device's is unknown: for comparing variants
+    assumed_mfu: float
+    peak_flops: float | None
+    notes: tuple[str, ...]
+
+    @property
+    def memory(self) -> memory.RankMemory:
+        return self.per_pp_rank[self.busiest]
+
+    @property
+    def fit(self) -> fitting.Fit:
+        return self.fits[self.busiest]
+
+
+def dims_of(cfg: RunConfig) -> ParallelDims:
+    """The parallel degrees of a resolved config."""
+    s = cfg.sharding
+    return ParallelDims(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.pp)
+
+
+def device_peak(cfg: RunConfig) -> float | None:
+    if cfg.cluster.device != "cuda":
+        return None
+    return peak_flops(cfg.cluster.gpu, cfg.precision.compute_dtype, cfg.precision.fp8)
+
+
+def assumed_mfu(cfg: RunConfig) -> float:
+    return cfg.cluster.assumed_mfu or tp_model.DEFAULT_MFU
+
+
+def step_time(cfg: RunConfig, dims: ParallelDims, mem: memory.RankMemory, n_blocks: int, peak: float | None) -> tp_model.StepTime | None:
+    """Seconds per optimizer step on the busiest rank (throughput module doc); None without a peak."""
+    if peak is None:
+        return None
+    m, t, s, mfu = cfg.model, cfg.train, cfg.sharding, assumed_mfu(cfg)
+    c = memory.DTYPE_BYTES[cfg.precision.compute_dtype]
+    tokens = t.global_batch * t.seq_len
+    rate = dims.world_size * peak * mfu * tp_model.micro_batch_efficiency(mem.tokens_per_micro_batch)
+    compute = flops_per_token(m, t.seq_len) * tokens / rate
+    wrapped = checkpointed_blocks(t.activation_checkpointing, m.n_layers, t.ac_every)
+    recompute = tp_model.recompute_flops_per_token(m, t.seq_len, t.activation_checkpointing, wrapped) * tokens / rate
+    if t.activation_checkpointing == "op":
+        recompute = tp_model.OP_RECOMPUTE_OVERHEAD * compute
+    bubble = (compute + recompute) * tp_model.bubble_fraction(s.pp_schedule, dims.pp, t.grad_accum, s.pp_stages_per_rank)
+    spec = GPUS.get(cfg.cluster.gpu)
+    tp_bytes = tp_model.tp_comm_bytes(m, mem.tokens_per_micro_batch, n_blocks, dims.tp, c) * t.grad_accum
+    reduce = memory.DTYPE_BYTES[cfg.precision.reduce_dtype]
+    fsdp_s = tp_model.fsdp_comm_bytes(s.strategy, mem.local_params, c, reduce, dims.dp_shard, t.grad_accum) / bandwidth(cfg, spec, dims.dp_shard * dims.cp * dims.tp)
+    ddp_s = tp_model.ddp_comm_bytes(s.strategy, mem.local_params, dims.dp_replicate) / bandwidth(cfg, spec, dims.dp * dims.cp * dims.tp)
+    exposed = max(0.0, fsdp_s + ddp_s - (compute + recompute))
+    offload = tp_model.offload_seconds(mem.local_params // dims.dp_shard, s.strategy, t.grad_accum, cfg.cluster.procs_per_node) if s.cpu_offload else 0.0
+    tp_s = tp_bytes / bandwidth(cfg, spec, dims.tp)
+    return tp_model.StepTime(compute, recompute, bubble, tp_s, exposed, offload)
+
+
+def bandwidth(cfg: RunConfig, spec, span: int) -> float:
+    """Bytes/s of a group of `span` consecutive ranks: NVLink within a node, the NIC once it spans nodes."""
+    if spec is None:
+        return 1e12  # unknown device: communication not estimated (there is no step time either)
+    crosses = cfg.cluster.nodes > 1 and span > cfg.cluster.procs_per_node
+    return (spec.inter_gbs if crosses else spec.intra_gbs) * 1e9
+
+
+def assess(cfg: RunConfig, dims: ParallelDims) -> Assessment:
+    """Per-pp-rank memory and verdict, and the step time, of a resolved config."""
+    stages = rank_stages(cfg.model, cfg.sharding, cfg.train.grad_accum)
+    per_rank = tuple(memory.estimate(cfg.model, cfg.precision, cfg.sharding, cfg.train, dims, st, cfg.cluster.device) for st in stages)
+    capacity = fitting.capacity_bytes(cfg.cluster)
+    fits = tuple(fitting.fit(r.peak, cfg.cluster.device, dims, capacity) for r in per_rank)
+    busiest = max(range(len(fits)), key=lambda i: fits[i].need_bytes)
+    peak = device_peak(cfg)
+    n_blocks = len(stages[busiest].layers)
+    step = step_time(cfg, dims, per_rank[busiest], n_blocks, peak)
+    relative = step or step_time(cfg, dims, per_rank[busiest], n_blocks, NOMINAL_PEAK)
+    notes = tuple(notes_for(cfg, dims, per_rank[busiest]))
+    return Assessment(per_rank, fits, busiest, step, relative, assumed_mfu(cfg), peak, notes)

@@ -1,0 +1,122 @@
+"""Throughput: FLOPs per token, step time at an assumed MFU, time to the configured tokens, GPU-hours.
+
+FLOPs per token (flops.py): 6N over the matmul weights plus attention's 12 L d s, counted over
+the full sequence as in PaLM's MFU definition; causal kernels skip the masked half, so the
+FLOPs the device actually executes for attention are 6 L d s (`attention_flops_causal`). MFU
+(the worker's and the plan's) uses the full count, so figures compare with published ones.
+
+The time model, stated once (every term is per optimizer step, on the busiest rank):
+    compute   (model FLOPs + recomputed FLOPs) / (dp x cp x tp x pp ranks x peak x MFU); the
+              assumed MFU (cluster.assumed_mfu, default 0.4: a typical tuned bf16 FSDP run on
+              H100s; the project has no measured figure under benchmarks/ yet) covers kernel
+              efficiency and the communication that overlaps with compute
+    small     the assumed MFU holds for micro-batches of at least 8192 tokens per rank; each halving
+              below that costs 5% (smaller matmuls, fixed per-micro-batch overheads)
+    recompute full checkpointing re-runs each wrapped block's forward: +2 x its matmul FLOPs
+              + attention's forward per token (about a third of the blocks' work); op re-runs
+              only pointwise ops: no FLOPs, counted as +3% of the compute time (memory-bound)
+    bubble    pipeline idle time: compute x (pp - 1) / (v x m) for gpipe/1f1b (v = 1) and
+              interleaved 1f1b (m micro-batches, v stages per rank); a third of that for zero-bubble
+    tp        sequence-parallel all-gathers and reduce-scatters (4 per block forward, 4 backward, of
+              tokens x dim in the compute dtype, x (tp-1)/tp) at the node's bus bandwidth, not hidden
+    fsdp      zero3 gathers every unit twice per micro-batch (forward, backward), zero2 once; the
+              gradients are reduce-scattered once per step; hidden behind compute up to its length
+    offload   cpu_offload: the parameter shard crosses PCIe (25 GB/s) at every gather, gradients once,
+              and AdamW runs on the host at 1 G parameters/s per node, shared by its ranks
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainctl.config.schema import ModelConfig
+from trainctl.plan.flops import layer_params
+
+DEFAULT_MFU = 0.4
+FULL_SPEED_TOKENS = 8192
+HALVING_COST = 0.05
+OP_RECOMPUTE_OVERHEAD = 0.03
+PCIE_BYTES_PER_S = 25e9
+HOST_ADAMW_PARAMS_PER_S = 1e9  # per node (DeepSpeed's CPU Adam class of speed on a many-core host)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    recompute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    exposed_dp_comm_s: float
+    offload_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.recompute_s + self.bubble_s + self.tp_comm_s + self.exposed_dp_comm_s + self.offload_s
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "total_s": self.total_s}
+
+
+def micro_batch_efficiency(tokens: int) -> float:
+    """Share of the assumed MFU reached with `tokens` per micro-batch on a rank (module doc)."""
+    if tokens >= FULL_SPEED_TOKENS:
+        return 1.0
+    return (1 - HALVING_COST) ** math.log2(FULL_SPEED_TOKENS / max(1, tokens))
+
+
+def attention_flops_causal(m: ModelConfig, seq_len: int) -> float:
+    """Attention FLOPs per token that causal kernels execute (half of the full-sequence count)."""
+    return 6.0 * m.n_layers * m.dim * seq_len
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, mode: str, wrapped: int) -> float:
+    """Extra FLOPs per token that checkpointing re-runs in backward (forward of the wrapped blocks)."""
+    if mode in ("none", "op"):
+        return 0.0
+    block_forward = 2.0 * (layer_params(m) - 2 * m.dim) + 4.0 * m.dim * seq_len
+    return wrapped * block_forward
+
+
+def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float:
+    """Idle share of a pipeline step relative to its compute (module doc)."""
+    if pp == 1:
+        return 0.0
+    ideal = (pp - 1) / (stages_per_rank * micro_batches)
+    return ideal / 3 if schedule == "interleaved_zero_bubble" else ideal
+
+
+def tp_comm_bytes(m: ModelConfig, tokens: int, blocks: int, tp: int, compute_bytes: int) -> float:
+    """Bytes one rank moves per micro-batch for sequence-parallel TP (8 collectives per block)."""
+    if tp == 1:
+        return 0.0
+    return 8.0 * blocks * tokens * m.dim * compute_bytes * (tp - 1) / tp
+
+
+def fsdp_comm_bytes(strategy: str, local_params: int, compute_bytes: int, reduce_bytes: int, shards: int, micro_batches: int) -> float:
+    """Bytes one rank moves per step for FSDP2's gathers and reduce-scatters (0 without parameter sharding)."""
+    if shards == 1 or strategy not in ("zero2", "zero3", "fsdp", "hsdp"):
+        return 0.0
+    gathers = (2 if strategy != "zero2" else 1) * micro_batches
+    share = (shards - 1) / shards
+    return local_params * share * (gathers * compute_bytes + reduce_bytes)
+
+
+def ddp_comm_bytes(strategy: str, local_params: int, replicas: int) -> float:
+    """Bytes one rank moves per step for DDP's fp32 ring all-reduce (and zero1's parameter broadcast)."""
+    if replicas == 1 or strategy not in ("ddp", "zero1", "hsdp"):
+        return 0.0
+    share = (replicas - 1) / replicas
+    broadcast = 4.0 * local_params * share if strategy == "zero1" else 0.0
+    return 2 * 4.0 * local_params * share + broadcast
+
+
+def offload_seconds(stored_params: int, strategy: str, micro_batches: int, ranks_per_node: int) -> float:
+    """PCIe copies and the host AdamW step of cpu_offload, per step (not overlapped: an upper bound)."""
+    gathers = (2 if strategy != "zero2" else 1) * micro_batches
+    copies = 4.0 * stored_params * (gathers + 1)
+    return copies / PCIE_BYTES_PER_S + stored_params * ranks_per_node / HOST_ADAMW_PARAMS_PER_S
+
+
+def hours(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds / 3600

@@ -1,0 +1,114 @@
+"""Variants of a resolved config along one axis, each re-resolved by validate (so each is a config `launch` accepts).
+
+Used by the advice (what would make it fit) and by `plan --compare AXIS`. The global batch
+stays fixed: when a variant changes the data-parallel degree or the micro-batch, the number of
+accumulation steps is derived again (a variant whose batch does not divide is left out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from trainctl.config.errors import ConfigError
+from trainctl.config.schema import AC_MODES, RunConfig
+from trainctl.config.validate import resolve
+from trainctl.plan.support import unsupported
+
+AXES = ("sharding", "checkpointing", "tp", "micro_batch")
+ZERO_ORDER = ("ddp", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str  # what changes, e.g. "sharding=zero3"
+    overrides: tuple[str, ...]  # the key=value overrides a user would add
+    cfg: RunConfig  # resolved
+
+
+def _replace(cfg: RunConfig, **groups) -> RunConfig:
+    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **kv) for g, kv in groups.items()})
+
+
+def _resolved(label: str, overrides: list[str], cfg: RunConfig) -> Variant | None:
+    """The variant if validate accepts it and the worker implements it; None otherwise."""
+    try:
+        cfg = resolve(cfg)
+    except ConfigError:
+        return None
+    if unsupported(cfg.sharding, cfg.precision):
+        return None
+    return Variant(label, tuple(overrides), cfg)
+
+
+def _rebatched(cfg: RunConfig, **train) -> dict:
+    """Train keys that keep the global batch and derive the accumulation again."""
+    return {"train": {**train, "grad_accum": -1, "global_batch": cfg.train.global_batch}}
+
+
+def with_strategy(cfg: RunConfig, strategy: str, cpu_offload: bool = False) -> Variant | None:
+    """The same ranks under another ZeRO stage (all data-parallel ranks replicate or shard)."""
+    s = cfg.sharding
+    dp = s.dp_replicate * s.dp_shard
+    replicate = strategy in ("ddp", "zero1")
+    degrees = {"dp_replicate": dp if replicate else 1, "dp_shard": 1 if replicate else dp}
+    if strategy == "none" and dp > 1:
+        return None
+    sharding = {"strategy": strategy, "name": strategy, "cpu_offload": cpu_offload, **degrees}
+    overrides = [f"sharding={strategy}"] + (["sharding.cpu_offload=true"] if cpu_offload else [])
+    label = f"sharding={strategy}" + (" + cpu_offload" if cpu_offload else "")
+    return _resolved(label, overrides, _replace(cfg, sharding=sharding))
+
+
+def with_checkpointing(cfg: RunConfig, mode: str) -> Variant | None:
+    key = f"train.activation_checkpointing={mode}"
+    return _resolved(key, [key], _replace(cfg, train={"activation_checkpointing": mode}))
+
+
+def with_tp(cfg: RunConfig, tp: int) -> Variant | None:
+    """tp ranks taken from (or given back to) data parallelism; tp stays within a node."""
+    s = cfg.sharding
+    if tp > cfg.cluster.procs_per_node or tp < 1:
+        return None
+    ranks = s.dp_replicate * s.dp_shard * s.tp
+    if ranks % tp:
+        return None
+    dp = ranks // tp
+    replicate = s.strategy in ("ddp", "zero1") or (s.strategy == "none" and dp > 1)
+    strategy = "ddp" if s.strategy == "none" and dp > 1 else s.strategy
+    if s.strategy == "hsdp":
+        degrees = {"dp_replicate": s.dp_replicate, "dp_shard": dp // s.dp_replicate} if dp % s.dp_replicate == 0 else None
+    else:
+        degrees = {"dp_replicate": dp if replicate else 1, "dp_shard": 1 if replicate else dp}
+    if degrees is None:
+        return None
+    variant = _replace(cfg, sharding={"tp": tp, "strategy": strategy, **degrees}, **_rebatched(cfg))
+    overrides = [f"sharding.tp={tp}"] + ([f"sharding={strategy}"] if strategy != s.strategy else [])
+    return _resolved(f"sharding.tp={tp}", overrides, variant)
+
+
+def with_micro_batch(cfg: RunConfig, micro_batch: int) -> Variant | None:
+    key = f"train.micro_batch={micro_batch}"
+    return _resolved(key, [key, "train.grad_accum=-1"], _replace(cfg, **_rebatched(cfg, micro_batch=micro_batch)))
+
+
+def _divisors_up_to(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def along(cfg: RunConfig, axis: str) -> list[Variant]:
+    """Every variant of `cfg` along one axis of AXES, the config itself included (first)."""
+    current = Variant("(this config)", (), cfg)
+    if axis == "sharding":
+        found = [with_strategy(cfg, name) for name in ("none", *ZERO_ORDER) if name != cfg.sharding.strategy]
+        found.append(with_strategy(cfg, "zero3", cpu_offload=True) if not cfg.sharding.cpu_offload else None)
+    elif axis == "checkpointing":
+        found = [with_checkpointing(cfg, mode) for mode in AC_MODES if mode != cfg.train.activation_checkpointing]
+    elif axis == "tp":
+        found = [with_tp(cfg, tp) for tp in (1, 2, 4, 8) if tp != cfg.sharding.tp]
+    elif axis == "micro_batch":
+        per_rank = cfg.train.micro_batch * cfg.train.grad_accum
+        found = [with_micro_batch(cfg, mb) for mb in _divisors_up_to(per_rank, 64) if mb != cfg.train.micro_batch]
+    else:
+        raise ValueError(f"unknown axis {axis!r}")
+    return [current] + [v for v in found if v is not None]
