@@ -83,17 +83,37 @@ def config_show(overrides: list[str] = OVERRIDES) -> None:
 def plan(
     overrides: list[str] = OVERRIDES,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    compare: str = typer.Option(None, "--compare", help="Side-by-side memory and step time along one axis: sharding, checkpointing, tp, micro_batch.", show_default=False),
 ) -> None:
-    """Show the run plan: topology, batch math, size, FLOPs, memory.  Example: trainctl plan recipe=llama7b_fsdp cluster.nodes=2"""
+    """Show the run plan: topology, batch math, FLOPs, memory per rank with a verdict, throughput.  Example: trainctl plan recipe=llama7b_fsdp cluster.nodes=2 --compare sharding"""
     from trainctl.plan.plan import build
 
-    run_plan = build(_resolved(overrides))
+    cfg = _resolved(overrides)
+    if compare is not None:
+        _plan_compare(cfg, compare.replace("-", "_"), as_json)
+        return
+    run_plan = build(cfg)
     if as_json:
         sys.stdout.write(json.dumps(run_plan.to_dict(), indent=2) + "\n")
         return
     from trainctl.render import render_plan
 
     render_plan(out, run_plan.to_dict())
+
+
+def _plan_compare(cfg: RunConfig, axis: str, as_json: bool) -> None:
+    from trainctl.plan.compare import compare
+    from trainctl.plan.variants import AXES
+
+    if axis not in AXES:
+        raise UserError([f"--compare {axis}: not an axis; use one of: {', '.join(AXES)}"])
+    rows = compare(cfg, axis)
+    if as_json:
+        sys.stdout.write(json.dumps({"axis": axis, "rows": rows}, indent=2) + "\n")
+        return
+    from trainctl.render import compare_table
+
+    out.print(compare_table(axis, rows))
 
 
 RUNS_DIR = typer.Option(Path("runs"), "--runs-dir", help="Where the runs are (the config's runs_dir).")
@@ -169,10 +189,11 @@ def launch(
     overrides: list[str] = OVERRIDES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run directory and stop; start nothing."),
     name: str = typer.Option("", "--name", help="Run directory name (default: recipe or model, then a timestamp)."),
+    force: bool = typer.Option(False, "--force", help="Launch even when the plan says a rank's memory does not fit its device."),
 ) -> None:
     """Write a run directory and start the workers.  Example: trainctl launch recipe=tiny_cpu train.steps=50"""
     from trainctl.launch import rundir
-    from trainctl.plan.plan import build
+    from trainctl.plan.plan import build, refusal
     from trainctl.plan.support import unsupported
 
     cfg = _resolved(overrides)
@@ -180,6 +201,9 @@ def launch(
     missing = unsupported(cfg.sharding, cfg.precision)
     if missing and not dry_run:
         raise UserError(missing)
+    too_big = refusal(run_plan)
+    if too_big and not (dry_run or force):
+        raise UserError([too_big])
     if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
         raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; run on a Slurm login node, use cluster=local, or pass --dry-run"])
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None, overrides=list(overrides or []))

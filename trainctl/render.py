@@ -150,18 +150,17 @@ def render_plan(console: Console, plan: dict) -> None:
 
 
 def compare_table(axis: str, rows: list[dict]) -> Table:
-    """`plan --compare AXIS`: one row per variant with its busiest rank's memory and step time."""
-    table = Table(title=f"compare {axis} (your model and cluster; busiest rank)", title_justify="left", title_style="bold", box=None, padding=(0, 2))
-    for column in ("variant", "states", "activations", "peak", "needed", "headroom", "verdict", "step s", "vs now", "tokens/s"):
-        table.add_column(column, justify="left" if column == "variant" else "right")
+    """`plan --compare AXIS`: one row per variant with its busiest rank's memory (GiB) and step time."""
+    title = f"compare {axis}: your model and cluster, the busiest rank, memory in GiB"
+    table = Table(title=title, title_justify="left", title_style="bold", box=None, padding=(0, 1))
+    table.add_column("variant", overflow="fold")
+    for column in ("activ.", "peak", "needed", "headroom", "verdict", "step s", "vs now"):
+        table.add_column(column, justify="right", no_wrap=True, min_width=12 if column == "verdict" else None)
     for r in rows:
-        if "error" in r:
-            table.add_row(r["variant"], f"[dim]{r['error']}[/]")
-            continue
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3g}"
         change = "-" if r["slowdown"] is None else f"{r['slowdown']:+.0%}"
-        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"
+        headroom = "-" if r["headroom_bytes"] is None else f"{r['headroom_bytes'] / GIB:.1f}"
         style = VERDICT_STYLE[r["verdict"]]
-        table.add_row(r["variant"], gib(r["states_bytes"]), gib(r["activations_bytes"]), gib(r["peak_bytes"]), gib(r["need_bytes"]),
-                      gib(r["headroom_bytes"]), f"[{style}]{r['verdict']}[/]", step, change, tps)
+        table.add_row(r["variant"], f"{r['activations_bytes'] / GIB:.1f}", f"{r['peak_bytes'] / GIB:.1f}", f"{r['need_bytes'] / GIB:.1f}",
+                      headroom, f"[{style}]{r['verdict']}[/]", step, change)
     return table

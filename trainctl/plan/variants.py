@@ -21,7 +21,7 @@ ZERO_ORDER = ("ddp", "zero1", "zero2", "zero3")
 
 @dataclass(frozen=True)
 class Variant:
-    label: str  # what changes, e.g. "sharding=zero3"
+    label: str  # what changes, short: zero3, ac=full, tp=2, micro_batch=4
     overrides: tuple[str, ...]  # the key=value overrides a user would add
     cfg: RunConfig  # resolved
 
@@ -56,13 +56,13 @@ def with_strategy(cfg: RunConfig, strategy: str, cpu_offload: bool = False) -> V
         return None
     sharding = {"strategy": strategy, "name": strategy, "cpu_offload": cpu_offload, **degrees}
     overrides = [f"sharding={strategy}"] + (["sharding.cpu_offload=true"] if cpu_offload else [])
-    label = f"sharding={strategy}" + (" + cpu_offload" if cpu_offload else "")
+    label = strategy + ("+offload" if cpu_offload else "")
     return _resolved(label, overrides, _replace(cfg, sharding=sharding))
 
 
 def with_checkpointing(cfg: RunConfig, mode: str) -> Variant | None:
     key = f"train.activation_checkpointing={mode}"
-    return _resolved(key, [key], _replace(cfg, train={"activation_checkpointing": mode}))
+    return _resolved(f"ac={mode}", [key], _replace(cfg, train={"activation_checkpointing": mode}))
 
 
 def with_tp(cfg: RunConfig, tp: int) -> Variant | None:
@@ -84,12 +84,12 @@ def with_tp(cfg: RunConfig, tp: int) -> Variant | None:
         return None
     variant = _replace(cfg, sharding={"tp": tp, "strategy": strategy, **degrees}, **_rebatched(cfg))
     overrides = [f"sharding.tp={tp}"] + ([f"sharding={strategy}"] if strategy != s.strategy else [])
-    return _resolved(f"sharding.tp={tp}", overrides, variant)
+    return _resolved(f"tp={tp}", overrides, variant)
 
 
 def with_micro_batch(cfg: RunConfig, micro_batch: int) -> Variant | None:
     key = f"train.micro_batch={micro_batch}"
-    return _resolved(key, [key, "train.grad_accum=-1"], _replace(cfg, **_rebatched(cfg, micro_batch=micro_batch)))
+    return _resolved(f"micro_batch={micro_batch}", [key, "train.grad_accum=-1"], _replace(cfg, **_rebatched(cfg, micro_batch=micro_batch)))
 
 
 def _divisors_up_to(n: int, limit: int) -> list[int]:
@@ -98,9 +98,10 @@ def _divisors_up_to(n: int, limit: int) -> list[int]:
 
 def along(cfg: RunConfig, axis: str) -> list[Variant]:
     """Every variant of `cfg` along one axis of AXES, the config itself included (first)."""
-    current = Variant("(this config)", (), cfg)
+    current = Variant("(as configured)", (), cfg)
     if axis == "sharding":
-        found = [with_strategy(cfg, name) for name in ("none", *ZERO_ORDER) if name != cfg.sharding.strategy]
+        same = {cfg.sharding.strategy, "zero3" if cfg.sharding.strategy == "fsdp" else cfg.sharding.strategy}
+        found = [with_strategy(cfg, name) for name in ("none", *ZERO_ORDER) if name not in same]
         found.append(with_strategy(cfg, "zero3", cpu_offload=True) if not cfg.sharding.cpu_offload else None)
     elif axis == "checkpointing":
         found = [with_checkpointing(cfg, mode) for mode in AC_MODES if mode != cfg.train.activation_checkpointing]
