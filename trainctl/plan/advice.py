@@ -6,6 +6,7 @@ Candidates, each a config `launch` accepts (variants.py), tried from the current
     more tensor parallel   tp x 2 and x 4 within a node, taken from data parallelism
     a smaller micro-batch  half and a quarter, with more accumulation (same global batch)
     CPU offload            zero3 with sharding.cpu_offload=true
+When none of them fits alone, each is also tried with full checkpointing on top.
 Each is assessed like the config itself: the busiest rank's peak, need and verdict, and the
 step time under the throughput model (throughput.py), reported as the change against the
 current step time. Ranking: those that fit first (fits, then tight), cheapest first; then the
@@ -54,6 +55,14 @@ def candidates(cfg: RunConfig) -> list[V.Variant]:
     return [v for v in found if v is not None]
 
 
+def combined(variant: V.Variant, mode: str) -> V.Variant | None:
+    """`variant` with more checkpointing on top (for when no single change is enough)."""
+    more = V.with_checkpointing(variant.cfg, mode)
+    if more is None:
+        return None
+    return V.Variant(f"{variant.label}, {more.label}", variant.overrides + more.overrides, more.cfg)
+
+
 def rank_key(s: Suggestion) -> tuple:
     """Fitting ones first (fits before tight), cheapest first; the others by the memory they need."""
     if VERDICT_ORDER[s.verdict] <= 1:
@@ -63,14 +72,26 @@ def rank_key(s: Suggestion) -> tuple:
 
 def suggest(cfg: RunConfig, current: Assessment, limit: int = 6) -> list[Suggestion]:
     """Ranked suggestions (module doc) that lower the busiest rank's need; at most `limit`."""
+    singles = candidates(cfg)
+    out = assessed(singles, current)
+    if not any(VERDICT_ORDER[s.verdict] <= 1 for s in out):
+        # No single change is enough: each of the others with full checkpointing on top.
+        mode = cfg.train.activation_checkpointing
+        pairs = [combined(v, "full") for v in singles if mode != "full" and not v.label.startswith("ac=")]
+        out += assessed([p for p in pairs if p is not None], current)
+    out.sort(key=rank_key)
+    return out[:limit]
+
+
+def assessed(variants: list[V.Variant], current: Assessment) -> list[Suggestion]:
+    """A suggestion for each variant that lowers the need, with its figures and cost against `current`."""
     base_time = current.relative_step.total_s
     out = []
-    for variant in candidates(cfg):
+    for variant in variants:
         a = assess(variant.cfg, dims_of(variant.cfg))
         if a.fit.need_bytes >= current.fit.need_bytes:
             continue  # only what helps
         slowdown = a.relative_step.total_s / base_time - 1 if base_time else None
         out.append(Suggestion(variant.label, variant.overrides, a.fit.peak_bytes, a.fit.need_bytes, a.fit.headroom_bytes,
                               a.fit.verdict, None if a.step is None else a.step.total_s, slowdown))
-    out.sort(key=rank_key)
-    return out[:limit]
+    return out
