@@ -125,9 +125,12 @@ def block_grad_bytes(m: ModelConfig, lay: ActLayout) -> float:
     """Per token, what one block's backward adds beyond its saved tensors: two [tokens, ffn] gradients.
 
     SwiGLU's backward holds the gradients of w2's input, of silu(w1 x) and of w3 x while only
-    the product it saved is freed (measured with the CPU allocator's events: +2 a f net).
+    the product it saved is freed (measured with the CPU allocator's events: +2 a f net). Under
+    tensor parallelism the sequence all-gathers and reduce-scatters keep full-sequence buffers
+    in flight, and how many overlap depends on timing: two [tokens, dim] ones are counted.
     """
-    return 2 * lay.compute_bytes * m.ffn_dim / lay.tp
+    comm = 2 * lay.compute_bytes * m.dim if lay.tp > 1 else 0
+    return 2 * lay.compute_bytes * m.ffn_dim / lay.tp + comm
 
 
 def recompute_bytes(m: ModelConfig, lay: ActLayout, mode: str) -> float:

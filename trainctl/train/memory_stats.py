@@ -2,9 +2,10 @@
 
 Bytes are counted from the tensors themselves (numel x element size of the LOCAL data: a
 DTensor counts its shard), so they mean the same on CPU and CUDA and need no allocator.
-The trainer logs `model_state_bytes` once, after the first optimizer step and before
-zero_grad: that is the moment every state exists at once (gradients are still there,
-AdamW has allocated its moments), and between steps FSDP2 keeps only the shards.
+The trainer logs `model_state_bytes` once, after an early optimizer step (the third) and
+before zero_grad: that is the moment every state exists at once (gradients are still there,
+AdamW has allocated its moments), and between steps FSDP2 keeps only the shards. The same
+record carries that step's measured peak (trainctl/train/peak_memory.py).
 """
 
 from __future__ import annotations
@@ -69,11 +70,14 @@ def gather_per_rank(values: dict) -> list[dict]:
     return out
 
 
-def memory_record(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The `kind: memory` metrics of this job: the busiest rank's bytes per state, and each rank's."""
-    per_rank = gather_per_rank(model_state_bytes(model, optimizer))
-    busiest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-    return {**busiest, "per_rank": per_rank}
+def memory_record(model: nn.Module, optimizer: torch.optim.Optimizer, peak: dict | None = None) -> dict:
+    """The `kind: memory` metrics of this job: the busiest rank's bytes per state, and each rank's.
+
+    `peak`: this rank's measured step peak (peak_memory.PeakMeter.stop), kept per rank too.
+    """
+    per_rank = gather_per_rank({**model_state_bytes(model, optimizer), **(peak or {})})
+    busiest = {key: max(r[key] for r in per_rank) for key in per_rank[0] if isinstance(per_rank[0][key], int)}
+    return {**busiest, **{k: v for k, v in per_rank[0].items() if isinstance(v, str)}, "per_rank": per_rank}
 
 
 # ---- activations -------------------------------------------------------------------------

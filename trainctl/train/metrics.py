@@ -18,6 +18,7 @@ import torch
 
 from trainctl.config.schema import LoggingConfig
 from trainctl.plan.hardware import match_gpu, peak_flops
+from trainctl.train.peak_memory import read_prediction, with_prediction
 
 log = logging.getLogger("trainctl.train")
 
@@ -79,6 +80,7 @@ class MetricsLogger:
         self._wandb = None
         self._progress = None
         self.wandb_id: str | None = None
+        self._run_dir = run_dir
         if not is_main:
             return
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tail -f works
@@ -95,7 +97,9 @@ class MetricsLogger:
         self._emit({"kind": "eval", "step": step, "val_loss": val_loss}, step)
 
     def memory(self, step: int, values: dict) -> None:
-        """Measured per-rank memory (memory_stats.memory_record), logged once."""
+        """Measured per-rank memory (memory_stats.memory_record), logged once, next to the plan's prediction."""
+        if self.is_main:
+            values = with_prediction(values, read_prediction(self._run_dir))
         self._emit({"kind": "memory", "step": step, **values}, step)
 
     def resumed(self, step: int, path: str) -> None:

@@ -39,6 +39,7 @@ from trainctl.train.memory_stats import memory_record
 from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, lr_at, set_lr, zero1_group
 from trainctl.train.parallelize import check_supported, gradient_sync, parallelize, unwrap
+from trainctl.train.peak_memory import PeakMeter, memory_step
 from trainctl.train.pipeline import (
     Pipeline,
     build_pipeline,
@@ -98,6 +99,8 @@ def train_loop(job: Job) -> dict:
         lr = lr_at(step, cfg.optim.lr, cfg.schedule, train.steps)
         set_lr(job.optimizer, lr)
         micro_batches = job.train_data.micro_batches(step)
+        # One step's peak is measured, once optimizer states exist and DDP has rebuilt its buckets.
+        meter = PeakMeter(job.world.device, job.model, job.optimizer) if step == memory_step(begin, train.steps) else None
         if job.pipeline is None:
             local_loss = forward_backward(job, micro_batches, step)
         else:
@@ -110,8 +113,8 @@ def train_loop(job: Job) -> dict:
         guard_norm = 0.0 if isinstance(job.scaler, DynamicLossScaler) else grad_norm
         if job.guard.decide(step + 1, loss, guard_norm) == "ok":  # steps are named as logged: 1-based
             job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
-        if step == begin:  # every model state exists now (gradients not yet zeroed): measure once
-            job.metrics.memory(step + 1, memory_record(job.model, job.optimizer))
+        if meter is not None:  # every model state exists now (gradients not yet zeroed): measure once
+            job.metrics.memory(step + 1, memory_record(job.model, job.optimizer, meter.stop()))
         job.optimizer.zero_grad(set_to_none=True)
         timer.tick()
         done = step + 1
