@@ -22,9 +22,14 @@ import torch
 import torch.nn.functional as F
 from worker_runs import TINY
 
+from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.models.llama import build_model
+from trainctl.plan import memory as plan_memory
+from trainctl.plan.stages import rank_stages
+from trainctl.plan.topology import ParallelDims
 from trainctl.train.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
 from trainctl.train.memory_stats import retained_activation_bytes, saved_tensor_bytes
+from trainctl.train.trainer import token_loss_sum
 
 MODEL = replace(TINY, n_layers=4)
 MODES = ("none", "selective", "full", "op")
@@ -68,8 +73,8 @@ def activation_bytes() -> dict[str, dict[str, int]]:
     out = {}
     for mode in MODES:
         model = tiny_model(mode)
-        _, saved = saved_tensor_bytes(lambda: loss_of(model, inputs, targets), exclude=model.parameters())
-        loss, retained = retained_activation_bytes(lambda: loss_of(model, inputs, targets))
+        _, saved = saved_tensor_bytes(lambda m=model: loss_of(m, inputs, targets), exclude=model.parameters())
+        loss, retained = retained_activation_bytes(lambda m=model: loss_of(m, inputs, targets))
         loss.backward()  # the counted graph must still be a working one
         out[mode] = {"saved": saved, "retained": retained}
     return out
@@ -130,3 +135,71 @@ def test_activation_offload_packs_every_saved_tensor_to_cpu():
     loss.backward()
     assert len(packed) > 20 and set(packed) == {"cpu"}
     assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- the plan's activation bytes against these counts ------------------------------------
+# Several shapes (grouped-query and plain attention, small and larger vocabularies), sequence
+# lengths and batch splits, every checkpointing mode, three precisions: fp32; bf16 weights as
+# FSDP's mixed precision computes (the model cast to bf16: residual stream in bf16); bf16
+# autocast over fp32 weights (none/ddp/zero1), where the plan adds autocast's weight copies.
+# The plan (trainctl/plan/memory.py) must agree within 10% with the live storages the forward
+# leaves for backward (all modes), and with the saved-tensor hooks where those see everything
+# (none, selective, full: the op-level cache is kept by checkpointing itself, not saved).
+SHAPES = {
+    "gqa": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=256),
+    "mha": ModelConfig(dim=128, n_layers=3, n_heads=8, n_kv_heads=8, ffn_dim=352, vocab_size=1000, max_seq_len=256),
+}
+BATCHES = {"4x64": (4, 64), "2x160": (2, 160)}
+PRECISIONS = {
+    "fp32": ("none", PrecisionConfig()),
+    "bf16_fsdp": ("zero3", PrecisionConfig(name="bf16", compute_dtype="bf16")),
+    "bf16_autocast": ("none", PrecisionConfig(name="bf16", compute_dtype="bf16")),
+}
+ACT_REL = 0.10
+
+
+def planned_activation_bytes(model_cfg: ModelConfig, strategy: str, precision: PrecisionConfig, mode: str, batch: int, seq: int) -> int:
+    """One micro-batch's activations (head included) plus autocast's weight copies, as the plan counts them."""
+    sharding = ShardingConfig(name=strategy, strategy=strategy)
+    train = TrainConfig(seq_len=seq, micro_batch=batch, grad_accum=1, global_batch=batch, activation_checkpointing=mode, ac_every=2)
+    (stage,) = rank_stages(model_cfg, sharding, 1)
+    est = plan_memory.estimate(model_cfg, precision, sharding, train, ParallelDims(), stage, device="cpu")
+    return est.activations_per_micro_batch + est.weight_casts
+
+
+def measured_activation_bytes(model_cfg: ModelConfig, precision: str, mode: str, batch: int, seq: int) -> tuple[int, int]:
+    """(saved-tensor hook bytes, live storage bytes) of one forward + loss, as the trainer computes it."""
+    torch.manual_seed(0)
+    model = build_model(model_cfg, "cpu")
+    model.init_weights()
+    apply_activation_checkpointing(model, mode, every=2)
+    if precision == "bf16_fsdp":
+        model.to(torch.bfloat16)  # what FSDP2's mixed precision computes with; the RoPE table stays fp32
+        model.freqs.data = model.freqs.float()
+    tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16_autocast")
+
+    def forward():
+        with autocast:
+            return token_loss_sum(model, inputs, targets)
+
+    kept = [*model.parameters(), *model.buffers()]
+    _, saved = saved_tensor_bytes(forward, exclude=kept)
+    loss, retained = retained_activation_bytes(forward, exclude=kept)
+    loss.backward()
+    return saved, retained
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_plan_predicts_activation_bytes_of_every_mode(shape, batch, precision):
+    model_cfg, (b, seq) = SHAPES[shape], BATCHES[batch]
+    strategy, precision_cfg = PRECISIONS[precision]
+    for mode in MODES:
+        planned = planned_activation_bytes(model_cfg, strategy, precision_cfg, mode, b, seq)
+        saved, retained = measured_activation_bytes(model_cfg, precision, mode, b, seq)
+        assert retained == pytest.approx(planned, rel=ACT_REL), (mode, "live storages")
+        if mode != "op":
+            assert saved == pytest.approx(planned, rel=ACT_REL), (mode, "saved-tensor hooks")
