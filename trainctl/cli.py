@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.syntax import Syntax
-from rich.table import Table
+from rich.table import Column, Table
 
 from trainctl.config import compose as composer
 from trainctl.config.errors import ConfigError
@@ -130,10 +130,17 @@ def _step(state) -> str:
 def list_runs(runs_dir: Path = RUNS_DIR) -> None:
     """List runs with their state (Slurm runs from squeue/sacct).  Example: trainctl runs"""
     from trainctl.launch import runs
+    from trainctl.launch.figures import figures
 
-    table = Table("run", "launcher", "job", "state", "step", "detail", box=None, header_style="bold")
-    for st in runs.run_states(runs.list_runs(runs_dir)):
-        table.add_row(st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), st.detail)
+    states = runs.run_states(runs.list_runs(runs_dir))
+    measured = [figures(st.path) for st in states]
+    # Measured figures next to the plan's, once some run has them: "38.2% (plan 40%)", "61.2 GiB (plan 60.3)".
+    shown = any(f.mfu is not None or f.peak_bytes is not None for f in measured)
+    extra = (Column("mfu", no_wrap=True), Column("peak", no_wrap=True)) if shown else ()
+    table = Table("run", "launcher", "job", "state", "step", *extra, "detail", box=None, header_style="bold")
+    for st, f in zip(states, measured, strict=True):
+        cells = (f.mfu_text(), f.peak_text()) if extra else ()
+        table.add_row(st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), *cells, st.detail)
     out.print(table)
 
 
@@ -141,11 +148,14 @@ def list_runs(runs_dir: Path = RUNS_DIR) -> None:
 def status(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     """Show one run's state, progress and log.  Example: trainctl status tiny_cpu-20250101-120000"""
     from trainctl.launch import runs
+    from trainctl.launch.figures import figures
 
     run_dir = runs.find_run(run, runs_dir)
     st = runs.run_state(run_dir)
+    f = figures(run_dir)
     rows = [("run", str(run_dir)), ("launcher", st.launcher or "- (not launched)"), ("job", st.job_id), ("state", st.state),
-            ("detail", st.detail), ("step", _step(st)), ("log", str(runs.log_path(run_dir, None)))]
+            ("detail", st.detail), ("step", _step(st)), ("mfu", f.mfu_text()), ("peak", f.peak_text() + (f", by {f.peak_source}" if f.peak_source else "")),
+            ("log", str(runs.log_path(run_dir, None)))]
     for key, value in rows:
         if value:
             out.print(f"{key:9}{value}", highlight=False, soft_wrap=True)

@@ -1,0 +1,80 @@
+"""A run's measured MFU and peak memory next to its plan's figures, for `trainctl runs` and `status`.
+
+Read from the run directory only (launcher side: no torch): plan.json for the plan's assumed MFU
+and predicted per-rank peak, metrics.jsonl for the measured ones. The memory record is written
+early (one step's peak, trainctl/train/peak_memory.py), so it is looked for near the file's start;
+MFU is the median of the train records near its end (the recent steps, warm-up long gone).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+HEAD_BYTES = 256 * 1024  # the memory record comes after a few steps' records
+TAIL_BYTES = 64 * 1024
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Figures:
+    mfu: float | None = None  # measured: median of the recent train records (CUDA with a known GPU only)
+    plan_mfu: float | None = None
+    peak_bytes: int | None = None  # measured: the busiest rank's step peak
+    plan_peak_bytes: int | None = None  # predicted for the busiest rank
+    peak_source: str = ""  # cuda_max_memory_allocated | cpu_tracked_tensors
+
+    def mfu_text(self) -> str:
+        """'38.2% (plan 40%)', '- (plan 40%)', or '-'."""
+        measured = "-" if self.mfu is None else f"{self.mfu:.1%}"
+        return measured if self.plan_mfu is None else f"{measured} (plan {self.plan_mfu:.0%})"
+
+    def peak_text(self) -> str:
+        """'61.2 GiB (plan 60.3)' and the like."""
+        measured = "-" if self.peak_bytes is None else f"{self.peak_bytes / GIB:.1f} GiB"
+        return measured if self.plan_peak_bytes is None else f"{measured} (plan {self.plan_peak_bytes / GIB:.1f})"
+
+
+def _records(path: Path, start: int, size: int) -> list[dict]:
+    """Whole JSON lines within [start, start + size) of a file (a cut first or last line is skipped)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            lines = f.read(size).decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def _plan(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "plan.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def figures(run_dir: Path) -> Figures:
+    """Measured and planned MFU and peak memory of a run (missing ones are None)."""
+    plan = _plan(run_dir)
+    path = run_dir / "metrics.jsonl"
+    size = path.stat().st_size if path.is_file() else 0
+    head = _records(path, 0, HEAD_BYTES)
+    tail = _records(path, max(0, size - TAIL_BYTES), TAIL_BYTES) if size > HEAD_BYTES else head
+    memory = next((r for r in head if r.get("kind") == "memory"), {})
+    mfus = [r["mfu"] for r in tail if r.get("kind") == "train" and isinstance(r.get("mfu"), (int, float))]
+    plan_mfu = plan.get("assumed_mfu") if plan.get("device") == "cuda" else None
+    return Figures(
+        mfu=statistics.median(mfus) if mfus else None,
+        plan_mfu=plan_mfu,
+        peak_bytes=memory.get("peak_bytes"),
+        plan_peak_bytes=(plan.get("memory") or {}).get("peak_bytes"),
+        peak_source=memory.get("peak_source", ""),
+    )
