@@ -9,6 +9,7 @@ from __future__ import annotations
 from trainctl.config.schema import RunConfig
 from trainctl.plan import fit as fitting
 from trainctl.plan.memory import GIB, RankMemory
+from trainctl.plan.throughput import DEFAULT_MFU
 from trainctl.plan.topology import ParallelDims
 
 
@@ -71,7 +72,8 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
                      "on the device); one block's tensors come back at a time")
     if cfg.precision.fp8:
         notes.append("fp8: torchao's Float8Linear saves the bf16 input and weight and re-casts in backward, so "
-                     "activations are counted as bf16; its transient fp8 copies (1 byte per element of one layer) are not")
+                     "activations are counted as bf16; its transient fp8 copies (1 byte per element of one layer) are not, "
+                     "and FSDP's float8 all-gather (tensorwise: 1 byte per matmul weight) is counted as bf16 (errs high)")
     if t.compile:
         notes.append("compile: estimates follow the eager ops; inductor's fused kernels usually save less, so the "
                      "prediction errs high")
@@ -88,6 +90,13 @@ def device_notes(cfg: RunConfig, dims: ParallelDims) -> list[str]:
             "allocator fragmentation; none of it is in torch.cuda.max_memory_allocated"]
 
 
+def throughput_notes(cfg: RunConfig) -> list[str]:
+    source = "cluster.assumed_mfu" if cfg.cluster.assumed_mfu else "the default: no measured figure under benchmarks/ yet"
+    return [f"step time at MFU {cfg.cluster.assumed_mfu or DEFAULT_MFU:g} ({source}); recompute, pipeline bubble, exposed TP/FSDP "
+            "traffic and offload transfers are added as trainctl/plan/throughput.py states (full checkpointing: one more "
+            "forward of the wrapped blocks, about +1/3 of their FLOPs; op: +3% for re-run pointwise ops)"]
+
+
 def notes_for(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     """Every note that applies to this config, strategy first."""
-    return strategy_notes(cfg, dims, mem) + activation_notes(cfg, dims, mem) + device_notes(cfg, dims)
+    return strategy_notes(cfg, dims, mem) + activation_notes(cfg, dims, mem) + device_notes(cfg, dims) + throughput_notes(cfg)
