@@ -61,8 +61,8 @@ def failing_rank_file_on_rank_1(real_write):
 
 
 def check_failure_is_agreed(manager: CheckpointManager, mesh, step: int) -> None:
-    real_write = ckpt._write_bytes
-    ckpt._write_bytes = failing_rank_file_on_rank_1(real_write)
+    real_write = ckpt.write_bytes
+    ckpt.write_bytes = failing_rank_file_on_rank_1(real_write)
     try:
         manager.save(step, sharded_state(mesh, step), {"rank": dist.get_rank()}, {})
         manager.wait()
@@ -70,7 +70,7 @@ def check_failure_is_agreed(manager: CheckpointManager, mesh, step: int) -> None
     except CheckpointError as exc:
         message = str(exc)
     finally:
-        ckpt._write_bytes = real_write
+        ckpt.write_bytes = real_write
     assert message is not None and "disk full" in message and same_everywhere(message), message
     assert not list(manager.root.glob("*.tmp"))
 

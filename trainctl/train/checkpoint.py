@@ -38,7 +38,6 @@ filesystem every rank sees (DCP's coordinator writes .metadata; loads read every
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import logging
@@ -56,13 +55,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainctl.train.manifest import MANIFEST, fsync_dir, hash_files, list_files, verify, write_bytes
+
 log = logging.getLogger("trainctl.train")
 
-MANIFEST = "manifest.json"
 META = "meta.json"
 TMP_SUFFIX = ".tmp"
 _STEP_RE = re.compile(r"step-(\d{8,})")
-_HASH_CHUNK = 4 << 20
 DIE_BEFORE_COMMIT_ENV = "TRAINCTL_TEST_DIE_BEFORE_COMMIT"  # tests: the step whose save is killed
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone lets it through.
 _SAVE_ERRORS = (Exception, CheckpointException)
@@ -118,72 +117,6 @@ class _Pending:
     started: float
     blocking_s: float
     part: Future  # -> _Part, once DCP's write is done and this rank's files are hashed
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    """Write through Python's file API and fsync: ENOSPC keeps its errno, and the commit never publishes unsynced data."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _list_files(directory: Path) -> list[str]:
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
-
-
-def _hash_files(directory: Path, names: list[str]) -> dict[str, dict]:
-    return {rel: {"size": (directory / rel).stat().st_size, "sha256": _sha256(directory / rel)} for rel in names}
-
-
-def _check_file(path: Path, rel: str, want: dict) -> list[str]:
-    try:
-        size = path.stat().st_size
-        if size != want["size"]:
-            return [f"{rel}: {size} bytes, the manifest says {want['size']}"]
-        if _sha256(path) != want["sha256"]:
-            return [f"{rel}: content differs from the manifest (sha256)"]
-    except FileNotFoundError:
-        return [f"{rel}: missing"]
-    except OSError as exc:
-        return [f"{rel}: unreadable ({exc})"]
-    return []
-
-
-def verify(path: Path, part: int = 0, parts: int = 1) -> list[str]:
-    """Problems of checkpoint `path` against its manifest: missing, extra, resized or altered files (empty: valid).
-
-    part/parts: check every parts-th file from the part-th (ranks share the hashing); part 0 also looks for extra files.
-    """
-    path = Path(path)
-    try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-        wanted = sorted(files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return [f"{MANIFEST} unreadable ({exc})"]
-    problems = []
-    if part == 0:
-        extra = sorted(set(_list_files(path)) - set(files) - {MANIFEST})
-        problems += [f"{rel}: not in the manifest" for rel in extra]
-    for rel, want in wanted[part::parts]:
-        problems += _check_file(path / rel, rel, want)
-    return problems
 
 
 def list_committed(root: Path) -> list[tuple[int, Path]]:
@@ -317,10 +250,10 @@ class CheckpointManager:
             tmp.mkdir(parents=True, exist_ok=True)
             buffer = io.BytesIO()
             torch.save(rank_state, buffer)
-            _write_bytes(tmp / _rank_file(self.rank), buffer.getvalue())
+            write_bytes(tmp / _rank_file(self.rank), buffer.getvalue())
             if self.rank == 0:
                 record = {**meta, "step": step, "world_size": self.world_size}
-                _write_bytes(tmp / META, json.dumps(record, indent=2).encode())
+                write_bytes(tmp / META, json.dumps(record, indent=2).encode())
         except OSError as exc:
             part.fail(exc, tmp)
         return part
@@ -338,7 +271,7 @@ class CheckpointManager:
         if part.error is None:
             try:
                 names = [p.name for p in tmp.glob(f"__{self._dcp_rank}_*")] + [_rank_file(self.rank)]
-                part.files = _hash_files(tmp, names)
+                part.files = hash_files(tmp, names)
             except OSError as exc:
                 part.fail(exc, tmp)
         return part
@@ -391,16 +324,16 @@ class CheckpointManager:
     def _publish(self, step: int, tmp: Path, parts: list[_Part]) -> int:
         files = {rel: entry for p in parts for rel, entry in p.files.items()}
         # .metadata, meta.json, and whatever a newer DCP names differently: rank 0 hashes what no rank claimed.
-        files.update(_hash_files(tmp, [rel for rel in _list_files(tmp) if rel not in files]))
+        files.update(hash_files(tmp, [rel for rel in list_files(tmp) if rel not in files]))
         manifest = {"step": step, "world_size": self.world_size, "files": dict(sorted(files.items()))}
-        _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)  # every writer fsynced its files (DCP too, sync_files=True); now their names
+        write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)  # every writer fsynced its files (DCP too, sync_files=True); now their names
         final = self.root / step_name(step)
         replaced = _trash_name(final)
         if final.exists():  # a run that resumed from an older checkpoint writes this step again
             os.rename(final, replaced)  # renames only between the two names: no window without a checkpoint of this step
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         shutil.rmtree(replaced, ignore_errors=True)
         return sum(entry["size"] for entry in files.values())
 
