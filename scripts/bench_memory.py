@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from bench_variants import device_name  # same folder: the script's own directory is on sys.path
 
 GIB = 2**30
 MODES = ("none", "selective", "op", "full")
@@ -96,12 +97,6 @@ def markdown(results: list[dict], header: str) -> str:
         lines.append(f"| {r['mode']} | {r['micro_batch']} | {gib(predicted)} | {gib(measured)} | {outcome} | {r.get('verdict', '-')} | "
                      f"{r.get('peak_phase', '-')} | {tps} |")
     return "\n".join(lines) + "\n"
-
-
-def device_name() -> str:
-    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu', torch.__version__)"
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    return proc.stdout.strip() or platform.processor()
 
 
 def main() -> None:
