@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from trainctl.config.schema import GuardsConfig
-from trainctl.train.guards import NonFiniteError, StepGuard, agreed_step_values, inject_nan
+from trainctl.train.guards import NonFiniteError, StepGuard, agreed_step, inject_nan
 
 NAN, INF = float("nan"), float("inf")
+
+
+def agreed_values(loss, grad_norm):
+    """The (loss, grad norm) part of the step's agreement, without a stop request."""
+    return agreed_step(loss, grad_norm, False)[:2]
 
 
 def guard(**keys) -> StepGuard:
@@ -155,14 +160,14 @@ def test_state_round_trip_keeps_counters_and_history():
 
 def test_agreed_values_in_one_process_are_the_local_ones():
     loss, norm = torch.tensor(2.5), torch.tensor(0.75)
-    assert agreed_step_values(loss, norm) == (2.5, 0.75)
-    values = agreed_step_values(torch.tensor(1.2345678, dtype=torch.float32), torch.tensor(3.3, dtype=torch.bfloat16))
+    assert agreed_values(loss, norm) == (2.5, 0.75)
+    values = agreed_values(torch.tensor(1.2345678, dtype=torch.float32), torch.tensor(3.3, dtype=torch.bfloat16))
     assert values == (float(torch.tensor(1.2345678)), float(torch.tensor(3.3, dtype=torch.bfloat16)))
     assert all(isinstance(v, float) for v in values)
 
 
 def test_agreed_values_keep_nan_and_inf():
-    loss, norm = agreed_step_values(torch.tensor(NAN), torch.tensor(INF))
+    loss, norm = agreed_values(torch.tensor(NAN), torch.tensor(INF))
     assert math.isnan(loss) and math.isinf(norm)
 
 
@@ -171,7 +176,7 @@ def test_agreed_values_over_a_process_group_of_one():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert agreed_step_values(torch.tensor(2.0, requires_grad=True) * 1, torch.tensor(0.5)) == (2.0, 0.5)
+        assert agreed_values(torch.tensor(2.0, requires_grad=True) * 1, torch.tensor(0.5)) == (2.0, 0.5)
     finally:
         dist.destroy_process_group()
 

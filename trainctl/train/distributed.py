@@ -118,12 +118,3 @@ def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
     replicate, shard = mesh["dp_replicate"], mesh["dp_shard"]
     dp_rank = replicate.get_local_rank() * shard.size() + shard.get_local_rank()
     return dp_rank, replicate.size() * shard.size()
-
-
-def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
-    """Mean over all ranks (ranks that share data contribute equal copies, so the mean is unchanged)."""
-    if dist.get_world_size() > 1:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= dist.get_world_size()
-    return tensor

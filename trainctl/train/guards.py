@@ -1,7 +1,7 @@
 """Step guards: what the loop does with a non-finite or spiking loss, decided the same on every rank.
 
 After backward and gradient clipping, before the optimizer step, the loop calls
-`agreed_step_values` (one all-reduce: every rank gets the same global loss and gradient
+`agreed_step` (one all-reduce: every rank gets the same global loss and gradient
 norm) and then `StepGuard.decide`, which answers "ok" (step) or "skip" (zero the
 gradients, leave weights and optimizer state as they are), or raises `NonFiniteError`.
 Because all ranks feed the guard identical numbers, they all take the same branch: no
@@ -131,12 +131,6 @@ class StepGuard:
         self.consecutive_skips = state["consecutive_skips"]
         self.loss_spikes = state["loss_spikes"]
         self._history = deque(state["history"], maxlen=self.cfg.spike_window)
-
-
-def agreed_step_values(loss: torch.Tensor, grad_norm: torch.Tensor, group=None) -> tuple[float, float]:
-    """(global mean loss, mean gradient norm) as Python floats, identical on every rank of `group`."""
-    mean_loss, mean_norm, _ = agreed_step(loss, grad_norm, False, group)
-    return mean_loss, mean_norm
 
 
 def agreed_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool, group=None) -> tuple[float, float, bool]:
