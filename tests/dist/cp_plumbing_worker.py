@@ -7,6 +7,8 @@ tokens, targets and RoPE rows that keeps every token at its true position.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
@@ -38,8 +40,8 @@ def main() -> None:
     positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
     inputs, targets = positions.clone(), positions + 100
     full_freqs = rope_frequencies(8, 64, 10000.0)[:SEQ]
-    freqs = full_freqs.clone()
-    with sharded_sequences(cp_mesh, inputs, targets, freqs):
+    model = SimpleNamespace(freqs=full_freqs)  # all sharded_sequences reads of the model
+    with sharded_sequences(cp_mesh, model, inputs, targets) as freqs:
         local_positions = inputs[0].tolist()
     cp_rank = cp_mesh.get_local_rank()
     chunk = SEQ // (2 * CP)

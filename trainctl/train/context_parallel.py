@@ -7,7 +7,7 @@ and cuDNN SDPA ops (and FlexAttention has no CPU backward), so context paralleli
 CUDA only; `validate` refuses it elsewhere before launch.
 
 What the rest of the worker does for cp > 1:
-- buffers: the tokens, the targets and the RoPE rows of the step are sharded together, with
+- buffers: the tokens, the targets and the RoPE rows of a micro-batch are sharded together, with
   torch's head-tail load balancing (rank r keeps chunks r and 2cp-1-r of 2cp, so causal work
   is even); the RoPE rows travel with their tokens, so every token keeps its true position.
 - loss: each cp rank divides its summed loss by the tokens *it* holds; the mean over cp ranks
@@ -68,17 +68,20 @@ def rope_rows(model: nn.Module, seq_len: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def sharded_sequences(cp_mesh: DeviceMesh | None, inputs: torch.Tensor, targets: torch.Tensor, freqs: torch.Tensor) -> Iterator[None]:
-    """Within: inputs/targets [batch, seq] and freqs [seq, ...] hold this rank's load-balanced slice.
+def sharded_sequences(cp_mesh: DeviceMesh | None, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> Iterator[torch.Tensor | None]:
+    """Within: inputs/targets [batch, seq] hold this rank's load-balanced slice; yields its RoPE rows.
 
-    They are sharded in place and not restored (the step owns fresh copies); SDPA inside the
-    context runs the ring. Without cp, a no-op.
+    They are sharded in place and not restored (the step owns them). SDPA inside the context
+    runs the ring, and so does SDPA's backward: torch installs the ring's handlers only while
+    the context is open, so the micro-batch's backward must run inside it too. Without cp, a
+    no-op that yields None (the model uses its own rows).
     """
     if cp_mesh is None:
-        yield
+        yield None
         return
     from torch.distributed.tensor.experimental import context_parallel
 
+    freqs = rope_rows(model, inputs.shape[1])
     buffers = [inputs, targets, freqs]
     with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)):
-        yield
+        yield freqs

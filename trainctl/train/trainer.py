@@ -29,7 +29,7 @@ from trainctl.train import distributed as D
 from trainctl.train import state as S
 from trainctl.train.activations import activation_offload
 from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir
-from trainctl.train.context_parallel import check_cp_device, cp_mesh_of, rope_rows, sharded_sequences
+from trainctl.train.context_parallel import check_cp_device, cp_mesh_of, sharded_sequences
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import register_float8_scale_precompute
@@ -185,17 +185,12 @@ def tokens_per_step(train) -> int:
     return train.global_batch * train.seq_len
 
 
-def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, cp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of one micro-batch (fp32 logits for the softmax).
 
-    With context parallelism, of this rank's slice of the sequences (sharded here, in place).
+    freqs: the RoPE rows of the tokens, for a context-parallel slice (see sharded_sequences).
     """
-    if cp_mesh is None:
-        logits = model(inputs)
-    else:
-        freqs = rope_rows(unwrap(model), inputs.shape[1])
-        with sharded_sequences(cp_mesh, inputs, targets, freqs):
-            logits = model(inputs, freqs)
+    logits = model(inputs) if freqs is None else model(inputs, freqs)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
@@ -210,9 +205,10 @@ def forward_backward(job: Job, micro_batches: list[tuple[torch.Tensor, torch.Ten
     for index, (inputs, targets) in enumerate(micro_batches):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         last = index == len(micro_batches) - 1
-        with gradient_sync(job.model, enabled=last):
+        # Under cp the backward stays inside sharded_sequences: it runs the ring's backward.
+        with gradient_sync(job.model, enabled=last), sharded_sequences(job.cp_mesh, unwrap(job.model), inputs, targets) as freqs:
             with autocast_context(precision, strategy, device), activation_offload(job.cfg.train.activation_offload, device):
-                loss = token_loss_sum(job.model, inputs, targets, job.cp_mesh) / rank_tokens
+                loss = token_loss_sum(job.model, inputs, targets, freqs) / rank_tokens
                 loss = inject_nan(loss, step + 1, job.cfg.guards.inject_nan_step)
             job.scaler.scale(loss).backward()
         total += loss.detach()
@@ -272,8 +268,9 @@ def evaluate(job: Job) -> float:
     else:
         for inputs, targets in batches:
             inputs, targets = inputs.to(job.world.device), targets.to(job.world.device)
-            with autocast_context(job.cfg.precision, job.cfg.sharding.strategy, job.world.device):
-                totals[0] += token_loss_sum(job.model, inputs, targets, job.cp_mesh).double()
+            with sharded_sequences(job.cp_mesh, unwrap(job.model), inputs, targets) as freqs:
+                with autocast_context(job.cfg.precision, job.cfg.sharding.strategy, job.world.device):
+                    totals[0] += token_loss_sum(job.model, inputs, targets, freqs).double()
             totals[1] += targets.numel()  # after the call: a cp rank's own slice
     job.model.train()
     # Ranks that share data (tp, pp) add equal copies to both sums: the ratio is unchanged;
