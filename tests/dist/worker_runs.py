@@ -40,22 +40,26 @@ def write_run_dir(root: Path, cfg: RunConfig) -> Path:
     return run_dir
 
 
-def run_worker(run_dir: Path, nproc: int | None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=N -m trainctl.train RUN_DIR`, or a plain process when nproc is None."""
+def run_worker(run_dir: Path, nproc: int | None, entry: Path | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N -m trainctl.train RUN_DIR`, or a plain process when nproc is None.
+
+    entry: a script to run instead of `-m trainctl.train` (a test wrapper around the worker).
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    program = [str(entry)] if entry is not None else ["-m", "trainctl.train"]
     if nproc is None:
-        cmd = [sys.executable, "-m", "trainctl.train", str(run_dir)]
+        cmd = [sys.executable, *program, str(run_dir)]
     else:
         torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", "-m", "trainctl.train", str(run_dir)]
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", *program, str(run_dir)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
 
 
-def train_and_check(root: Path, cfg: RunConfig, nproc: int | None) -> Path:
+def train_and_check(root: Path, cfg: RunConfig, nproc: int | None, entry: Path | None = None) -> Path:
     run_dir = write_run_dir(root, cfg)
-    proc = run_worker(run_dir, nproc)
+    proc = run_worker(run_dir, nproc, entry)
     logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-4000:]}"
     return run_dir
