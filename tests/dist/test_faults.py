@@ -301,6 +301,23 @@ def test_every_checkpoint_damaged_is_one_clear_error(reference):
     assert "Traceback" not in all_logs(run_dir)
 
 
+def test_restart_after_the_final_checkpoint_just_finishes(reference):
+    # A crash (or preemption) after the final checkpoint committed but before result.json: the
+    # restart has no step left to run; it writes the result the finished run would have written.
+    run_dir = reference.with_name("after-final")
+    shutil.copytree(reference, run_dir)
+    (run_dir / "result.json").unlink()
+    trained = records(run_dir, "train")
+    proc = run_worker(run_dir, 2)
+    assert_finished(proc.returncode, proc.stderr, run_dir)
+    assert records(run_dir, "train") == trained  # no step ran again
+    assert [r["step"] for r in records(run_dir, "resume")] == [STEPS]
+    got, want = (json.loads((d / "result.json").read_text()) for d in (run_dir, reference))
+    assert got["resumed_from_step"] == STEPS and got["steps"] == STEPS and not got["stopped"]
+    for key in ("final_train_loss", "final_grad_norm", "final_val_loss", "initial_val_loss", "tokens_seen"):
+        assert got[key] == want[key], key
+
+
 # --- d. a full disk ----------------------------------------------------------------------------
 
 def checkpoint_bytes(path: Path) -> int:

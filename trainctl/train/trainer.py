@@ -83,9 +83,11 @@ def train_loop(job: Job) -> dict:
     A stop request (signal) ends the loop early with a checkpoint; the summary says so.
     """
     cfg, train, begin = job.cfg, job.cfg.train, job.start.step
-    if begin >= train.steps:
-        raise WorkerConfigError(f"train.steps={train.steps}: the run's checkpoint {job.start.path} is at step {begin} already; "
+    if begin > train.steps or (begin == train.steps and not resumed_own_run(job)):
+        raise WorkerConfigError(f"train.steps={train.steps}: the checkpoint {job.start.path} is at step {begin} already; "
                                 "nothing left to train (launch a new run, or resume from it with checkpoint.resume=PATH)")
+    # begin == train.steps here: a restart after the final checkpoint (a crash or preemption
+    # before result.json was written); the loop below is empty and the run just finishes.
     if job.start.resumed:
         val_loss_0 = job.start.meta.get("initial_val_loss", float("nan"))
         job.metrics.resumed(begin, str(job.start.path))
@@ -93,7 +95,8 @@ def train_loop(job: Job) -> dict:
         val_loss_0 = evaluate(job)
         job.metrics.eval(0, val_loss_0)
     timer, start, val_loss = StepTimer(job.world.device), time.perf_counter(), val_loss_0
-    loss = grad_norm = None
+    # The last step's numbers, for a summary even when no step is left to run.
+    loss, grad_norm = job.start.meta.get("train_loss"), job.start.meta.get("grad_norm")
     stopped_at = None
     for step in range(begin, train.steps):
         lr = lr_at(step, cfg.optim.lr, cfg.schedule, train.steps)
@@ -130,14 +133,14 @@ def train_loop(job: Job) -> dict:
             stopped_at = done
             break
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != train.steps:
-            save_checkpoint(job, done, val_loss_0)
+            save_checkpoint(job, done, val_loss_0, loss, grad_norm)
     if stopped_at is not None:
-        save_checkpoint(job, stopped_at, val_loss_0)
-    elif train.steps > begin:
+        save_checkpoint(job, stopped_at, val_loss_0, loss, grad_norm)
+    else:
         val_loss = evaluate(job)
         job.metrics.eval(train.steps, val_loss)
-        if cfg.checkpoint.save_final:
-            save_checkpoint(job, train.steps, val_loss_0)
+        if cfg.checkpoint.save_final and train.steps > begin:
+            save_checkpoint(job, train.steps, val_loss_0, loss, grad_norm)
     job.checkpoints.wait()
     log_commit(job)
     summary = {
@@ -156,7 +159,13 @@ def train_loop(job: Job) -> dict:
     return summary
 
 
-def save_checkpoint(job: Job, step: int, initial_val_loss: float) -> None:
+def resumed_own_run(job: Job) -> bool:
+    """Whether the start point is a checkpoint of this run's own (not one given by checkpoint.resume=PATH)."""
+    path = job.start.path
+    return path is not None and path.resolve().parent == job.checkpoints.root.resolve()
+
+
+def save_checkpoint(job: Job, step: int, initial_val_loss: float, train_loss: float | None, grad_norm: float | None) -> None:
     """Checkpoint after `step` optimizer steps (see state.py for what it holds)."""
     meta = {
         "step": step,
@@ -168,6 +177,8 @@ def save_checkpoint(job: Job, step: int, initial_val_loss: float) -> None:
         "scaler": job.scaler.state_dict(),
         "guard": job.guard.state_dict(),
         "initial_val_loss": initial_val_loss,
+        "train_loss": train_loss,  # the step's agreed loss and norm: the summary of a run restarted after its last step
+        "grad_norm": grad_norm,
     }
     job.checkpoints.save(step, S.app_state(job.model, job.optimizer), S.rank_state(job.optimizer), meta)
     log_commit(job)
