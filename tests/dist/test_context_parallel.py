@@ -46,6 +46,8 @@ CP_LAYOUTS = {
     "cp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, cp=2), 2, 8, 1, "none"),
     # Accumulation and full recompute: both micro-batches' backward (and its recompute) run the ring.
     "cp2_accum_ac": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, cp=2), 2, 4, 2, "full"),
+    # Per-op checkpointing: its policy sees the ring's ops inside the context.
+    "cp2_op_ac": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, cp=2), 2, 8, 1, "op"),
     "ddp_cp2": (ShardingConfig(name="ddp", strategy="ddp", dp_replicate=1, cp=2), 2, 8, 1, "none"),
     "fsdp2_cp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2, cp=2), 4, 4, 1, "none"),
     "tp2_cp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, tp=2, cp=2), 4, 8, 1, "none"),
