@@ -147,6 +147,21 @@ def _last_per_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
 
 
+def _requeued_and_released(job_id: str, run_dir: Path) -> bool:
+    """True once the job is back in the queue (then released at once) or already runs again.
+
+    slurmctld holds a requeued job for a fixed ~120 s (BeginTime) before it may start again;
+    the test moves that begin time to now instead of sleeping through it.
+    """
+    state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout.split()
+    if state[:2] == ["PENDING", "BeginTime"]:
+        released = subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], capture_output=True, text=True)
+        assert released.returncode == 0, released.stderr
+        return True
+    attempts = run_dir / "slurm-attempts.jsonl"
+    return attempts.exists() and any(json.loads(line).get("attempt") == 1 for line in attempts.read_text().splitlines())
+
+
 def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
     steps = "train.steps=30"
     run_dir = launch(tmp_path, "preempted", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=1", steps)
@@ -157,6 +172,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
     sent = subprocess.run(["scancel", "--signal=USR2", job_id], capture_output=True, text=True)
     assert sent.returncode == 0, sent.stderr
     local = launch(tmp_path, "local-ref", "cluster=local", "cluster.procs_per_node=2", "cluster.cpu_threads=1", steps)
+    wait_for(lambda: _requeued_and_released(job_id, run_dir), "the job to be requeued", run_dir)
     wait_for(lambda: (run_dir / "result.json").is_file(), "the requeued job to finish", run_dir, timeout=2 * JOB_TIMEOUT_S)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumes = [r for r in records if r["kind"] == "resume"]
