@@ -19,13 +19,12 @@ pass `--base train.compile=true` to measure the compiled recipe as it is.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from bench_variants import device_name  # same folder: the script's own directory is on sys.path
+from bench_variants import write_results  # same folder: the script's own directory is on sys.path
 
 GIB = 2**30
 MODES = ("none", "selective", "op", "full")
@@ -115,14 +114,7 @@ def main() -> None:
             result = run_variant(args.recipe, args.base, mode, micro_batch, runs_dir)
             results.append(result)
             print(json.dumps(result), flush=True)
-    stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    command = " ".join(["python", "scripts/bench_memory.py", *sys.argv[1:]])
-    meta = {"recipe": args.recipe, "device": device_name(), "date": stamp, "command": command}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    header = f"# Peak memory per rank, predicted vs measured: {args.recipe} on {meta['device']}\n\n{stamp}\n\n`{command}`"
-    args.out.with_suffix(".md").write_text(markdown(results, header))
-    sys.stdout.write(markdown(results, header))
+    write_results(args.out, args.recipe, "bench_memory.py", results, f"Peak memory per rank, predicted vs measured: {args.recipe}", markdown)
 
 
 if __name__ == "__main__":

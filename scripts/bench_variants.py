@@ -99,14 +99,19 @@ def main() -> None:
 
     runs_dir = args.out.parent / f"{args.out.name}-runs"
     results = [run_variant(args.recipe, args.base, VARIANTS[v], runs_dir, v) for v in args.variants]
+    write_results(args.out, args.recipe, "bench_variants.py", results, args.recipe, markdown)
+
+
+def write_results(out: Path, recipe: str, script: str, results: list[dict], title: str, to_markdown) -> None:
+    """OUT.json (device, date, command, results) and OUT.md (to_markdown's table under a header); prints the table."""
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    command = " ".join(["python", "scripts/bench_variants.py", *sys.argv[1:]])
-    meta = {"recipe": args.recipe, "device": device_name(), "date": stamp, "command": command}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    header = f"# {args.recipe} on {meta['device']}\n\n{stamp}\n\n`{command}`"
-    args.out.with_suffix(".md").write_text(markdown(results, header))
-    sys.stdout.write(markdown(results, header))
+    command = " ".join(["python", f"scripts/{script}", *sys.argv[1:]])
+    meta = {"recipe": recipe, "device": device_name(), "date": stamp, "command": command}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+    table = to_markdown(results, f"# {title} on {meta['device']}\n\n{stamp}\n\n`{command}`")
+    out.with_suffix(".md").write_text(table)
+    sys.stdout.write(table)
 
 
 if __name__ == "__main__":
