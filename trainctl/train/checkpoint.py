@@ -42,7 +42,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import time
@@ -55,13 +54,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainctl.train.manifest import MANIFEST, fsync_dir, hash_files, list_files, verify, write_bytes
+from trainctl.core.checkpoints import (  # noqa: F401  (checkpoint_dir, step_name, list_committed: re-exported)
+    MANIFEST,
+    META,
+    TMP_SUFFIX,
+    checkpoint_dir,
+    list_committed,
+    list_files,
+    step_name,
+    verify,
+)
+from trainctl.train.manifest import fsync_dir, hash_files, write_bytes
 
 log = logging.getLogger("trainctl.train")
 
-META = "meta.json"
-TMP_SUFFIX = ".tmp"
-_STEP_RE = re.compile(r"step-(\d{8,})")
 DIE_BEFORE_COMMIT_ENV = "TRAINCTL_TEST_DIE_BEFORE_COMMIT"  # tests: the step whose save is killed
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone lets it through.
 _SAVE_ERRORS = (Exception, CheckpointException)
@@ -69,14 +75,6 @@ _SAVE_ERRORS = (Exception, CheckpointException)
 
 class CheckpointError(Exception):
     """A checkpoint could not be saved or loaded; the one-line message says why and what to do."""
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def _rank_file(rank: int) -> str:
@@ -117,13 +115,6 @@ class _Pending:
     started: float
     blocking_s: float
     part: Future  # -> _Part, once DCP's write is done and this rank's files are hashed
-
-
-def list_committed(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every committed checkpoint under root, oldest first; .tmp directories never count."""
-    root = Path(root)
-    matches = [(_STEP_RE.fullmatch(path.name), path) for path in root.iterdir()] if root.is_dir() else []
-    return sorted((int(match.group(1)), path) for match, path in matches if match and (path / MANIFEST).is_file())
 
 
 def _chain(exc: BaseException):

@@ -6,13 +6,10 @@ Python's file API keeps ENOSPC's errno, which torch.save would bury in a Runtime
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
-MANIFEST = "manifest.json"
-_HASH_CHUNK = 4 << 20
+from trainctl.core.checkpoints import MANIFEST, list_files, sha256, verify  # noqa: F401  (re-exported)
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -31,51 +28,5 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def list_files(directory: Path) -> list[str]:
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
-
-
 def hash_files(directory: Path, names: list[str]) -> dict[str, dict]:
-    return {rel: {"size": (directory / rel).stat().st_size, "sha256": _sha256(directory / rel)} for rel in names}
-
-
-def _check_file(path: Path, rel: str, want: dict) -> list[str]:
-    try:
-        size = path.stat().st_size
-        if size != want["size"]:
-            return [f"{rel}: {size} bytes, the manifest says {want['size']}"]
-        if _sha256(path) != want["sha256"]:
-            return [f"{rel}: content differs from the manifest (sha256)"]
-    except FileNotFoundError:
-        return [f"{rel}: missing"]
-    except OSError as exc:
-        return [f"{rel}: unreadable ({exc})"]
-    return []
-
-
-def verify(path: Path, part: int = 0, parts: int = 1) -> list[str]:
-    """Problems of checkpoint `path` against its manifest: missing, extra, resized or altered files (empty: valid).
-
-    part/parts: check every parts-th file from the part-th (ranks share the hashing); part 0 also looks for extra files.
-    """
-    path = Path(path)
-    try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-        wanted = sorted(files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return [f"{MANIFEST} unreadable ({exc})"]
-    problems = []
-    if part == 0:
-        extra = sorted(set(list_files(path)) - set(files) - {MANIFEST})
-        problems += [f"{rel}: not in the manifest" for rel in extra]
-    for rel, want in wanted[part::parts]:
-        problems += _check_file(path / rel, rel, want)
-    return problems
+    return {rel: {"size": (directory / rel).stat().st_size, "sha256": sha256(directory / rel)} for rel in names}

@@ -1,0 +1,331 @@
+"""The run directory's layout, tolerant readers and the trainer lock: the only code that names its files.
+
+    RUN_DIR/
+      config.yaml       the resolved config; the only input of the workers
+      plan.json         the run plan
+      launch.sh         the launch: a bash script (local) or an sbatch script (slurm); finds RUN_DIR from its own path
+      overrides.txt     the user's command-line overrides, one per line
+      code.json         git sha, branch, dirty flag of the trainctl checkout (code.diff when dirty)
+      launch.json       the launcher's record: local pid, host and start time (exit code at the end), or a Slurm job id
+      trainer.lock      held (flock) by the one process training in this directory: a launch, `resume`, `bash launch.sh`
+      trainer.json      who holds the lock: pid, host, start time, Slurm job id
+      stopped.json      the worker's record of a stop on request (signal, step, checkpoint)
+      metrics.jsonl     rank 0's records, one JSON object per line
+      result.json       the final summary: the run finished
+      wandb_id          the W&B run id, kept across restarts
+      slurm-attempts.jsonl  one line per Slurm attempt start and end
+      checkpoints/      step-NNNNNNNN (committed, see core.checkpoints); .tmp while being written
+      logs/             rank{R}.log, torchrun/ (every rank's captured output and error files), slurm-*.out
+
+Readers here never raise for what is inside a file: a missing, truncated or wrongly shaped file reads as
+"absent" (None, {} or []), so one damaged run never hides the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG = "config.yaml"
+PLAN = "plan.json"
+SCRIPT = "launch.sh"
+OVERRIDES = "overrides.txt"
+CODE = "code.json"
+CODE_DIFF = "code.diff"
+LAUNCH = "launch.json"
+LOCK = "trainer.lock"
+HOLDER = "trainer.json"
+STOPPED = "stopped.json"
+METRICS = "metrics.jsonl"
+RESULT = "result.json"
+WANDB_ID = "wandb_id"
+ATTEMPTS = "slurm-attempts.jsonl"
+LOGS = "logs"
+TORCHRUN_LOGS = "logs/torchrun"
+CHECKPOINTS = "checkpoints"
+
+RUN_DIR_ENV = "TRAINCTL_RUN_DIR"  # set by launch.sh from its own location; the worker checks it against its argument
+TAIL_BYTES = 256 * 1024  # the end of metrics.jsonl that holds the recent steps
+
+
+def is_run_dir(path: Path) -> bool:
+    try:
+        return (Path(path) / CONFIG).is_file()
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- tolerant readers
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file as a dict; {} when it is missing, unreadable, not JSON, or not an object."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def read_jsonl(path: Path, tail_bytes: int | None = None) -> list[dict]:
+    """The JSON objects of a JSON-lines file (its last `tail_bytes` only, when given); bad lines are skipped."""
+    try:
+        with open(path, "rb") as f:
+            if tail_bytes is not None:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - tail_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    records = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a tail's first line may be cut, the last one half-written
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def as_int(value, default: int | None = None) -> int | None:
+    """An int from a JSON value (bools and non-integral floats are not), else `default`."""
+    if isinstance(value, bool):
+        return default
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return default
+
+
+def as_float(value, default: float | None = None) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return default
+    return float(value)
+
+
+def as_str(value, default: str = "") -> str:
+    return value if isinstance(value, str) else default
+
+
+def latest_per_step(records: list[dict], kind: str) -> list[dict]:
+    """Records of `kind` with an integer step, each step once: a record written after a resume supersedes the
+    earlier one of the same step, and records past a resumed step that a later run superseded are dropped."""
+    by_step: dict[int, dict] = {}
+    for record in records:
+        step = as_int(record.get("step"))
+        if record.get("kind") != kind or step is None:
+            continue
+        # A step lower than one already seen means a resume went back: what followed it before is superseded.
+        for later in [s for s in by_step if s > step]:
+            del by_step[later]
+        by_step[step] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def metrics(run_dir: Path, tail_bytes: int | None = None) -> list[dict]:
+    return read_jsonl(Path(run_dir) / METRICS, tail_bytes)
+
+
+def last_train_record(run_dir: Path) -> dict:
+    records = latest_per_step(metrics(run_dir, TAIL_BYTES), "train")
+    return records[-1] if records else {}
+
+
+def launch_record(run_dir: Path) -> dict:
+    return read_json(Path(run_dir) / LAUNCH)
+
+
+def result(run_dir: Path) -> dict | None:
+    """result.json's content when the run finished (a damaged one still means it finished), else None."""
+    path = Path(run_dir) / RESULT
+    try:
+        if not path.is_file():
+            return None
+    except OSError:
+        return None
+    return read_json(path)
+
+
+def stop_record(run_dir: Path) -> dict:
+    return read_json(Path(run_dir) / STOPPED)
+
+
+def configured_steps(run_dir: Path) -> int | None:
+    """train.steps from config.yaml, read without composing (a damaged config reads as None)."""
+    try:
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.select(OmegaConf.load(Path(run_dir) / CONFIG), "train.steps", default=None)
+    except Exception:  # any damage to the file must not break listing the other runs
+        return None
+    return as_int(value)
+
+
+# ---------------------------------------------------------------- writers
+
+
+def write_json_atomic(path: Path, value: dict) -> None:
+    """Write JSON through a temporary file and rename: a reader sees the old or the new file, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(value, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def record_stop(run_dir: Path, step: int, signal_name: str, checkpoint: str | None) -> None:
+    """The worker's record of a stop on request: the launcher reads it to tell CANCELLED from FAILED."""
+    write_json_atomic(Path(run_dir) / STOPPED, {"step": step, "signal": signal_name, "checkpoint": checkpoint,
+                                                 "time": time.time(), "host": socket.gethostname()})
+
+
+def clear_stop(run_dir: Path) -> None:
+    """A new attempt starts: an old stop record no longer describes it."""
+    with contextlib.suppress(FileNotFoundError):
+        (Path(run_dir) / STOPPED).unlink()
+
+
+# ---------------------------------------------------------------- process identity
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> str:
+    """A pid's start time in clock ticks since boot (/proc/PID/stat field 22), with the boot id; "" if gone.
+
+    A pid is reused; (boot id, pid, start time) names one process for as long as the machine runs.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat[stat.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return f"{boot_id()}:{fields[19]}" if len(fields) > 19 else ""
+
+
+def same_process(pid, start, host) -> bool:
+    """Whether the recorded (pid, start time, host) is a process alive on this machine now."""
+    pid = as_int(pid)
+    if not pid or pid <= 0 or not isinstance(start, str) or not start or host != socket.gethostname():
+        return False
+    return process_start(pid) == start
+
+
+def identity(pid: int | None = None) -> dict:
+    pid = pid or os.getpid()
+    me = {"pid": pid, "host": socket.gethostname(), "pid_start": process_start(pid), "time": time.time()}
+    if os.environ.get("SLURM_JOB_ID"):
+        me["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    return me
+
+
+# ---------------------------------------------------------------- the trainer lock
+
+
+class LockHeld(Exception):
+    """Another process trains in this run directory; the message names it."""
+
+
+def refusal(run_dir: Path) -> str:
+    """The one line that refuses a second trainer, naming the first."""
+    return (f"run {run_dir.name} is being trained by {describe_holder(read_json(run_dir / HOLDER))}; "
+            f"wait for it, or `trainctl cancel {run_dir.name}` first")
+
+
+def describe_holder(holder: dict) -> str:
+    if not holder:
+        return "another process (it has not recorded who it is)"
+    job = as_str(holder.get("slurm_job_id"))
+    who = f"pid {as_int(holder.get('pid'), 0)} on {as_str(holder.get('host'), '?')}"
+    return f"Slurm job {job} ({who})" if job else who
+
+
+@dataclass
+class TrainerLock:
+    """An exclusive flock on RUN_DIR/trainer.lock, held by one process and released when it exits.
+
+    flock locks an open file description: it dies with the last process holding it (a crashed holder's lock
+    is free again), children inherit it (torchrun and its workers keep it while the launcher waits), and on a
+    shared filesystem it is coherent across nodes where the filesystem supports flock (NFSv4, Lustre, GPFS).
+    """
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+def acquire(run_dir: Path, inheritable: bool = False) -> TrainerLock:
+    """Take the run directory's trainer lock without waiting, or raise LockHeld naming the holder.
+
+    Writes trainer.json (who holds it) once held. `inheritable`: keep the descriptor open across exec, so
+    a script exec'd from the holder (launch.sh -> torchrun) keeps holding it.
+    """
+    run_dir = Path(run_dir)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise LockHeld(refusal(run_dir)) from None
+        raise
+    os.set_inheritable(fd, inheritable)
+    write_json_atomic(run_dir / HOLDER, identity())
+    return TrainerLock(run_dir / LOCK, fd)
+
+
+def lock_holder(run_dir: Path) -> dict | None:
+    """Who trains in this run directory now (its trainer.json, possibly {}), or None when nobody holds the lock."""
+    run_dir = Path(run_dir)
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return read_json(run_dir / HOLDER)
+    finally:
+        os.close(fd)
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """For launch scripts: `hold RUN_DIR PID` records PID as the lock's holder; `refusal RUN_DIR` prints who holds it."""
+    if len(argv) == 3 and argv[0] == "hold":
+        write_json_atomic(Path(argv[1]) / HOLDER, identity(int(argv[2])))
+        return 0
+    if len(argv) == 2 and argv[0] == "refusal":
+        print(f"trainctl: {refusal(Path(argv[1]))}", file=sys.stderr)
+        return 2
+    print("usage: python -m trainctl.core.rundir hold RUN_DIR PID | refusal RUN_DIR", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
