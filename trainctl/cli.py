@@ -7,12 +7,14 @@ every command except a real launch answers in well under a second on a login nod
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Column, Table
 
@@ -218,16 +220,14 @@ def launch(
         raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; run on a Slurm login node, use cluster=local, or pass --dry-run"])
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None, overrides=list(overrides or []))
     for warning in run_plan.warnings:
-        err.print(f"[yellow]warning:[/] {warning}")
-    out.print(f"run directory: [bold]{run_dir}[/]")
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    out.print(f"run directory: [bold]{escape(str(run_dir))}[/]", highlight=False, soft_wrap=True)
     if dry_run:
-        out.print(f"dry run: start it with [bold]bash {run_dir / 'launch.sh'}[/]")
+        out.print(f"dry run: start it with [bold]{escape(shlex.join(['bash', str(run_dir / 'launch.sh')]))}[/]",
+                  highlight=False, soft_wrap=True)
         return
     if cfg.cluster.launcher == "slurm":
-        from trainctl.launch import slurm
-
-        job_id = slurm.submit(run_dir)
-        out.print(f"submitted Slurm job [bold]{job_id}[/]; follow it with: trainctl logs {run_dir} --follow", soft_wrap=True)
+        _submit_new(run_dir)
         return
     from trainctl.launch import local
 
@@ -235,30 +235,65 @@ def launch(
     raise typer.Exit(code)
 
 
+def _submit(run_dir: Path) -> None:
+    from trainctl.launch import slurm
+
+    job_id = slurm.submit(run_dir)
+    follow = escape(shlex.join(["trainctl", "logs", str(run_dir), "--follow"]))
+    out.print(f"submitted Slurm job [bold]{escape(str(job_id))}[/]; follow it with: {follow}", highlight=False, soft_wrap=True)
+
+
+def _submit_new(run_dir: Path) -> None:
+    """Submit a run directory written by this command; when sbatch refuses, nothing of it is kept."""
+    from trainctl.launch.errors import LaunchError
+
+    try:
+        _submit(run_dir)
+    except LaunchError:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _load_run(run_dir: Path) -> RunConfig:
+    """A run directory's config, or one line saying why it does not load."""
+    from trainctl.config.schema import load_run_config
+
+    try:
+        return load_run_config(run_dir)
+    except ConfigError as exc:
+        raise UserError([f"{run_dir / 'config.yaml'}: {problem}" for problem in exc.problems]) from None
+    except Exception as exc:  # a damaged file: OmegaConf's and YAML's errors have no common base
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise UserError([f"{run_dir / 'config.yaml'} does not load ({first}); restore it from a copy or launch a new run"]) from None
+
+
 @app.command()
 def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     """Relaunch a run from its directory with its own config; it continues from its newest valid checkpoint.  Example: trainctl resume tiny_cpu-20250101-120000"""
-    from trainctl.config.schema import load_run_config
-    from trainctl.launch import runs
+    from trainctl.core import checkpoints
+    from trainctl.core import rundir as layout
+    from trainctl.launch import rundir, runs
 
     run_dir = runs.find_run(run, runs_dir)
     state = runs.run_state(run_dir)
     if state.active:
-        raise UserError([f"run {state.name} is still {state.state}; wait for it, or `trainctl cancel {state.name}` first"])
-    if (run_dir / "result.json").is_file():
-        raise UserError([f"run {state.name} already finished (see {run_dir / 'result.json'}); launch a new run to train further"])
-    cfg = load_run_config(run_dir)
+        raise UserError([f"run {state.name} is still {state.state} ({state.detail}); wait for it, or `trainctl cancel {state.name}` first"])
+    if layout.result(run_dir) is not None:
+        raise UserError([f"run {state.name} already finished (see {run_dir / layout.RESULT}); launch a new run to train further"])
+    cfg = _load_run(run_dir)
     if cfg.checkpoint.resume == "never":
         raise UserError([f"run {state.name} has checkpoint.resume=never: it would start over; launch a new run instead"])
-    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    out.print(f"resuming {run_dir} from {saved[-1] if saved else 'the start (no checkpoint yet)'}", soft_wrap=True)
+    if cfg.cluster.launcher == "slurm" and shutil.which("sbatch") is None:
+        raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; resume from a Slurm login node"])
+    # The script for where the run is now (it may have been copied or moved), launched from where it was launched.
+    rundir.write_script(run_dir, cfg, run_dir, rundir.script_workdir(run_dir) or Path.cwd())
+    choice = checkpoints.newest_valid(run_dir)
+    for path, problem in choice.skipped:
+        err.print(f"[yellow]warning:[/] skipping {escape(path.name)}: {escape(problem)}", highlight=False, soft_wrap=True)
+    where = choice.path.name if choice.path else "the start (no valid checkpoint yet)"
+    out.print(f"resuming {escape(str(run_dir))} from {escape(where)}", highlight=False, soft_wrap=True)
     if cfg.cluster.launcher == "slurm":
-        from trainctl.launch import slurm
-
-        if shutil.which("sbatch") is None:
-            raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; resume from a Slurm login node"])
-        job_id = slurm.submit(run_dir)
-        out.print(f"submitted Slurm job [bold]{job_id}[/]; follow it with: trainctl logs {run_dir} --follow", soft_wrap=True)
+        _submit(run_dir)
         return
     from trainctl.launch import local
 

@@ -180,7 +180,10 @@ def test_rendered_script_execs_torchrun_on_this_machine(tmp_path):
     exec_line = next(line for line in lines if line.startswith("exec "))
     for arg in ("-m torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1", "--local-ranks-filter=0"):
         assert arg in exec_line
-    assert exec_line.endswith(f"-m trainctl.train {tmp_path / 'run'}")
+    # The run directory is where the script is (a copied or moved run trains where it now is).
+    assert exec_line.endswith('-m trainctl.train "${RUN_DIR}"')
+    assert '"--log-dir=${RUN_DIR}/logs/torchrun"' in exec_line
+    assert str(tmp_path / "run") not in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 

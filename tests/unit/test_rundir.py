@@ -63,7 +63,9 @@ def test_local_launch_script_is_the_plans_command(tmp_path):
     run_dir = create(tmp_path / "runs")
     plan = json.loads((run_dir / "plan.json").read_text())
     script = (run_dir / "launch.sh").read_text()
-    assert f"exec {plan['launch_command']}" in script.splitlines()
+    exec_line = next(line for line in script.splitlines() if line.startswith("exec "))
+    # The same command, with the run directory found from the script's own location.
+    assert exec_line.replace("${RUN_DIR}", str(run_dir)).replace('"', "") == f"exec {plan['launch_command']}".replace("'", "")
     assert f"cd {tmp_path}" in script.splitlines()
 
 
@@ -106,7 +108,7 @@ def test_a_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(code_record, "record", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(LaunchError, match="disk full.*nothing was kept"):
         create(runs)
     assert list(runs.iterdir()) == []
 

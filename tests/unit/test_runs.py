@@ -90,27 +90,49 @@ def test_without_slurm_clients_the_records_still_answer(tmp_path, monkeypatch):
     assert slurm_jobs.job_infos(["41"]) == {}
 
 
-def test_local_states(tmp_path):
+def test_local_states_come_from_the_runs_own_records(tmp_path):
     assert runs.run_state(make_run(tmp_path, "dry")).state == "NOT_STARTED"
-    assert runs.run_state(make_run(tmp_path, "ok", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 0})).state == "COMPLETED"
-    failed = runs.run_state(make_run(tmp_path, "bad", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 1}))
-    assert (failed.state, failed.detail) == ("FAILED", "exit code 1")
-    assert runs.run_state(make_run(tmp_path, "int", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 143})).state == "CANCELLED"
-    # pid 1 is alive but is not this run's launch: the record is stale, not running
+    done = make_run(tmp_path, "ok", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 1})
+    (done / "result.json").write_text("{}")
+    assert runs.run_state(done).state == "COMPLETED"  # torchrun's exit code does not decide
+    failure = {"rank": 0, "local_rank": 0, "exit_code": 2, "log": "", "message": "data.train_path: not found\nmore"}
+    failed = runs.run_state(make_run(tmp_path, "bad", {"launcher": "local", "exit_code": 2, "state": "FAILED", "failure": failure}))
+    assert (failed.state, failed.detail) == ("FAILED", "exit code 2, rank 0 failed first: data.train_path: not found")
+    stopped = make_run(tmp_path, "int", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 1})
+    (stopped / "stopped.json").write_text(json.dumps({"step": 20, "signal": "SIGINT", "checkpoint": "step-00000020"}))
+    got = runs.run_state(stopped)
+    assert (got.state, got.active) == ("CANCELLED", False) and "SIGINT at step 20" in got.detail
+    # pid 1 is alive but nobody holds the run's lock: the record is stale, not running
     import socket
 
     stale = runs.run_state(make_run(tmp_path, "stale", {"launcher": "local", "pid": 1, "host": socket.gethostname()}))
     assert (stale.state, stale.active) == ("UNKNOWN", False)
 
 
+def test_a_copied_run_is_not_the_original(tmp_path):
+    original = make_run(tmp_path, "a", {"launcher": "local", "pid": 1, "host": "h", "run_dir": "/elsewhere/a"})
+    got = runs.run_state(original)
+    assert (got.state, got.active) == ("UNKNOWN", False) and "copied or moved from /elsewhere/a" in got.detail
+
+
+def hold_lock(run_dir: Path, start: str | None = None) -> subprocess.Popen:
+    """A process that holds the run's trainer lock as launch.sh does (and records itself as the holder)."""
+    script = f'exec 9>>"{run_dir}/trainer.lock"; flock -n 9; "{sys.executable}" -m trainctl.core.rundir hold "{run_dir}" $$; sleep 60; true'
+    proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    holder = run_dir / "trainer.json"
+    deadline = time.monotonic() + 10
+    while not (holder.is_file() and json.loads(holder.read_text() or "{}").get("pid") == proc.pid):
+        assert time.monotonic() < deadline, "the holder never recorded itself"
+        time.sleep(0.05)
+    if start is not None:
+        holder.write_text(json.dumps({**json.loads(holder.read_text()), "pid_start": start}))
+    return proc
+
+
 @pytest.fixture
 def local_launch(tmp_path):
-    """A process group that looks like a running local launch (its command line names the run directory)."""
-    import socket
-
     run_dir = make_run(tmp_path, "live", {})
-    proc = subprocess.Popen(["bash", "-c", "sleep 60; true", str(run_dir)], start_new_session=True)  # "; true": bash must not exec sleep
-    (run_dir / "launch.json").write_text(json.dumps({"launcher": "local", "pid": proc.pid, "host": socket.gethostname()}))
+    proc = hold_lock(run_dir)
     yield run_dir, proc
     proc.kill()
     proc.wait()
@@ -118,9 +140,23 @@ def local_launch(tmp_path):
 
 def test_running_local_launch_is_seen_and_cancelled(local_launch):
     run_dir, proc = local_launch
-    assert runs.run_state(run_dir).state == "RUNNING"
+    state = runs.run_state(run_dir)
+    assert (state.state, state.active, state.launcher) == ("RUNNING", True, "local")
+    assert f"pid {proc.pid}" in state.detail
     assert runs.cancel(run_dir).state == "RUNNING"
-    assert proc.wait(timeout=10) == -15  # SIGTERM to the whole group
+    assert proc.wait(timeout=10) == -15  # SIGTERM to the holder
+
+
+def test_cancel_never_signals_a_reused_pid(tmp_path):
+    run_dir = make_run(tmp_path, "live", {})
+    proc = hold_lock(run_dir, start="another-boot:12345")  # the recorded process is not the one alive under that pid
+    try:
+        with pytest.raises(LaunchError, match="not a process on this machine"):
+            runs.cancel(run_dir)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_slurm_cancel_calls_scancel_and_refuses_finished_runs(tmp_path, slurm_bin):

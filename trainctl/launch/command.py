@@ -30,20 +30,33 @@ class Expand(str):
     """
 
 
+RunDir = Path | Expand  # a literal path, or a shell expression such as "${RUN_DIR}" (the script finds itself)
+RUN_DIR_VAR = Expand("${RUN_DIR}")
+
+
+def under(run_dir: RunDir, rel: str) -> str:
+    """`run_dir/rel`, kept expandable when run_dir is a shell expression."""
+    return Expand(f"{run_dir}/{rel}") if isinstance(run_dir, Expand) else str(Path(run_dir) / rel)
+
+
+def _flag(flag: str, value: str) -> str:
+    return Expand(f"{flag}={value}") if isinstance(value, Expand) else f"{flag}={value}"
+
+
 def torchrun_prefix(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "torch.distributed.run"]
 
 
-def output_args(run_dir: Path) -> list[str]:
+def output_args(run_dir: RunDir) -> list[str]:
     """Capture all ranks to files, show local rank 0 on the console."""
-    return [f"--log-dir={run_dir / TORCHRUN_LOG_SUBDIR}", "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
+    return [_flag("--log-dir", under(run_dir, TORCHRUN_LOG_SUBDIR)), "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
 
 
-def worker_args(run_dir: Path) -> list[str]:
-    return ["-m", WORKER_MODULE, str(run_dir)]
+def worker_args(run_dir: RunDir) -> list[str]:
+    return ["-m", WORKER_MODULE, run_dir if isinstance(run_dir, Expand) else str(run_dir)]
 
 
-def local_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None) -> list[str]:
+def local_argv(cluster: ClusterConfig, run_dir: RunDir, python: str | None = None) -> list[str]:
     """torchrun on this machine: one node, a standalone rendezvous on a free port."""
     return [
         *torchrun_prefix(python),
@@ -108,7 +121,10 @@ def shell_join(argv: list[str]) -> str:
 # torchrun shares its rendezvous store with the workers and, in torch 2.11-2.13, reuses it unprefixed
 # after a restart: restarted workers read the dead ones' addresses and hang in init_process_group
 # (pytorch/pytorch#135712). A store of their own makes `cluster.max_restarts` actually restart.
-TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# torchrun gives its workers this long to leave after forwarding a stop signal, then SIGKILLs them: a stop
+# finishes the step and commits a checkpoint first, which can take minutes for a large model.
+# (A second Ctrl-C does not wait: the launcher kills torchrun, and the workers die with it.)
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "900"}
 
 
 def torchrun_env_exports() -> list[str]:

@@ -13,6 +13,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainctl.core import rundir
+
 HEAD_BYTES = 256 * 1024  # the memory record comes after a few steps' records
 TAIL_BYTES = 64 * 1024
 GIB = 2**30
@@ -38,7 +40,7 @@ class Figures:
 
 
 def _records(path: Path, start: int, size: int) -> list[dict]:
-    """Whole JSON lines within [start, start + size) of a file (a cut first or last line is skipped)."""
+    """Whole JSON objects within [start, start + size) of a JSON-lines file (a cut first or last line is skipped)."""
     try:
         with path.open("rb") as f:
             f.seek(start)
@@ -48,33 +50,32 @@ def _records(path: Path, start: int, size: int) -> list[dict]:
     records = []
     for line in lines:
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
-def _plan(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "plan.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def figures(run_dir: Path) -> Figures:
-    """Measured and planned MFU and peak memory of a run (missing ones are None)."""
-    plan = _plan(run_dir)
-    path = run_dir / "metrics.jsonl"
-    size = path.stat().st_size if path.is_file() else 0
+    """Measured and planned MFU and peak memory of a run (missing or malformed ones are None)."""
+    plan = rundir.read_json(run_dir / rundir.PLAN)
+    path = run_dir / rundir.METRICS
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
     head = _records(path, 0, HEAD_BYTES)
     tail = _records(path, max(0, size - TAIL_BYTES), TAIL_BYTES) if size > HEAD_BYTES else head
     memory = next((r for r in head if r.get("kind") == "memory"), {})
-    mfus = [r["mfu"] for r in tail if r.get("kind") == "train" and isinstance(r.get("mfu"), (int, float))]
-    plan_mfu = plan.get("assumed_mfu") if plan.get("device") == "cuda" else None
+    mfus = [m for r in tail if r.get("kind") == "train" and (m := rundir.as_float(r.get("mfu"))) is not None]
+    plan_mfu = rundir.as_float(plan.get("assumed_mfu")) if plan.get("device") == "cuda" else None
+    plan_memory = plan.get("memory") if isinstance(plan.get("memory"), dict) else {}
     return Figures(
         mfu=statistics.median(mfus) if mfus else None,
         plan_mfu=plan_mfu,
-        peak_bytes=memory.get("peak_bytes"),
-        plan_peak_bytes=(plan.get("memory") or {}).get("peak_bytes"),
-        peak_source=memory.get("peak_source", ""),
+        peak_bytes=rundir.as_int(memory.get("peak_bytes")),
+        plan_peak_bytes=rundir.as_int(plan_memory.get("peak_bytes")),
+        peak_source=rundir.as_str(memory.get("peak_source")),
     )

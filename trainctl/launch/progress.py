@@ -14,12 +14,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from trainctl.core import rundir
+
 
 class ProgressSink:
     """A binary sink for `stream_output` that prints lines above a live progress bar."""
 
     def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None):
-        self._metrics = run_dir / "metrics.jsonl"
+        self._metrics = run_dir / rundir.METRICS
         self._offset = 0
         self._pending = b""
         self._progress = Progress(
@@ -59,15 +61,18 @@ class ProgressSink:
             with self._metrics.open("rb") as f:
                 f.seek(self._offset)
                 data = f.read()
-        except FileNotFoundError:
-            return
+        except OSError:
+            return  # not there yet, or unreadable: the bar waits, the output keeps streaming
         complete = data[: data.rfind(b"\n") + 1]  # a record still being written waits for the next poll
         self._offset += len(complete)
         for raw in complete.splitlines():
             try:
                 record = json.loads(raw)
-            except json.JSONDecodeError:
+            except ValueError:
                 continue
-            if record.get("kind") == "train":
-                self.step = int(record["step"])
-                self._progress.update(self._task, completed=self.step, description=f"loss {record['loss']:.4f}")
+            step = rundir.as_int(record.get("step")) if isinstance(record, dict) else None
+            if step is None or record.get("kind") != "train":
+                continue  # a damaged or foreign line must not stop the output
+            self.step = step
+            loss = rundir.as_float(record.get("loss"))
+            self._progress.update(self._task, completed=step, description="" if loss is None else f"loss {loss:.4f}")

@@ -1,13 +1,4 @@
-"""The run directory: everything a run needs and records, written before it starts.
-
-    runs/<name>/
-      config.yaml     the resolved config; the only input of the workers
-      plan.json       the run plan, launch command included
-      launch.sh       the exact launch: a bash script (local) or an sbatch script (slurm)
-      overrides.txt   the user's command-line overrides, one per line
-      code.json       git sha, branch, dirty flag of the trainctl checkout
-      code.diff       `git diff HEAD`, only when the checkout is dirty
-      logs/           empty; the workers and torchrun write here
+"""Writing a new run directory: everything a run needs, before it starts (the layout: trainctl.core.rundir).
 
 An existing run is never overwritten: the name is reserved with an exclusive
 mkdir, adding -1, -2, ... on collision. The content is written into a hidden
@@ -19,17 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
+import unicodedata
 from datetime import datetime
 from pathlib import Path
 
 from trainctl.config.schema import RunConfig, to_yaml
+from trainctl.core import rundir as layout
 from trainctl.launch import code_record, local, slurm
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.plan import RunPlan, with_run_dir
 
 MAX_SUFFIX = 10_000  # far more collisions than any real use; beyond it something is wrong
+NAME_MAX = 255 - len("-9999") - len(".tmp")  # bytes of one path component, leaving room for a suffix
 
 
 def default_name(cfg: RunConfig, now: datetime | None = None) -> str:
@@ -43,6 +38,16 @@ def check_name(name: str) -> None:
     # Whitespace too: the name lands in #SBATCH lines and script comments, where a newline would start a command.
     if not name or any(c in name for c in "/\\\0") or any(c.isspace() or not c.isprintable() for c in name) or name.startswith("."):
         raise LaunchError(f"run name {name!r} is not a plain directory name; use letters, digits, '-', '_' (no '/', no spaces, not starting with '.')")
+    if len(name.encode()) > NAME_MAX:
+        raise LaunchError(f"run name {name[:40]!r}... is {len(name.encode())} bytes; use at most {NAME_MAX} (one directory name)")
+
+
+def check_path(what: str, path: Path) -> None:
+    """A path that goes into a script must not hold control characters (a newline would start a new line there)."""
+    bad = sorted({repr(c) for c in str(path) if unicodedata.category(c).startswith("C")})
+    if bad:
+        raise LaunchError(f"{what} {str(path)!r} contains control characters ({', '.join(bad)}); "
+                          "use a path without them (rename the directory or launch from another one)")
 
 
 def reserve(runs_dir: Path, base: str) -> Path:
@@ -65,17 +70,40 @@ def launch_script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
 
 def write_contents(target: Path, cfg: RunConfig, plan: RunPlan, run_dir: Path, overrides: list[str], workdir: Path) -> None:
     """Write every file of the run into `target`; paths inside them refer to the final `run_dir`."""
-    (target / "config.yaml").write_text(to_yaml(cfg))
-    (target / "plan.json").write_text(json.dumps(with_run_dir(plan, cfg.cluster, run_dir).to_dict(), indent=2) + "\n")
-    script = target / "launch.sh"
-    script.write_text(launch_script(cfg, run_dir, workdir))
-    script.chmod(0o755)
-    (target / "overrides.txt").write_text("".join(f"{o}\n" for o in overrides))
+    (target / layout.CONFIG).write_text(to_yaml(cfg))
+    (target / layout.PLAN).write_text(json.dumps(with_run_dir(plan, cfg.cluster, run_dir).to_dict(), indent=2) + "\n")
+    write_script(target, cfg, run_dir, workdir)
+    (target / layout.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
     code = code_record.record()
-    (target / "code.json").write_text(json.dumps(code.to_dict(), indent=2) + "\n")
+    (target / layout.CODE).write_text(json.dumps(code.to_dict(), indent=2) + "\n")
     if code.diff:
-        (target / "code.diff").write_text(code.diff)
-    (target / "logs").mkdir()
+        (target / layout.CODE_DIFF).write_text(code.diff)
+    (target / layout.LOGS).mkdir()
+
+
+def write_script(target: Path, cfg: RunConfig, run_dir: Path, workdir: Path) -> None:
+    """(Re)write target/launch.sh for a run that lives at `run_dir`."""
+    script = target / layout.SCRIPT
+    tmp = script.with_name(f".{layout.SCRIPT}.tmp")
+    tmp.write_text(launch_script(cfg, run_dir, workdir))
+    tmp.chmod(0o755)
+    os.replace(tmp, script)
+
+
+def script_workdir(run_dir: Path) -> Path | None:
+    """The directory an existing launch.sh `cd`s to (where the run was launched from), or None."""
+    try:
+        lines = (run_dir / layout.SCRIPT).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        if line.startswith("cd ") and "RUN_DIR" not in line:
+            try:
+                words = shlex.split(line[3:])
+            except ValueError:
+                return None
+            return Path(words[0]) if len(words) == 1 else None
+    return None
 
 
 def create(
@@ -94,17 +122,32 @@ def create(
     """
     base = name or cfg.name or default_name(cfg)
     check_name(base)
+    workdir = Path(workdir or Path.cwd())
     runs_dir = Path(runs_dir).resolve()
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = reserve(runs_dir, base)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.", suffix=".tmp", dir=runs_dir))
+    check_path("the working directory", workdir)
+    check_path("runs_dir", runs_dir / base)
     try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"runs_dir={runs_dir}: cannot create it ({exc.strerror or exc}); set runs_dir to a writable directory") from None
+    try:
+        run_dir = reserve(runs_dir, base)
+    except OSError as exc:
+        raise LaunchError(f"runs_dir={runs_dir}: cannot create a run directory in it ({exc.strerror or exc}); "
+                          "set runs_dir to a writable directory with free space") from None
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name[:100]}.", suffix=".tmp", dir=runs_dir))
         os.chmod(tmp, run_dir.stat().st_mode & 0o7777)  # mkdtemp's 0700 would hide the run from others
-        write_contents(tmp, cfg, plan, run_dir, list(overrides or []), workdir or Path.cwd())
+        write_contents(tmp, cfg, plan, run_dir, list(overrides or []), workdir)
         # rename(2) atomically replaces an empty directory, and only we know the reserved one.
         os.rename(tmp, run_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         run_dir.rmdir()
+        if isinstance(exc, OSError):
+            raise LaunchError(f"runs_dir={runs_dir}: writing run {run_dir.name} failed ({exc.strerror or exc}); "
+                              "nothing was kept; free some space or set runs_dir to a writable directory") from None
         raise
     return run_dir

@@ -1,32 +1,28 @@
 """Runs after launch: find them, tell their state, pick and follow their logs, cancel them.
 
-A run's state comes from what launched it:
-  local  RUN_DIR/launch.json holds the launcher's pid and host while it runs, the exit code after;
+A run's state comes from its own records (read through trainctl.core.rundir, which never raises):
+  local  the trainer lock says whether something trains there now (and trainer.json who); result.json
+         that it finished; stopped.json that it stopped on request with a checkpoint; launch.json the
+         launcher's outcome otherwise (exit code, first failing rank);
   slurm  launch.json holds the job id; squeue/sacct say what Slurm knows, and the job's own
          RUN_DIR/slurm-attempts.jsonl (one line per attempt start and end) covers jobs Slurm forgot.
-A run directory without launch.json was written by `launch --dry-run` and never started here.
+A run directory with none of these was written by `launch --dry-run` and never started.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from omegaconf import OmegaConf
-
+from trainctl.core import rundir
 from trainctl.launch import slurm_jobs
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.slurm import ATTEMPTS_FILE, attempt_log_name
-
-TAIL_BYTES = 64 * 1024  # the end of metrics.jsonl that holds the last step
-SIGNAL_EXIT_CODES = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
 
 
 @dataclass(frozen=True)
@@ -47,94 +43,80 @@ class RunState:
 def find_run(ref: str, runs_dir: Path) -> Path:
     """A run directory given as a path or as a name under runs_dir."""
     for candidate in (Path(ref), runs_dir / ref):
-        if (candidate / "config.yaml").is_file():
+        if rundir.is_run_dir(candidate):
             return candidate.resolve()
     raise LaunchError(f"no run {ref!r}: neither {ref} nor {runs_dir / ref} is a run directory (with config.yaml); see `trainctl runs`")
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def list_runs(runs_dir: Path) -> list[Path]:
     """Run directories under runs_dir, oldest first."""
-    if not runs_dir.is_dir():
-        return []
-    found = [p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "config.yaml").is_file()]
-    return sorted(found, key=lambda p: (p.stat().st_mtime, p.name))
-
-
-def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+        entries = list(runs_dir.iterdir())
+    except OSError:
+        return []
+    found = [p for p in entries if not p.name.startswith(".") and rundir.is_run_dir(p)]
+    return sorted(found, key=lambda p: (_mtime(p), p.name))
 
 
 def last_step(run_dir: Path) -> int | None:
-    """The step of the last training record in metrics.jsonl (its tail only: the file can be long)."""
-    path = run_dir / "metrics.jsonl"
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - TAIL_BYTES))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the first line of the tail may be cut, the last one half-written
-        if record.get("kind") == "train" and "step" in record:
-            return int(record["step"])
-    return None
+    """The step of the last training record in metrics.jsonl (each step once, after resumes too)."""
+    return rundir.as_int(rundir.last_train_record(run_dir).get("step"))
 
 
 def configured_steps(run_dir: Path) -> int | None:
-    try:
-        return int(OmegaConf.load(run_dir / "config.yaml").train.steps)
-    except Exception:  # a damaged config must not break listing the other runs
-        return None
+    return rundir.configured_steps(run_dir)
 
 
-def pid_runs(pid: int, host: str, run_dir: Path) -> bool:
-    """Whether `pid` on `host` is still this run's launch (bash, then torchrun, with RUN_DIR on its command line)."""
-    if host != socket.gethostname():
-        return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return str(run_dir) in cmdline
+def stopped_detail(stop: dict) -> str:
+    step = rundir.as_int(stop.get("step"))
+    at = f" at step {step}" if step is not None else ""
+    return f"stopped by {rundir.as_str(stop.get('signal'), 'a signal')}{at}, checkpoint saved; `trainctl resume` continues"
+
+
+def failure_detail(record: dict) -> str:
+    code = rundir.as_int(record.get("exit_code"))
+    failure = record.get("failure") if isinstance(record.get("failure"), dict) else {}
+    rank, message = rundir.as_int(failure.get("rank")), rundir.as_str(failure.get("message"))
+    parts = [f"exit code {code}" if code is not None else "no exit code recorded"]
+    if rank is not None:
+        parts.append(f"rank {rank} failed first" + (f": {message.splitlines()[0][:200]}" if message.strip() else ""))
+    return ", ".join(parts)
 
 
 def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
-    """(state, active, detail) of a local run from its launch.json."""
-    if "exit_code" in record:
-        code = int(record["exit_code"])
-        if code == 0:
-            return "COMPLETED", False, ""
-        if code in SIGNAL_EXIT_CODES:
-            return "CANCELLED", False, f"stopped by {SIGNAL_EXIT_CODES[code]}"
-        return "FAILED", False, f"exit code {code}"
-    pid, host = int(record.get("pid", 0)), str(record.get("host", ""))
-    if pid and pid_runs(pid, host, run_dir):
-        return "RUNNING", True, f"pid {pid}"
-    if host and host != socket.gethostname():
-        return "UNKNOWN", False, f"launched on {host}; ask there"
-    return "UNKNOWN", False, "the launcher ended without recording an exit code (killed?)"
+    """(state, active, detail) of a run on this machine, from its lock and records (never from a pid alone)."""
+    holder = rundir.lock_holder(run_dir)
+    if holder is not None:
+        return "RUNNING", True, rundir.describe_holder(holder)
+    if rundir.result(run_dir) is not None:
+        return "COMPLETED", False, ""
+    stop = rundir.stop_record(run_dir)
+    if stop:
+        return "CANCELLED", False, stopped_detail(stop)
+    recorded_dir = rundir.as_str(record.get("run_dir"))
+    if recorded_dir and recorded_dir != str(run_dir):
+        return "UNKNOWN", False, f"copied or moved from {recorded_dir}; `trainctl resume` trains it here"
+    code = rundir.as_int(record.get("exit_code"))
+    if code == 0:
+        return "COMPLETED", False, ""  # the launcher records 0 only for a run that wrote its result
+    if code is not None or rundir.as_str(record.get("state")) == "FAILED":
+        return "FAILED", False, failure_detail(record)
+    if record:
+        return "UNKNOWN", False, "the launcher ended without recording an outcome (killed?)"
+    if rundir.metrics(run_dir, 4096):
+        return "UNKNOWN", False, "started (bash launch.sh?) and ended without a result"
+    return "NOT_STARTED", False, "written by --dry-run"
 
 
 def attempt_records(run_dir: Path, job_id: str) -> list[dict]:
-    try:
-        lines = (run_dir / ATTEMPTS_FILE).read_text().splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if str(record.get("job_id")) == job_id:
-            records.append(record)
-    return records
+    return [r for r in rundir.read_jsonl(run_dir / ATTEMPTS_FILE) if str(r.get("job_id")) == job_id]
 
 
 def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool, str]:
@@ -145,7 +127,7 @@ def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool,
         return ("COMPLETED", False, "") if code == 0 else ("FAILED", False, f"exit code {code}")
     if records:
         return "UNKNOWN", False, f"{why}; attempt {records[-1].get('attempt')} started but never recorded its end (cancelled or killed)"
-    if (run_dir / "result.json").is_file():
+    if rundir.result(run_dir) is not None:
         return "COMPLETED", False, ""
     return "UNKNOWN", False, why
 
@@ -162,18 +144,17 @@ def slurm_state(run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None) -> 
 
 def run_states(run_dirs: list[Path]) -> list[RunState]:
     """The state of each run; one squeue (and at most one sacct) call for all the Slurm runs."""
-    records = {d: read_json(d / "launch.json") for d in run_dirs}
-    job_ids = [str(r["job_id"]) for r in records.values() if r.get("launcher") == "slurm" and r.get("job_id")]
+    records = {d: rundir.launch_record(d) for d in run_dirs}
+    job_ids = [str(r["job_id"]) for r in records.values() if r.get("launcher") == "slurm" and isinstance(r.get("job_id"), str | int)]
     infos = slurm_jobs.job_infos(job_ids) if job_ids else {}
     states = []
     for run_dir, record in records.items():
-        launcher, job_id = record.get("launcher", ""), str(record.get("job_id", ""))
+        launcher, job_id = rundir.as_str(record.get("launcher")), str(record.get("job_id", ""))
         if launcher == "slurm":
             state, active, detail = slurm_state(run_dir, job_id, infos.get(job_id))
-        elif launcher == "local":
-            state, active, detail = local_state(run_dir, record)
         else:
-            state, active, detail = ("COMPLETED", False, "") if (run_dir / "result.json").is_file() else ("NOT_STARTED", False, "written by --dry-run")
+            state, active, detail = local_state(run_dir, record)
+            launcher = launcher or ("local" if state != "NOT_STARTED" else "")
         states.append(RunState(run_dir.name, run_dir, launcher, state, active, job_id, detail, last_step(run_dir), configured_steps(run_dir)))
     return states
 
@@ -186,7 +167,7 @@ def log_path(run_dir: Path, rank: int | None) -> Path:
     """The log to show: a rank's own log, else a Slurm job's newest attempt (workers' output), else rank 0's log."""
     if rank is not None:
         return run_dir / "logs" / f"rank{rank}.log"
-    record = read_json(run_dir / "launch.json")
+    record = rundir.launch_record(run_dir)
     if record.get("launcher") != "slurm":
         return run_dir / "logs" / "rank0.log"
     job_id = str(record.get("job_id"))
@@ -224,17 +205,29 @@ def follow(path_of: Callable[[], Path], still_active: Callable[[], bool], out: B
 
 
 def cancel(run_dir: Path) -> RunState:
-    """Stop an active run: scancel its job, or SIGTERM the local launch's process group. Returns the state before."""
+    """Stop an active run: scancel its job, or SIGTERM the local trainer that holds the lock. Returns the state before.
+
+    The local trainer is known by the pid, start time and host it recorded when it took the lock, never by a
+    pid alone (pids are reused) or by its command line.
+    """
     state = run_state(run_dir)
     if not state.active:
         raise LaunchError(f"run {state.name} is not active ({state.state}{': ' + state.detail if state.detail else ''}); nothing to cancel")
     if state.launcher == "slurm":
         slurm_jobs.cancel_job(state.job_id)
         return state
-    pid = int(read_json(run_dir / "launch.json")["pid"])
+    holder = rundir.lock_holder(run_dir) or {}
+    job = rundir.as_str(holder.get("slurm_job_id"))
+    if job:
+        slurm_jobs.cancel_job(job)
+        return state
+    if not rundir.same_process(holder.get("pid"), holder.get("pid_start"), holder.get("host")):
+        where = rundir.as_str(holder.get("host"), "another machine")
+        raise LaunchError(f"run {state.name} is trained by {rundir.describe_holder(holder)}, which is not a process on "
+                          f"this machine ({where} or not recorded); stop it there")
     try:
-        # The launch runs in its own session: this reaches bash/torchrun and, through torchrun, every worker.
-        os.killpg(pid, signal.SIGTERM)
+        # The trainer finishes its step, saves, and records the stop (a launcher forwards the signal to torchrun).
+        os.kill(rundir.as_int(holder.get("pid")), signal.SIGTERM)
     except ProcessLookupError:
         pass  # ended between the check and the signal
     return state
