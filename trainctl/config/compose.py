@@ -15,12 +15,19 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    GrammarParseError,
+    InterpolationKeyError,
+    OmegaConfBaseException,
+)
 
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import GROUPS, RunConfig, from_dict, structured_schema
+from trainctl.config.schema import GROUPS, RunConfig, escape_interpolations, from_dict, structured_schema
 
 SCHEMA_NAME = "trainctl_schema"
 PRIMARY = "config"
@@ -71,6 +78,8 @@ def compose_dictconfig(overrides: list[str]) -> DictConfig:
         raise ConfigError([_missing_option_message(exc)]) from None
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError([_one_line(exc)]) from None
+    except ValueError as exc:  # Hydra's own checks of an override's shape, e.g. a group set to a dict
+        raise ConfigError([f"{_one_line(exc)}; {_GROUPS_HINT}"]) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -83,22 +92,61 @@ def compose(overrides: list[str]) -> RunConfig:
     """
     cfg = compose_dictconfig(overrides)
     try:
-        return from_dict(OmegaConf.to_container(cfg, resolve=True))
+        # Resolved here, against the composed tree; what is left of `${` is literal text and stays so.
+        return from_dict(escape_interpolations(OmegaConf.to_container(cfg, resolve=True)))
     except OmegaConfBaseException as exc:
         raise ConfigError([_one_line(exc)]) from None
 
 
+def config_groups() -> tuple[str, ...]:
+    """The groups whose options are files of the declared config directories (conf/GROUP, recipes/)."""
+    return (*GROUPS, "recipe")
+
+
+# An option is a file name in its group's folder, without `.yaml`: no separators, no `..`.
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_GROUPS_HINT = "see `trainctl recipes` and `trainctl config groups`"
+
+
 def _check_group_choices(overrides: list[str]) -> None:
-    """Unknown options of a group (or recipe) fail here with the valid list, one line each."""
-    problems = []
-    for item in overrides:
-        key, sep, value = item.lstrip("+").partition("=")
-        if sep and key in (*GROUPS, "recipe") and value and value != "null":
-            options = list_options(key)
-            if value not in options:
-                problems.append(f"{key}={value}: unknown {key}; choose one of: {', '.join(options)}")
+    """Refuse, before Hydra composes, any override that would load a config from elsewhere; one line each.
+
+    Hydra resolves an option relative to its group's folder, so `recipe=../x`,
+    `+recipe@_global_=../../any/file` or `model=/abs/path` would read any YAML on disk;
+    `hydra.searchpath` would add folders. Options must be plain names of the group's files.
+    """
+    problems = [p for item in overrides if (p := _override_problem(item))]
     if problems:
         raise ConfigError(problems)
+
+
+def _override_problem(item: str) -> str | None:
+    try:
+        override = OverridesParser.create().parse_override(item)
+    except HydraException:
+        return None  # not an override at all; Hydra reports it with the grammar's hint
+    key = override.key_or_group
+    if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        return f"{item}: Hydra's own settings (hydra.*) cannot be overridden; configs load only from trainctl's config groups; {_GROUPS_HINT}"
+    group = key.split("/")[0]
+    if "/" in key and group in config_groups():
+        return f"{item}: {group} has no nested groups; choose an option with {group}=NAME; {_GROUPS_HINT}"
+    if key not in config_groups():
+        return None
+    if override.is_sweep_override():
+        return f"{item}: one {key} per run; pass {key}=NAME (choose one of: {', '.join(list_options(key))})"
+    value = override.value()
+    options = list_options(key)
+    if value is None and not override.is_delete():
+        return f"{item}: pass {key}=NAME, or ~{key} for the default; choose one of: {', '.join(options)}"
+    names = [] if value is None else value if isinstance(value, list) else [value]
+    for name in names:
+        if not isinstance(name, str) or not _PLAIN_NAME.match(name) or ".." in name:
+            return (f"{item}: not a {key} name ({key} options load only from trainctl's config directories, never a path); "
+                    f"choose one of: {', '.join(options)}")
+        if name not in options:
+            return f"{key}={name}: unknown {key}; choose one of: {', '.join(options)}"
+    return None
 
 
 def _missing_option_message(exc: MissingConfigException) -> str:
@@ -122,6 +170,8 @@ def _one_line(exc: BaseException) -> str:
     full_key = getattr(inner, "full_key", None)
     if isinstance(inner, (ConfigAttributeError, ConfigKeyError)) and full_key:
         return f"{full_key}: unknown key; {_valid_keys_hint(full_key)}"
+    if isinstance(inner, (InterpolationKeyError, GrammarParseError)):
+        head += r"; for a literal '${' in a value write '\${'"
     if full_key:
         return f"{full_key}: {head}"
     if isinstance(inner, OverrideParseException):

@@ -10,6 +10,7 @@ This module is imported on both sides of the wall: it must stay free of torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -253,8 +254,35 @@ GROUPS = ("model", "precision", "sharding", "schedule", "optim", "cluster", "dat
 
 
 def to_yaml(cfg: RunConfig) -> str:
-    """The config as YAML, in schema order."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML, in schema order; `load_run_config` reads every string back exactly.
+
+    OmegaConf resolves `${...}` in string values when the file is loaded, so a literal one is
+    written escaped (see `escape_interpolations`).
+    """
+    return OmegaConf.to_yaml(escape_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg))))
+
+
+_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
+
+
+def escape_string(value: str) -> str:
+    """`value` written so that OmegaConf reads it back as itself, interpolations included.
+
+    OmegaConf reads `\\${` as a literal `${` and halves a run of backslashes right before `${`
+    (2k+1 of them: k backslashes and a literal `${`); backslashes elsewhere are literal.
+    """
+    return _INTERPOLATION_START.sub(lambda m: m.group(1) * 2 + "\\${", value)
+
+
+def escape_interpolations(data):
+    """Every string of a plain container (dicts, lists) through `escape_string`; keys are never resolved."""
+    if isinstance(data, str):
+        return escape_string(data)
+    if isinstance(data, dict):
+        return {key: escape_interpolations(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [escape_interpolations(item) for item in data]
+    return data
 
 
 def _unfreeze(node) -> None:

@@ -9,6 +9,7 @@ in (parallel degrees, batch math), which is what the worker receives.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from trainctl.config import schema as s
@@ -20,19 +21,52 @@ from trainctl.plan.topology import ParallelDims, infer_dims
 
 def resolve(cfg: s.RunConfig) -> s.RunConfig:
     """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
+    nonfinite = check_finite(cfg)
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train) + check_data(cfg.data, cfg.model)
     problems += check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster) + check_names(cfg) + check_offload(cfg.sharding)
-    dims, topo_problems = infer_dims(cfg.sharding, world_size(cfg.cluster))
-    problems += topo_problems
+    # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
+    dims = None
+    if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
+        dims, topo_problems = infer_dims(cfg.sharding, world_size(cfg.cluster))
+        problems += topo_problems
     if dims is not None:
         problems += check_model_parallel(dims, cfg.model)
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train) + check_context_parallel(dims, cfg.cluster, train)
+    problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:
         raise ConfigError(problems)
+    assert dims is not None  # a world size below 1 is a range problem above
     sharding = dataclasses.replace(cfg.sharding, **dims.as_dict())
     return dataclasses.replace(cfg, sharding=sharding, train=train, data=resolve_data_vocab(cfg.data, cfg.model))
+
+
+def check_finite(cfg: s.RunConfig) -> list[str]:
+    """inf and nan for any float key of the schema (OmegaConf accepts them as floats: inf, .inf, nan)."""
+    return [f"{key}={value}: not a finite number; use a finite value" for key, value in _float_values(cfg, "")
+            if not math.isfinite(value)]
+
+
+def _float_values(node, prefix: str):
+    """(dotted key, value) of every float in a config, walking the dataclasses (and lists, by index)."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from _float_values(getattr(node, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+    elif isinstance(node, dict):
+        for key, item in node.items():
+            yield from _float_values(item, f"{prefix}.{key}")
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            yield from _float_values(item, f"{prefix}[{i}]")
+    elif isinstance(node, float):
+        yield prefix, node
+
+
+def _without_keys(problems: list[str], nonfinite: list[str]) -> list[str]:
+    """Drop the range checks' lines about keys already reported as non-finite: one line per key."""
+    keys = tuple(line.split("=", 1)[0] + "=" for line in nonfinite)
+    return [p for p in problems if not p.startswith(keys)] if keys else problems
 
 
 def resolve_data_vocab(d: s.DataConfig, m: s.ModelConfig) -> s.DataConfig:
