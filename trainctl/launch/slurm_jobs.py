@@ -4,17 +4,30 @@ squeue knows pending and running jobs, and finished ones for the controller's
 MinJobAge (5 minutes by default); sacct knows them for longer but only where
 accounting is configured. Whatever neither knows, the caller decides from the run
 directory (see `runs.py`).
+
+A controller (or accounting database) that does not answer is not a job Slurm forgot:
+the queries raise `SlurmUnavailable` for it, after a short timeout, so that `trainctl runs`
+says so at once instead of hanging and then calling every job gone.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 
 from trainctl.launch.errors import LaunchError
 
-QUERY_TIMEOUT_S = 30
+# squeue answers in well under a second when slurmctld is up; its own retries take ~18 s when it is not.
+QUERY_TIMEOUT_S = 5
+CANCEL_TIMEOUT_S = 15
+# What Slurm's clients print when slurmctld or slurmdbd cannot be reached.
+UNREACHABLE_RE = re.compile(
+    r"unable to contact|connect(ion)? failure|connection refused|timed out|problem talking to the database"
+    r"|zero bytes were transmitted|unable to connect|communication connection failure|no route to host",
+    re.IGNORECASE,
+)
 # States in which the job may still run (or run again); everything else is final.
 ACTIVE_STATES = frozenset(
     {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -36,24 +49,41 @@ class JobInfo:
         return self.state in ACTIVE_STATES
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess | None:
-    """Run a Slurm client; None when it is not installed or does not answer."""
+class SlurmUnavailable(LaunchError):
+    """Slurm did not answer (controller or accounting unreachable, a timeout): nothing is known about the jobs."""
+
+
+def _reason(done: subprocess.CompletedProcess) -> str:
+    return " ".join(done.stderr.split()) or f"exit code {done.returncode}"
+
+
+def _run(argv: list[str], timeout_s: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess | None:
+    """Run a Slurm client; None when it is not installed; SlurmUnavailable when it does not answer in time."""
     if shutil.which(argv[0]) is None:
         return None
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return None
+        raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]} did not answer within {timeout_s:g} s") from None
+    except OSError as exc:
+        raise SlurmUnavailable(f"Slurm controller unreachable: cannot run {argv[0]} ({exc.strerror or exc})") from None
+    if done.returncode != 0 and UNREACHABLE_RE.search(done.stderr):
+        raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]}: {_reason(done)}")
+    return done
 
 
 def query_squeue(job_ids: list[str]) -> dict[str, JobInfo]:
-    """Jobs the controller still holds, finished ones included (`--states=all`)."""
+    """Jobs the controller still holds, finished ones included (`--states=all`); raises SlurmUnavailable."""
     if not job_ids:
         return {}
     done = _run(["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", "--format=%i|%T|%r|%N"])
-    # A list of only unknown ids fails with "Invalid job id specified"; that just means "not known".
-    if done is None or done.returncode != 0:
+    if done is None:
         return {}
+    if done.returncode != 0:
+        # A list of only unknown ids fails with "Invalid job id specified"; that just means "not known".
+        if "invalid job id" in done.stderr.lower():
+            return {}
+        raise SlurmUnavailable(f"Slurm query failed: squeue: {_reason(done)}")
     infos = {}
     for line in done.stdout.splitlines():
         job_id, state, reason, nodes = (line.split("|") + ["", "", "", ""])[:4]
@@ -62,7 +92,7 @@ def query_squeue(job_ids: list[str]) -> dict[str, JobInfo]:
 
 
 def query_sacct(job_ids: list[str]) -> dict[str, JobInfo]:
-    """Jobs from the accounting database; empty where accounting is disabled."""
+    """Jobs from the accounting database; empty where accounting is disabled; SlurmUnavailable if it does not answer."""
     if not job_ids:
         return {}
     done = _run(["sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={','.join(job_ids)}", "--format=JobID,State,NodeList,ExitCode"])
@@ -77,10 +107,21 @@ def query_sacct(job_ids: list[str]) -> dict[str, JobInfo]:
 
 
 def job_infos(job_ids: list[str]) -> dict[str, JobInfo]:
-    """squeue first (current), then sacct for the jobs squeue has forgotten."""
+    """squeue first (current), then sacct for the jobs squeue has forgotten; raises SlurmUnavailable."""
     infos = query_squeue(job_ids)
     missing = [j for j in job_ids if j not in infos]
     return {**infos, **query_sacct(missing)}
+
+
+def query_jobs(job_ids: list[str]) -> tuple[dict[str, JobInfo], str]:
+    """`job_infos`, and "" or why Slurm could not be asked ("Slurm controller unreachable: ...").
+
+    With a reason, the empty dict means "unknown", never "Slurm no longer knows these jobs".
+    """
+    try:
+        return job_infos(job_ids), ""
+    except SlurmUnavailable as exc:
+        return {}, str(exc)
 
 
 def slurm_available() -> bool:
@@ -89,9 +130,8 @@ def slurm_available() -> bool:
 
 def cancel_job(job_id: str) -> None:
     """scancel the job; its stderr becomes the error message when Slurm refuses."""
-    done = _run(["scancel", job_id])
+    done = _run(["scancel", job_id], timeout_s=CANCEL_TIMEOUT_S)
     if done is None:
-        raise LaunchError(f"cannot cancel Slurm job {job_id}: scancel was not found on PATH or did not answer; run this on a Slurm login node")
+        raise LaunchError(f"cannot cancel Slurm job {job_id}: scancel was not found on PATH; run this on a Slurm login node")
     if done.returncode != 0:
-        reason = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
-        raise LaunchError(f"scancel {job_id} failed: {reason}")
+        raise LaunchError(f"scancel {job_id} failed: {_reason(done)}")
