@@ -218,6 +218,10 @@ def launch(
         raise UserError([too_big])
     if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
         raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; run on a Slurm login node, use cluster=local, or pass --dry-run"])
+    from trainctl.launch.preflight import launch_problems
+
+    if problems := launch_problems(cfg, dry_run=dry_run):  # cluster.setup syntax, W&B credentials, token files
+        raise UserError(problems)
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None, overrides=list(overrides or []))
     for warning in run_plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
@@ -285,6 +289,10 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
         raise UserError([f"run {state.name} has checkpoint.resume=never: it would start over; launch a new run instead"])
     if cfg.cluster.launcher == "slurm" and shutil.which("sbatch") is None:
         raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; resume from a Slurm login node"])
+    from trainctl.launch.preflight import launch_problems
+
+    if problems := launch_problems(cfg, workdir=rundir.script_workdir(run_dir)):  # W&B credentials, token files
+        raise UserError(problems)
     # The script for where the run is now (it may have been copied or moved), launched from where it was launched.
     rundir.write_script(run_dir, cfg, run_dir, rundir.script_workdir(run_dir) or Path.cwd())
     choice = checkpoints.newest_valid(run_dir)

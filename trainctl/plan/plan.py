@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainctl.config.data_check import data_file_problems
 from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.launch.command import launch_argv, shell_join
 from trainctl.plan import advice, fit, memory
@@ -210,6 +211,8 @@ def build(cfg: RunConfig, run_dir: Path | None = None, with_advice: bool = True)
     a = assess(cfg, dims)
     suggestions = advice.suggest(cfg, a) if with_advice and a.fit.verdict in ("does not fit", "tight") else []
     warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision), fit_warning(a, cfg.cluster.gpu)]
+    # The token files, by size and a bounded sample (launch refuses what this warns about).
+    warnings += data_file_problems(cfg.data, cfg.data.vocab_size or cfg.model.vocab_size, cfg.train.seq_len)
     argv = launch_argv(cfg.cluster, run_dir or default_run_dir(cfg))
     return RunPlan(
         world_size=world,

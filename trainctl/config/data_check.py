@@ -1,0 +1,103 @@
+"""Launch-time checks of the user's token files (`data.kind=memmap`), without torch or numpy.
+
+The worker finds a missing file, a size that is not whole tokens, or a token id past the
+vocabulary only after the job started (on Slurm, after the queue). These checks read the
+file's size and a bounded sample of its tokens (up to `SAMPLE_BYTES` at the start, the
+middle and the end), so `plan` and `launch` answer at once even for terabyte files. An id the
+sample misses is still caught by the worker's own check of every batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from array import array
+from pathlib import Path
+
+from trainctl.config.schema import DataConfig
+
+SAMPLE_BYTES = 1 << 20  # per sampled window: three windows, at most 3 MiB read per file
+# array typecodes of the token dtypes; their sizes are checked below (they are platform-defined).
+TYPECODES = {"uint16": "H", "uint32": "I"}
+ITEMSIZE = {"uint16": 2, "uint32": 4}
+
+
+def data_file_problems(d: DataConfig, vocab_size: int, seq_len: int, workdir: Path | None = None) -> list[str]:
+    """Every problem with data.train_path and data.val_path, one line each naming the key and the path.
+
+    `vocab_size` is the data's resolved vocabulary (data.vocab_size, or the model's when 0);
+    relative paths are taken from `workdir` (default: the current directory), as the workers do.
+    """
+    if d.kind != "memmap" or d.token_dtype not in TYPECODES:
+        return []  # other sources have no user files; a bad dtype is a validation problem already
+    problems = []
+    for split in ("train", "val"):
+        path = d.train_path if split == "train" else d.val_path
+        if path:
+            problem = token_file_problem(f"data.{split}_path", path, d.token_dtype, vocab_size, seq_len, workdir)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def token_file_problem(key: str, path: str, dtype: str, vocab_size: int, seq_len: int,
+                       workdir: Path | None = None) -> str | None:
+    """The one thing wrong with a flat token file, or None."""
+    where = Path(path).expanduser()
+    if not where.is_absolute() and workdir is not None:
+        where = workdir / where
+    head = f"{key}={path!r}"
+    try:
+        st = where.stat()
+    except FileNotFoundError:
+        return f"{head}: file not found; point it at a flat token file of {dtype} ids (data.kind=memmap)"
+    except OSError as exc:
+        return f"{head}: cannot read it ({exc.strerror or exc})"
+    if not where.is_file():
+        return f"{head}: not a regular file; point it at a flat token file of {dtype} ids"
+    itemsize = ITEMSIZE[dtype]
+    if st.st_size == 0:
+        return f"{head}: file is empty; it needs at least train.seq_len+1={seq_len + 1} tokens"
+    if st.st_size % itemsize:
+        return (f"{head}: {st.st_size} bytes is not a whole number of {itemsize}-byte tokens; "
+                f"check data.token_dtype={dtype} (uint16 or uint32)")
+    tokens = st.st_size // itemsize
+    if tokens < seq_len + 1:
+        return f"{head}: {tokens} tokens, fewer than train.seq_len+1={seq_len + 1}; lower train.seq_len or use more data"
+    try:
+        largest = sampled_max_token(str(where), dtype, st.st_size, st.st_mtime_ns)
+    except OSError as exc:
+        return f"{head}: cannot read it ({exc.strerror or exc})"
+    if largest >= vocab_size:
+        return (f"{head}: holds token id {largest}, not below the vocabulary size {vocab_size} (data.vocab_size, "
+                f"else model.vocab_size); set both above {largest}, or check data.token_dtype={dtype}")
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def sampled_max_token(path: str, dtype: str, size: int, mtime_ns: int) -> int:
+    """Largest token id in three windows of the file (start, middle, end); all of it when small.
+
+    `size` and `mtime_ns` key the cache: `plan --compare` builds many plans of one config.
+    """
+    itemsize = ITEMSIZE[dtype]
+    window = SAMPLE_BYTES - SAMPLE_BYTES % itemsize
+    middle = (size // 2) - (size // 2) % itemsize
+    starts = sorted({0, max(0, middle - window // 2), max(0, size - window)})
+    largest = 0
+    with open(path, "rb") as f:
+        for start in starts:
+            f.seek(start)
+            chunk = f.read(min(window, size - start))
+            chunk = chunk[: len(chunk) - len(chunk) % itemsize]
+            if chunk:
+                largest = max(largest, max(_tokens(chunk, dtype)))
+    return largest
+
+
+def _tokens(chunk: bytes, dtype: str) -> array:
+    tokens = array(TYPECODES[dtype])  # native byte order, as the worker's numpy memmap reads it
+    if tokens.itemsize != ITEMSIZE[dtype]:  # never on Linux or macOS; a wrong size would misread every id
+        raise OSError(f"this platform's array typecode {TYPECODES[dtype]!r} is not {ITEMSIZE[dtype]} bytes")
+    tokens.frombytes(chunk)
+    return tokens
+
