@@ -1,15 +1,21 @@
-"""Which rank failed, and where its log is, from torchrun's error summary.
+"""Which rank failed first, with its own error message and its log.
 
-A failed torchrun ends with a summary whose "Root Cause (first observed
-failure)" block reads, among other lines:
+The source is torchelastic's error files: torchrun gives every worker one (TORCHELASTIC_ERROR_FILE), under
+--log-dir as
+
+    RUN_DIR/logs/torchrun/<rdzv run id>_<random>/attempt_<restart>/<local rank>/error.json
+
+(one <run id>_<random> directory per torchrun: per node on Slurm, all in the shared run directory). A failing
+worker writes its one-line message there (train/__main__.py), with our own fields under "trainctl": global
+rank, exit code, time to the microsecond, its log, and the attempt. Of the newest attempt's files, the one
+written first is the first failing rank: e.g. rank 0's DataError, not rank 1's "connection closed" that followed.
+
+A file damaged, missing or written by someone else (torchelastic's own ErrorHandler) is read as far as it
+goes, never raised. When there is none (a worker killed by a signal writes none), torchrun's printed summary
+is the fallback: its "Root Cause (first observed failure)" block reads, among other lines,
 
     rank      : 1 (local_rank: 1)
     exitcode  : 3 (pid: 3775)
-
-The log we point at is the worker's own RUN_DIR/logs/rank{R}.log when it
-exists; otherwise the stderr torchrun captured for that local rank under
-RUN_DIR/logs/torchrun/ (the newest attempt), e.g. when the worker died before
-opening its log.
 """
 
 from __future__ import annotations
@@ -18,11 +24,16 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainctl.core import rundir
 from trainctl.launch.command import TORCHRUN_LOG_SUBDIR
+
+ERROR_FILE = "error.json"
+ERROR_FILE_KEY = "trainctl"  # the worker's fields (train/__main__.py writes them)
 
 _ROOT_CAUSE = "Root Cause"
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.MULTILINE)
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+_ATTEMPT = re.compile(r"attempt_(\d+)")
 
 
 @dataclass(frozen=True)
@@ -31,9 +42,87 @@ class Failure:
     local_rank: int
     exit_code: int | None  # negative: killed by that signal
     log: str  # "" when no log file was found
+    message: str = ""  # the rank's own one-line error, "" when it left none
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class _ErrorFile:
+    """One error.json as far as it could be read."""
+
+    path: Path
+    time: float
+    attempt: tuple  # which start of the workers wrote it: files of one attempt share it
+    rank: int | None
+    local_rank: int
+    exit_code: int | None
+    message: str
+    log: str
+
+
+def _read_error_file(path: Path) -> _ErrorFile | None:
+    """An error file's content, tolerating anything: None only when the file cannot be read at all."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return None
+    data = rundir.read_json(path)
+    ours = data.get(ERROR_FILE_KEY) if isinstance(data.get(ERROR_FILE_KEY), dict) else {}
+    message = data.get("message")
+    extra = message.get("extraInfo") if isinstance(message, dict) else None
+    text = rundir.as_str(message.get("message")) if isinstance(message, dict) else rundir.as_str(message)
+    seconds = rundir.as_float(rundir.as_int(extra.get("timestamp")) if isinstance(extra, dict) else None)
+    local_rank = rundir.as_int(path.parent.name, 0)
+    torchrun_dir = path.parent.parent.parent.name
+    attempt_match = _ATTEMPT.fullmatch(path.parent.parent.name)
+    attempt = (
+        rundir.as_str(ours.get("run_id")) or torchrun_dir.rsplit("_", 1)[0],
+        rundir.as_int(ours.get("restart"), int(attempt_match.group(1)) if attempt_match else 0),
+        rundir.as_int(ours.get("slurm_restart"), 0),
+    )
+    return _ErrorFile(
+        path=path,
+        time=rundir.as_float(ours.get("time")) or seconds or mtime,
+        attempt=attempt,
+        rank=rundir.as_int(ours.get("rank")),
+        local_rank=rundir.as_int(ours.get("local_rank"), local_rank),
+        exit_code=rundir.as_int(ours.get("exit_code")),
+        message=" ".join(text.split()),
+        log=rundir.as_str(ours.get("log")),
+    )
+
+
+def error_files(run_dir: Path) -> list[Path]:
+    try:
+        return sorted((Path(run_dir) / TORCHRUN_LOG_SUBDIR).glob(f"*/attempt_*/*/{ERROR_FILE}"))
+    except OSError:
+        return []
+
+
+def first_failure(run_dir: Path, since: float | None = None) -> Failure | None:
+    """The first rank to fail in the newest attempt that left error files (written at or after `since`, a
+    time.time(), when given: a launch passes its start so that an older launch's files never answer)."""
+    found = [f for f in map(_read_error_file, error_files(run_dir)) if f is not None]
+    if since is not None:
+        found = [f for f in found if f.time >= since - 1.0]  # torchelastic's own timestamps are whole seconds
+    if not found:
+        return None
+    newest = max(found, key=lambda f: f.time).attempt
+    first = min((f for f in found if f.attempt == newest), key=lambda f: f.time)
+    rank = first.rank if first.rank is not None else first.local_rank  # torchelastic's own file names no rank
+    log = first.log if first.log and Path(first.log).is_file() else _log_of(run_dir, rank, first.path.parent)
+    return Failure(rank=rank, local_rank=first.local_rank, exit_code=first.exit_code, log=log, message=first.message)
+
+
+def _log_of(run_dir: Path, rank: int, captured: Path) -> str:
+    """The rank's own log, else the stderr torchrun captured next to its error file."""
+    own = Path(run_dir) / rundir.LOGS / f"rank{rank}.log"
+    for path in (own, captured / "stderr.log"):
+        if path.is_file():
+            return str(path)
+    return ""
 
 
 def parse_root_cause(output: str) -> tuple[int, int, int | None] | None:
@@ -50,18 +139,28 @@ def parse_root_cause(output: str) -> tuple[int, int, int | None] | None:
 
 
 def rank_log(run_dir: Path, rank: int, local_rank: int) -> Path | None:
-    """The most useful log of a rank: its own log, else torchrun's capture of its stderr."""
-    own = run_dir / "logs" / f"rank{rank}.log"
+    """The most useful log of a rank: its own log, else torchrun's capture of its stderr (newest attempt)."""
+    own = run_dir / rundir.LOGS / f"rank{rank}.log"
     if own.is_file():
         return own
-    captured = list((run_dir / TORCHRUN_LOG_SUBDIR).glob(f"*/attempt_*/{local_rank}/stderr.log"))
-    if not captured:
-        return None
-    return max(captured, key=lambda p: p.stat().st_mtime)
+    captured = []
+    for path in (run_dir / TORCHRUN_LOG_SUBDIR).glob(f"*/attempt_*/{local_rank}/stderr.log"):
+        try:
+            captured.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    return max(captured)[1] if captured else None
 
 
-def find_failure(output: str, run_dir: Path) -> Failure | None:
-    """The failed rank named in torchrun's output, with its log; None when the output names none."""
+def find_failure(output: str, run_dir: Path, since: float | None = None) -> Failure | None:
+    """The first failing rank: from the error files (see first_failure), else from torchrun's printed summary."""
+    failure = first_failure(run_dir, since)
+    if failure is not None:
+        if failure.exit_code is None:  # a file torchelastic wrote for us: torchrun's summary has the code
+            parsed = parse_root_cause(output)
+            if parsed is not None and parsed[0] == failure.rank:
+                failure = Failure(failure.rank, failure.local_rank, parsed[2], failure.log, failure.message)
+        return failure
     parsed = parse_root_cause(output)
     if parsed is None:
         return None

@@ -1,73 +1,191 @@
 """Worker entry point: `python -m trainctl.train RUN_DIR` (under torchrun, or alone as a world of one).
 
-Reads only the run directory. Every rank logs to RUN_DIR/logs/rank{R}.log; an error is
-logged there (with its traceback) and ends the process with a nonzero exit code.
+Reads only the run directory. Every rank logs to RUN_DIR/logs/rank{R}.log. How a worker ends:
+- done: exit 0;
+- stopped on request (a signal; see stop.py): a checkpoint of the step it stopped at, then 128 + the signal;
+- failed: one line on stderr (the console), the traceback of an unexpected error in the rank's log once,
+  and torchelastic's error file (TORCHELASTIC_ERROR_FILE, set by torchrun per worker) holding the same
+  line, the rank and the exact time, from which the launcher names the first rank that failed
+  (launch/failure.py). Exit 2 for what the user can fix in the run directory, 1 otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
-from trainctl.config.schema import load_run_config
+from trainctl.core import rundir
 
 log = logging.getLogger("trainctl.train")
 
 EXIT_CONFIG = 2  # the run directory asks for something we cannot do
 EXIT_FAILURE = 1
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+ERROR_FILE_KEY = "trainctl"  # our fields in the error file, next to torchelastic's own "message"; see launch/failure.py
+_MESSAGE_CHARS = 2000
 
 
-def setup_logging(run_dir: Path, rank: int) -> None:
-    """Every rank to logs/rank{R}.log; warnings and errors also to stderr (torchrun prefixes the rank)."""
-    logs = run_dir / "logs"
+class _OneLineFormatter(logging.Formatter):
+    """For the console: the message only, never a traceback (the rank's log has it)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        plain = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None, "stack_info": None})
+        return super().format(plain)
+
+
+def setup_logging(run_dir: Path, rank: int) -> Path:
+    """Every rank to logs/rank{R}.log; warnings and errors also to stderr, one line each (torchrun prefixes the rank)."""
+    logs = run_dir / rundir.LOGS
     logs.mkdir(parents=True, exist_ok=True)
+    path = logs / f"rank{rank}.log"
     fmt = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    to_file = logging.FileHandler(logs / f"rank{rank}.log")
+    to_file = logging.FileHandler(path)
     to_file.setFormatter(fmt)
     to_stderr = logging.StreamHandler(sys.stderr)
     to_stderr.setLevel(logging.WARNING)
-    to_stderr.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    to_stderr.setFormatter(_OneLineFormatter("%(levelname)s: %(message)s"))
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     root.addHandler(to_file)
     root.addHandler(to_stderr)
     logging.captureWarnings(True)
+    # A crash in C (segfault, abort) dumps every thread's stack into the rank's log, not onto the console.
+    faulthandler.enable(file=to_file.stream, all_threads=True)
+    return path
+
+
+def one_line(err: BaseException, user_error: bool) -> str:
+    """A user error's own message; for anything else `Type: message`. Whitespace folded, length bounded."""
+    text = " ".join(str(err).split())
+    line = text if user_error and text else f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return line if len(line) <= _MESSAGE_CHARS else line[: _MESSAGE_CHARS - 3] + "..."
+
+
+def write_error_file(message: str, exit_code: int, log_path: Path | None) -> None:
+    """torchelastic's error file, as its ErrorHandler writes it, minus the traceback: torchrun prints the file's
+    traceback (py_callstack) in its summary on the console, and without one it prints the message.
+
+    Our own fields carry what torchelastic's do not: the global rank, the time to the microsecond (its timestamp
+    is whole seconds: two ranks failing in the same second would tie), the exit code, and the attempt.
+    """
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    now = time.time()
+    data = {
+        "message": {"message": message, "extraInfo": {"timestamp": str(int(now))}},
+        ERROR_FILE_KEY: {
+            "rank": int(os.environ.get("RANK", 0)),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "exit_code": exit_code,
+            "time": now,
+            "host": socket.gethostname(),
+            "log": str(log_path) if log_path else "",
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+        },
+    }
+    with contextlib.suppress(OSError, ValueError):  # the exit code still says it failed
+        rundir.write_json_atomic(Path(path), data)
+
+
+def fail(message: str, exit_code: int, log_path: Path | None) -> int:
+    """A failure that happened before logging was set up: stderr and the error file."""
+    print(message, file=sys.stderr, flush=True)
+    write_error_file(message, exit_code, log_path)
+    return exit_code
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m trainctl.train RUN_DIR", file=sys.stderr)
-        return EXIT_CONFIG
+        return fail("usage: python -m trainctl.train RUN_DIR", EXIT_CONFIG, None)
     run_dir = Path(argv[0]).resolve()
-    if not (run_dir / "config.yaml").is_file():
-        print(f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`", file=sys.stderr)
-        return EXIT_CONFIG
-    setup_logging(run_dir, int(os.environ.get("RANK", 0)))
-    # Which machine each rank ran on: the first thing to know when one node misbehaves.
-    log.info("rank %s of %s on host %s, pid %d", os.environ.get("RANK", 0), os.environ.get("WORLD_SIZE", 1), socket.gethostname(), os.getpid())
-    # Imported after logging is set up: torch import warnings land in the rank's log.
-    from trainctl.train.checkpoint import CheckpointError
-    from trainctl.train.data import DataError
-    from trainctl.train.errors import WorkerConfigError
-    from trainctl.train.guards import NonFiniteError
-    from trainctl.train.trainer import run
-
+    if not rundir.is_run_dir(run_dir):
+        return fail(f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`", EXIT_CONFIG, None)
+    rank = int(os.environ.get("RANK", 0))
     try:
-        run(load_run_config(run_dir), run_dir)
-    except (WorkerConfigError, DataError) as err:
-        log.error("%s", err)
-        return EXIT_CONFIG
-    except (NonFiniteError, CheckpointError) as err:
+        log_path = setup_logging(run_dir, rank)
+    except OSError as exc:
+        return fail(f"{run_dir / rundir.LOGS}: cannot write the rank's log ({exc.strerror})", EXIT_CONFIG, None)
+    try:
+        code, message = run_worker(run_dir, rank)
+    except BaseException as err:  # outside run_worker's own handling (a signal before it was set up): still one line
+        code, message = failed(err)
+    if code != 0 and message:
+        write_error_file(message, code, log_path)
+    return code
+
+
+def run_worker(run_dir: Path, rank: int) -> tuple[int, str]:
+    """(exit code, the one-line error message of a failure, else "")."""
+    from trainctl.train.stop import StopRequest, die_with_parent
+
+    die_with_parent()  # first: a torchrun killed from now on takes this worker along
+    # Which machine each rank ran on: the first thing to know when one node misbehaves.
+    log.info("rank %s of %s on host %s, pid %d", rank, os.environ.get("WORLD_SIZE", 1), socket.gethostname(), os.getpid())
+    try:
+        from trainctl.config.schema import load_run_config
+
+        cfg = load_run_config(run_dir)
+    except Exception as err:
+        message = f"{run_dir / rundir.CONFIG} does not load ({one_line(err, False)}); launch the run again"
+        log.error("%s", message)
+        return EXIT_CONFIG, message
+    stop = StopRequest(cfg.cluster.preemption.signal)
+    try:
+        stop.install()
+        if rank == 0:
+            rundir.clear_stop(run_dir)  # a new attempt: an earlier stop no longer describes the run
+        # Imported after logging is set up: torch import warnings land in the rank's log.
+        from trainctl.train.trainer import run
+
+        summary = run(cfg, run_dir, stop)
+    except BaseException as err:
+        return failed(err)
+    # The stop handlers stay until the process exits: torchrun's SIGTERM to a failed rank's peers must not
+    # replace the exit code they chose (a default handler would end them as killed by SIGTERM).
+    return (stop.exit_code if summary["stopped"] else 0), ""
+
+
+def failed(err: BaseException) -> tuple[int, str]:
+    """Log a failure: a user error as its one line, anything else with its traceback (in the log only)."""
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C before the stop handlers were installed: nothing trained yet
+        log.warning("SIGINT received before training started: exiting")
+        return 130, ""
+    if isinstance(err, SystemExit):
+        code = err.code if isinstance(err.code, int) else EXIT_FAILURE
+        return code, "" if code == 0 else f"exited with code {code}"
+    config_errors, stop_errors = user_errors()
+    if isinstance(err, config_errors):
+        message, code = one_line(err, True), EXIT_CONFIG
+    elif isinstance(err, stop_errors):
         # Stopped on purpose with a message that says why and what to do: no traceback.
-        log.error("%s", err)
-        return EXIT_FAILURE
-    except BaseException:
-        log.exception("training failed")
-        return EXIT_FAILURE
-    return 0
+        message, code = one_line(err, True), EXIT_FAILURE
+    else:
+        message, code = one_line(err, False), EXIT_FAILURE
+        log.error("training failed: %s", message, exc_info=err)
+        return code, message
+    log.error("%s", message)
+    return code, message
+
+
+def user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(errors the user fixes in the run directory, errors that stop a run on purpose); () where they fail to import."""
+    try:
+        from trainctl.train.checkpoint import CheckpointError
+        from trainctl.train.data import DataError
+        from trainctl.train.errors import WorkerConfigError
+        from trainctl.train.guards import NonFiniteError
+    except Exception:  # the import itself is what failed: every error is unexpected then
+        return (), ()
+    return (WorkerConfigError, DataError), (NonFiniteError, CheckpointError)
 
 
 if __name__ == "__main__":

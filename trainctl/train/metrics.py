@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from trainctl.config.schema import LoggingConfig
+from trainctl.core import rundir
 from trainctl.plan.hardware import match_gpu, peak_flops
 from trainctl.train.peak_memory import read_prediction, with_prediction
 
@@ -81,9 +83,10 @@ class MetricsLogger:
         self._progress = None
         self.wandb_id: str | None = None
         self._run_dir = run_dir
+        self._wandb_logged_through = 0  # W&B keeps the steps an earlier attempt logged; see resumed()
         if not is_main:
             return
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tail -f works
+        self._jsonl = self._open_jsonl()
         if cfg.progress and sys.stdout.isatty():
             self._progress = _Progress(total_steps)
         if cfg.wandb.mode != "disabled":
@@ -103,7 +106,19 @@ class MetricsLogger:
         self._emit({"kind": "memory", "step": step, **values}, step)
 
     def resumed(self, step: int, path: str) -> None:
-        """A restart: records of steps after `step` that an earlier attempt logged are superseded."""
+        """A restart from the checkpoint of `step`: what an earlier attempt logged after it is dropped.
+
+        metrics.jsonl is rewritten without those records, so every reader sees each step once. W&B cannot
+        be rewound here (its rewind, `resume_from`, is a server feature in private preview, which a sync
+        of an offline run would need too): it keeps the earlier attempt's steps up to the newest it got,
+        and only the steps past that are sent to it (W&B would drop lower steps anyway, with a warning each).
+        """
+        if self.is_main:
+            dropped_through = self._drop_records_after(step)
+            self._wandb_logged_through = max(dropped_through, step)
+            if dropped_through > step and self._wandb is not None:
+                log.warning("W&B keeps this run's earlier values of steps %d..%d (it cannot rewind); "
+                            "metrics.jsonl holds the resumed run's", step + 1, dropped_through)
         self._emit({"kind": "resume", "step": step, "checkpoint": path}, step)
 
     def checkpoint(self, step: int, values: dict) -> None:
@@ -112,13 +127,52 @@ class MetricsLogger:
     def final(self, summary: dict) -> None:
         self._emit({"kind": "final", **summary}, summary["steps"])
 
+    def _open_jsonl(self):
+        return open(self._run_dir / rundir.METRICS, "a", buffering=1)  # line-buffered: tail -f works
+
+    def _drop_records_after(self, step: int) -> int:
+        """Rank 0: rewrite metrics.jsonl keeping the records of steps <= `step` and those without a step.
+
+        Through a temporary file and os.replace: a reader sees the old file or the new one, and a crash leaves
+        one of them. Unreadable lines (a crash mid-write) go too. Returns the highest step dropped (0: none).
+        """
+        path = self._run_dir / rundir.METRICS
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self._jsonl.close()
+        highest, dropped = 0, 0
+        try:
+            with open(path, "rb") as source, open(tmp, "wb") as out:
+                for line in source:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        record = None
+                    at = rundir.as_int(record.get("step")) if isinstance(record, dict) else None
+                    if not isinstance(record, dict) or (at is not None and at > step):
+                        dropped += 1
+                        highest = max(highest, at or 0)
+                        continue
+                    out.write(line if line.endswith(b"\n") else line + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except FileNotFoundError:
+            pass  # nothing logged before: nothing to drop
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+            self._jsonl = self._open_jsonl()
+        if dropped:
+            log.info("metrics.jsonl: dropped %d records past step %d (an earlier attempt's, or unreadable)", dropped, step)
+        return highest
+
     def _emit(self, record: dict, step: int) -> None:
         line = _format(record)
         log.info(line)
         if not self.is_main:
             return
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
+        if self._wandb is not None and step > self._wandb_logged_through:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         if self._progress is None:
             print(line, flush=True)

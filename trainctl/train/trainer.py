@@ -22,13 +22,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainctl.config.schema import RunConfig
+from trainctl.core import rundir
 from trainctl.models.llama import build_model
 from trainctl.plan.flops import flops_per_token
 from trainctl.plan.topology import ParallelDims
 from trainctl.train import distributed as D
 from trainctl.train import state as S
 from trainctl.train.activations import activation_offload
-from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir
+from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir, step_name
 from trainctl.train.context_parallel import check_cp_device, cp_mesh_of, sharded_sequences
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
 from trainctl.train.errors import WorkerConfigError
@@ -90,10 +91,11 @@ def train_loop(job: Job) -> dict:
     # before result.json was written); the loop below is empty and the run just finishes.
     if job.start.resumed:
         val_loss_0 = job.start.meta.get("initial_val_loss", float("nan"))
-        job.metrics.resumed(begin, str(job.start.path))
+        job.metrics.resumed(begin, str(job.start.path))  # drops what an earlier attempt logged past `begin`
     else:
         val_loss_0 = evaluate(job)
         job.metrics.eval(0, val_loss_0)
+    job.stop.armed = True  # from here a stop signal means: finish the step, save, leave
     timer, start, val_loss = StepTimer(job.world.device), time.perf_counter(), val_loss_0
     # The last step's numbers, for a summary even when no step is left to run.
     loss, grad_norm = job.start.meta.get("train_loss"), job.start.meta.get("grad_norm")
@@ -337,6 +339,22 @@ def setup(cfg: RunConfig, run_dir: Path, world: D.World) -> Job:
     return job
 
 
+def report_stop(job: Job, run_dir: Path, step: int) -> None:
+    """After the stop checkpoint committed: rank 0 records the stop and says how to go on; requeue on preemption."""
+    cfg, stop = job.cfg, job.stop
+    if not job.world.is_main:
+        return
+    saved = checkpoint_dir(run_dir) / step_name(step)
+    if stop.signal_name:  # the test hook's stop names no signal: nobody asked, nothing to record
+        rundir.record_stop(run_dir, step, stop.signal_name, saved.name)
+    # The early preemption warning (not a plain SIGTERM, e.g. scancel): back to the queue.
+    if stop.preempted and cfg.cluster.launcher == "slurm" and cfg.cluster.preemption.requeue and requeue_slurm_job():
+        return
+    by = f" by {stop.signal_name}" if stop.signal_name else ""
+    log.warning("stopped%s after step %d: checkpoint %s committed; continue with `trainctl resume %s`",
+                by, step, saved.name, run_dir.name)
+
+
 def start_from_checkpoint(job: Job, run_dir: Path) -> None:
     """Restore the newest valid checkpoint of this run (or checkpoint.resume's), if any; last in setup (RNG)."""
     path, load_only = find_source(job.cfg.checkpoint, run_dir, job.checkpoints)
@@ -350,21 +368,21 @@ def start_from_checkpoint(job: Job, run_dir: Path) -> None:
         print0(f"resumed from {path} at step {job.start.step} ({job.start.samples_seen} samples seen)", job.world.is_main)
 
 
-def run(cfg: RunConfig, run_dir: Path) -> dict:
-    """The worker: join the world, train, write result.json; always closes W&B and the process group."""
+def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> dict:
+    """The worker: join the world, train, write result.json; always closes W&B and the process group.
+
+    stop: installed by the caller as early as it can (a signal during setup ends the worker at once).
+    """
     world = D.init_distributed(cfg.cluster, cpu_collectives=cfg.sharding.cpu_offload)
     job = None
     try:
         job = setup(cfg, run_dir, world)
-        job.stop = StopRequest(cfg.cluster.preemption.signal)
-        job.stop.install()
+        job.stop = stop or StopRequest(cfg.cluster.preemption.signal)
         summary = train_loop(job)
         if summary["stopped"]:
-            # The early preemption warning (not a plain SIGTERM, e.g. scancel): back to the queue.
-            if world.is_main and job.stop.preempted and cfg.cluster.launcher == "slurm" and cfg.cluster.preemption.requeue:
-                requeue_slurm_job()
+            report_stop(job, run_dir, summary["steps"])
         elif world.is_main:
-            (run_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (run_dir / rundir.RESULT).write_text(json.dumps(summary, indent=2) + "\n")
         return summary
     finally:
         if job is not None:
