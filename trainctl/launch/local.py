@@ -165,25 +165,32 @@ def start_record(run_dir: Path) -> dict:
     return {"launcher": "local", "start": _now(), "run_dir": str(run_dir), **rundir.identity()}
 
 
-def run(run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0) -> int:
-    """Run RUN_DIR/launch.sh to completion holding the run's trainer lock; returns the exit code (0 on success).
-
-    Refuses (LaunchError) before writing anything when another process trains in this run directory.
-    With `total_steps` and a terminal on stdout, a progress bar with ETA stays under the output.
-    """
-    script = run_dir / rundir.SCRIPT
-    if not script.is_file():
-        raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
+def lock(run_dir: Path) -> rundir.TrainerLock:
+    """Take the run's trainer lock for a local launch, or refuse in one line (LaunchError) naming who holds it."""
     try:
-        lock = rundir.acquire(run_dir, inheritable=True)
+        return rundir.acquire(run_dir, inheritable=True)
     except rundir.LockHeld as exc:
         raise LaunchError(str(exc)) from None
     except OSError as exc:
         raise LaunchError(f"{run_dir}: cannot take the run's lock ({exc.strerror or exc})") from None
+
+
+def run(run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0, held: rundir.TrainerLock | None = None) -> int:
+    """Run RUN_DIR/launch.sh to completion holding the run's trainer lock; returns the exit code (0 on success).
+
+    Refuses (LaunchError) before writing anything when another process trains in this run directory;
+    `held`: the caller took the lock already (and this call releases it).
+    With `total_steps` and a terminal on stdout, a progress bar with ETA stays under the output.
+    """
+    script = run_dir / rundir.SCRIPT
     try:
-        return _run_locked(run_dir, script, lock, out, total_steps)
+        if not script.is_file():
+            raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
+        held = held or lock(run_dir)
+        return _run_locked(run_dir, script, held, out, total_steps)
     finally:
-        lock.release()
+        if held is not None:
+            held.release()
 
 
 def _run_locked(run_dir: Path, script: Path, lock: rundir.TrainerLock, out: BinaryIO | None, total_steps: int) -> int:

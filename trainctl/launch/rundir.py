@@ -84,7 +84,7 @@ def write_contents(target: Path, cfg: RunConfig, plan: RunPlan, run_dir: Path, o
 def write_script(target: Path, cfg: RunConfig, run_dir: Path, workdir: Path) -> None:
     """(Re)write target/launch.sh for a run that lives at `run_dir`."""
     script = target / layout.SCRIPT
-    tmp = script.with_name(f".{layout.SCRIPT}.tmp")
+    tmp = script.with_name(f".{layout.SCRIPT}.{os.getpid()}.tmp")
     tmp.write_text(launch_script(cfg, run_dir, workdir))
     tmp.chmod(0o755)
     os.replace(tmp, script)
