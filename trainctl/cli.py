@@ -293,8 +293,17 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
 
     if problems := launch_problems(cfg, workdir=rundir.script_workdir(run_dir)):  # W&B credentials, token files
         raise UserError(problems)
-    # The script for where the run is now (it may have been copied or moved), launched from where it was launched.
-    rundir.write_script(run_dir, cfg, run_dir, rundir.script_workdir(run_dir) or Path.cwd())
+    from trainctl.launch import local
+
+    # Locally, the lock first: a second resume started at the same moment is refused before it writes anything.
+    held = local.lock(run_dir) if cfg.cluster.launcher == "local" else None
+    try:
+        # The script for where the run is now (it may have been copied or moved), launched from where it was.
+        rundir.write_script(run_dir, cfg, run_dir, rundir.script_workdir(run_dir) or Path.cwd())
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
     choice = checkpoints.newest_valid(run_dir)
     for path, problem in choice.skipped:
         err.print(f"[yellow]warning:[/] skipping {escape(path.name)}: {escape(problem)}", highlight=False, soft_wrap=True)
@@ -303,23 +312,29 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     if cfg.cluster.launcher == "slurm":
         _submit(run_dir)
         return
-    from trainctl.launch import local
-
-    raise typer.Exit(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0))
+    raise typer.Exit(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0, held=held))
 
 
 @app.command()
 def export(
-    run: Path = typer.Argument(..., help="The run directory.", show_default=False),
-    checkpoint: str = typer.Option(None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints (default: newest).", show_default=False),
+    run: str = RUN,
+    checkpoint: str = typer.Option(
+        None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints; it must verify "
+        "(default: the newest that verifies).", show_default=False),
     out_dir: Path = typer.Option(None, "--out", help="Output folder (default: RUN/export/step-NNNNNNNN).", show_default=False),
-    max_shard_size: str = typer.Option(None, "--max-shard-size", help="Bytes per file before sharding (e.g. 5000000000, 5GB).", show_default=False),
+    max_shard_size: str = typer.Option(
+        None, "--max-shard-size", help="Bytes per file before sharding (e.g. 5000000000, 5GB).", show_default=False),
+    runs_dir: Path = RUNS_DIR,
 ) -> None:
-    """Write a checkpoint's model as safetensors.  Example: trainctl export runs/tiny_cpu-20250101-120000"""
+    """Write a verified checkpoint's model as safetensors.  Example: trainctl export tiny_cpu-20250101-120000"""
     import subprocess
 
-    # The exporter imports torch: a child process keeps this side of the wall torch-free.
-    args = [sys.executable, "-m", "trainctl.models.export", str(run)]
+    from trainctl.launch import runs
+
+    run_dir = runs.find_run(run, runs_dir)
+    # The exporter imports torch: a child process keeps this side of the wall torch-free. It prints its own
+    # one-line errors (exit 2) and warnings; its exit code is this command's.
+    args = [sys.executable, "-m", "trainctl.models.export", str(run_dir)]
     for flag, value in (("--checkpoint", checkpoint), ("--out", out_dir), ("--max-shard-size", max_shard_size)):
         if value is not None:
             args += [flag, str(value)]
