@@ -149,3 +149,56 @@ def test_a_dirty_checkout_records_its_diff(tmp_path):
     dirty = code_record.record(tmp_path)
     assert dirty.dirty and "+x = 2" in dirty.diff
     assert dirty.untracked == ("scratch.txt",)
+
+
+def test_runs_dir_that_is_a_file_is_one_error_and_leaves_nothing(tmp_path):
+    blocker = tmp_path / "runs"
+    blocker.write_text("not a directory")
+    with pytest.raises(LaunchError, match="runs_dir=.*cannot create"):
+        create(blocker)
+    with pytest.raises(LaunchError, match="runs_dir=.*cannot create"):
+        create(blocker / "deeper")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_a_run_name_too_long_for_the_filesystem_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(LaunchError, match="bytes; use at most"):
+        create(tmp_path / "runs", name="x" * 256)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("where", ["workdir", "runs_dir"])
+def test_control_characters_in_paths_that_reach_the_script_are_refused(tmp_path, where):
+    odd = tmp_path / "a\nrm -rf ~\n"
+    odd.mkdir()
+    cfg = config()
+    runs_dir, workdir = (tmp_path / "runs", odd) if where == "workdir" else (odd / "runs", tmp_path)
+    with pytest.raises(LaunchError, match="control characters"):
+        rundir.create(cfg, build(cfg), runs_dir, "exp", [], workdir=workdir)
+    assert not (tmp_path / "runs").exists() and not (odd / "runs").exists()
+
+
+def test_disk_full_while_writing_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir, "write_script", full)
+    with pytest.raises(LaunchError, match="No space left on device.*nothing was kept"):
+        create(tmp_path / "runs")
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_the_script_finds_its_run_directory_wherever_the_run_is_copied(tmp_path):
+    run_dir = create(tmp_path / "runs")
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(run_dir, copy)
+    script = (copy / "launch.sh").read_text()
+    # Run only the script's first lines (up to the lock), then print where it thinks it is.
+    head = script.split("\ncd ", 1)[0] + '\necho "$RUN_DIR"\n'
+    (copy / "head.sh").write_text(head)
+    done = subprocess.run(["bash", str(copy / "head.sh")], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(copy.resolve())
+    assert str(run_dir) not in script
