@@ -15,7 +15,8 @@
       wandb_id          the W&B run id, kept across restarts
       slurm-attempts.jsonl  one line per Slurm attempt start and end
       checkpoints/      step-NNNNNNNN (committed, see core.checkpoints); .tmp while being written
-      logs/             rank{R}.log, torchrun/ (every rank's captured output and error files), slurm-*.out
+      logs/             rank{R}.log, torchrun/ (every rank's captured output and error files), slurm-*.out,
+                        launcher.log (all a local launch printed, torchrun's own messages included)
 
 Readers here never raise for what is inside a file: a missing, truncated or wrongly shaped file reads as
 "absent" (None, {} or []), so one damaged run never hides the others.
@@ -50,6 +51,7 @@ WANDB_ID = "wandb_id"
 ATTEMPTS = "slurm-attempts.jsonl"
 LOGS = "logs"
 TORCHRUN_LOGS = "logs/torchrun"
+LAUNCHER_LOG = "logs/launcher.log"
 CHECKPOINTS = "checkpoints"
 
 RUN_DIR_ENV = "TRAINCTL_RUN_DIR"  # set by launch.sh from its own location; the worker checks it against its argument

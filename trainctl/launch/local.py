@@ -17,6 +17,7 @@ uses `@record`.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -109,14 +110,34 @@ def forwarding_signals(proc: subprocess.Popen) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def stream_output(source: BinaryIO, sink: BinaryIO) -> bytes:
-    """Copy the child's output to `sink` chunk by chunk (keeps progress bars' \\r); returns the tail."""
-    tail = b""
+# torchrun's own ending of a failed run: its traceback and error summary (unprefixed, unlike the workers' tee'd
+# lines), and its error-level log lines. The console gets one line naming the first failing rank instead; the whole
+# output stays in RUN_DIR/logs/launcher.log.
+_TORCHRUN_TRACEBACK = b"Traceback (most recent call last):"
+_TORCHRUN_ERROR_LINE = re.compile(rb"^E\d{4} \d\d:\d\d:\d\d")
+
+
+def stream_output(source: BinaryIO, sink: BinaryIO, log: BinaryIO | None = None) -> bytes:
+    """Copy the child's output to `sink` line by line as it comes (all of it to `log`); returns the tail.
+
+    From torchrun's own traceback on, nothing more reaches `sink`: the launcher reports the failure in one line.
+    """
+    tail, pending, quiet = b"", b"", False
     fd = source.fileno()
     while chunk := os.read(fd, 65536):
-        sink.write(chunk)
-        sink.flush()
+        if log is not None:
+            log.write(chunk)
+            log.flush()
         tail = (tail + chunk)[-TAIL_BYTES:]
+        complete, newline, pending = (pending + chunk).rpartition(b"\n")
+        for line in (complete + newline).splitlines(keepends=True):
+            quiet = quiet or line.startswith(_TORCHRUN_TRACEBACK)
+            if not quiet and not _TORCHRUN_ERROR_LINE.match(line):
+                sink.write(line)
+        sink.flush()
+    if pending and not quiet:
+        sink.write(pending)
+        sink.flush()
     return tail
 
 
@@ -135,7 +156,8 @@ def report_failure(failure: Failure | None, exit_code: int, run_dir: Path) -> st
     if failure is None:
         return f"trainctl: the run failed with exit code {exit_code}; see the logs under {run_dir / 'logs'}"
     where = f"; log: {failure.log}" if failure.log else f"; see the logs under {run_dir / 'logs'}"
-    return f"trainctl: rank {failure.rank} failed first (exit code {failure.exit_code}){where}"
+    said = f": {failure.message}" if failure.message else ""
+    return f"trainctl: rank {failure.rank} failed first (exit code {failure.exit_code}){said}{where}"
 
 
 def _now() -> str:
@@ -154,6 +176,19 @@ def outcome(run_dir: Path, returncode: int, started_at: float) -> tuple[str, int
         return "CANCELLED", 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 130
     code = _exit_code(returncode)
     return ("COMPLETED", 0) if code == 0 else ("FAILED", code)
+
+
+@contextmanager
+def _launcher_log(run_dir: Path) -> Iterator[BinaryIO | None]:
+    """RUN_DIR/logs/launcher.log, appended: everything the launch printed, torchrun's own messages included."""
+    try:
+        (run_dir / rundir.LOGS).mkdir(exist_ok=True)
+        log = open(run_dir / rundir.LAUNCHER_LOG, "ab")
+    except OSError:
+        yield None  # the console still gets the output; the workers' own logs are elsewhere
+        return
+    with log:
+        yield log
 
 
 def write_launch_record(run_dir: Path, record: dict) -> None:
@@ -206,9 +241,9 @@ def _run_locked(run_dir: Path, script: Path, lock: rundir.TrainerLock, out: Bina
                             env=env, pass_fds=(lock.fd,))
     tail = b""
     try:
-        with forwarding_signals(proc):
+        with forwarding_signals(proc), _launcher_log(run_dir) as log:
             try:
-                tail = stream_output(proc.stdout, sink)
+                tail = stream_output(proc.stdout, sink, log)
             finally:
                 proc.stdout.close()
                 proc.wait()
@@ -219,7 +254,7 @@ def _run_locked(run_dir: Path, script: Path, lock: rundir.TrainerLock, out: Bina
             proc.kill()
             proc.wait()
         state, exit_code = outcome(run_dir, proc.returncode, started_at)
-        failure = find_failure(tail.decode(errors="replace"), run_dir) if state == "FAILED" else None
+        failure = find_failure(tail.decode(errors="replace"), run_dir, since=started_at) if state == "FAILED" else None
         record.update(end=_now(), state=state, exit_code=exit_code)
         if failure is not None:
             record["failure"] = failure.to_dict()

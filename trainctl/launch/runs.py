@@ -90,6 +90,13 @@ def failure_detail(record: dict) -> str:
     return ", ".join(parts)
 
 
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
     """(state, active, detail) of a run on this machine, from its lock and records (never from a pid alone)."""
     holder = rundir.lock_holder(run_dir)
@@ -101,7 +108,7 @@ def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
     if stop:
         return "CANCELLED", False, stopped_detail(stop)
     recorded_dir = rundir.as_str(record.get("run_dir"))
-    if recorded_dir and recorded_dir != str(run_dir):
+    if recorded_dir and not _same_dir(Path(recorded_dir), run_dir):
         return "UNKNOWN", False, f"copied or moved from {recorded_dir}; `trainctl resume` trains it here"
     code = rundir.as_int(record.get("exit_code"))
     if code == 0:
