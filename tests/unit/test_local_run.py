@@ -192,3 +192,17 @@ def test_rendered_script_shares_cores_between_workers_by_default(tmp_path):
     omp_line = next(line for line in script.splitlines() if "OMP_NUM_THREADS" in line)
     done = subprocess.run(["bash", "-c", f"unset OMP_NUM_THREADS; {omp_line}; echo $OMP_NUM_THREADS"], capture_output=True, text=True)
     assert int(done.stdout) == max(1, int(subprocess.check_output(["nproc"])) // 2)
+
+
+def test_torchruns_own_traceback_stays_off_the_console_but_in_the_launcher_log(tmp_path, capsys):
+    trace = "Traceback (most recent call last):\n  File \"run.py\", line 1\nChildFailedError:\n"
+    body = (f"echo '[default0]:step 1 loss 2.0'\necho 'E1123 17:54:19.123000 1 api.py:882] failed (exitcode: 1)'\n"
+            f"cat <<'EOF'\n{trace}{TORCHRUN_SUMMARY}EOF\nexit 1\n")
+    run_dir = make_run_dir(tmp_path, body)
+    sink = io.BytesIO()
+    assert local.run(run_dir, out=sink) == 1
+    shown = sink.getvalue().decode()
+    assert shown == "[default0]:step 1 loss 2.0\n"
+    logged = (run_dir / "logs" / "launcher.log").read_text()
+    assert "Traceback" in logged and "Root Cause" in logged and "[default0]:step 1" in logged
+    assert "rank 1 failed first" in capsys.readouterr().err
