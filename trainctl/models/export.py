@@ -13,16 +13,23 @@ layout), and `config.json`: the run's ModelConfig fields plus `trainctl_checkpoi
 Names are trainctl's own (`layers.0.attention.wq.weight`), dtypes those of the
 checkpoint. Tied embeddings are saved once, as `tok_embeddings.weight`.
 
+Only a verified checkpoint is read (trainctl.core.checkpoints: committed, and every file matches
+its manifest): a named one that fails is refused; by default the newest valid one is taken and each
+newer one skipped is named on stderr, with why.
+
 The export is written to a temporary sibling folder and renamed into place, so a
 folder at the output path is always complete; an existing non-empty one is refused.
-User errors (not a run directory, no checkpoint, a bad path) print one line, exit 2.
+Every failure the user can act on (not a run directory, no valid checkpoint, a checkpoint DCP
+cannot read, an output path that cannot be written) prints one line, exits 2, and leaves nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -32,19 +39,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
+from omegaconf.errors import OmegaConfBaseException
+from safetensors import SafetensorError
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from trainctl.config.schema import ModelConfig, load_run_config
+from trainctl.core import checkpoints
 from trainctl.models.llama import build_model
 
-STEP_DIR = re.compile(r"step-(\d{8,})")  # as trainctl.train.checkpoint names them; matched whole
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 # Module wrappers (torch.compile, activation checkpointing, FSDP1) that may prefix saved names.
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DCP_METADATA = ".metadata"
+# pickle documents no common base for what a damaged file raises ("including but not limited to" these).
+PICKLE_ERRORS = (
+    pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError, TypeError, ValueError
+)
+# A config.yaml that does not load: YAML's and OmegaConf's errors share no base (OmegaConf's are mostly ValueError).
+CONFIG_ERRORS = (OSError, ValueError, TypeError, KeyError, yaml.YAMLError, OmegaConfBaseException)
 
 
 class ExportError(Exception):
@@ -60,47 +78,62 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * SIZE_UNITS[unit]
 
 
-def committed_checkpoints(run_dir: Path) -> list[Path]:
-    """The run's committed checkpoints (step-NNNNNNNN with DCP metadata; no .tmp), oldest first.
-
-    The checkpoint manager renames step-N.tmp to step-N only after writing its manifest, so
-    the name alone marks a commit; DCP's .metadata is what this reader needs.
-    """
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name) and (p / ".metadata").is_file()]
-    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def find_checkpoint(run_dir: Path, checkpoint: str | None) -> Path:
-    """The checkpoint to export: `checkpoint` (a path, or a name under RUN_DIR/checkpoints), else the newest."""
-    if checkpoint is None:
-        found = committed_checkpoints(run_dir)
-        if not found:
-            raise ExportError(f"{run_dir}: no committed checkpoint under {run_dir / 'checkpoints'}; train with checkpoint.save_final=true or checkpoint.every=N")
-        return found[-1]
+def _more(problems: list[str]) -> str:
+    return f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+
+
+def _why_not_committed(path: Path) -> str:
+    if path.name.endswith(checkpoints.TMP_SUFFIX):
+        return "an uncommitted checkpoint (.tmp: still being written, or a save that died)"
+    if checkpoints.step_of(path) is None:
+        return "not a committed checkpoint (a committed one is named step-NNNNNNNN)"
+    return f"not a committed checkpoint (no {checkpoints.MANIFEST} in it: a save that died before its commit)"
+
+
+def named_checkpoint(run_dir: Path, checkpoint: str) -> Path:
+    """`checkpoint` (a path, or a name under RUN_DIR/checkpoints) if it is committed and verifies; else refused."""
     path = Path(checkpoint)
-    if not path.exists() and (run_dir / "checkpoints" / checkpoint).exists():
-        path = run_dir / "checkpoints" / checkpoint
+    if not path.exists() and (checkpoints.checkpoint_dir(run_dir) / checkpoint).exists():
+        path = checkpoints.checkpoint_dir(run_dir) / checkpoint
     if not path.is_dir():
         raise ExportError(f"--checkpoint {checkpoint}: no such checkpoint directory")
-    if path.name.endswith(".tmp"):
-        raise ExportError(f"--checkpoint {checkpoint}: an uncommitted checkpoint (.tmp: still being written, or a save that died)")
-    if not (path / ".metadata").is_file():
-        raise ExportError(f"--checkpoint {checkpoint}: not a committed DCP checkpoint (no .metadata in it)")
+    if path.name not in {p.name for _, p in checkpoints.list_committed(path.parent)}:
+        raise ExportError(f"--checkpoint {checkpoint}: {_why_not_committed(path)}")
+    problems = checkpoints.verify(path)
+    if problems:
+        raise ExportError(
+            f"--checkpoint {checkpoint}: fails verification: {problems[0]}{_more(problems)}; "
+            "name another, or leave --checkpoint out to export the newest valid one"
+        )
     return path
 
 
-def checkpoint_step(ckpt: Path) -> int | None:
-    """The optimizer step of a checkpoint: from its name, else from its meta.json."""
-    match = STEP_DIR.fullmatch(ckpt.name)
-    if match:
-        return int(match.group(1))
-    try:
-        return int(json.loads((ckpt / "meta.json").read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+def newest_valid_checkpoint(run_dir: Path) -> Path:
+    """The newest committed checkpoint that verifies; each newer one skipped is named on stderr, with why."""
+    choice = checkpoints.newest_valid(run_dir)
+    skipped = [f"{path.name}: {problem}" for path, problem in choice.skipped]
+    root = checkpoints.checkpoint_dir(run_dir)
+    if choice.path is None and not skipped:
+        raise ExportError(
+            f"{run_dir}: no committed checkpoint under {root} (step-NNNNNNNN with {checkpoints.MANIFEST}); "
+            "train with checkpoint.save_final=true or checkpoint.every=N"
+        )
+    if choice.path is None:
+        more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
+        raise ExportError(f"{run_dir}: no committed checkpoint verifies: {'; '.join(skipped[:3])}{more}")
+    for line in skipped:
+        print(f"warning: skipped {line}", file=sys.stderr)
+    return choice.path
+
+
+def find_checkpoint(run_dir: Path, checkpoint: str | None) -> Path:
+    """The checkpoint to export: `checkpoint` if given (it must verify), else the newest valid one."""
+    return newest_valid_checkpoint(run_dir) if checkpoint is None else named_checkpoint(run_dir, checkpoint)
 
 
 def read_model_config(run_dir: Path) -> ModelConfig:
@@ -111,9 +144,21 @@ def read_model_config(run_dir: Path) -> ModelConfig:
         raise ExportError(f"{run_dir}: not a run directory (no config.yaml in it)")
     try:
         return load_run_config(run_dir).model
-    except Exception as exc:  # YAML or schema errors of a user's file: report them, no traceback
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"{run_dir / 'config.yaml'}: cannot be read as a run config: {first_line}") from exc
+    except CONFIG_ERRORS as exc:  # a user's damaged or hand-edited file: report it, no traceback
+        raise ExportError(f"{run_dir / 'config.yaml'}: cannot be read as a run config: {_first_line(exc)}") from None
+
+
+def read_metadata(ckpt: Path) -> Metadata:
+    """The checkpoint's DCP metadata; a damaged or foreign `.metadata` is a user error naming it."""
+    try:
+        metadata = FileSystemReader(str(ckpt)).read_metadata()
+    except OSError as exc:
+        raise ExportError(f"{ckpt / DCP_METADATA}: unreadable ({exc.strerror or exc})") from None
+    except PICKLE_ERRORS as exc:
+        raise ExportError(f"{ckpt / DCP_METADATA}: not DCP checkpoint metadata ({_first_line(exc)})") from None
+    if not isinstance(metadata, Metadata):
+        raise ExportError(f"{ckpt / DCP_METADATA}: not DCP checkpoint metadata (a pickled {type(metadata).__name__})")
+    return metadata
 
 
 def _clean_name(fqn: str) -> str:
@@ -122,7 +167,7 @@ def _clean_name(fqn: str) -> str:
 
 def model_entries(ckpt: Path) -> dict[str, tuple[str, TensorStorageMetadata]]:
     """Every model tensor of the checkpoint: export name -> (DCP key, its metadata)."""
-    metadata = FileSystemReader(str(ckpt)).read_metadata()
+    metadata = read_metadata(ckpt)
     planner_data = metadata.planner_data or {}
     entries = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -173,8 +218,21 @@ def read_tensors(ckpt: Path, entries: dict[str, tuple[str, TensorStorageMetadata
     with warnings.catch_warnings():
         # Loading in one process without a process group is exactly the intent here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        try:
+            dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        except CheckpointException as exc:  # DCP wraps whatever a shard read raised, per rank
+            reason = _dcp_failure(exc)
+            raise ExportError(f"{ckpt}: DCP cannot read it: {reason}; name an older one with --checkpoint") from None
     return {n: state[entries[n][0]] for n in names}
+
+
+def _dcp_failure(exc: CheckpointException) -> str:
+    """The first rank's error, one line; a Ctrl-C that DCP caught and wrapped is raised again as itself."""
+    failures = [failure for failure, _trace in exc.failures.values()]
+    for failure in failures:
+        if not isinstance(failure, Exception):
+            raise failure
+    return _first_line(failures[0]) if failures else "CheckpointException"
 
 
 def shard_file(index: int, count: int) -> str:
@@ -209,7 +267,7 @@ def write_weights(ckpt: Path, entries: dict, names: list[str], out: Path, max_sh
 
 def write_config(cfg: ModelConfig, ckpt: Path, out: Path) -> None:
     """config.json: the ModelConfig fields and where the weights came from."""
-    data = {**asdict(cfg), "trainctl_checkpoint": {"step": checkpoint_step(ckpt), "path": str(ckpt.resolve())}}
+    data = {**asdict(cfg), "trainctl_checkpoint": {"step": checkpoints.step_of(ckpt), "path": str(ckpt.resolve())}}
     (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -217,39 +275,65 @@ def default_out(run_dir: Path, ckpt: Path) -> Path:
     return run_dir / "export" / ckpt.name
 
 
-def prepare_out(out: Path) -> Path:
-    """A fresh temporary folder next to `out`; refuses an `out` that already holds files."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+def check_out(out: Path, run_dir: Path, ckpt: Path) -> None:
+    """Refuse an output path that holds files, or lies inside a checkpoint (an extra file would fail verification)."""
+    for inside in (checkpoints.checkpoint_dir(run_dir), ckpt):
+        if out.resolve().is_relative_to(inside.resolve()):
+            raise ExportError(f"--out {out}: inside {inside}: an extra file there fails the checkpoint's verification")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: is a file, not a folder; remove it or choose another --out")
+    if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out}: already exists and is not empty; remove it or pass --out DIR")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
 
 
-def export(run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Export one checkpoint of `run_dir` (default: the newest); returns the output folder."""
+def missing_parents(path: Path) -> list[Path]:
+    """The ancestors of `path` that do not exist yet, deepest first (created by the export, removed on failure)."""
+    missing = []
+    for parent in path.absolute().parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
+def export(
+    run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+) -> Path:
+    """Export one verified checkpoint of `run_dir` (default: the newest valid one); returns the output folder."""
     cfg = read_model_config(run_dir)
     ckpt = find_checkpoint(run_dir, checkpoint)
     entries = model_entries(ckpt)
     names = check_against_config(entries, cfg, ckpt)
     out = out or default_out(run_dir, ckpt)
-    tmp = prepare_out(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    created = missing_parents(tmp)
+    done = False
     try:
+        check_out(out, run_dir, ckpt)
+        tmp.mkdir(parents=True)
         write_weights(ckpt, entries, names, tmp, max_shard_size)
         write_config(cfg, ckpt, tmp)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above); rename needs the name free
-        tmp.rename(out)
+        tmp.rename(out)  # onto an empty folder or a free name; never a half-written folder at `out`
+        done = True
+    except (OSError, SafetensorError) as exc:  # writing the output; reads of the checkpoint raise ExportError
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_line(exc)
+        raise ExportError(f"--out {out}: cannot write the export there: {reason}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for parent in created:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
     return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainctl.models.export", description="Export a checkpoint's model as safetensors.")
     parser.add_argument("run_dir", type=Path, help="the run directory (holds config.yaml and checkpoints/)")
-    parser.add_argument("--checkpoint", help="a checkpoint directory, or its name under RUN_DIR/checkpoints (default: the newest committed)")
+    parser.add_argument(
+        "--checkpoint",
+        help="a checkpoint directory, or its name under RUN_DIR/checkpoints; it must verify (default: newest valid)",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/export/step-NNNNNNNN)")
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
     return parser.parse_args(argv)

@@ -1,0 +1,60 @@
+"""`trainctl export` through the real console entry in a fresh interpreter: the verified choice end to end.
+
+Slow for the unit tier (two interpreters importing torch), so it lives with the process-running tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_export import SHARD, SMALL, assert_same_tensors, flip_bytes, make_run  # noqa: E402  (real DCP checkpoints)
+
+pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+# The CLI's real entry point; reports whether the CLI process itself imported torch (the exporter is its child).
+PROBE = """
+import json, sys
+from trainctl.cli import main
+sys.argv = ["trainctl", *sys.argv[1:]]
+code = 0
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code or 0
+print("__HEAVY__" + json.dumps(sorted(m for m in ("torch", "wandb") if m in sys.modules)), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def trainctl(*args: str) -> tuple[int, list[str], str]:
+    """(exit code, stderr lines without the probe's, the probe's report)."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    return proc.returncode, [line for line in lines if not line.startswith("__HEAVY__")], lines[-1]
+
+
+def test_cli_export_takes_the_newest_valid_checkpoint_of_a_named_run_and_refuses_a_damaged_one(tmp_path):
+    runs_dir = tmp_path / "runs"
+    tensors = make_run(runs_dir / "r1", SMALL, steps=(3, 5))
+    flip_bytes(runs_dir / "r1" / "checkpoints" / "step-00000005" / SHARD)
+    sha_error = f"{SHARD}: content differs from the manifest (sha256)"
+
+    code, err, heavy = trainctl("export", "r1", "--runs-dir", str(runs_dir), "--checkpoint", "step-00000005")
+    assert code == 2 and heavy == "__HEAVY__[]"
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: --checkpoint step-00000005: fails verification: {sha_error}"), err
+    assert not (runs_dir / "r1" / "export").exists()
+
+    code, err, heavy = trainctl("export", "r1", "--runs-dir", str(runs_dir))
+    assert code == 0 and heavy == "__HEAVY__[]", err
+    assert err == [f"warning: skipped step-00000005: {sha_error}"]
+    out = runs_dir / "r1" / "export" / "step-00000003"
+    assert json.loads((out / "config.json").read_text())["trainctl_checkpoint"]["step"] == 3
+    assert_same_tensors(load_file(out / "model.safetensors"), tensors[3])
