@@ -251,3 +251,9 @@ def test_cli_runs_status_logs_cancel_without_torch(tmp_path):
         done = cli(*args, cwd=tmp_path)
         errors = [line for line in done.stderr.splitlines() if not line.startswith("heavy:")]
         assert done.returncode == 2 and len(errors) == 1 and fragment in errors[0], done.stderr
+
+
+def test_an_unreachable_controller_is_said_not_a_forgotten_job(tmp_path, slurm_bin):
+    write_exe(slurm_bin / "squeue", 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1\n')
+    state = runs.run_state(make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "71"}))
+    assert state.state == "UNKNOWN" and "unreachable" in state.detail and "no longer knows" not in state.detail

@@ -139,12 +139,16 @@ def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool,
     return "UNKNOWN", False, why
 
 
-def slurm_state(run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None) -> tuple[str, bool, str]:
+def slurm_state(run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = "") -> tuple[str, bool, str]:
     if info is not None:
         detail = info.reason if info.state == "PENDING" else ", ".join(x for x in (info.nodes, info.reason) if x)
         if info.exit_code and info.exit_code != "0:0":
             detail = ", ".join(x for x in (detail, f"exit {info.exit_code}") if x)
         return info.state, info.active, detail
+    if unreachable:
+        # Nothing is known: the job may well be running. The run's own records can still tell an ended attempt.
+        state, active, detail = state_from_records(run_dir, job_id, unreachable)
+        return (state, active, detail) if state != "UNKNOWN" else ("UNKNOWN", False, unreachable)
     why = f"Slurm no longer knows job {job_id}" if slurm_jobs.slurm_available() else "squeue not found on PATH"
     return state_from_records(run_dir, job_id, why)
 
@@ -153,12 +157,12 @@ def run_states(run_dirs: list[Path]) -> list[RunState]:
     """The state of each run; one squeue (and at most one sacct) call for all the Slurm runs."""
     records = {d: rundir.launch_record(d) for d in run_dirs}
     job_ids = [str(r["job_id"]) for r in records.values() if r.get("launcher") == "slurm" and isinstance(r.get("job_id"), str | int)]
-    infos = slurm_jobs.job_infos(job_ids) if job_ids else {}
+    infos, unreachable = slurm_jobs.query_jobs(job_ids) if job_ids else ({}, "")
     states = []
     for run_dir, record in records.items():
         launcher, job_id = rundir.as_str(record.get("launcher")), str(record.get("job_id", ""))
         if launcher == "slurm":
-            state, active, detail = slurm_state(run_dir, job_id, infos.get(job_id))
+            state, active, detail = slurm_state(run_dir, job_id, infos.get(job_id), unreachable)
         else:
             state, active, detail = local_state(run_dir, record)
             launcher = launcher or ("local" if state != "NOT_STARTED" else "")
