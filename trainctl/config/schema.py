@@ -11,7 +11,7 @@ This module is imported on both sides of the wall: it must stay free of torch.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -257,9 +257,10 @@ def to_yaml(cfg: RunConfig) -> str:
     """The config as YAML, in schema order; `load_run_config` reads every string back exactly.
 
     OmegaConf resolves `${...}` in string values when the file is loaded, so a literal one is
-    written escaped (see `escape_interpolations`).
+    written escaped (see `escape_interpolations`). Not through `OmegaConf.structured(cfg)`: it
+    parses every string as it builds the nodes and fails on a literal, unbalanced `${`.
     """
-    return OmegaConf.to_yaml(escape_interpolations(OmegaConf.to_container(OmegaConf.structured(cfg))))
+    return OmegaConf.to_yaml(OmegaConf.create(escape_interpolations(asdict(cfg))))
 
 
 _INTERPOLATION_START = re.compile(r"(\\*)\$\{")
