@@ -273,3 +273,49 @@ def test_launch_scripts_give_restarted_workers_a_fresh_rendezvous_store(tmp_path
     line = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
     assert line in local.render_script(ClusterConfig(), tmp_path / "run").splitlines()
     assert line in slurm.render_sbatch(slurm_config(), tmp_path / "run-a").splitlines()
+
+
+# ---------------------------------------------------------------- cluster.setup must not break the script
+
+
+@pytest.mark.parametrize(
+    ("setup", "blamed", "why"),
+    [
+        (["if true; then"], "cluster.setup:", "unexpected end of file"),
+        (["module load cuda", "echo 'unclosed"], "cluster.setup[1]=", "matching"),
+        (['echo "a'], "cluster.setup[0]=", "matching"),
+        (["fi"], "cluster.setup[0]=", "unexpected token"),
+        (["echo ${x"], "cluster.setup[0]=", "matching"),
+        # bash exits 0 on these two, but they swallow or join trainctl's own lines
+        (["cat <<EOF"], "cluster.setup[0]=", "here-document"),
+        (["module load a", "module load b \\"], "cluster.setup[1]=", "line continuation"),
+    ],
+)
+def test_setup_that_breaks_the_script_is_one_line_before_anything_is_written(tmp_path, setup, blamed, why):
+    cfg = slurm_config(setup=setup)
+    (line,) = slurm.setup_problems(cfg)
+    assert line.startswith(blamed) and why in line
+    with pytest.raises(LaunchError, match="cluster.setup"):
+        slurm.render_sbatch(cfg, tmp_path / "run-a")
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        [],
+        ["module load cuda/12.4", "source ~/venv/bin/activate"],
+        ["if [ -f ~/.env ]; then", "  . ~/.env", "fi"],  # one construct across entries is fine
+        ["export X='a b' Y=\"${HOME}\"", "echo \\\\"],
+        ["cat > f <<'EOF'\nline\nEOF"],  # a complete here-document in one entry
+    ],
+)
+def test_setup_that_parses_passes(tmp_path, setup):
+    cfg = slurm_config(setup=setup)
+    assert slurm.setup_problems(cfg) == []
+    assert slurm.render_sbatch(cfg, tmp_path / "run-a")
+
+
+def test_bash_syntax_error_reports_line_and_message():
+    assert slurm.bash_syntax_error("echo ok\n") is None
+    line, message = slurm.bash_syntax_error("echo ok\nfi\n")
+    assert line == 2 and "fi" in message

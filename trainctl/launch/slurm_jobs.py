@@ -12,8 +12,10 @@ says so at once instead of hanging and then calling every job gone.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -57,16 +59,23 @@ def _reason(done: subprocess.CompletedProcess) -> str:
     return " ".join(done.stderr.split()) or f"exit code {done.returncode}"
 
 
-def _run(argv: list[str], timeout_s: float = QUERY_TIMEOUT_S) -> subprocess.CompletedProcess | None:
+def _run(argv: list[str], timeout_s: float | None = None) -> subprocess.CompletedProcess | None:
     """Run a Slurm client; None when it is not installed; SlurmUnavailable when it does not answer in time."""
+    timeout_s = QUERY_TIMEOUT_S if timeout_s is None else timeout_s
     if shutil.which(argv[0]) is None:
         return None
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]} did not answer within {timeout_s:g} s") from None
+        # Its own session, so that a timeout kills wrappers' children too (they would hold the pipes open).
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     except OSError as exc:
         raise SlurmUnavailable(f"Slurm controller unreachable: cannot run {argv[0]} ({exc.strerror or exc})") from None
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]} did not answer within {timeout_s:g} s") from None
+    done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
     if done.returncode != 0 and UNREACHABLE_RE.search(done.stderr):
         raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]}: {_reason(done)}")
     return done
