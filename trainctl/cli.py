@@ -282,6 +282,8 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     state = runs.run_state(run_dir)
     if state.active:
         raise UserError([f"run {state.name} is still {state.state} ({state.detail}); wait for it, or `trainctl cancel {state.name}` first"])
+    if state.detail.startswith("Slurm controller unreachable"):
+        raise UserError([f"run {state.name}: {state.detail}; its job may still be running, so try again when Slurm answers"])
     if layout.result(run_dir) is not None:
         raise UserError([f"run {state.name} already finished (see {run_dir / layout.RESULT}); launch a new run to train further"])
     cfg = _load_run(run_dir)
@@ -343,7 +345,7 @@ def export(
 
 def _report(problems: list[str]) -> None:
     for line in problems:
-        err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)  # user text: no markup
 
 
 def main() -> None:

@@ -167,12 +167,17 @@ def check_ranges(cfg: s.RunConfig) -> list[str]:
     return problems
 
 
+MAX_LAYERS = 10_000  # the plan works layer by layer: an absurd count would hang it rather than fail
+
+
 def check_model(m: s.ModelConfig, t: s.TrainConfig) -> list[str]:
     """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit."""
     problems = []
     for key, value in (("dim", m.dim), ("n_layers", m.n_layers), ("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)):
         problems += _positive(f"model.{key}", value)
     problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
+    if m.n_layers > MAX_LAYERS:
+        problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; the largest published models have under 200")
     if problems:
         return problems
     if m.dim % m.n_heads:

@@ -1,0 +1,27 @@
+"""User errors through the console entry: one literal line each (no rich markup eaten), exit code 2."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from trainctl import cli
+
+
+def answer(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
+    monkeypatch.setattr(sys, "argv", ["trainctl", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_brackets_in_an_error_line_are_printed_literally(monkeypatch, capsys):
+    code, err = answer(monkeypatch, capsys, "plan", "hydra.searchpath=[file:///tmp]")
+    assert code == 2
+    assert "hydra.searchpath=[file:///tmp]" in err  # rich would read [file:///tmp] as markup and drop it
+
+
+def test_an_absurd_layer_count_fails_at_once_instead_of_hanging_the_plan(monkeypatch, capsys):
+    code, err = answer(monkeypatch, capsys, "plan", "recipe=tiny_cpu", "model.n_layers=1099511627776")
+    assert code == 2 and "model.n_layers=1099511627776" in err and len(err.strip().splitlines()) == 1
