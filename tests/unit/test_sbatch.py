@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,27 @@ def test_bash_syntax_error_reports_line_and_message():
     assert slurm.bash_syntax_error("echo ok\n") is None
     line, message = slurm.bash_syntax_error("echo ok\nfi\n")
     assert line == 2 and "fi" in message
+
+
+def test_the_batch_script_refuses_to_train_while_another_trainer_holds_the_run(tmp_path):
+    run_dir = tmp_path / "run-a"
+    run_dir.mkdir()
+    script = slurm.render_sbatch(slurm_config(), run_dir)
+    lines = script.splitlines()
+    # The script's own lines up to (and including) taking the lock, then a marker.
+    head = lines[: next(i for i, line in enumerate(lines) if line == "unset TRAINCTL_LOCK_FD") + 1] + ["echo locked"]
+    (tmp_path / "head.sh").write_text("\n".join(head) + "\n")
+    env = {**os.environ, "SLURM_JOB_ID": "77"}
+    holder = subprocess.Popen(["flock", str(run_dir / "trainer.lock"), "sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        while subprocess.run(["flock", "-n", str(run_dir / "trainer.lock"), "true"]).returncode == 0:
+            assert time.monotonic() < deadline
+        refused = subprocess.run(["bash", str(tmp_path / "head.sh")], capture_output=True, text=True, env=env)
+        assert refused.returncode == 2 and "is being trained by" in refused.stderr and "locked" not in refused.stdout
+    finally:
+        holder.kill()
+        holder.wait()
+    taken = subprocess.run(["bash", str(tmp_path / "head.sh")], capture_output=True, text=True, env=env)
+    assert taken.returncode == 0 and taken.stdout.strip() == "locked", taken.stderr
+    assert json.loads((run_dir / "trainer.json").read_text())["slurm_job_id"] == "77"

@@ -43,6 +43,25 @@ def _flag(flag: str, value: str) -> str:
     return Expand(f"{flag}={value}") if isinstance(value, Expand) else f"{flag}={value}"
 
 
+def lock_lines(python: str, accept_inherited: bool) -> list[str]:
+    """Script lines that take the run's trainer lock (RUN_DIR must be set) or exit 2 naming its holder.
+
+    The lock is a flock on RUN_DIR/trainer.lock held by the script's shell and whatever it execs (torchrun);
+    it dies with them. `accept_inherited`: a launcher that already holds it passes the descriptor in
+    TRAINCTL_LOCK_FD (trainctl.launch.local). `python` is already shell-quoted.
+    """
+    take = 'exec {TRAINCTL_LOCK_FD}>>"$RUN_DIR/trainer.lock"'
+    lines = ['case "${TRAINCTL_LOCK_FD:-}" in', f"  ''|*[!0-9]*) {take}; OWN_LOCK=1 ;;", "  *) OWN_LOCK= ;;", "esac"]
+    if not accept_inherited:
+        lines = [take, "OWN_LOCK=1"]
+    return [
+        *lines,
+        f'flock -n "$TRAINCTL_LOCK_FD" || exec {python} -m trainctl.core.rundir refusal "$RUN_DIR"',
+        f'[ -z "$OWN_LOCK" ] || {python} -m trainctl.core.rundir hold "$RUN_DIR" "$$"',
+        "unset TRAINCTL_LOCK_FD",
+    ]
+
+
 def torchrun_prefix(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "torch.distributed.run"]
 

@@ -23,12 +23,13 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, PreemptionConfig, RunConfig
 from trainctl.config.slurm import cpus_per_task, gpus_per_node
-from trainctl.launch.command import Expand, omp_threads_export, shell_join, slurm_argv, torchrun_env_exports
+from trainctl.launch.command import Expand, lock_lines, omp_threads_export, shell_join, slurm_argv, torchrun_env_exports
 from trainctl.launch.errors import LaunchError
 
 SBATCH_TIMEOUT_S = 60
@@ -244,6 +245,9 @@ def _script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
             f"RUN_DIR={shlex.quote(str(run_dir))}",
             "ATTEMPT=${SLURM_RESTART_COUNT:-0}  # 0, then 1, 2, ... after each requeue",
             *requeue_guard(c.preemption),
+            "# One trainer per run directory: the batch shell holds the run's lock for the job's lifetime (on the",
+            "# shared filesystem); a requeued attempt takes it again.",
+            *lock_lines(shlex.quote(sys.executable), accept_inherited=False),
             f"cd {shlex.quote(str(workdir))}",
             *environment_lines(c),
             *setup_block(list(c.setup)),
