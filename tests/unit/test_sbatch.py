@@ -331,7 +331,7 @@ def test_the_batch_script_refuses_to_train_while_another_trainer_holds_the_run(t
     head = lines[: next(i for i, line in enumerate(lines) if line == "unset TRAINCTL_LOCK_FD") + 1] + ["echo locked"]
     (tmp_path / "head.sh").write_text("\n".join(head) + "\n")
     env = {**os.environ, "SLURM_JOB_ID": "77"}
-    holder = subprocess.Popen(["flock", str(run_dir / "trainer.lock"), "sleep", "30"])
+    holder = subprocess.Popen(["flock", str(run_dir / "trainer.lock"), "sleep", "30"], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
         while subprocess.run(["flock", "-n", str(run_dir / "trainer.lock"), "true"]).returncode == 0:
@@ -339,7 +339,7 @@ def test_the_batch_script_refuses_to_train_while_another_trainer_holds_the_run(t
         refused = subprocess.run(["bash", str(tmp_path / "head.sh")], capture_output=True, text=True, env=env)
         assert refused.returncode == 2 and "is being trained by" in refused.stderr and "locked" not in refused.stdout
     finally:
-        holder.kill()
+        os.killpg(holder.pid, 9)  # flock and the sleep that holds the lock
         holder.wait()
     taken = subprocess.run(["bash", str(tmp_path / "head.sh")], capture_output=True, text=True, env=env)
     assert taken.returncode == 0 and taken.stdout.strip() == "locked", taken.stderr
