@@ -115,16 +115,21 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         return fail(f"{run_dir / rundir.LOGS}: cannot write the rank's log ({exc.strerror})", EXIT_CONFIG, None)
     try:
-        code, message = run_worker(run_dir, rank)
+        return run_worker(run_dir, rank, log_path)
     except BaseException as err:  # outside run_worker's own handling (a signal before it was set up): still one line
-        code, message = failed(err)
+        return report(err, log_path)[0]
+
+
+def report(err: BaseException, log_path: Path | None) -> tuple[int, str]:
+    """Log a failure and write the error file; (exit code, its one-line message)."""
+    code, message = failed(err)
     if code != 0 and message:
         write_error_file(message, code, log_path)
-    return code
+    return code, message
 
 
-def run_worker(run_dir: Path, rank: int) -> tuple[int, str]:
-    """(exit code, the one-line error message of a failure, else "")."""
+def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
+    """The exit code; a failure is reported (log, stderr, error file) the moment it reaches the top."""
     from trainctl.train.stop import StopRequest, die_with_parent
 
     die_with_parent()  # first: a torchrun killed from now on takes this worker along
@@ -137,8 +142,10 @@ def run_worker(run_dir: Path, rank: int) -> tuple[int, str]:
     except Exception as err:
         message = f"{run_dir / rundir.CONFIG} does not load ({one_line(err, False)}); launch the run again"
         log.error("%s", message)
-        return EXIT_CONFIG, message
+        write_error_file(message, EXIT_CONFIG, log_path)
+        return EXIT_CONFIG
     stop = StopRequest(cfg.cluster.preemption.signal)
+    reported: list[tuple[int, str]] = []  # by the trainer, before it closes the process group
     try:
         stop.install()
         if rank == 0:
@@ -146,12 +153,12 @@ def run_worker(run_dir: Path, rank: int) -> tuple[int, str]:
         # Imported after logging is set up: torch import warnings land in the rank's log.
         from trainctl.train.trainer import run
 
-        summary = run(cfg, run_dir, stop)
+        summary = run(cfg, run_dir, stop, on_error=lambda exc: reported.append(report(exc, log_path)))
     except BaseException as err:
-        return failed(err)
+        return reported[0][0] if reported else report(err, log_path)[0]
     # The stop handlers stay until the process exits: torchrun's SIGTERM to a failed rank's peers must not
     # replace the exit code they chose (a default handler would end them as killed by SIGTERM).
-    return (stop.exit_code if summary["stopped"] else 0), ""
+    return stop.exit_code if summary["stopped"] else 0
 
 
 def failed(err: BaseException) -> tuple[int, str]:

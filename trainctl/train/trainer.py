@@ -368,10 +368,12 @@ def start_from_checkpoint(job: Job, run_dir: Path) -> None:
         print0(f"resumed from {path} at step {job.start.step} ({job.start.samples_seen} samples seen)", job.world.is_main)
 
 
-def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> dict:
+def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error=None) -> dict:
     """The worker: join the world, train, write result.json; always closes W&B and the process group.
 
     stop: installed by the caller as early as it can (a signal during setup ends the worker at once).
+    on_error(exc): called before the error propagates, while the process group is still up: a peer waiting
+    on us fails ("connection closed") only once we close it, so what on_error records comes first.
     """
     world = D.init_distributed(cfg.cluster, cpu_collectives=cfg.sharding.cpu_offload)
     job = None
@@ -384,6 +386,10 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None) -> dict:
         elif world.is_main:
             (run_dir / rundir.RESULT).write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+    except BaseException as exc:
+        if on_error is not None:
+            on_error(exc)
+        raise
     finally:
         if job is not None:
             job.metrics.close()
