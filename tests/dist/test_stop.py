@@ -101,7 +101,8 @@ class Torchrun:
             if value:
                 return value
             if self.proc.poll() is not None:
-                pytest.fail(f"torchrun exited ({self.proc.returncode}) while waiting for {what}:\n{self.text()[-3000:]}")
+                tail = self.text()[-3000:]
+                pytest.fail(f"torchrun exited ({self.proc.returncode}) while waiting for {what}:\n{tail}")
             time.sleep(0.02)
         pytest.fail(f"timed out waiting for {what}")
 
@@ -141,7 +142,8 @@ def last_train_step(run_dir: Path) -> int:
 
 
 def exit_codes(run_dir: Path) -> dict[int, int]:
-    return {rank: int((run_dir / f"exit-rank{rank}").read_text()) for rank in (0, 1) if (run_dir / f"exit-rank{rank}").exists()}
+    files = {rank: run_dir / f"exit-rank{rank}" for rank in (0, 1)}
+    return {rank: int(path.read_text()) for rank, path in files.items() if path.exists()}
 
 
 def worker_output(run_dir: Path) -> str:
@@ -270,11 +272,13 @@ def test_data_error_on_rank0_is_the_first_failure(root, data_cache):
     assert failure.message == "data.train_path='/data/x.bin': token id 300 >= data.vocab_size=256; set it to > 300"
     assert failure.log == str(run_dir / "logs" / "rank0.log")
     errors = sorted((run_dir / rundir.TORCHRUN_LOGS).glob("*/attempt_0/*/error.json"))
-    messages = {json.loads(p.read_text())["trainctl"]["rank"]: json.loads(p.read_text())["message"]["message"] for p in errors}
+    contents = [json.loads(p.read_text()) for p in errors]
+    messages = {data["trainctl"]["rank"]: data["message"]["message"] for data in contents}
     assert 0 in messages and (1 not in messages or messages[1] != messages[0]), messages
     # One line per failing rank on what the console shows of it (torchrun's capture), never a traceback;
     # an unexpected error's traceback once, in the rank's own log.
-    captured = {int(p.parent.name): p.read_text() for p in (run_dir / rundir.TORCHRUN_LOGS).glob("*/attempt_0/*/stderr.log")}
+    stderr_logs = (run_dir / rundir.TORCHRUN_LOGS).glob("*/attempt_0/*/stderr.log")
+    captured = {int(p.parent.name): p.read_text() for p in stderr_logs}
     assert "Traceback" not in "".join(captured.values())
     assert captured[0].count("ERROR: ") == 1 and failure.message in captured[0]
     assert "Traceback" not in (run_dir / "logs" / "rank0.log").read_text()

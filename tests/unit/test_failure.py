@@ -14,14 +14,16 @@ from trainctl.launch.failure import find_failure, first_failure
 T0 = 1_800_000_000.0
 
 
-def error_file(run_dir: Path, local_rank: int, *, torchrun_dir: str = "abc_x1", attempt: int = 0, rank: int | None = None,
-               time: float = T0, message: str = "boom", exit_code: int = 1, ours: bool = True, **fields) -> Path:
+def error_file(run_dir: Path, local_rank: int, *, torchrun_dir: str = "abc_x1", attempt: int = 0,
+               rank: int | None = None, time: float = T0, message: str = "boom", exit_code: int = 1,
+               ours: bool = True, **fields) -> Path:
     """An error.json as the worker (ours=True) or torchelastic's ErrorHandler (ours=False) writes it."""
     path = run_dir / "logs" / "torchrun" / torchrun_dir / f"attempt_{attempt}" / str(local_rank) / "error.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time))}}}
     if ours:
-        data["trainctl"] = {"rank": local_rank if rank is None else rank, "local_rank": local_rank, "exit_code": exit_code,
+        data["trainctl"] = {"rank": local_rank if rank is None else rank, "local_rank": local_rank,
+                            "exit_code": exit_code,
                             "time": time, "run_id": torchrun_dir.rsplit("_", 1)[0], "restart": str(attempt), **fields}
     path.write_text(json.dumps(data))
     os.utime(path, (time, time))
@@ -33,11 +35,12 @@ def test_the_earliest_error_names_the_rank_and_its_own_message(tmp_path):
     (tmp_path / "logs" / "rank0.log").write_text("log of rank 0\n")
     # Rank 1 dies of the broken connection 0.3 s after rank 0's real error, in the same second.
     error_file(tmp_path, 1, time=T0 + 0.5, message="RuntimeError: Connection closed by peer [127.0.0.1]:1234")
-    error_file(tmp_path, 0, time=T0 + 0.2, exit_code=2, message="data.train_path='/x': file not found; point it at a file")
+    message = "data.train_path='/x': file not found; point it at a file"
+    error_file(tmp_path, 0, time=T0 + 0.2, exit_code=2, message=message)
     failure = first_failure(tmp_path)
     assert failure is not None
     assert (failure.rank, failure.exit_code) == (0, 2)
-    assert failure.message == "data.train_path='/x': file not found; point it at a file"
+    assert failure.message == message
     assert failure.log == str(tmp_path / "logs" / "rank0.log")
     assert failure.to_dict()["message"] == failure.message
 
@@ -74,7 +77,8 @@ def test_since_ignores_an_earlier_launch(tmp_path):
 def test_torchelastics_own_error_file_is_read_too(tmp_path):
     error_file(tmp_path, 1, ours=False, time=T0, message="ValueError: from @record")
     failure = first_failure(tmp_path)
-    assert (failure.rank, failure.local_rank, failure.exit_code, failure.message) == (1, 1, None, "ValueError: from @record")
+    got = (failure.rank, failure.local_rank, failure.exit_code, failure.message)
+    assert got == (1, 1, None, "ValueError: from @record")
 
 
 def test_exit_code_of_a_torchelastic_file_comes_from_the_summary(tmp_path):
@@ -91,7 +95,8 @@ def test_summary_is_the_fallback_without_error_files(tmp_path):
 
 
 DAMAGE = [b"", b"{", b"[]", b"null", b'"text"', b'{"message": 3}', b'{"message": {"extraInfo": "x"}}',
-          b'{"message": {"message": ["a"], "extraInfo": {"timestamp": "soon"}}, "trainctl": {"rank": "x", "time": "t"}}',
+          b'{"message": {"message": ["a"], "extraInfo": {"timestamp": "soon"}},'
+          b' "trainctl": {"rank": "x", "time": "t"}}',
           b'{"trainctl": []}', b"\xff\xfe\x00garbage"]
 
 
@@ -117,7 +122,7 @@ def test_random_bytes_and_json_values_never_raise(tmp_path):
             path.write_bytes(rng.randbytes(rng.randrange(40)))
         else:
             data = {"message": {"message": rng.choice(values), "extraInfo": {"timestamp": rng.choice(values)}},
-                    "trainctl": {key: rng.choice(values) for key in ("rank", "time", "exit_code", "run_id", "restart", "log")}}
+                    "trainctl": {key: rng.choice(values) for key in ("rank", "time", "exit_code", "run_id", "log")}}
             path.write_text(json.dumps(data))
         first_failure(tmp_path / f"case{case}")
 

@@ -40,7 +40,7 @@ class _OneLineFormatter(logging.Formatter):
 
 
 def setup_logging(run_dir: Path, rank: int) -> Path:
-    """Every rank to logs/rank{R}.log; warnings and errors also to stderr, one line each (torchrun prefixes the rank)."""
+    """Every rank to logs/rank{R}.log; warnings and errors also to stderr, one line each (torchrun adds the rank)."""
     logs = run_dir / rundir.LOGS
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / f"rank{rank}.log"
@@ -108,7 +108,8 @@ def main(argv: list[str]) -> int:
         return fail("usage: python -m trainctl.train RUN_DIR", EXIT_CONFIG, None)
     run_dir = Path(argv[0]).resolve()
     if not rundir.is_run_dir(run_dir):
-        return fail(f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`", EXIT_CONFIG, None)
+        message = f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`"
+        return fail(message, EXIT_CONFIG, None)
     rank = int(os.environ.get("RANK", 0))
     try:
         log_path = setup_logging(run_dir, rank)
@@ -134,7 +135,8 @@ def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
 
     die_with_parent()  # first: a torchrun killed from now on takes this worker along
     # Which machine each rank ran on: the first thing to know when one node misbehaves.
-    log.info("rank %s of %s on host %s, pid %d", rank, os.environ.get("WORLD_SIZE", 1), socket.gethostname(), os.getpid())
+    log.info("rank %s of %s on host %s, pid %d", rank, os.environ.get("WORLD_SIZE", 1), socket.gethostname(),
+             os.getpid())
     try:
         from trainctl.config.schema import load_run_config
 

@@ -163,7 +163,8 @@ class MetricsLogger:
                 tmp.unlink()
             self._jsonl = self._open_jsonl()
         if dropped:
-            log.info("metrics.jsonl: dropped %d records past step %d (an earlier attempt's, or unreadable)", dropped, step)
+            log.info("metrics.jsonl: dropped %d records past step %d (an earlier attempt's, or unreadable)",
+                     dropped, step)
         return highest
 
     def _emit(self, record: dict, step: int) -> None:
