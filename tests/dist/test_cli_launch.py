@@ -72,13 +72,26 @@ def test_run_directory_is_complete(fsdp_run):
     assert json.loads((run_dir / "launch.json").read_text())["exit_code"] == 0
 
 
-def test_worker_crash_names_rank_and_log(tmp_path):
+def test_a_missing_data_file_is_refused_before_anything_starts(tmp_path):
     missing = tmp_path / "nope.bin"
     proc = launch(tmp_path, "recipe=tiny_cpu", "data=memmap", f"data.train_path={missing}", f"data.val_path={missing}", *SMALL, "--name", "crash")
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "data.train_path" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_worker_failure_names_the_first_rank_and_its_own_message_without_a_traceback(tmp_path):
+    # Only the workers can see this one: the loss blows up at step 2 and the guard stops the run.
+    proc = launch(tmp_path, "recipe=tiny_cpu", "optim.lr=1e6", "guards.nonfinite=stop", f"data.cache_dir={tmp_path / 'cache'}", *SMALL,
+                  "--name", "crash")
     run_dir = tmp_path / "runs" / "crash"
-    assert "failed" in proc.stderr and str(run_dir / "logs") in proc.stderr, proc.stderr[-3000:]
-    assert "data.train_path" in (run_dir / "logs" / "rank0.log").read_text()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "failed first" in last and "not finite" in last and str(run_dir / "logs") in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "Traceback" in (run_dir / "logs" / "launcher.log").read_text()  # torchrun's own, kept off the console
+    assert "not finite" in (run_dir / "logs" / "rank0.log").read_text()
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert record["state"] == "FAILED" and "not finite" in record["failure"]["message"]
 
 
 def test_resume_relaunches_a_stopped_run_from_its_checkpoint(tmp_path):

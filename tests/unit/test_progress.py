@@ -30,3 +30,20 @@ def test_progress_follows_metrics_and_passes_lines(tmp_path):
     assert "world 2 on cpu" in shown
     assert "[default0]:kind=train step=10 loss=3.25" in shown  # the split line arrived whole
     assert "20/40" in shown and "loss 2.5000" in shown and "eta" in shown
+
+
+def test_a_bad_line_never_stops_the_output_and_a_rewritten_file_is_followed(tmp_path):
+    screen = io.StringIO()
+    sink = ProgressSink(tmp_path, total_steps=40, console=Console(file=screen, force_terminal=True, width=100))
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        f.write('[1, 2]\n{"kind": "train", "step": "x"}\n\xff\n{"kind": "train", "step": 12, "loss": null}\n')
+    sink.write(b"[default0]:after the bad lines\n")
+    assert sink.step == 12
+    # A resume rewrites metrics.jsonl (records past its step dropped), shorter than what was read.
+    replacement = tmp_path / "new.jsonl"
+    replacement.write_text(json.dumps({"kind": "train", "step": 5, "loss": 2.0}) + "\n")
+    replacement.replace(tmp_path / "metrics.jsonl")
+    sink.write(b"[default0]:resumed\n")
+    assert sink.step == 5
+    sink.close()
+    assert "after the bad lines" in screen.getvalue() and "resumed" in screen.getvalue()

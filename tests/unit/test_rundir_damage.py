@@ -21,7 +21,6 @@ from trainctl.core import rundir as layout
 from trainctl.launch import local, rundir
 from trainctl.plan.plan import build
 
-
 FILES = [
     layout.CONFIG, layout.PLAN, layout.LAUNCH, layout.METRICS, layout.RESULT, layout.STOPPED, layout.HOLDER,
     layout.ATTEMPTS, layout.WANDB_ID, layout.SCRIPT, "checkpoints/step-00000004/manifest.json",

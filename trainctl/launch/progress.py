@@ -9,6 +9,7 @@ which the worker prints right after writing the record).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -23,6 +24,7 @@ class ProgressSink:
     def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None):
         self._metrics = run_dir / rundir.METRICS
         self._offset = 0
+        self._inode = None
         self._pending = b""
         self._progress = Progress(
             TextColumn("[bold]train"),
@@ -59,6 +61,10 @@ class ProgressSink:
         """Advance the bar to the newest complete train record."""
         try:
             with self._metrics.open("rb") as f:
+                identity = os.fstat(f.fileno()).st_ino
+                if identity != self._inode or os.fstat(f.fileno()).st_size < self._offset:
+                    # A resume rewrote the file (dropping records past its step): read the new one from its start.
+                    self._inode, self._offset = identity, 0
                 f.seek(self._offset)
                 data = f.read()
         except OSError:

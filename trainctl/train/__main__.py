@@ -110,6 +110,11 @@ def main(argv: list[str]) -> int:
     if not rundir.is_run_dir(run_dir):
         message = f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`"
         return fail(message, EXIT_CONFIG, None)
+    expected = os.environ.get(rundir.RUN_DIR_ENV)
+    if expected and Path(expected).resolve() != run_dir:
+        # launch.sh names the directory it found itself in; training anywhere else would write another run.
+        message = f"{run_dir}: the launch script runs from {expected}; relaunch with {expected}/launch.sh or `trainctl resume`"
+        return fail(message, EXIT_CONFIG, None)
     rank = int(os.environ.get("RANK", 0))
     try:
         log_path = setup_logging(run_dir, rank)
