@@ -18,7 +18,6 @@ requeues stops at once. The workers checkpoint on the signal and rank 0 requeues
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil
@@ -29,12 +28,13 @@ from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, PreemptionConfig, RunConfig
 from trainctl.config.slurm import cpus_per_task, gpus_per_node
+from trainctl.core import rundir
 from trainctl.launch.command import Expand, lock_lines, omp_threads_export, shell_join, slurm_argv, torchrun_env_exports
 from trainctl.launch.errors import LaunchError
 
 SBATCH_TIMEOUT_S = 60
 BASH_CHECK_TIMEOUT_S = 10
-ATTEMPTS_FILE = "slurm-attempts.jsonl"  # one line per attempt start and end, written by the job itself
+ATTEMPTS_FILE = rundir.ATTEMPTS  # one line per attempt start and end, written by the job itself
 SETUP_BEGIN = "# ---- cluster.setup: user shell, kept verbatim (not quoted by trainctl) ----"
 SETUP_END = "# ---- end of cluster.setup ----"
 
@@ -269,7 +269,7 @@ def submit(run_dir: Path) -> str:
     """Submit RUN_DIR/launch.sh with sbatch; returns the job id and records it in RUN_DIR/launch.json."""
     if shutil.which("sbatch") is None:
         raise LaunchError("cluster.launcher=slurm but sbatch was not found on PATH; run on a Slurm login node or use cluster=local")
-    script = run_dir / "launch.sh"
+    script = run_dir / rundir.SCRIPT
     if not script.is_file():
         raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
     try:
@@ -281,5 +281,5 @@ def submit(run_dir: Path) -> str:
         raise LaunchError(f"sbatch rejected {script}: {reason}")
     job_id = parse_job_id(done.stdout)
     record = {"launcher": "slurm", "job_id": job_id, "submitted": datetime.now().astimezone().isoformat(timespec="seconds")}
-    (run_dir / "launch.json").write_text(json.dumps(record, indent=2) + "\n")
+    rundir.write_json_atomic(run_dir / rundir.LAUNCH, record)
     return job_id

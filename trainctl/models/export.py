@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from trainctl.config.schema import ModelConfig, load_run_config
-from trainctl.core import checkpoints
+from trainctl.core import checkpoints, rundir
 from trainctl.models.llama import build_model
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
@@ -140,7 +140,7 @@ def read_model_config(run_dir: Path) -> ModelConfig:
     """The run's ModelConfig, from RUN_DIR/config.yaml."""
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
-    if not (run_dir / "config.yaml").is_file():
+    if not (run_dir / rundir.CONFIG).is_file():
         raise ExportError(f"{run_dir}: not a run directory (no config.yaml in it)")
     try:
         return load_run_config(run_dir).model

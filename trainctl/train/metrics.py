@@ -194,7 +194,7 @@ class MetricsLogger:
 
 def wandb_run_id(run_dir: Path) -> str:
     """The run's W&B id, kept in RUN_DIR/wandb_id: every restart and requeue logs to the same W&B run."""
-    path = run_dir / "wandb_id"
+    path = run_dir / rundir.WANDB_ID
     if path.is_file():
         return path.read_text().strip()
     run_id = secrets.token_hex(4)  # W&B ids: short, [a-z0-9]

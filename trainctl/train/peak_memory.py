@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trainctl.core import rundir
 from trainctl.train.memory_stats import model_state_bytes
 
 
@@ -95,7 +96,7 @@ def memory_step(begin: int, steps: int) -> int:
 def read_prediction(run_dir: Path) -> dict | None:
     """The plan's per-rank memory prediction from RUN_DIR/plan.json (plain JSON); None without one."""
     try:
-        plan = json.loads((run_dir / "plan.json").read_text())
+        plan = json.loads((run_dir / rundir.PLAN).read_text())
     except (OSError, ValueError):
         return None
     memory = plan.get("memory") or {}
