@@ -244,7 +244,8 @@ def _submit(run_dir: Path) -> None:
 
     job_id = slurm.submit(run_dir)
     follow = escape(shlex.join(["trainctl", "logs", str(run_dir), "--follow"]))
-    out.print(f"submitted Slurm job [bold]{escape(str(job_id))}[/]; follow it with: {follow}", highlight=False, soft_wrap=True)
+    out.print(f"submitted Slurm job [bold]{escape(str(job_id))}[/]; follow it with: {follow}",
+              highlight=False, soft_wrap=True)
 
 
 def _submit_new(run_dir: Path) -> None:
@@ -268,7 +269,8 @@ def _load_run(run_dir: Path) -> RunConfig:
         raise UserError([f"{run_dir / 'config.yaml'}: {problem}" for problem in exc.problems]) from None
     except Exception as exc:  # a damaged file: OmegaConf's and YAML's errors have no common base
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UserError([f"{run_dir / 'config.yaml'} does not load ({first}); restore it from a copy or launch a new run"]) from None
+        raise UserError([f"{run_dir / 'config.yaml'} does not load ({first}); "
+                         "restore it from a copy or launch a new run"]) from None
 
 
 @app.command()
@@ -281,11 +283,14 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     run_dir = runs.find_run(run, runs_dir)
     state = runs.run_state(run_dir)
     if state.active:
-        raise UserError([f"run {state.name} is still {state.state} ({state.detail}); wait for it, or `trainctl cancel {state.name}` first"])
+        raise UserError([f"run {state.name} is still {state.state} ({state.detail}); "
+                         f"wait for it, or `trainctl cancel {state.name}` first"])
     if state.detail.startswith("Slurm controller unreachable"):
-        raise UserError([f"run {state.name}: {state.detail}; its job may still be running, so try again when Slurm answers"])
+        raise UserError([f"run {state.name}: {state.detail}; its job may still be running, "
+                         "so try again when Slurm answers"])
     if layout.result(run_dir) is not None:
-        raise UserError([f"run {state.name} already finished (see {run_dir / layout.RESULT}); launch a new run to train further"])
+        raise UserError([f"run {state.name} already finished (see {run_dir / layout.RESULT}); "
+                         "launch a new run to train further"])
     cfg = _load_run(run_dir)
     if cfg.checkpoint.resume == "never":
         raise UserError([f"run {state.name} has checkpoint.resume=never: it would start over; launch a new run instead"])
@@ -308,7 +313,8 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
         raise
     choice = checkpoints.newest_valid(run_dir)
     for path, problem in choice.skipped:
-        err.print(f"[yellow]warning:[/] skipping {escape(path.name)}: {escape(problem)}", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]warning:[/] skipping {escape(path.name)}: {escape(problem)}",
+                  highlight=False, soft_wrap=True)
     where = choice.path.name if choice.path else "the start (no valid checkpoint yet)"
     out.print(f"resuming {escape(str(run_dir))} from {escape(where)}", highlight=False, soft_wrap=True)
     if cfg.cluster.launcher == "slurm":

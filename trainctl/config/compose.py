@@ -127,7 +127,8 @@ def _override_problem(item: str) -> str | None:
         return None  # not an override at all; Hydra reports it with the grammar's hint
     key = override.key_or_group
     if key == "hydra" or key.startswith(("hydra.", "hydra/")):
-        return f"{item}: Hydra's own settings (hydra.*) cannot be overridden; configs load only from trainctl's config groups; {_GROUPS_HINT}"
+        return (f"{item}: Hydra's own settings (hydra.*) cannot be overridden; "
+                f"configs load only from trainctl's config groups; {_GROUPS_HINT}")
     group = key.split("/")[0]
     if "/" in key and group in config_groups():
         return f"{item}: {group} has no nested groups; choose an option with {group}=NAME; {_GROUPS_HINT}"
@@ -142,7 +143,8 @@ def _override_problem(item: str) -> str | None:
     names = [] if value is None else value if isinstance(value, list) else [value]
     for name in names:
         if not isinstance(name, str) or not _PLAIN_NAME.match(name) or ".." in name:
-            return (f"{item}: not a {key} name ({key} options load only from trainctl's config directories, never a path); "
+            return (f"{item}: not a {key} name "
+                    f"({key} options load only from trainctl's config directories, never a path); "
                     f"choose one of: {', '.join(options)}")
         if name not in options:
             return f"{key}={name}: unknown {key}; choose one of: {', '.join(options)}"

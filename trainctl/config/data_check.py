@@ -62,7 +62,8 @@ def token_file_problem(key: str, path: str, dtype: str, vocab_size: int, seq_len
                 f"check data.token_dtype={dtype} (uint16 or uint32)")
     tokens = st.st_size // itemsize
     if tokens < seq_len + 1:
-        return f"{head}: {tokens} tokens, fewer than train.seq_len+1={seq_len + 1}; lower train.seq_len or use more data"
+        return (f"{head}: {tokens} tokens, fewer than train.seq_len+1={seq_len + 1}; "
+                "lower train.seq_len or use more data")
     try:
         largest = sampled_max_token(str(where), dtype, st.st_size, st.st_mtime_ns)
     except OSError as exc:

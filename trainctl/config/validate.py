@@ -177,7 +177,8 @@ def check_model(m: s.ModelConfig, t: s.TrainConfig) -> list[str]:
         problems += _positive(f"model.{key}", value)
     problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
     if m.n_layers > MAX_LAYERS:
-        problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; the largest published models have under 200")
+        problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
+                        "the largest published models have under 200")
     if problems:
         return problems
     if m.dim % m.n_heads:

@@ -321,7 +321,7 @@ def lock_holder(run_dir: Path) -> dict | None:
 
 
 def main(argv: list[str]) -> int:
-    """For launch scripts: `hold RUN_DIR PID` records PID as the lock's holder; `refusal RUN_DIR` prints who holds it."""
+    """For launch scripts: `hold RUN_DIR PID` records PID as the lock's holder; `refusal RUN_DIR` names the holder."""
     if len(argv) == 3 and argv[0] == "hold":
         write_json_atomic(Path(argv[1]) / HOLDER, identity(int(argv[2])))
         return 0

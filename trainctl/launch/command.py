@@ -68,7 +68,8 @@ def torchrun_prefix(python: str | None = None) -> list[str]:
 
 def output_args(run_dir: RunDir) -> list[str]:
     """Capture all ranks to files, show local rank 0 on the console."""
-    return [_flag("--log-dir", under(run_dir, TORCHRUN_LOG_SUBDIR)), "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
+    log_dir = _flag("--log-dir", under(run_dir, TORCHRUN_LOG_SUBDIR))
+    return [log_dir, "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
 
 
 def worker_args(run_dir: RunDir) -> list[str]:

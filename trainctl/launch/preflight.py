@@ -64,14 +64,16 @@ def wandb_problems(w: WandbConfig, cluster: ClusterConfig, env: Mapping[str, str
         return []
     # wandb.init(mode=...) beats the environment, so WANDB_MODE does not make this run offline.
     mode_env = job_env.get("WANDB_MODE", "")
-    note = f" (WANDB_MODE={mode_env} does not override logging.wandb.mode)" if mode_env in ("offline", "disabled") else ""
+    ignored = mode_env in ("offline", "disabled")
+    note = f" (WANDB_MODE={mode_env} does not override logging.wandb.mode)" if ignored else ""
     return [f"logging.wandb.mode=online: no W&B API key for {machine} ({why}){note}; set WANDB_API_KEY, "
             f"run `wandb login` (it writes the netrc entry), or use logging.wandb.mode=offline"]
 
 
 def _wandb_settings(env: Mapping[str, str], workdir: Path) -> dict[str, str]:
     """The [default] section of wandb's user settings file, then the workspace's (later wins)."""
-    config_dir = Path(env["WANDB_CONFIG_DIR"]).expanduser() if env.get("WANDB_CONFIG_DIR") else Path.home() / ".config" / "wandb"
+    default = Path.home() / ".config" / "wandb"
+    config_dir = Path(env["WANDB_CONFIG_DIR"]).expanduser() if env.get("WANDB_CONFIG_DIR") else default
     values: dict[str, str] = {}
     for path in (config_dir / "settings", workdir / "wandb" / "settings"):
         parser = configparser.ConfigParser(interpolation=None)

@@ -39,7 +39,8 @@ def check_name(name: str) -> None:
     if not name or any(c in name for c in "/\\\0") or any(c.isspace() or not c.isprintable() for c in name) or name.startswith("."):
         raise LaunchError(f"run name {name!r} is not a plain directory name; use letters, digits, '-', '_' (no '/', no spaces, not starting with '.')")
     if len(name.encode()) > NAME_MAX:
-        raise LaunchError(f"run name {name[:40]!r}... is {len(name.encode())} bytes; use at most {NAME_MAX} (one directory name)")
+        raise LaunchError(f"run name {name[:40]!r}... is {len(name.encode())} bytes; "
+                          f"use at most {NAME_MAX} (one directory name)")
 
 
 def check_path(what: str, path: Path) -> None:
@@ -129,7 +130,8 @@ def create(
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise LaunchError(f"runs_dir={runs_dir}: cannot create it ({exc.strerror or exc}); set runs_dir to a writable directory") from None
+        raise LaunchError(f"runs_dir={runs_dir}: cannot create it ({exc.strerror or exc}); "
+                          "set runs_dir to a writable directory") from None
     try:
         run_dir = reserve(runs_dir, base)
     except OSError as exc:

@@ -77,7 +77,8 @@ def configured_steps(run_dir: Path) -> int | None:
 def stopped_detail(stop: dict) -> str:
     step = rundir.as_int(stop.get("step"))
     at = f" at step {step}" if step is not None else ""
-    return f"stopped by {rundir.as_str(stop.get('signal'), 'a signal')}{at}, checkpoint saved; `trainctl resume` continues"
+    signal_name = rundir.as_str(stop.get("signal"), "a signal")
+    return f"stopped by {signal_name}{at}, checkpoint saved; `trainctl resume` continues"
 
 
 def failure_detail(record: dict) -> str:
@@ -139,7 +140,9 @@ def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool,
     return "UNKNOWN", False, why
 
 
-def slurm_state(run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = "") -> tuple[str, bool, str]:
+def slurm_state(
+    run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = ""
+) -> tuple[str, bool, str]:
     if info is not None:
         detail = info.reason if info.state == "PENDING" else ", ".join(x for x in (info.nodes, info.reason) if x)
         if info.exit_code and info.exit_code != "0:0":
@@ -156,7 +159,8 @@ def slurm_state(run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unr
 def run_states(run_dirs: list[Path]) -> list[RunState]:
     """The state of each run; one squeue (and at most one sacct) call for all the Slurm runs."""
     records = {d: rundir.launch_record(d) for d in run_dirs}
-    job_ids = [str(r["job_id"]) for r in records.values() if r.get("launcher") == "slurm" and isinstance(r.get("job_id"), str | int)]
+    job_ids = [str(r["job_id"]) for r in records.values()
+               if r.get("launcher") == "slurm" and isinstance(r.get("job_id"), str | int)]
     infos, unreachable = slurm_jobs.query_jobs(job_ids) if job_ids else ({}, "")
     states = []
     for run_dir, record in records.items():

@@ -74,7 +74,8 @@ def _run(argv: list[str], timeout_s: float | None = None) -> subprocess.Complete
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]} did not answer within {timeout_s:g} s") from None
+        reason = f"{argv[0]} did not answer within {timeout_s:g} s"
+        raise SlurmUnavailable(f"Slurm controller unreachable: {reason}") from None
     done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
     if done.returncode != 0 and UNREACHABLE_RE.search(done.stderr):
         raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]}: {_reason(done)}")
@@ -141,6 +142,7 @@ def cancel_job(job_id: str) -> None:
     """scancel the job; its stderr becomes the error message when Slurm refuses."""
     done = _run(["scancel", job_id], timeout_s=CANCEL_TIMEOUT_S)
     if done is None:
-        raise LaunchError(f"cannot cancel Slurm job {job_id}: scancel was not found on PATH; run this on a Slurm login node")
+        raise LaunchError(f"cannot cancel Slurm job {job_id}: scancel was not found on PATH; "
+                          "run this on a Slurm login node")
     if done.returncode != 0:
         raise LaunchError(f"scancel {job_id} failed: {_reason(done)}")

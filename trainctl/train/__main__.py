@@ -113,7 +113,8 @@ def main(argv: list[str]) -> int:
     expected = os.environ.get(rundir.RUN_DIR_ENV)
     if expected and Path(expected).resolve() != run_dir:
         # launch.sh names the directory it found itself in; training anywhere else would write another run.
-        message = f"{run_dir}: the launch script runs from {expected}; relaunch with {expected}/launch.sh or `trainctl resume`"
+        message = (f"{run_dir}: the launch script runs from {expected}; "
+                   f"relaunch with {expected}/launch.sh or `trainctl resume`")
         return fail(message, EXIT_CONFIG, None)
     rank = int(os.environ.get("RANK", 0))
     try:
