@@ -163,7 +163,9 @@ def _requeued_and_released(job_id: str, run_dir: Path) -> bool:
 
 
 def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
-    steps = "train.steps=30"
+    # Long enough that the signal (it takes a few hundred ms to reach the workers) lands mid-run: 10 ms steps.
+    total = 300
+    steps = f"train.steps={total}"
     run_dir = launch(tmp_path, "preempted", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=1", steps)
     job_id = json.loads((run_dir / "launch.json").read_text())["job_id"]
     wait_for(lambda: len(_last_per_step(run_dir)) >= 5 if (run_dir / "metrics.jsonl").exists() else False,
@@ -178,12 +180,12 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
     resumes = [r for r in records if r["kind"] == "resume"]
     assert len(resumes) == 1, failure_report(run_dir)
     stopped_at = resumes[0]["step"]
-    assert 5 <= stopped_at < 30
+    assert 5 <= stopped_at < total
     attempts = [json.loads(line) for line in (run_dir / "slurm-attempts.jsonl").read_text().splitlines()]
     assert {r["attempt"] for r in attempts if r["event"] == "start"} == {0, 1}, attempts
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["resumed_from_step"] == stopped_at and result["steps"] == 30
+    assert result["resumed_from_step"] == stopped_at and result["steps"] == total
     # Checkpoint, requeue, resume: the same losses at every step as a run never interrupted.
     want = _last_per_step(local)
     assert _last_per_step(run_dir) == pytest.approx(want, rel=1e-5)
-    assert result["final_train_loss"] == pytest.approx(want[30], rel=1e-5)
+    assert result["final_train_loss"] == pytest.approx(want[total], rel=1e-5)

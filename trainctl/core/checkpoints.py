@@ -89,9 +89,9 @@ def read_manifest(path: Path) -> dict[str, dict]:
     except OSError as exc:
         raise ValueError(f"{MANIFEST} unreadable ({exc.strerror or exc})") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{MANIFEST} malformed ({exc.__class__.__name__})") from None
+        raise ValueError(f"{MANIFEST} unreadable (not a manifest: {exc.__class__.__name__})") from None
     if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        raise ValueError(f"{MANIFEST} malformed (files is not a mapping of entries)")
+        raise ValueError(f"{MANIFEST} unreadable (not a manifest: files is not a mapping of entries)")
     return files
 
 

@@ -161,6 +161,8 @@ def launch_lines(cluster: ClusterConfig, run_dir: Path) -> list[str]:
         "record start",
         "STATUS=0",
         f"{srun} || STATUS=$?",
+        "# The run's own record decides: a stop signal reaching torchrun after the last step fails it, not the run.",
+        f'[ "$STATUS" -eq 0 ] || [ ! -f "$RUN_DIR/{rundir.RESULT}" ] || STATUS=0',
         'record end "$STATUS"',
         'exit "$STATUS"',
     ]
