@@ -311,11 +311,10 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
         if held is not None:
             held.release()
         raise
-    choice = checkpoints.newest_valid(run_dir)
-    for path, problem in choice.skipped:
-        err.print(f"[yellow]warning:[/] skipping {escape(path.name)}: {escape(problem)}",
-                  highlight=False, soft_wrap=True)
-    where = choice.path.name if choice.path else "the start (no valid checkpoint yet)"
+    # Named, not verified here: hashing a large checkpoint on a login node would take long, and the workers
+    # verify it anyway (sharing the work), falling back to an older one when it is damaged.
+    committed = checkpoints.list_committed(checkpoints.checkpoint_dir(run_dir))
+    where = committed[-1][1].name if committed else "the start (no checkpoint yet)"
     out.print(f"resuming {escape(str(run_dir))} from {escape(where)}", highlight=False, soft_wrap=True)
     if cfg.cluster.launcher == "slurm":
         _submit(run_dir)
