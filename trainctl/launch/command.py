@@ -51,13 +51,13 @@ def lock_lines(python: str, accept_inherited: bool) -> list[str]:
     TRAINCTL_LOCK_FD (trainctl.launch.local). `python` is already shell-quoted.
     """
     take = 'exec {TRAINCTL_LOCK_FD}>>"$RUN_DIR/trainer.lock"'
-    lines = ['case "${TRAINCTL_LOCK_FD:-}" in', f"  ''|*[!0-9]*) {take}; OWN_LOCK=1 ;;", "  *) OWN_LOCK= ;;", "esac"]
-    if not accept_inherited:
-        lines = [take, "OWN_LOCK=1"]
+    lines = ['case "${TRAINCTL_LOCK_FD:-}" in', f"  ''|*[!0-9]*) {take} ;;", "esac"] if accept_inherited else [take]
     return [
         *lines,
         f'flock -n "$TRAINCTL_LOCK_FD" || exec {python} -m trainctl.core.rundir refusal "$RUN_DIR"',
-        f'[ -z "$OWN_LOCK" ] || {python} -m trainctl.core.rundir hold "$RUN_DIR" "$$"',
+        # The holder on record is this shell, which execs torchrun: `trainctl cancel` signals torchrun itself,
+        # so a launcher that died (kill -9) does not leave a run nobody can cancel.
+        f'{python} -m trainctl.core.rundir hold "$RUN_DIR" "$$"',
         "unset TRAINCTL_LOCK_FD",
     ]
 
