@@ -235,3 +235,21 @@ def processes_naming(run_dir: Path) -> list[str]:
         if proc.name.isdigit() and str(run_dir) in cmdline:
             found.append(f"{proc.name}: {cmdline}")
     return found
+
+
+def test_a_run_whose_launcher_was_killed_can_still_be_cancelled_and_saves(workdir, data_cache):
+    proc = start(workdir, "launch", *SMALL, cache(data_cache), "train.steps=100000", "checkpoint.every=0", "--name", "orphan")
+    run_dir = workdir / "runs" / "orphan"
+    try:
+        assert wait_for(lambda: len(train_steps(run_dir)) >= 3), proc.stderr
+        proc.kill()  # the launcher dies; torchrun (its own session) trains on and keeps the lock
+        proc.wait()
+        assert run_state(workdir, "orphan")["state"] == "RUNNING"
+        cancelled = trainctl(workdir, "cancel", "orphan", timeout=60)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert wait_for(lambda: run_state(workdir, "orphan")["state"] == "CANCELLED", timeout=60)
+    finally:
+        for line in processes_naming(run_dir):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    committed = list_committed(run_dir / "checkpoints")
+    assert committed and verify(committed[-1][1]) == []
