@@ -9,17 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from worker_runs import TINY_OVERRIDES
 
 pytestmark = pytest.mark.dist
 
 # tiny_cpu, shrunk so the whole launch takes seconds on 2 cores.
 SMALL = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=176",
-    "train.seq_len=64",
+    *TINY_OVERRIDES,
     "train.steps=30",
     "train.eval_every=15",
     "train.eval_batches=4",

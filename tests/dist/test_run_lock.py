@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from worker_runs import TINY_OVERRIDES
 
 from trainctl.core.checkpoints import list_committed, verify
 
@@ -25,12 +26,7 @@ pytestmark = pytest.mark.dist
 TRAINCTL = str(Path(sys.executable).parent / "trainctl")
 SMALL = [
     "recipe=tiny_cpu",
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.ffn_dim=176",
-    "train.seq_len=64",
+    *TINY_OVERRIDES,
     "train.eval_batches=2",
     "schedule.warmup_steps=3",
     "logging.log_every=1",
@@ -130,17 +126,24 @@ def test_a_second_trainer_is_refused_before_it_touches_anything(workdir, data_ca
     assert run_state(workdir, "x")["state"] == "CANCELLED"
 
 
-def stopped_run(workdir: Path, data_cache: Path, name: str, steps: int = 12, stop_after: int = 6) -> Path:
-    """A run stopped (SIGTERM to its launcher: the worker saves) after `stop_after` steps of `steps`."""
+def interrupted(workdir: Path, data_cache: Path, name: str, steps: int, after: int, sig: int) -> tuple[int, str]:
+    """Launch `name` with `checkpoint.every=0`, send `sig` to the launcher after `after` steps; (exit code, stderr)."""
     proc = start(workdir, "launch", *SMALL, cache(data_cache), f"train.steps={steps}", "checkpoint.every=0", "--name", name)
     run_dir = workdir / "runs" / name
     try:
-        assert wait_for(lambda: len(train_steps(run_dir)) >= stop_after), proc.stderr
-        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: len(train_steps(run_dir)) >= after), proc.stderr
+        proc.send_signal(sig)
         code, _, err = finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return code, err
+
+
+def stopped_run(workdir: Path, data_cache: Path, name: str, steps: int = 12, stop_after: int = 6) -> Path:
+    """A run stopped (SIGTERM to its launcher: the worker saves) after `stop_after` steps of `steps`."""
+    code, err = interrupted(workdir, data_cache, name, steps, stop_after, signal.SIGTERM)
+    run_dir = workdir / "runs" / name
     assert code == 143, err[-3000:]
     assert list_committed(run_dir / "checkpoints"), "the stop saved a checkpoint"
     return run_dir
@@ -184,15 +187,9 @@ def test_ctrl_c_at_a_random_step_saves_and_resume_is_bitwise_the_uninterrupted_r
                          "--name", "reference")
     assert reference.returncode == 0, reference.stderr[-3000:]
     stop_at = random.Random(11).randint(3, steps - 4)
-    proc = start(workdir, "launch", *SMALL, cache(data_cache), f"train.steps={steps}", "checkpoint.every=0", "--name", "ctrlc")
+    # SIGINT: what the terminal sends the launcher on Ctrl-C.
+    code, err = interrupted(workdir, data_cache, "ctrlc", steps, stop_at, signal.SIGINT)
     run_dir = workdir / "runs" / "ctrlc"
-    try:
-        assert wait_for(lambda: len(train_steps(run_dir)) >= stop_at), proc.stderr
-        proc.send_signal(signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
-        code, _, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert code == 130, err[-3000:]
     assert "Traceback" not in err
     assert "trainctl resume" in err

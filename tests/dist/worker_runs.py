@@ -12,6 +12,9 @@ from pathlib import Path
 from trainctl.config.schema import DataConfig, LoggingConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, to_yaml
 
 WORKER_TIMEOUT_S = 240
+# The tiny model as CLI overrides of recipe=tiny_cpu, for tests that launch through `trainctl`: seconds per run.
+TINY_OVERRIDES = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=176",
+                  "train.seq_len=64"]
 
 # Tiny enough that a step is milliseconds on one core; fp32 so every run is bitwise-reproducible.
 TINY = ModelConfig(name="test", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_stubs import write_exe
 
 from trainctl.launch import runs, slurm_jobs
 from trainctl.launch.errors import LaunchError
@@ -25,23 +25,6 @@ def make_run(root: Path, name: str, launch: dict | None = None, steps: int = 10)
     if launch is not None:
         (run_dir / "launch.json").write_text(json.dumps(launch))
     return run_dir
-
-
-def write_exe(path: Path, body: str) -> None:
-    path.write_text("#!/usr/bin/env bash\n" + body)
-    path.chmod(0o755)
-
-
-@pytest.fixture
-def slurm_bin(tmp_path, monkeypatch):
-    """A PATH with stub squeue/sacct/scancel; tests fill in what they answer."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    write_exe(bin_dir / "squeue", 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n')
-    write_exe(bin_dir / "sacct", 'echo "Slurm accounting storage is disabled" >&2; exit 1\n')
-    write_exe(bin_dir / "scancel", f'echo "$@" > {tmp_path}/scancel_args\n')
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    return bin_dir
 
 
 def test_state_of_a_queued_and_a_running_job_comes_from_squeue(tmp_path, slurm_bin):

@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
+from slurm_stubs import write_exe
 
 from trainctl.launch import slurm_jobs
 from trainctl.launch.errors import LaunchError
 
 UNREACHABLE = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
-
-
-def write_exe(path: Path, body: str) -> None:
-    path.write_text("#!/usr/bin/env bash\n" + body)
-    path.chmod(0o755)
-
-
-@pytest.fixture
-def slurm_bin(tmp_path, monkeypatch):
-    """Stub Slurm clients that know no job and have no accounting, as a fresh cluster answers."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    write_exe(bin_dir / "squeue", 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n')
-    write_exe(bin_dir / "sacct", 'echo "Slurm accounting storage is disabled" >&2; exit 1\n')
-    write_exe(bin_dir / "scancel", "exit 0\n")
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    return bin_dir
 
 
 def test_unknown_jobs_are_simply_not_known(slurm_bin):
