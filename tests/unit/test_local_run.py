@@ -206,3 +206,15 @@ def test_torchruns_own_traceback_stays_off_the_console_but_in_the_launcher_log(t
     logged = (run_dir / "logs" / "launcher.log").read_text()
     assert "Traceback" in logged and "Root Cause" in logged and "[default0]:step 1" in logged
     assert "rank 1 failed first" in capsys.readouterr().err
+
+
+def test_a_run_that_wrote_its_result_completed_even_if_torchrun_then_failed(tmp_path):
+    # A Ctrl-C that reaches torchrun after the last step: the workers finished, torchrun exits 1.
+    run_dir = make_run_dir(tmp_path, 'echo "{}" > "$(dirname "$0")/result.json"\nexit 1\n')
+    assert local.run(run_dir, out=io.BytesIO()) == 0
+    assert json.loads((run_dir / "launch.json").read_text())["state"] == "COMPLETED"
+    # An old result.json (from before this launch) does not count.
+    again = make_run_dir(tmp_path / "again", "exit 1\n")
+    (again / "result.json").write_text("{}")
+    os.utime(again / "result.json", (0, 0))
+    assert local.run(again, out=io.BytesIO()) == 1

@@ -170,14 +170,23 @@ def outcome(run_dir: Path, returncode: int, started_at: float) -> tuple[str, int
     """(state, exit code) of the attempt that just ended, from the run's own records.
 
     torchrun exits 1 when it is stopped by a signal, so its code alone cannot tell a stop from a crash:
-    the workers' stopped.json (a stop on request, checkpoint saved) can.
+    the workers' stopped.json (a stop on request, checkpoint saved) and result.json (finished) can.
     """
     stop = rundir.stop_record(run_dir)
     if rundir.as_float(stop.get("time"), 0.0) >= started_at:
         name = rundir.as_str(stop.get("signal"))
         return "CANCELLED", 128 + signal.Signals[name].value if name in signal.Signals.__members__ else 130
     code = _exit_code(returncode)
+    if code != 0 and _written_since(run_dir / rundir.RESULT, started_at):
+        return "COMPLETED", 0  # it finished: a stop signal reaching torchrun after the last step fails torchrun only
     return ("COMPLETED", 0) if code == 0 else ("FAILED", code)
+
+
+def _written_since(path: Path, started_at: float) -> bool:
+    try:
+        return path.stat().st_mtime >= started_at
+    except OSError:
+        return False
 
 
 @contextmanager
