@@ -9,7 +9,7 @@ recipe: bf16 with compile off and on, activation checkpointing none / selective 
 
     python scripts/bench_variants.py --out benchmarks/llama1b_h100   # on a GPU machine
     python scripts/bench_variants.py --recipe tiny_cpu --base sharding=none cluster.procs_per_node=1 \\
-        train.steps=6 logging.log_every=2 --variants eager --out /tmp/bench   # smoke test on CPU
+        train.steps=6 schedule.warmup_steps=2 logging.log_every=2 --variants eager --out /tmp/bench  # CPU smoke
 """
 
 from __future__ import annotations

@@ -1,0 +1,32 @@
+"""Smoke test of scripts/bench_variants.py: one variant of the CPU recipe through the real CLI and torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_variants.py"
+
+pytestmark = pytest.mark.dist
+
+
+def test_bench_variants_reports_each_variant_from_its_metrics(tmp_path, data_cache):
+    base = ["sharding=none", "cluster.procs_per_node=1", "train.steps=6", "schedule.warmup_steps=2", "logging.log_every=2",
+            "train.seq_len=64", f"data.cache_dir={data_cache}"]
+    cmd = [sys.executable, str(SCRIPT), "--recipe", "tiny_cpu", "--base", *base,
+           "--variants", "eager", "--out", str(tmp_path / "bench")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    (result,) = report["results"]
+    assert result["exit_code"] == 0 and "error" not in result, result
+    assert result["variant"] == "eager" and "train.compile=false" in result["overrides"]
+    assert result["tokens_per_s"] > 0 and result["step_time_s"] > 0
+    assert result["final_loss"] == result["final_loss"]  # a number, not NaN
+    assert report["device"].startswith("cpu") and report["command"].startswith("python scripts/bench_variants.py")
+    assert "| eager |" in (tmp_path / "bench.md").read_text()
