@@ -35,8 +35,8 @@ def run_variant(recipe: str, base: list[str], mode: str, micro_batch: int, runs_
     """Launch one variant for a few steps and read its memory record back."""
     name = f"ac_{mode}-mb{micro_batch}"
     overrides = [f"train.activation_checkpointing={mode}", f"train.micro_batch={micro_batch}", "train.grad_accum=-1"]
-    common = [f"recipe={recipe}", f"runs_dir={runs_dir}", f"train.steps={STEPS}", "schedule.warmup_steps=1", "train.eval_every=0",
-              "logging.log_every=1", "checkpoint.save_final=false", *base]
+    common = [f"recipe={recipe}", f"runs_dir={runs_dir}", f"train.steps={STEPS}", "schedule.warmup_steps=1",
+              "train.eval_every=0", "logging.log_every=1", "checkpoint.save_final=false", *base]
     cmd = [sys.executable, "-m", "trainctl.cli", "launch", *common, *overrides, "--name", name, "--force"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     result = {"variant": name, "mode": mode, "micro_batch": micro_batch, "exit_code": proc.returncode}
@@ -44,15 +44,17 @@ def run_variant(recipe: str, base: list[str], mode: str, micro_batch: int, runs_
     plan = read_json(run_dir / "plan.json")
     if plan:
         memory = plan["memory"]
-        result.update(predicted_peak_bytes=memory["peak_bytes"], verdict=memory["verdict"], need_bytes=memory["need_bytes"],
-                      capacity_bytes=memory["capacity_bytes"], peak_phase=memory["peak_phase"])
+        result.update(predicted_peak_bytes=memory["peak_bytes"], verdict=memory["verdict"],
+                      need_bytes=memory["need_bytes"], capacity_bytes=memory["capacity_bytes"],
+                      peak_phase=memory["peak_phase"])
     record = memory_record(run_dir / "metrics.jsonl")
     if record is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         result["error"] = "out of memory" if "out of memory" in (proc.stderr + proc.stdout).lower() else tail[0][:200]
         return result
     busiest = max(record["per_rank"], key=lambda r: r["peak_bytes"])
-    result.update(measured_peak_bytes=busiest["peak_bytes"], predicted_rank_peak_bytes=busiest.get("predicted_peak_bytes"),
+    result.update(measured_peak_bytes=busiest["peak_bytes"],
+                  predicted_rank_peak_bytes=busiest.get("predicted_peak_bytes"),
                   peak_source=busiest.get("peak_source"), **throughput(run_dir / "metrics.jsonl"))
     return result
 
@@ -85,16 +87,17 @@ def markdown(results: list[dict], header: str) -> str:
             return "-"
         return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / 2**20:.1f} MiB"
 
-    lines = [header, "", "| AC | micro-batch | predicted | measured | measured / predicted | plan verdict | peak phase | tokens/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    columns = ("| AC | micro-batch | predicted | measured | measured / predicted | plan verdict | peak phase "
+               "| tokens/s |")
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|"]
     for r in results:
         predicted = r.get("predicted_rank_peak_bytes") or r.get("predicted_peak_bytes")
         measured = r.get("measured_peak_bytes")
         ratio = "-" if not (predicted and measured) else f"{measured / predicted:.3f}"
         outcome = r.get("error", ratio)
         tps = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
-        lines.append(f"| {r['mode']} | {r['micro_batch']} | {gib(predicted)} | {gib(measured)} | {outcome} | {r.get('verdict', '-')} | "
-                     f"{r.get('peak_phase', '-')} | {tps} |")
+        lines.append(f"| {r['mode']} | {r['micro_batch']} | {gib(predicted)} | {gib(measured)} | {outcome} | "
+                     f"{r.get('verdict', '-')} | {r.get('peak_phase', '-')} | {tps} |")
     return "\n".join(lines) + "\n"
 
 
@@ -114,7 +117,8 @@ def main() -> None:
             result = run_variant(args.recipe, args.base, mode, micro_batch, runs_dir)
             results.append(result)
             print(json.dumps(result), flush=True)
-    write_results(args.out, args.recipe, "bench_memory.py", results, f"Peak memory per rank, predicted vs measured: {args.recipe}", markdown)
+    title = f"Peak memory per rank, predicted vs measured: {args.recipe}"
+    write_results(args.out, args.recipe, "bench_memory.py", results, title, markdown)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ DEFAULT = ["eager", "compile", "ac_selective", "ac_full", "fp8"]
 
 def run_variant(recipe: str, base: list[str], extra: list[str], runs_dir: Path, name: str) -> dict:
     """Launch one variant and summarize its train records."""
-    cmd = [sys.executable, "-m", "trainctl.cli", "launch", f"recipe={recipe}", f"runs_dir={runs_dir}", *base, *extra, "--name", name]
+    cmd = [sys.executable, "-m", "trainctl.cli", "launch", f"recipe={recipe}", f"runs_dir={runs_dir}",
+           *base, *extra, "--name", name]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     run_dir = runs_dir / name
     result = {"variant": name, "overrides": [*base, *extra], "exit_code": proc.returncode, "run_dir": str(run_dir)}
@@ -71,20 +72,23 @@ def markdown(results: list[dict], header: str) -> str:
     def cell(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    lines = [header, "", "| variant | tokens/s | MFU | step s | peak GiB | loss | overrides |", "|---|---|---|---|---|---|---|"]
+    columns = "| variant | tokens/s | MFU | step s | peak GiB | loss | overrides |"
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {' '.join(r['error'])} | | | | | {' '.join(r['overrides'])} |")
             continue
         lines.append(
-            f"| {r['variant']} | {cell(r['tokens_per_s'], ',.0f')} | {cell(r['mfu'], '.1%')} | {cell(r['step_time_s'], '.3f')} | "
+            f"| {r['variant']} | {cell(r['tokens_per_s'], ',.0f')} | {cell(r['mfu'], '.1%')} | "
+            f"{cell(r['step_time_s'], '.3f')} | "
             f"{cell(r['peak_mem_gib'], '.1f')} | {cell(r['final_loss'], '.3f')} | {' '.join(r['overrides'])} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def device_name() -> str:
-    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu', torch.__version__)"
+    probe = ("import torch; "
+             "print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu', torch.__version__)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     return proc.stdout.strip() or platform.processor()
 
