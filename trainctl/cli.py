@@ -22,6 +22,7 @@ from trainctl.config import compose as composer
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import GROUPS, RunConfig, to_yaml
 from trainctl.config.validate import resolve
+from trainctl.core.errors import UserError
 
 app = typer.Typer(
     help="Compose, plan and launch Llama training runs. Overrides use Hydra's grammar: key=value, group=option, +key=value, ~key.",
@@ -36,14 +37,6 @@ out = Console()
 err = Console(stderr=True)
 
 OVERRIDES = typer.Argument(None, help="Hydra overrides, e.g. recipe=tiny_cpu optim.lr=1e-4 model=llama2_7b", show_default=False)
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line per problem, exit code 2."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
 
 
 def _resolved(overrides: list[str] | None) -> RunConfig:
@@ -355,18 +348,14 @@ def _report(problems: list[str]) -> None:
 
 def main() -> None:
     """Console-script entry: user errors print one line each and exit 2, never a traceback."""
-    from trainctl.launch.errors import LaunchError
     from trainctl.plan.plan import PlanError
 
     try:
         app()
-    except ConfigError as exc:
+    except UserError as exc:  # config, launch and export errors all derive from it
         _report(exc.problems)
         sys.exit(2)
-    except UserError as exc:
-        _report(exc.problems)
-        sys.exit(2)
-    except (LaunchError, PlanError) as exc:
+    except PlanError as exc:  # until PlanError subclasses UserError (asked of plan/plan.py's owner)
         _report([str(exc)])
         sys.exit(2)
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
+from trainctl.core.errors import UserError
 
-class ConfigError(Exception):
+
+class ConfigError(UserError):
     """One or more configuration problems, each a complete one-line message."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))

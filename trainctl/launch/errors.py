@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from trainctl.core.errors import UserError
 
-class LaunchError(Exception):
+
+class LaunchError(UserError):
     """The run cannot be started as configured; the message says what would work."""

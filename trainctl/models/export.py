@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from trainctl.config.schema import ModelConfig, load_run_config
 from trainctl.core import checkpoints, rundir
+from trainctl.core.errors import UserError
 from trainctl.models.llama import build_model
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
@@ -65,7 +66,7 @@ PICKLE_ERRORS = (
 CONFIG_ERRORS = (OSError, ValueError, TypeError, KeyError, yaml.YAMLError, OmegaConfBaseException)
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """A problem the user can fix; the message is one line."""
 
 
