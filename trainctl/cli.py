@@ -20,7 +20,7 @@ from rich.table import Column, Table
 
 from trainctl.config import compose as composer
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import GROUPS, RunConfig, to_yaml
+from trainctl.config.schema import GROUPS, RunConfig, option_of, to_yaml
 from trainctl.config.validate import resolve
 from trainctl.core.errors import UserError
 
@@ -58,7 +58,7 @@ def config_groups() -> None:
     table = Table("group", "options", "default", box=None, header_style="bold")
     defaults = composer.compose_dictconfig([])
     for group in GROUPS:
-        table.add_row(group, ", ".join(composer.list_options(group)), str(defaults[group].name))
+        table.add_row(group, ", ".join(composer.list_options(group)), option_of(group, defaults[group]))
     table.add_row("recipe", ", ".join(composer.list_options("recipe")), "(none)")
     out.print(table)
 

@@ -43,14 +43,14 @@ def test_cp_plumbing_under_torchrun():
 
 CP_LAYOUTS = {
     # name: (sharding, ranks, micro_batch, grad_accum, activation checkpointing); global batch 8 throughout
-    "cp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, cp=2), 2, 8, 1, "none"),
+    "cp2": (ShardingConfig(strategy="fsdp", dp_shard=1, cp=2), 2, 8, 1, "none"),
     # Accumulation and full recompute: both micro-batches' backward (and its recompute) run the ring.
-    "cp2_accum_ac": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, cp=2), 2, 4, 2, "full"),
+    "cp2_accum_ac": (ShardingConfig(strategy="fsdp", dp_shard=1, cp=2), 2, 4, 2, "full"),
     # Per-op checkpointing: its policy sees the ring's ops inside the context.
-    "cp2_op_ac": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, cp=2), 2, 8, 1, "op"),
-    "ddp_cp2": (ShardingConfig(name="ddp", strategy="ddp", dp_replicate=1, cp=2), 2, 8, 1, "none"),
-    "fsdp2_cp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2, cp=2), 4, 4, 1, "none"),
-    "tp2_cp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, tp=2, cp=2), 4, 8, 1, "none"),
+    "cp2_op_ac": (ShardingConfig(strategy="fsdp", dp_shard=1, cp=2), 2, 8, 1, "op"),
+    "ddp_cp2": (ShardingConfig(strategy="ddp", dp_replicate=1, cp=2), 2, 8, 1, "none"),
+    "fsdp2_cp2": (ShardingConfig(strategy="fsdp", dp_shard=2, cp=2), 4, 4, 1, "none"),
+    "tp2_cp2": (ShardingConfig(strategy="fsdp", dp_shard=1, tp=2, cp=2), 4, 8, 1, "none"),
 }
 
 
@@ -109,7 +109,7 @@ def test_cp_loss_parity_on_gpus(tmp_path, data_cache):
     # fp32 on GPU: ring attention adds per-chunk softmax merges, so close, not bitwise.
     cuda = replace(base_config(data_cache, steps=10), cluster=ClusterConfig(device="cuda"))
     single = train_and_check(tmp_path, replace(cuda, name="cp1"), 1)
-    cp2 = replace(cuda, name="cp2", sharding=ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=1, cp=2))
+    cp2 = replace(cuda, name="cp2", sharding=ShardingConfig(strategy="fsdp", dp_shard=1, cp=2))
     run = train_and_check(tmp_path, cp2, 2)
     assert series(run, "loss") == pytest.approx(series(single, "loss"), rel=1e-4)
     assert series(run, "grad_norm") == pytest.approx(series(single, "grad_norm"), rel=1e-3)

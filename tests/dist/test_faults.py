@@ -32,7 +32,7 @@ from trainctl.launch.command import TORCHRUN_ENV  # what the launch scripts expo
 pytestmark = pytest.mark.dist
 
 STEPS, EVERY, KEEP = 16, 4, 3
-DDP = ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2)
+DDP = ShardingConfig(strategy="ddp", dp_replicate=2)
 START_LINE = re.compile(r"rank (\d+) of \d+ on host \S+, pid (\d+)")
 SLICE_S = 0.005  # how long the workers run between two looks at their progress
 

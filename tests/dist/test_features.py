@@ -35,7 +35,7 @@ def full_ac_with_wandb(root, data_cache):
 @pytest.fixture(scope="module")
 def selective_ac_fsdp(root, data_cache):
     cfg = base_config(data_cache, steps=STEPS, micro_batch=4, activation_checkpointing="selective", ac_every=2)
-    cfg = replace(cfg, name="selective-ac-fsdp", sharding=ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2))
+    cfg = replace(cfg, name="selective-ac-fsdp", sharding=ShardingConfig(strategy="fsdp", dp_shard=2))
     return train_and_check(root, cfg, 2)
 
 
@@ -77,7 +77,7 @@ def test_compile_smoke(root, data_cache, reference):
 
 def test_unsupported_option_fails_with_one_line_naming_the_key(root, data_cache):
     # Context parallelism needs CUDA: the worker re-checks the device (validate refuses it first; this run dir is hand-written).
-    cfg = replace(base_config(data_cache, steps=STEPS), name="cp2", sharding=ShardingConfig(name="cp", strategy="none", cp=2))
+    cfg = replace(base_config(data_cache, steps=STEPS), name="cp2", sharding=ShardingConfig(strategy="none", cp=2))
     run_dir = write_run_dir(root, cfg)
     proc = run_worker(run_dir, 2)
     assert proc.returncode != 0

@@ -152,15 +152,15 @@ SHAPES = {
 BATCHES = {"4x64": (4, 64), "2x160": (2, 160)}
 PRECISIONS = {
     "fp32": ("none", PrecisionConfig()),
-    "bf16_fsdp": ("zero3", PrecisionConfig(name="bf16", compute_dtype="bf16")),
-    "bf16_autocast": ("none", PrecisionConfig(name="bf16", compute_dtype="bf16")),
+    "bf16_fsdp": ("zero3", PrecisionConfig(compute_dtype="bf16")),
+    "bf16_autocast": ("none", PrecisionConfig(compute_dtype="bf16")),
 }
 ACT_REL = 0.10
 
 
 def planned_activation_bytes(model_cfg: ModelConfig, strategy: str, precision: PrecisionConfig, mode: str, batch: int, seq: int) -> int:
     """One micro-batch's activations (head included) plus autocast's weight copies, as the plan counts them."""
-    sharding = ShardingConfig(name=strategy, strategy=strategy)
+    sharding = ShardingConfig(strategy=strategy)
     train = TrainConfig(seq_len=seq, micro_batch=batch, grad_accum=1, global_batch=batch, activation_checkpointing=mode, ac_every=2)
     (stage,) = rank_stages(model_cfg, sharding, 1)
     est = plan_memory.estimate(model_cfg, precision, sharding, train, ParallelDims(), stage, device="cpu")

@@ -26,7 +26,7 @@ def assert_same_curve(run_dir, reference, key: str, steps: int = PARITY_STEPS) -
 def runs(tmp_path_factory, data_cache):
     """One process on the whole batch, and the same global batch of 8 split four other ways."""
     root = tmp_path_factory.mktemp("parity")
-    fsdp = ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2)
+    fsdp = ShardingConfig(strategy="fsdp", dp_shard=2)
     configs = {
         # Plain `python -m trainctl.train`: the world-of-one path without torchrun.
         "single": (base_config(data_cache, micro_batch=8, grad_accum=1), None),
@@ -38,13 +38,13 @@ def runs(tmp_path_factory, data_cache):
         "hsdp2x2": (base_config(data_cache, micro_batch=2, grad_accum=1), 4),
     }
     sharding = {
-        "ddp": ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2),
+        "ddp": ShardingConfig(strategy="ddp", dp_replicate=2),
         "fsdp": fsdp,
-        "zero2": ShardingConfig(name="zero2", strategy="zero2", dp_shard=2),
+        "zero2": ShardingConfig(strategy="zero2", dp_shard=2),
         # A 2-D (replicate 2 x shard 1) mesh: the HSDP code path on two ranks.
-        "hsdp": ShardingConfig(name="hsdp", strategy="hsdp", dp_replicate=2, dp_shard=1),
+        "hsdp": ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=1),
         # The real HSDP layout: shard within groups of 2, replicate across 2 groups (4 ranks).
-        "hsdp2x2": ShardingConfig(name="hsdp", strategy="hsdp", dp_replicate=2, dp_shard=2),
+        "hsdp2x2": ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=2),
     }
     out = {}
     for name, (cfg, nproc) in configs.items():

@@ -31,7 +31,7 @@ def runs(tmp_path_factory, data_cache):
         base_config(data_cache, steps=STEPS, micro_batch=1, grad_accum=4, eval_every=5, eval_batches=4),
         name="fsdp_tp_pp",
         model=model,
-        sharding=ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2, tp=2, pp=2, pp_schedule="1f1b"),
+        sharding=ShardingConfig(strategy="fsdp", dp_shard=2, tp=2, pp=2, pp_schedule="1f1b"),
     )
     return {"single": train_and_check(root, single, None), "3d": train_and_check(root, three_d, 8)}
 

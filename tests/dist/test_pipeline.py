@@ -38,7 +38,7 @@ def pipeline_config(data_cache, name: str):
     # held-out set is the same 4 samples either way (dp x eval_batches x micro_batch).
     cfg = base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=4 // dp, eval_batches=2 // dp)
     dp_dims = {"dp_replicate": dp} if strategy == "ddp" else {"dp_shard": dp}
-    sharding = ShardingConfig(name=name, strategy=strategy, pp=2, pp_schedule=schedule,
+    sharding = ShardingConfig(strategy=strategy, pp=2, pp_schedule=schedule,
                               pp_stages_per_rank=per_rank, pp_layers=layers, **dp_dims)
     return replace(cfg, name=name, model=MODEL, sharding=sharding), 2 * dp
 

@@ -38,22 +38,22 @@ from trainctl.plan.stages import rank_stages
 pytestmark = pytest.mark.dist
 
 STEPS = 4
-BF16 = PrecisionConfig(name="bf16", compute_dtype="bf16")
+BF16 = PrecisionConfig(compute_dtype="bf16")
 PEAK_TOLERANCE = 0.10
 
 # name -> (nproc, sharding, precision, train overrides)
 RUNS = {
-    "fsdp_accum": (2, ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2), PrecisionConfig(),
+    "fsdp_accum": (2, ShardingConfig(strategy="fsdp", dp_shard=2), PrecisionConfig(),
                    {"micro_batch": 2, "grad_accum": 2, "activation_checkpointing": "selective"}),
-    "zero1_autocast": (2, ShardingConfig(name="zero1", strategy="zero1", dp_replicate=2), BF16,
+    "zero1_autocast": (2, ShardingConfig(strategy="zero1", dp_replicate=2), BF16,
                        {"micro_batch": 4, "grad_accum": 1, "activation_checkpointing": "full"}),
     # 4 blocks, a wider MLP: TP's collective buffers whose overlap depends on timing (a few
     # [tokens, dim] each, the same whatever the depth and width) stay a small share of the peak.
-    "tp_op": (2, ShardingConfig(name="zero2", strategy="zero2", tp=2), BF16,
+    "tp_op": (2, ShardingConfig(strategy="zero2", tp=2), BF16,
               {"micro_batch": 8, "grad_accum": 1, "activation_checkpointing": "op"}),
-    "pp_1f1b": (2, ShardingConfig(name="ddp", strategy="ddp", pp=2, pp_schedule="1f1b"), PrecisionConfig(),
+    "pp_1f1b": (2, ShardingConfig(strategy="ddp", pp=2, pp_schedule="1f1b"), PrecisionConfig(),
                 {"micro_batch": 2, "grad_accum": 4}),
-    "hsdp": (4, ShardingConfig(name="hsdp", strategy="hsdp", dp_replicate=2, dp_shard=2), BF16,
+    "hsdp": (4, ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=2), BF16,
              {"micro_batch": 2, "grad_accum": 1}),
 }
 

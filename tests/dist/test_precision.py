@@ -27,11 +27,11 @@ pytestmark = pytest.mark.dist
 
 STEPS = 20
 INJECT_STEP = 9  # 0-based optimizer step; its metrics are logged at step INJECT_STEP + 1
-FSDP2 = ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2)
-BF16 = PrecisionConfig(name="bf16", compute_dtype="bf16")
-FP16 = PrecisionConfig(name="fp16", compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
-FP8 = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True, fp8_recipe="tensorwise")
-TP2 = ShardingConfig(name="tp", strategy="none", tp=2)
+FSDP2 = ShardingConfig(strategy="fsdp", dp_shard=2)
+BF16 = PrecisionConfig(compute_dtype="bf16")
+FP16 = PrecisionConfig(compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
+FP8 = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_recipe="tensorwise")
+TP2 = ShardingConfig(strategy="none", tp=2)
 TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp8": 2e-2, "fp8_tp": 2e-2}
 FP32_NOISE = 1e-6
 
@@ -65,7 +65,7 @@ def runs(root, data_cache):
     }
 
 
-PP2 = ShardingConfig(name="pp", strategy="none", pp=2, pp_schedule="1f1b")
+PP2 = ShardingConfig(strategy="none", pp=2, pp_schedule="1f1b")
 
 
 @pytest.fixture(scope="module")

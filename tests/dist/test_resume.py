@@ -66,12 +66,12 @@ def _dp(s: ShardingConfig) -> int:
 
 LAYOUTS = {
     # name: (sharding, workers, micro_batch)
-    "ddp": (ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2), 2, 4),
-    "zero3": (ShardingConfig(name="zero3", strategy="zero3", dp_shard=2), 2, 4),
-    "tp": (ShardingConfig(name="tp", strategy="none", tp=2), 2, 8),
+    "ddp": (ShardingConfig(strategy="ddp", dp_replicate=2), 2, 4),
+    "zero3": (ShardingConfig(strategy="zero3", dp_shard=2), 2, 4),
+    "tp": (ShardingConfig(strategy="none", tp=2), 2, 8),
     # zero1's optimizer shards are per rank (not resharded); pp: names stay the full model's.
-    "zero1": (ShardingConfig(name="zero1", strategy="zero1", dp_replicate=2), 2, 4),
-    "pp": (ShardingConfig(name="pp", strategy="none", pp=2, pp_schedule="1f1b"), 2, 4),
+    "zero1": (ShardingConfig(strategy="zero1", dp_replicate=2), 2, 4),
+    "pp": (ShardingConfig(strategy="none", pp=2, pp_schedule="1f1b"), 2, 4),
 }
 
 
@@ -100,7 +100,7 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
 def four_worker_runs(tmp_path_factory, data_cache):
     """zero3 on 4 workers: one run straight through, one stopped after step 10 (its checkpoint is the source)."""
     root = tmp_path_factory.mktemp("reshard")
-    z4 = ShardingConfig(name="zero3", strategy="zero3", dp_shard=4)
+    z4 = ShardingConfig(strategy="zero3", dp_shard=4)
     straight = write_run_dir(root, config(data_cache, "z4-straight", z4, 2))
     ok(launch(straight, 4), straight)
     source = write_run_dir(root, config(data_cache, "z4-stopped", z4, 2))
@@ -112,9 +112,9 @@ def four_worker_runs(tmp_path_factory, data_cache):
 def test_resharded_resume_continues_the_loss(four_worker_runs, data_cache, target):
     root, straight, source = four_worker_runs
     sharding, nproc, micro = {
-        "zero3x2": (ShardingConfig(name="zero3", strategy="zero3", dp_shard=2), 2, 4),
+        "zero3x2": (ShardingConfig(strategy="zero3", dp_shard=2), 2, 4),
         "single": (ShardingConfig(), None, 8),
-        "fsdp2+tp2": (ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2, tp=2), 4, 4),
+        "fsdp2+tp2": (ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4, 4),
     }[target]
     checkpoint = list_committed(source / "checkpoints")[-1][1]
     # A new run that starts from the other run's checkpoint with everything (step, data position too).

@@ -30,7 +30,7 @@ from trainctl.launch.failure import first_failure
 pytestmark = pytest.mark.dist
 
 STEPS = 24
-DDP = ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2)
+DDP = ShardingConfig(strategy="ddp", dp_replicate=2)
 
 ENTRY = '''\
 import os, sys, time

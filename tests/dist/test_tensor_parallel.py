@@ -29,11 +29,11 @@ def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("tensor-parallel")
     configs = {
         "single": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(), None),
-        "tp2": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(name="tp", tp=2), 2),
+        "tp2": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(tp=2), 2),
         "fsdp2_tp2": (base_config(data_cache, steps=STEPS, micro_batch=4),
-                      ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=2, tp=2), 4),
+                      ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4),
         "ddp2_tp2": (base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=2),
-                     ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2, tp=2), 4),
+                     ShardingConfig(strategy="ddp", dp_replicate=2, tp=2), 4),
     }
     return {name: train_and_check(root, replace(cfg, name=name, sharding=sharding), nproc)
             for name, (cfg, sharding, nproc) in configs.items()}

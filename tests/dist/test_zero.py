@@ -43,10 +43,10 @@ ROW_SLACK = sum(4 * p.numel() // p.shape[0] for p in PARAMS)  # fp32 bytes of on
 
 SHARDING = {
     "none": ShardingConfig(),
-    "zero1": ShardingConfig(name="zero1", strategy="zero1", dp_replicate=2),
-    "ddp": ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2),
-    "zero2": ShardingConfig(name="zero2", strategy="zero2", dp_shard=2),
-    "zero3": ShardingConfig(name="zero3", strategy="zero3", dp_shard=2, cpu_offload=True),
+    "zero1": ShardingConfig(strategy="zero1", dp_replicate=2),
+    "ddp": ShardingConfig(strategy="ddp", dp_replicate=2),
+    "zero2": ShardingConfig(strategy="zero2", dp_shard=2),
+    "zero3": ShardingConfig(strategy="zero3", dp_shard=2, cpu_offload=True),
 }
 
 

@@ -76,8 +76,8 @@ def test_verdict_thresholds_at_ten_percent_headroom(need_gib, verdict):
 def ddp_7b() -> RunConfig:
     return RunConfig(
         model=LLAMA2_7B,
-        precision=PrecisionConfig(name="bf16", compute_dtype="bf16"),
-        sharding=ShardingConfig(name="ddp", strategy="ddp", dp_replicate=8),
+        precision=PrecisionConfig(compute_dtype="bf16"),
+        sharding=ShardingConfig(strategy="ddp", dp_replicate=8),
         cluster=ClusterConfig(procs_per_node=8, device="cuda", gpu="h100_sxm"),
         train=TrainConfig(steps=100, seq_len=4096, global_batch=64, micro_batch=2, grad_accum=4),
     )

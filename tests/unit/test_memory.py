@@ -27,14 +27,14 @@ P = 6_738_415_616
 BLOCK = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096  # one transformer block: 202,383,360
 TENSORS = 32 * 9 + 3  # 9 per block, embedding, final norm, output
 STEPS = 4 * TENSORS  # AdamW's float32 step counter per tensor
-FP32 = PrecisionConfig(name="fp32", compute_dtype="fp32")
-BF16 = PrecisionConfig(name="bf16", compute_dtype="bf16")
+FP32 = PrecisionConfig(compute_dtype="fp32")
+BF16 = PrecisionConfig(compute_dtype="bf16")
 TRAIN = TrainConfig(seq_len=4096, micro_batch=1, grad_accum=1, global_batch=8)
 
 
 def estimate(strategy: str, precision=FP32, train=TRAIN, cpu_offload=False, model=LLAMA2_7B, **degrees) -> memory.RankMemory:
     dims = ParallelDims(**degrees)
-    sharding = ShardingConfig(name=strategy, strategy=strategy, cpu_offload=cpu_offload, **degrees)
+    sharding = ShardingConfig(strategy=strategy, cpu_offload=cpu_offload, **degrees)
     (stage,) = rank_stages(model, sharding, train.grad_accum)[:1]
     return memory.estimate(model, precision, sharding, train, dims, stage)
 

@@ -14,7 +14,7 @@ from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import apply_float8, count_float8_linears, wants_float8
 from trainctl.train.loss_scaling import INJECT_INF_ENV, DynamicLossScaler, NoLossScaling, build_loss_scaler
 
-FP16 = PrecisionConfig(name="fp16", compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
+FP16 = PrecisionConfig(compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
 # dim 64, kv heads 2 x 16, ffn 96: every block Linear is 16-aligned.
 SMALL = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=256, max_seq_len=32)
 LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
@@ -94,7 +94,7 @@ def test_float8_filter(fqn, shape, wanted):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_converts_every_eligible_linear_of_the_meta_model(recipe):
     model = build_model(SMALL, "meta")
-    precision = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True, fp8_recipe=recipe, fp8_exclude=["output", "w2"])
+    precision = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_recipe=recipe, fp8_exclude=["output", "w2"])
     converted = apply_float8(model, precision, fsdp=False)
     # w2 of every block and the output layer are excluded by name.
     assert converted == count_float8_linears(model) == (LINEARS_PER_BLOCK - 1) * SMALL.n_layers
@@ -116,7 +116,7 @@ def test_every_precision_runs_with_tensor_parallel():
     from trainctl.config.schema import ShardingConfig
     from trainctl.plan.support import unsupported
 
-    fp8 = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True)
+    fp8 = PrecisionConfig(compute_dtype="bf16", fp8=True)
     assert unsupported(ShardingConfig(), fp8) == unsupported(ShardingConfig(), FP16) == []
     assert unsupported(ShardingConfig(tp=2), fp8) == []
 
@@ -130,7 +130,7 @@ def test_tensor_parallel_uses_float8_styles_only_where_every_linear_is_float8(ex
     from trainctl.train.tensor_parallel import block_plan
 
     model = build_model(SMALL, "meta")
-    precision = PrecisionConfig(name="fp8", compute_dtype="bf16", fp8=True, fp8_exclude=exclude)
+    precision = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_exclude=exclude)
     apply_float8(model, precision, fsdp=False)
     plan = block_plan(model.layers["0"], float8_tensorwise=True)
     assert type(plan["attention.wq"]) is Float8ColwiseParallel

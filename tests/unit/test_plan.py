@@ -27,9 +27,9 @@ def llama7b_zero3_h100(**train) -> RunConfig:
     return RunConfig(
         recipe="llama7b_fsdp",
         model=LLAMA2_7B,
-        precision=PrecisionConfig(name="bf16", compute_dtype="bf16"),
-        sharding=ShardingConfig(name="fsdp", strategy="zero3", dp_shard=8),
-        cluster=ClusterConfig(name="h100", launcher="local", nodes=1, procs_per_node=8, device="cuda", gpu="h100"),
+        precision=PrecisionConfig(compute_dtype="bf16"),
+        sharding=ShardingConfig(strategy="zero3", dp_shard=8),
+        cluster=ClusterConfig(launcher="local", nodes=1, procs_per_node=8, device="cuda", gpu="h100"),
         train=TrainConfig(**{"steps": 1000, "seq_len": 4096, "global_batch": 64, "micro_batch": 2, "grad_accum": 4,
                              "activation_checkpointing": "full", **train}),
     )
@@ -107,7 +107,7 @@ def test_tensor_parallel_splits_params_per_rank():
 
 
 def test_ddp_7b_on_h100_does_not_fit_and_says_what_would():
-    cfg = replace(llama7b_zero3_h100(), sharding={"name": "ddp", "strategy": "ddp", "dp_shard": 1, "dp_replicate": 8})
+    cfg = replace(llama7b_zero3_h100(), sharding={"strategy": "ddp", "dp_shard": 1, "dp_replicate": 8})
     plan = build(cfg)
     (warning,) = plan.warnings
     assert "does not fit" in warning and "h100" in warning

@@ -108,7 +108,7 @@ def write_tokens(path: Path, ids, typecode: str = "H") -> Path:
 
 
 def memmap(train: Path | str, val: Path | str, dtype: str = "uint16") -> DataConfig:
-    return DataConfig(name="memmap", kind="memmap", train_path=str(train), val_path=str(val), token_dtype=dtype, vocab_size=0)
+    return DataConfig(kind="memmap", train_path=str(train), val_path=str(val), token_dtype=dtype, vocab_size=0)
 
 
 def test_good_files_pass(tmp_path):

@@ -22,8 +22,8 @@ FILES = {"config.yaml", "plan.json", "launch.sh", "overrides.txt", "code.json", 
 def config(launcher: str = "local") -> RunConfig:
     return RunConfig(
         recipe="tiny_cpu",
-        sharding=ShardingConfig(name="ddp", strategy="ddp", dp_replicate=2),
-        cluster=ClusterConfig(name=launcher, launcher=launcher, procs_per_node=2),
+        sharding=ShardingConfig(strategy="ddp", dp_replicate=2),
+        cluster=ClusterConfig(launcher=launcher, procs_per_node=2),
         train=TrainConfig(steps=5, seq_len=32, global_batch=4, micro_batch=1, grad_accum=2),
     )
 

@@ -55,7 +55,7 @@ def damage(rng: random.Random) -> bytes:
 
 
 def cfg() -> RunConfig:
-    return RunConfig(recipe="tiny_cpu", cluster=ClusterConfig(name="local", launcher="local", procs_per_node=1),
+    return RunConfig(recipe="tiny_cpu", cluster=ClusterConfig(launcher="local", procs_per_node=1),
                      train=TrainConfig(steps=8, seq_len=32, global_batch=2, micro_batch=2, grad_accum=1))
 
 

@@ -17,9 +17,9 @@ from trainctl.launch.errors import LaunchError
 
 
 def slurm_config(**cluster) -> RunConfig:
-    fields = {"name": "slurm", "launcher": "slurm", "nodes": 2, "procs_per_node": 4, "device": "cuda", "gpu": "h100", **cluster}
+    fields = {"launcher": "slurm", "nodes": 2, "procs_per_node": 4, "device": "cuda", "gpu": "h100", **cluster}
     return RunConfig(
-        sharding=ShardingConfig(name="fsdp", strategy="fsdp", dp_shard=8),
+        sharding=ShardingConfig(strategy="fsdp", dp_shard=8),
         cluster=ClusterConfig(**fields),
         train=TrainConfig(global_batch=8, micro_batch=1, grad_accum=1),
     )

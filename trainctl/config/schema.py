@@ -56,7 +56,6 @@ class ModelConfig:
 class PrecisionConfig:
     """Mixed precision: compute dtype under autocast; master weights stay fp32."""
 
-    name: str = "fp32"
     compute_dtype: str = "fp32"  # fp32 | bf16 | fp16
     reduce_dtype: str = "fp32"  # gradient reduction dtype
     fp8: bool = False  # torchao float8 linear layers on top of bf16
@@ -76,7 +75,6 @@ class ShardingConfig:
     pipeline microbatch: the schedule runs grad_accum of them per optimizer step.
     """
 
-    name: str = "none"
     strategy: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -132,7 +130,6 @@ class PreemptionConfig:
 class ClusterConfig:
     """Where the workers run and how many there are; the Slurm keys are used only by cluster=slurm."""
 
-    name: str = "local"
     launcher: str = "local"  # local | slurm
     nodes: int = 1
     procs_per_node: int = 1  # torchrun --nproc_per_node: GPUs (or CPU workers) per node
@@ -162,7 +159,6 @@ class ClusterConfig:
 class DataConfig:
     """Token source. Byte-level tokens for the embedded corpus."""
 
-    name: str = "stdlib"
     kind: str = "stdlib"  # stdlib | memmap | synthetic
     train_path: str = ""  # memmap: pre-tokenized token file
     val_path: str = ""  # memmap: held-out token file
@@ -252,6 +248,24 @@ class RunConfig:
 
 GROUPS = ("model", "precision", "sharding", "schedule", "optim", "cluster", "data")
 
+# The one key that names each group's option (`sharding=zero3` sets sharding.strategy=zero3).
+OPTION_KEY = {
+    "model": "name",
+    "precision": "compute_dtype",
+    "sharding": "strategy",
+    "schedule": "name",
+    "optim": "name",
+    "cluster": "launcher",
+    "data": "kind",
+}
+
+
+def option_of(group: str, node) -> str:
+    """The option a group's config stands for: its option key, except that fp8 is bf16 with float8 layers."""
+    if group == "precision" and node.fp8:
+        return "fp8"
+    return str(getattr(node, OPTION_KEY[group]))
+
 
 def to_yaml(cfg: RunConfig) -> str:
     """The config as YAML, in schema order; `load_run_config` reads every string back exactly.
@@ -308,9 +322,24 @@ def from_dict(data: dict | DictConfig) -> RunConfig:
     return OmegaConf.to_object(OmegaConf.merge(structured_schema(), data))
 
 
+# Keys that config.yaml files of older runs hold but the schema no longer has. Each group once had a `name`
+# next to the key that names its option; a run directory written then must still resume, so these are
+# dropped when a run's file is read (never in compose: a user's `sharding.name=x` is an unknown key).
+RETIRED_KEYS = {"precision": ("name",), "sharding": ("name",), "cluster": ("name",), "data": ("name",)}
+
+
+def _drop_retired_keys(data: DictConfig) -> DictConfig:
+    for group, keys in RETIRED_KEYS.items():
+        node = data.get(group) if OmegaConf.is_dict(data) else None
+        if OmegaConf.is_dict(node):
+            for key in keys:
+                node.pop(key, None)
+    return data
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a run directory's `config.yaml` (or the file itself) into a RunConfig."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.yaml"
-    return from_dict(OmegaConf.load(path))
+    return from_dict(_drop_retired_keys(OmegaConf.load(path)))
