@@ -26,7 +26,7 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.models.llama import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.stages import rank_stages
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 from trainctl.train.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
 from trainctl.train.memory_stats import retained_activation_bytes, saved_tensor_bytes
 from trainctl.train.trainer import token_loss_sum

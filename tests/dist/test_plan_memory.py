@@ -32,7 +32,7 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig
 from trainctl.config.validate import resolve
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.assess import dims_of
-from trainctl.plan.plan import build
+from trainctl.plan.runplan import build
 from trainctl.plan.stages import rank_stages
 
 pytestmark = pytest.mark.dist

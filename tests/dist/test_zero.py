@@ -29,7 +29,7 @@ from trainctl.models.llama import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.flops import param_count
 from trainctl.plan.stages import rank_stages
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 
 pytestmark = pytest.mark.dist
 

@@ -10,7 +10,7 @@ from trainctl.config import schema
 from trainctl.config.compose import compose, list_options, recipe_description
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve, resolve_batch
-from trainctl.plan.topology import infer_dims
+from trainctl.config.validate import infer_dims
 
 RECIPES = list_options("recipe")
 
@@ -282,7 +282,7 @@ def test_pipeline_layer_split_must_cover_the_model():
 
 
 def test_fp16_with_pipeline_is_supported():
-    from trainctl.plan.support import unsupported
+    from trainctl.core.support import unsupported
 
     cfg = resolve(compose(["recipe=tiny_3d_cpu", "precision=fp16"]))
     assert unsupported(cfg.sharding, cfg.precision) == []

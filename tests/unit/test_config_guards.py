@@ -17,7 +17,7 @@ from trainctl.config import schema
 from trainctl.config.compose import compose, list_options
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
-from trainctl.plan.plan import build
+from trainctl.plan.runplan import build
 
 RECIPES = list_options("recipe")
 

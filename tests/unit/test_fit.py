@@ -11,9 +11,9 @@ from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, 
 from trainctl.config.validate import resolve
 from trainctl.plan import fit, throughput
 from trainctl.plan.advice import VERDICT_ORDER
-from trainctl.plan.hardware import GPUS, device_kinds, match_gpu, peak_flops
-from trainctl.plan.plan import build
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.gpus import GPUS, device_kinds, match_gpu, peak_flops
+from trainctl.plan.runplan import build
+from trainctl.core.dims import ParallelDims
 
 GIB = 2**30
 LLAMA2_7B = ModelConfig(name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096)

@@ -16,7 +16,7 @@ from trainctl.plan import activations as act
 from trainctl.plan import memory
 from trainctl.plan.shapes import Tensor, stage_tensors, tp_local, zero1_partition
 from trainctl.plan.stages import in_flight, rank_stages, stage_layer_counts
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 
 LLAMA2_7B = ModelConfig(
     name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096

@@ -114,7 +114,7 @@ def test_missing_torchao_is_one_line_naming_the_key_and_the_extra(monkeypatch):
 
 def test_every_precision_runs_with_tensor_parallel():
     from trainctl.config.schema import ShardingConfig
-    from trainctl.plan.support import unsupported
+    from trainctl.core.support import unsupported
 
     fp8 = PrecisionConfig(compute_dtype="bf16", fp8=True)
     assert unsupported(ShardingConfig(), fp8) == unsupported(ShardingConfig(), FP16) == []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
-from trainctl.plan.plan import ASSUMED_MFU, PlanError, build, refusal, with_run_dir
+from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal, with_run_dir
 
 LLAMA2_7B = ModelConfig(
     name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096

@@ -14,7 +14,7 @@ import pytest
 from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig, load_run_config
 from trainctl.launch import code_record, rundir
 from trainctl.launch.errors import LaunchError
-from trainctl.plan.plan import build
+from trainctl.plan.runplan import build
 
 FILES = {"config.yaml", "plan.json", "launch.sh", "overrides.txt", "code.json", "logs"}
 

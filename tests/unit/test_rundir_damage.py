@@ -19,7 +19,7 @@ from trainctl import cli
 from trainctl.config.schema import ClusterConfig, RunConfig, TrainConfig
 from trainctl.core import rundir as layout
 from trainctl.launch import local, rundir
-from trainctl.plan.plan import build
+from trainctl.plan.runplan import build
 
 FILES = [
     layout.CONFIG, layout.PLAN, layout.LAUNCH, layout.METRICS, layout.RESULT, layout.STOPPED, layout.HOLDER,

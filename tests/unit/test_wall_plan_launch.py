@@ -8,11 +8,11 @@ import sys
 CHECK = """
 import sys
 from pathlib import Path
-import trainctl.plan.plan, trainctl.plan.memory
+import trainctl.plan.runplan, trainctl.plan.memory
 import trainctl.launch.command, trainctl.launch.rundir, trainctl.launch.local, trainctl.launch.slurm
 from trainctl.config.schema import RunConfig, TrainConfig
 cfg = RunConfig(train=TrainConfig(global_batch=1, micro_batch=1, grad_accum=1))
-plan = trainctl.plan.plan.build(cfg)
+plan = trainctl.plan.runplan.build(cfg)
 trainctl.launch.rundir.create(cfg, plan, Path(sys.argv[1]), "wall", [])
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "wandb"))
 print(",".join(heavy))

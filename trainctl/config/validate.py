@@ -12,14 +12,15 @@ import dataclasses
 import math
 import re
 
-from trainctl.config import schema as s
+from trainctl.config import schema
 from trainctl.config.errors import ConfigError
 from trainctl.config.slurm import check_slurm
-from trainctl.plan.hardware import GPUS
-from trainctl.plan.topology import ParallelDims, infer_dims
+from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
+from trainctl.core.gpus import GPUS
+from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters
 
 
-def resolve(cfg: s.RunConfig) -> s.RunConfig:
+def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
     nonfinite = check_finite(cfg)
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train) + check_data(cfg.data, cfg.model)
@@ -38,11 +39,12 @@ def resolve(cfg: s.RunConfig) -> s.RunConfig:
     if problems:
         raise ConfigError(problems)
     assert dims is not None  # a world size below 1 is a range problem above
-    sharding = dataclasses.replace(cfg.sharding, **dims.as_dict())
+    # The alias (fsdp) is resolved here, once: downstream code sees only the strategy it names.
+    sharding = dataclasses.replace(cfg.sharding, strategy=canonical(cfg.sharding.strategy), **dims.as_dict())
     return dataclasses.replace(cfg, sharding=sharding, train=train, data=resolve_data_vocab(cfg.data, cfg.model))
 
 
-def check_finite(cfg: s.RunConfig) -> list[str]:
+def check_finite(cfg: schema.RunConfig) -> list[str]:
     """inf and nan for any float key of the schema (OmegaConf accepts them as floats: inf, .inf, nan)."""
     return [f"{key}={value}: not a finite number; use a finite value" for key, value in _float_values(cfg, "")
             if not math.isfinite(value)]
@@ -69,14 +71,14 @@ def _without_keys(problems: list[str], nonfinite: list[str]) -> list[str]:
     return [p for p in problems if not p.startswith(keys)] if keys else problems
 
 
-def resolve_data_vocab(d: s.DataConfig, m: s.ModelConfig) -> s.DataConfig:
+def resolve_data_vocab(d: schema.DataConfig, m: schema.ModelConfig) -> schema.DataConfig:
     """data.vocab_size=0 means 'as the model' (256 for the byte-level stdlib corpus)."""
     if d.vocab_size:
         return d
     return dataclasses.replace(d, vocab_size=256 if d.kind == "stdlib" else m.vocab_size)
 
 
-def world_size(cluster: s.ClusterConfig) -> int:
+def world_size(cluster: schema.ClusterConfig) -> int:
     return cluster.nodes * cluster.procs_per_node
 
 
@@ -86,25 +88,25 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> list[str]:
     return [f"{key}={value!r}: not a valid choice; use one of: {', '.join(allowed)}"]
 
 
-def check_choices(cfg: s.RunConfig) -> list[str]:
+def check_choices(cfg: schema.RunConfig) -> list[str]:
     """Every string-valued enumeration against its allowed values."""
     return (
-        _choice("precision.compute_dtype", cfg.precision.compute_dtype, s.PRECISIONS)
+        _choice("precision.compute_dtype", cfg.precision.compute_dtype, schema.PRECISIONS)
         + _choice("precision.reduce_dtype", cfg.precision.reduce_dtype, ("fp32", "bf16"))
-        + _choice("precision.fp8_recipe", cfg.precision.fp8_recipe, s.FP8_RECIPES)
-        + _choice("sharding.strategy", cfg.sharding.strategy, s.SHARDING_STRATEGIES)
-        + _choice("schedule.name", cfg.schedule.name, s.SCHEDULES)
-        + _choice("optim.name", cfg.optim.name, s.OPTIMIZERS)
-        + _choice("cluster.launcher", cfg.cluster.launcher, s.LAUNCHERS)
-        + _choice("cluster.device", cfg.cluster.device, s.DEVICES)
-        + _choice("data.kind", cfg.data.kind, s.DATA_KINDS)
-        + _choice("data.token_dtype", cfg.data.token_dtype, s.TOKEN_DTYPES)
-        + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing, s.AC_MODES)
-        + _choice("sharding.pp_schedule", cfg.sharding.pp_schedule, s.PP_SCHEDULES)
-        + _choice("logging.wandb.mode", cfg.logging.wandb.mode, s.WANDB_MODES)
-        + _choice("checkpoint.load_only", cfg.checkpoint.load_only, s.LOAD_ONLY)
-        + _choice("guards.nonfinite", cfg.guards.nonfinite, s.NONFINITE_POLICIES)
-        + _choice("guards.spike", cfg.guards.spike, s.SPIKE_POLICIES)
+        + _choice("precision.fp8_recipe", cfg.precision.fp8_recipe, schema.FP8_RECIPES)
+        + _choice("sharding.strategy", cfg.sharding.strategy, schema.SHARDING_STRATEGIES)
+        + _choice("schedule.name", cfg.schedule.name, schema.SCHEDULES)
+        + _choice("optim.name", cfg.optim.name, schema.OPTIMIZERS)
+        + _choice("cluster.launcher", cfg.cluster.launcher, schema.LAUNCHERS)
+        + _choice("cluster.device", cfg.cluster.device, schema.DEVICES)
+        + _choice("data.kind", cfg.data.kind, schema.DATA_KINDS)
+        + _choice("data.token_dtype", cfg.data.token_dtype, schema.TOKEN_DTYPES)
+        + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing, schema.AC_MODES)
+        + _choice("sharding.pp_schedule", cfg.sharding.pp_schedule, schema.PP_SCHEDULES)
+        + _choice("logging.wandb.mode", cfg.logging.wandb.mode, schema.WANDB_MODES)
+        + _choice("checkpoint.load_only", cfg.checkpoint.load_only, schema.LOAD_ONLY)
+        + _choice("guards.nonfinite", cfg.guards.nonfinite, schema.NONFINITE_POLICIES)
+        + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
         + ([] if not cfg.cluster.gpu or cfg.cluster.gpu in GPUS else _choice("cluster.gpu", cfg.cluster.gpu, ("", *GPUS)))
     )
 
@@ -125,7 +127,7 @@ def _within(key: str, value: float, low: float, high: float, *, open_low: bool =
     return [] if ok else [f"{key}={value}: must be in {bracket}{low}, {high}]"]
 
 
-def check_ranges(cfg: s.RunConfig) -> list[str]:
+def check_ranges(cfg: schema.RunConfig) -> list[str]:
     """Rates, counts and ratios: no zero or negative where it makes no sense."""
     t, o, sch, lg, c = cfg.train, cfg.optim, cfg.schedule, cfg.logging, cfg.cluster
     problems = (
@@ -170,7 +172,7 @@ def check_ranges(cfg: s.RunConfig) -> list[str]:
 MAX_LAYERS = 10_000  # the plan works layer by layer: an absurd count would hang it rather than fail
 
 
-def check_model(m: s.ModelConfig, t: s.TrainConfig) -> list[str]:
+def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit."""
     problems = []
     for key, value in (("dim", m.dim), ("n_layers", m.n_layers), ("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)):
@@ -196,7 +198,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check_data(d: s.DataConfig, m: s.ModelConfig) -> list[str]:
+def check_data(d: schema.DataConfig, m: schema.ModelConfig) -> list[str]:
     problems = _at_least("data.vocab_size", d.vocab_size, 0, "0 means the model's vocab_size") + _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
     if d.kind == "memmap":
         for key in ("train_path", "val_path"):
@@ -209,7 +211,7 @@ def check_data(d: s.DataConfig, m: s.ModelConfig) -> list[str]:
     return problems
 
 
-def check_cluster(c: s.ClusterConfig, p: s.PrecisionConfig) -> list[str]:
+def check_cluster(c: schema.ClusterConfig, p: schema.PrecisionConfig) -> list[str]:
     problems = []
     if c.launcher == "local" and c.nodes > 1:
         problems.append(f"cluster.nodes={c.nodes}: a local launch runs on this machine only; use cluster=slurm for several nodes")
@@ -223,7 +225,7 @@ def check_cluster(c: s.ClusterConfig, p: s.PrecisionConfig) -> list[str]:
     return problems
 
 
-def check_names(cfg: s.RunConfig) -> list[str]:
+def check_names(cfg: schema.RunConfig) -> list[str]:
     """Run names become folder names and sbatch paths: no separators, no whitespace."""
     problems = []
     if cfg.name and (re.search(r"[\s/]", cfg.name) or cfg.name in (".", "..")):
@@ -233,13 +235,37 @@ def check_names(cfg: s.RunConfig) -> list[str]:
     return problems
 
 
-def check_offload(sh: s.ShardingConfig) -> list[str]:
-    if sh.cpu_offload and sh.strategy not in ("zero2", "zero3", "fsdp", "hsdp"):
+def _strategy_constraints(sh: schema.ShardingConfig) -> list[str]:
+    """Problems with the degrees a strategy allows, before any inference."""
+    problems, strategy = [], canonical(sh.strategy)
+    if strategy == "none":
+        if (sh.dp_replicate, sh.dp_shard) != (1, 1):
+            problems.append("sharding.strategy=none needs dp_replicate=1 and dp_shard=1; "
+                            "choose sharding=ddp or sharding=fsdp for data parallelism")
+    elif strategy in REPLICATING and sh.dp_shard != 1:
+        problems.append(f"sharding.dp_shard={sh.dp_shard}: strategy {sh.strategy} replicates parameters, "
+                        "so dp_shard must be 1 (use sharding=hsdp to combine both)")
+    elif strategy in SHARDING_WITHIN_GROUP and sh.dp_replicate != 1:
+        problems.append(f"sharding.dp_replicate={sh.dp_replicate}: strategy {sh.strategy} shards within one group, "
+                        "so dp_replicate must be 1 (use sharding=hsdp to combine both)")
+    return problems
+
+
+def infer_dims(sh: schema.ShardingConfig, world_size: int) -> tuple[ParallelDims | None, list[str]]:
+    """Resolve -1 degrees against `world_size`; returns (dims, problems)."""
+    problems = _strategy_constraints(sh) + degree_problems(degrees_of(sh))
+    if problems:
+        return None, problems
+    return infer_degrees(degrees_of(sh), world_size)
+
+
+def check_offload(sh: schema.ShardingConfig) -> list[str]:
+    if sh.cpu_offload and not shards_parameters(sh.strategy):
         return [f"sharding.cpu_offload=true: offload is an FSDP2 policy; use sharding=zero3 (or zero2/hsdp), not {sh.strategy}"]
     return []
 
 
-def check_model_parallel(dims: ParallelDims, m: s.ModelConfig) -> list[str]:
+def check_model_parallel(dims: ParallelDims, m: schema.ModelConfig) -> list[str]:
     problems = []
     if dims.tp > 1:
         for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("dim", m.dim)):
@@ -250,7 +276,7 @@ def check_model_parallel(dims: ParallelDims, m: s.ModelConfig) -> list[str]:
     return problems
 
 
-def check_pipeline(sh: s.ShardingConfig, dims: ParallelDims, m: s.ModelConfig, t: s.TrainConfig) -> list[str]:
+def check_pipeline(sh: schema.ShardingConfig, dims: ParallelDims, m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     """Stages, layer split, schedule and chunking of a pipeline-parallel run."""
     if dims.pp == 1:
         return []
@@ -281,7 +307,7 @@ def check_pipeline(sh: s.ShardingConfig, dims: ParallelDims, m: s.ModelConfig, t
     return problems
 
 
-def check_context_parallel(dims: ParallelDims, c: s.ClusterConfig, t: s.TrainConfig) -> list[str]:
+def check_context_parallel(dims: ParallelDims, c: schema.ClusterConfig, t: schema.TrainConfig) -> list[str]:
     if dims.cp == 1:
         return []
     if c.device != "cuda":
@@ -291,7 +317,7 @@ def check_context_parallel(dims: ParallelDims, c: s.ClusterConfig, t: s.TrainCon
     return []
 
 
-def resolve_batch(t: s.TrainConfig, dp: int) -> tuple[s.TrainConfig, list[str]]:
+def resolve_batch(t: schema.TrainConfig, dp: int) -> tuple[schema.TrainConfig, list[str]]:
     """global_batch = micro_batch x grad_accum x dp, deriving the one set to -1."""
     values = {"global_batch": t.global_batch, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum}
     problems = [f"train.{k}={v}: must be a positive integer, or -1 to derive it" for k, v in values.items() if v == 0 or v < -1]

@@ -32,13 +32,19 @@ A100_80GB = GpuSpec("NVIDIA A100 SXM 80GB", 80.0, _AMPERE, False, 300.0, 25.0)
 GPUS: dict[str, GpuSpec] = {
     "h100_sxm": H100_SXM,
     "h100": H100_SXM,  # the name earlier configs use
-    "h100_pcie": GpuSpec("NVIDIA H100 PCIe 80GB", 79.6, {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0}, True, 64.0, 50.0),
+    "h100_pcie": GpuSpec(
+        "NVIDIA H100 PCIe 80GB", 79.6, {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0}, True, 64.0, 50.0
+    ),
     "h200": GpuSpec("NVIDIA H200 141GB", 140.4, _HOPPER, True, 450.0, 50.0),
-    "b200": GpuSpec("NVIDIA B200 180GB", 178.4, {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 1100.0}, True, 900.0, 50.0),
+    "b200": GpuSpec(
+        "NVIDIA B200 180GB", 178.4, {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 1100.0}, True, 900.0, 50.0
+    ),
     "a100_80gb": A100_80GB,
     "a100": A100_80GB,  # the name earlier configs use
     "a100_40gb": GpuSpec("NVIDIA A100 40GB", 40.0, _AMPERE, False, 300.0, 25.0),
-    "l40s": GpuSpec("NVIDIA L40S 48GB", 44.4, {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 183.0}, True, 32.0, 25.0),
+    "l40s": GpuSpec(
+        "NVIDIA L40S 48GB", 44.4, {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 183.0}, True, 32.0, 25.0
+    ),
 }
 
 # Substrings of torch.cuda.get_device_name() -> key above; most specific first.
@@ -73,7 +79,7 @@ def peak_flops(gpu: str, compute_dtype: str, fp8: bool = False) -> float | None:
 
 
 def device_kinds() -> dict[str, GpuSpec]:
-    """One entry per distinct kind (aliases left out), for `trainctl plan --devices`-style listings and tests."""
+    """One entry per distinct kind (aliases left out), for device listings and tests."""
     seen, kinds = set(), {}
     for key, spec in GPUS.items():
         if id(spec) not in seen:

@@ -21,7 +21,7 @@ from trainctl.config.schema import RunConfig, to_yaml
 from trainctl.core import rundir as layout
 from trainctl.launch import code_record, local, slurm
 from trainctl.launch.errors import LaunchError
-from trainctl.plan.plan import RunPlan, with_run_dir
+from trainctl.plan.runplan import RunPlan, with_run_dir
 
 MAX_SUFFIX = 10_000  # far more collisions than any real use; beyond it something is wrong
 NAME_MAX = 255 - len("-9999") - len(".tmp")  # bytes of one path component, leaving room for a suffix

@@ -14,10 +14,10 @@ from trainctl.plan import memory
 from trainctl.plan import throughput as tp_model
 from trainctl.plan.activations import checkpointed_blocks
 from trainctl.plan.flops import flops_per_token
-from trainctl.plan.hardware import GPUS, peak_flops
+from trainctl.core.gpus import GPUS, peak_flops
 from trainctl.plan.notes import notes_for
 from trainctl.plan.stages import rank_stages
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 
 NOMINAL_PEAK = 1e14  # FLOP/s standing in for an unknown device when only ratios of times are wanted
 

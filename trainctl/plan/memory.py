@@ -55,7 +55,7 @@ from trainctl.plan.shapes import (
     zero1_partition,
 )
 from trainctl.plan.stages import RankStages
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 
 FP32 = 4
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each

@@ -10,7 +10,7 @@ from trainctl.config.schema import RunConfig
 from trainctl.plan import fit as fitting
 from trainctl.plan.memory import GIB, RankMemory
 from trainctl.plan.throughput import DEFAULT_MFU
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 
 
 def _gib(n: int) -> str:

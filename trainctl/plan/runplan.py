@@ -12,14 +12,17 @@ from pathlib import Path
 
 from trainctl.config.data_check import data_file_problems
 from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.core.dims import ParallelDims, UnresolvedDims
+from trainctl.core.gpus import GPUS
+from trainctl.core.support import unsupported
 from trainctl.launch.command import launch_argv, shell_join
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
 from trainctl.plan.flops import flops_per_token, param_count
-from trainctl.plan.hardware import GPUS
-from trainctl.plan.support import unsupported
+from trainctl.core.gpus import GPUS
+from trainctl.core.support import unsupported
 from trainctl.plan.throughput import DEFAULT_MFU, StepTime, attention_flops_causal, hours
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 
 ASSUMED_MFU = DEFAULT_MFU  # kept for callers of the earlier name
 # Stands in for the run directory before it exists (its name may get a collision suffix).
@@ -116,20 +119,10 @@ def world_size(cluster: ClusterConfig) -> int:
 
 def resolved_dims(sharding: ShardingConfig, world: int) -> ParallelDims:
     """ParallelDims from already-resolved degrees; PlanError if any is unresolved or they don't cover the world."""
-    degrees = {
-        "dp_replicate": sharding.dp_replicate,
-        "dp_shard": sharding.dp_shard,
-        "cp": sharding.cp,
-        "tp": sharding.tp,
-        "pp": sharding.pp,
-    }
-    unresolved = [f"sharding.{k}={v}" for k, v in degrees.items() if v < 1]
-    if unresolved:
-        raise PlanError(f"{', '.join(unresolved)}: the plan needs resolved degrees; run the config through validate first")
-    dims = ParallelDims(**degrees)
-    if dims.world_size != world:
-        raise PlanError(f"sharding degrees {dims.as_dict()} multiply to {dims.world_size}, not the world size {world}")
-    return dims
+    try:
+        return ParallelDims.from_config(sharding, world)
+    except UnresolvedDims as exc:
+        raise PlanError(str(exc)) from None
 
 
 def batch_math(train: TrainConfig, dp: int) -> BatchMath:

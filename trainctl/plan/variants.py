@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import AC_MODES, RunConfig
 from trainctl.config.validate import resolve
-from trainctl.plan.support import unsupported
+from trainctl.core.support import unsupported
 
 AXES = ("sharding", "checkpointing", "tp", "micro_batch")
 ZERO_ORDER = ("ddp", "zero1", "zero2", "zero3")
@@ -54,7 +54,7 @@ def with_strategy(cfg: RunConfig, strategy: str, cpu_offload: bool = False) -> V
     degrees = {"dp_replicate": dp if replicate else 1, "dp_shard": 1 if replicate else dp}
     if strategy == "none" and dp > 1:
         return None
-    sharding = {"strategy": strategy, "name": strategy, "cpu_offload": cpu_offload, **degrees}
+    sharding = {"strategy": strategy, "cpu_offload": cpu_offload, **degrees}
     overrides = [f"sharding={strategy}"] + (["sharding.cpu_offload=true"] if cpu_offload else [])
     label = strategy + ("+offload" if cpu_offload else "")
     return _resolved(label, overrides, _replace(cfg, sharding=sharding))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainctl.config.schema import ClusterConfig
-from trainctl.plan.topology import ParallelDims
+from trainctl.core.dims import ParallelDims
 from trainctl.train.errors import WorkerConfigError
 
 # Mesh dimensions, outermost first: pipeline stages talk least, tensor parallel most.

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
-from trainctl.plan.support import unsupported
+from trainctl.core.support import unsupported
 from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.context_parallel import expand_kv_heads_for_cp
 from trainctl.train.errors import WorkerConfigError
