@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from trainctl.config import schema as s
+from trainctl.config import schema
 
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
 TIME_RE = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE|unlimited|infinite)$")
@@ -18,14 +18,14 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=SIG@TIME
 
 
-def gpus_per_node(c: s.ClusterConfig) -> int:
+def gpus_per_node(c: schema.ClusterConfig) -> int:
     """GPUs to ask for on each node: the configured count, else one per worker on cuda and none on cpu."""
     if c.gpus_per_node >= 0:
         return c.gpus_per_node
     return c.procs_per_node if c.device == "cuda" else 0
 
 
-def cpus_per_task(c: s.ClusterConfig) -> int:
+def cpus_per_task(c: schema.ClusterConfig) -> int:
     """CPUs of the one task per node; 0 means "the whole node" (exclusive jobs get all of its CPUs)."""
     if c.cpus_per_task > 0:
         return c.cpus_per_task
@@ -42,7 +42,7 @@ def _one_token(key: str, value: str) -> list[str]:
     return []
 
 
-def check_directive_values(c: s.ClusterConfig) -> list[str]:
+def check_directive_values(c: schema.ClusterConfig) -> list[str]:
     problems = []
     for key in ("partition", "account", "qos", "constraint", "job_name", "mem", "time_limit"):
         problems += _one_token(key, getattr(c, key))
@@ -58,7 +58,7 @@ def check_directive_values(c: s.ClusterConfig) -> list[str]:
     return problems
 
 
-def check_resources(c: s.ClusterConfig) -> list[str]:
+def check_resources(c: schema.ClusterConfig) -> list[str]:
     problems = []
     if c.gpus_per_node < -1:
         problems.append(f"cluster.gpus_per_node={c.gpus_per_node}: use -1 (one per worker on cuda) or a count >= 0")
@@ -73,14 +73,14 @@ def check_resources(c: s.ClusterConfig) -> list[str]:
     return problems
 
 
-def check_env(c: s.ClusterConfig) -> list[str]:
+def check_env(c: schema.ClusterConfig) -> list[str]:
     return [f"cluster.env.{name}: not a valid environment variable name; use letters, digits and '_'" for name in c.env if not ENV_NAME_RE.match(name)]
 
 
-def check_preemption(p: s.PreemptionConfig) -> list[str]:
+def check_preemption(p: schema.PreemptionConfig) -> list[str]:
     problems = []
-    if p.signal not in s.PREEMPTION_SIGNALS:
-        problems.append(f"cluster.preemption.signal={p.signal!r}: not a valid choice; use one of: {', '.join(s.PREEMPTION_SIGNALS)}")
+    if p.signal not in schema.PREEMPTION_SIGNALS:
+        problems.append(f"cluster.preemption.signal={p.signal!r}: not a valid choice; use one of: {', '.join(schema.PREEMPTION_SIGNALS)}")
     if not 0 <= p.lead_s <= MAX_SIGNAL_LEAD_S:
         problems.append(f"cluster.preemption.lead_s={p.lead_s}: must be in [0, {MAX_SIGNAL_LEAD_S}] seconds; 0 sends no early signal")
     if p.max_requeues < 0:
@@ -88,6 +88,6 @@ def check_preemption(p: s.PreemptionConfig) -> list[str]:
     return problems
 
 
-def check_slurm(c: s.ClusterConfig) -> list[str]:
+def check_slurm(c: schema.ClusterConfig) -> list[str]:
     """Every problem with the Slurm keys (defaults pass, so a local run is never bothered)."""
     return check_directive_values(c) + check_resources(c) + check_env(c) + check_preemption(c.preemption)
