@@ -25,7 +25,8 @@ from trainctl.config.validate import resolve
 from trainctl.core.errors import UserError
 
 app = typer.Typer(
-    help="Compose, plan and launch Llama training runs. Overrides use Hydra's grammar: key=value, group=option, +key=value, ~key.",
+    help="Compose, plan and launch Llama training runs. "
+    "Overrides use Hydra's grammar: key=value, group=option, +key=value, ~key.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -36,7 +37,9 @@ app.add_typer(config_app, name="config")
 out = Console()
 err = Console(stderr=True)
 
-OVERRIDES = typer.Argument(None, help="Hydra overrides, e.g. recipe=tiny_cpu optim.lr=1e-4 model=llama2_7b", show_default=False)
+OVERRIDES = typer.Argument(
+    None, help="Hydra overrides, e.g. recipe=tiny_cpu optim.lr=1e-4 model=llama2_7b", show_default=False
+)
 
 
 def _resolved(overrides: list[str] | None) -> RunConfig:
@@ -78,10 +81,14 @@ def config_show(overrides: list[str] = OVERRIDES) -> None:
 def plan(
     overrides: list[str] = OVERRIDES,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    compare: str = typer.Option(None, "--compare", help="Side-by-side memory and step time along one axis: sharding, checkpointing, tp, micro_batch.", show_default=False),
+    compare: str = typer.Option(
+        None, "--compare", show_default=False,
+        help="Side-by-side memory and step time along one axis: sharding, checkpointing, tp, micro_batch."),
 ) -> None:
-    """Show the run plan: topology, batch math, FLOPs, memory per rank with a verdict, throughput.  Example: trainctl plan recipe=llama7b_fsdp cluster.nodes=2 --compare sharding"""
-    from trainctl.plan.plan import build
+    # One help line for typer, written as two literals to keep the source under 120 columns.
+    ("Show the run plan: topology, batch math, FLOPs, memory per rank with a verdict, throughput.  "
+     "Example: trainctl plan recipe=llama7b_fsdp cluster.nodes=2 --compare sharding")
+    from trainctl.plan import build
 
     cfg = _resolved(overrides)
     if compare is not None:
@@ -148,8 +155,9 @@ def status(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     run_dir = runs.find_run(run, runs_dir)
     st = runs.run_state(run_dir)
     f = figures(run_dir)
-    rows = [("run", str(run_dir)), ("launcher", st.launcher or "- (not launched)"), ("job", st.job_id), ("state", st.state),
-            ("detail", st.detail), ("step", _step(st)), ("mfu", f.mfu_text()), ("peak", f.peak_text() + (f", by {f.peak_source}" if f.peak_source else "")),
+    peak = f.peak_text() + (f", by {f.peak_source}" if f.peak_source else "")
+    rows = [("run", str(run_dir)), ("launcher", st.launcher or "- (not launched)"), ("job", st.job_id),
+            ("state", st.state), ("detail", st.detail), ("step", _step(st)), ("mfu", f.mfu_text()), ("peak", peak),
             ("log", str(runs.log_path(run_dir, None)))]
     for key, value in rows:
         if value:
@@ -159,8 +167,11 @@ def status(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
 @app.command()
 def logs(
     run: str = RUN,
-    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends (Ctrl-C stops following, not the run)."),
-    rank: int = typer.Option(None, "--rank", help="A rank's own log (RUN/logs/rankN.log); default: the workers' output of the newest attempt.", show_default=False),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Keep printing until the run ends (Ctrl-C stops following, not the run)."),
+    rank: int = typer.Option(
+        None, "--rank", show_default=False,
+        help="A rank's own log (RUN/logs/rankN.log); default: the workers' output of the newest attempt."),
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """Print a run's log.  Example: trainctl logs tiny_cpu-20250101-120000 --follow"""
@@ -170,7 +181,8 @@ def logs(
     if not follow:
         path = runs.log_path(run_dir, rank)
         if not path.is_file():
-            raise UserError([f"{path} does not exist yet (state {runs.run_state(run_dir).state}); try again later or use --follow"])
+            raise UserError([f"{path} does not exist yet (state {runs.run_state(run_dir).state}); "
+                             "try again later or use --follow"])
         sys.stdout.buffer.write(path.read_bytes())
         return
     try:
@@ -194,12 +206,13 @@ def launch(
     overrides: list[str] = OVERRIDES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run directory and stop; start nothing."),
     name: str = typer.Option("", "--name", help="Run directory name (default: recipe or model, then a timestamp)."),
-    force: bool = typer.Option(False, "--force", help="Launch even when the plan says a rank's memory does not fit its device."),
+    force: bool = typer.Option(
+        False, "--force", help="Launch even when the plan says a rank's memory does not fit its device."),
 ) -> None:
     """Write a run directory and start the workers.  Example: trainctl launch recipe=tiny_cpu train.steps=50"""
+    from trainctl.core.support import unsupported
     from trainctl.launch import rundir
-    from trainctl.plan.plan import build, refusal
-    from trainctl.plan.support import unsupported
+    from trainctl.plan import build, refusal
 
     cfg = _resolved(overrides)
     run_plan = build(cfg)
@@ -210,12 +223,14 @@ def launch(
     if too_big and not (dry_run or force):
         raise UserError([too_big])
     if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
-        raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; run on a Slurm login node, use cluster=local, or pass --dry-run"])
+        raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; "
+                         "run on a Slurm login node, use cluster=local, or pass --dry-run"])
     from trainctl.launch.preflight import launch_problems
 
     if problems := launch_problems(cfg, dry_run=dry_run):  # cluster.setup syntax, W&B credentials, token files
         raise UserError(problems)
-    run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None, overrides=list(overrides or []))
+    run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None,
+                            overrides=list(overrides or []))
     for warning in run_plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     out.print(f"run directory: [bold]{escape(str(run_dir))}[/]", highlight=False, soft_wrap=True)
@@ -268,7 +283,9 @@ def _load_run(run_dir: Path) -> RunConfig:
 
 @app.command()
 def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
-    """Relaunch a run from its directory with its own config; it continues from its newest valid checkpoint.  Example: trainctl resume tiny_cpu-20250101-120000"""
+    # One help line for typer, written as two literals to keep the source under 120 columns.
+    ("Relaunch a run from its directory with its own config; it continues from its newest valid checkpoint.  "
+     "Example: trainctl resume tiny_cpu-20250101-120000")
     from trainctl.core import checkpoints
     from trainctl.core import rundir as layout
     from trainctl.launch import rundir, runs
@@ -286,7 +303,8 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
                          "launch a new run to train further"])
     cfg = _load_run(run_dir)
     if cfg.checkpoint.resume == "never":
-        raise UserError([f"run {state.name} has checkpoint.resume=never: it would start over; launch a new run instead"])
+        raise UserError([f"run {state.name} has checkpoint.resume=never: it would start over; "
+                         "launch a new run instead"])
     if cfg.cluster.launcher == "slurm" and shutil.which("sbatch") is None:
         raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; resume from a Slurm login node"])
     from trainctl.launch.preflight import launch_problems
@@ -321,7 +339,8 @@ def export(
     checkpoint: str = typer.Option(
         None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints; it must verify "
         "(default: the newest that verifies).", show_default=False),
-    out_dir: Path = typer.Option(None, "--out", help="Output folder (default: RUN/export/step-NNNNNNNN).", show_default=False),
+    out_dir: Path = typer.Option(
+        None, "--out", help="Output folder (default: RUN/export/step-NNNNNNNN).", show_default=False),
     max_shard_size: str = typer.Option(
         None, "--max-shard-size", help="Bytes per file before sharding (e.g. 5000000000, 5GB).", show_default=False),
     runs_dir: Path = RUNS_DIR,
@@ -348,7 +367,7 @@ def _report(problems: list[str]) -> None:
 
 def main() -> None:
     """Console-script entry: user errors print one line each and exit 2, never a traceback."""
-    from trainctl.plan.plan import PlanError
+    from trainctl.plan import PlanError
 
     try:
         app()
