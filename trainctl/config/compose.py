@@ -58,7 +58,8 @@ def recipe_description(name: str) -> str:
     match = re.search(r"^description:\s*(.+)$", text, re.MULTILINE)
     if match:
         return match.group(1).strip().strip("\"'")
-    comments = [line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#") and "@package" not in line]
+    comments = [line.lstrip("# ").strip() for line in text.splitlines()
+                if line.startswith("#") and "@package" not in line]
     return comments[0] if comments else ""
 
 
@@ -167,7 +168,8 @@ def _one_line(exc: BaseException) -> str:
         inner = inner.__cause__
     lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     head = lines[0] if lines else type(inner).__name__
-    if head.endswith(":") and len(lines) > 1:  # "In 'recipe/x': ValidationError raised while composing config:" + the reason
+    # "In 'recipe/x': ValidationError raised while composing config:", then the reason on the next line.
+    if head.endswith(":") and len(lines) > 1:
         head = f"{head} {lines[1]}"
     full_key = getattr(inner, "full_key", None)
     if isinstance(inner, (ConfigAttributeError, ConfigKeyError)) and full_key:

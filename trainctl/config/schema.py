@@ -134,7 +134,8 @@ class ClusterConfig:
     nodes: int = 1
     procs_per_node: int = 1  # torchrun --nproc_per_node: GPUs (or CPU workers) per node
     device: str = "cpu"  # cpu | cuda
-    gpu: str = ""  # accelerator model for peak FLOPs and memory (h100_sxm, h100_pcie, h200, a100_80gb, a100_40gb, ...); "" unknown
+    # Accelerator model for peak FLOPs and memory (h100_sxm, h100_pcie, h200, a100_80gb, a100_40gb, ...); "" unknown.
+    gpu: str = ""
     assumed_mfu: float = 0.0  # MFU the plan's step time assumes; 0: the plan's default (0.4, see plan/throughput.py)
     partition: str = ""
     account: str = ""
@@ -144,7 +145,8 @@ class ClusterConfig:
     rdzv_port: int = 29500
     cpu_threads: int = 0  # torch threads per CPU worker; 0: cores / procs_per_node
     gpus_per_node: int = -1  # -1: procs_per_node on cuda, 0 on cpu
-    cpus_per_task: int = 0  # CPUs of the one task per node; 0: cpu_threads x procs, else the node if exclusive, else procs
+    # CPUs of the one task per node; 0: cpu_threads x procs, else the node if exclusive, else procs.
+    cpus_per_task: int = 0
     mem: str = ""  # sbatch --mem per node (64G, 0 = all of it); "": the partition's default
     constraint: str = ""  # sbatch --constraint (node features)
     exclusive: bool = False  # whole nodes
