@@ -29,7 +29,8 @@ class CodeRecord:
 
     def to_dict(self) -> dict:
         """Everything but the diff, which goes to its own file."""
-        return {"git": self.git, "sha": self.sha, "branch": self.branch, "dirty": self.dirty, "untracked": list(self.untracked)}
+        return {"git": self.git, "sha": self.sha, "branch": self.branch, "dirty": self.dirty,
+                "untracked": list(self.untracked)}
 
 
 def package_dir() -> Path:
@@ -58,4 +59,5 @@ def record(source: Path | None = None) -> CodeRecord:
     untracked = _git(source, "ls-files", "--others", "--exclude-standard", "--full-name") or ""
     dirty = bool(changed.strip())
     diff = (_git(source, "diff", "HEAD") or "") if dirty else ""
-    return CodeRecord(git=True, sha=sha.strip(), branch=branch, dirty=dirty, untracked=tuple(untracked.splitlines()), diff=diff)
+    return CodeRecord(git=True, sha=sha.strip(), branch=branch, dirty=dirty, untracked=tuple(untracked.splitlines()),
+                      diff=diff)

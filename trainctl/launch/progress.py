@@ -45,7 +45,8 @@ class ProgressSink:
         lines = (self._pending + chunk).split(b"\n")
         self._pending = lines.pop()
         for line in lines:
-            self._progress.console.print(line.decode(errors="replace").rstrip("\r"), markup=False, highlight=False, soft_wrap=True)
+            text = line.decode(errors="replace").rstrip("\r")
+            self._progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
         self._poll_metrics()
 
     def flush(self) -> None:

@@ -45,7 +45,8 @@ def find_run(ref: str, runs_dir: Path) -> Path:
     for candidate in (Path(ref), runs_dir / ref):
         if rundir.is_run_dir(candidate):
             return candidate.resolve()
-    raise LaunchError(f"no run {ref!r}: neither {ref} nor {runs_dir / ref} is a run directory (with config.yaml); see `trainctl runs`")
+    raise LaunchError(f"no run {ref!r}: neither {ref} nor {runs_dir / ref} is a run directory (with config.yaml); "
+                      "see `trainctl runs`")
 
 
 def _mtime(path: Path) -> float:
@@ -134,7 +135,8 @@ def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool,
         code = records[-1].get("exit_code")
         return ("COMPLETED", False, "") if code == 0 else ("FAILED", False, f"exit code {code}")
     if records:
-        return "UNKNOWN", False, f"{why}; attempt {records[-1].get('attempt')} started but never recorded its end (cancelled or killed)"
+        attempt = records[-1].get("attempt")
+        return "UNKNOWN", False, f"{why}; attempt {attempt} started but never recorded its end (cancelled or killed)"
     if rundir.result(run_dir) is not None:
         return "COMPLETED", False, ""
     return "UNKNOWN", False, why
@@ -170,7 +172,8 @@ def run_states(run_dirs: list[Path]) -> list[RunState]:
         else:
             state, active, detail = local_state(run_dir, record)
             launcher = launcher or ("local" if state != "NOT_STARTED" else "")
-        states.append(RunState(run_dir.name, run_dir, launcher, state, active, job_id, detail, last_step(run_dir), configured_steps(run_dir)))
+        states.append(RunState(run_dir.name, run_dir, launcher, state, active, job_id, detail,
+                               last_step(run_dir), configured_steps(run_dir)))
     return states
 
 
@@ -227,7 +230,8 @@ def cancel(run_dir: Path) -> RunState:
     """
     state = run_state(run_dir)
     if not state.active:
-        raise LaunchError(f"run {state.name} is not active ({state.state}{': ' + state.detail if state.detail else ''}); nothing to cancel")
+        detail = f": {state.detail}" if state.detail else ""
+        raise LaunchError(f"run {state.name} is not active ({state.state}{detail}); nothing to cancel")
     if state.launcher == "slurm":
         slurm_jobs.cancel_job(state.job_id)
         return state

@@ -105,7 +105,8 @@ def requeue_guard(p: PreemptionConfig) -> list[str]:
         return []
     return [
         f'if [ "$ATTEMPT" -gt {p.max_requeues} ]; then',
-        f'  echo "trainctl: job $SLURM_JOB_ID was requeued $ATTEMPT times, more than cluster.preemption.max_requeues={p.max_requeues}; not starting again" >&2',
+        '  echo "trainctl: job $SLURM_JOB_ID was requeued $ATTEMPT times, '
+        f'more than cluster.preemption.max_requeues={p.max_requeues}; not starting again" >&2',
         "  exit 1",
         "fi",
     ]
@@ -141,14 +142,16 @@ def record_function() -> list[str]:
     fmt = '{"event": "%s", "job_id": "%s", "attempt": %s, "nodes": "%s", "exit_code": %s, "time": "%s"}\\n'
     return [
         "record() {",
-        f'  printf \'{fmt}\' "$1" "$SLURM_JOB_ID" "$ATTEMPT" "$SLURM_JOB_NODELIST" "${{2:-null}}" "$(date -Iseconds)" >> "$RUN_DIR/{ATTEMPTS_FILE}"',
+        f'  printf \'{fmt}\' "$1" "$SLURM_JOB_ID" "$ATTEMPT" "$SLURM_JOB_NODELIST" "${{2:-null}}" "$(date -Iseconds)" '
+        f'>> "$RUN_DIR/{ATTEMPTS_FILE}"',
         "}",
     ]
 
 
 def launch_lines(cluster: ClusterConfig, run_dir: Path) -> list[str]:
     """Head node, the srun line with the attempt's log, and the attempt's records."""
-    srun = shell_join(slurm_argv(cluster, run_dir, srun_options=(Expand("--output=${ATTEMPT_LOG}"), "--open-mode=append")))
+    srun_options = (Expand("--output=${ATTEMPT_LOG}"), "--open-mode=append")
+    srun = shell_join(slurm_argv(cluster, run_dir, srun_options=srun_options))
     return [
         *record_function(),
         "# The first node of the allocation hosts the rendezvous. No `| head -n 1`: under pipefail,",
@@ -157,7 +160,8 @@ def launch_lines(cluster: ClusterConfig, run_dir: Path) -> list[str]:
         "MASTER_ADDR=${NODES%%$'\\n'*}",
         "export MASTER_ADDR",
         f'ATTEMPT_LOG="$RUN_DIR/logs/{attempt_log_name("$SLURM_JOB_ID", "$ATTEMPT")}"',
-        f'echo "trainctl: job $SLURM_JOB_ID attempt $ATTEMPT on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:{cluster.rdzv_port}; workers\' output: $ATTEMPT_LOG"',
+        'echo "trainctl: job $SLURM_JOB_ID attempt $ATTEMPT on $SLURM_JOB_NODELIST, '
+        f'rendezvous $MASTER_ADDR:{cluster.rdzv_port}; workers\' output: $ATTEMPT_LOG"',
         "record start",
         "STATUS=0",
         f"{srun} || STATUS=$?",
@@ -270,18 +274,21 @@ def parse_job_id(sbatch_stdout: str) -> str:
 def submit(run_dir: Path) -> str:
     """Submit RUN_DIR/launch.sh with sbatch; returns the job id and records it in RUN_DIR/launch.json."""
     if shutil.which("sbatch") is None:
-        raise LaunchError("cluster.launcher=slurm but sbatch was not found on PATH; run on a Slurm login node or use cluster=local")
+        raise LaunchError("cluster.launcher=slurm but sbatch was not found on PATH; "
+                          "run on a Slurm login node or use cluster=local")
     script = run_dir / rundir.SCRIPT
     if not script.is_file():
         raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
     try:
-        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
+        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                              timeout=SBATCH_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         raise LaunchError(f"sbatch did not answer within {SBATCH_TIMEOUT_S} s; is the Slurm controller up?") from e
     if done.returncode != 0:
         reason = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
         raise LaunchError(f"sbatch rejected {script}: {reason}")
     job_id = parse_job_id(done.stdout)
-    record = {"launcher": "slurm", "job_id": job_id, "submitted": datetime.now().astimezone().isoformat(timespec="seconds")}
+    submitted = datetime.now().astimezone().isoformat(timespec="seconds")
+    record = {"launcher": "slurm", "job_id": job_id, "submitted": submitted}
     rundir.write_json_atomic(run_dir / rundir.LAUNCH, record)
     return job_id

@@ -32,7 +32,8 @@ UNREACHABLE_RE = re.compile(
 )
 # States in which the job may still run (or run again); everything else is final.
 ACTIVE_STATES = frozenset(
-    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
+    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+     "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
 )
 
 
@@ -97,7 +98,8 @@ def query_squeue(job_ids: list[str]) -> dict[str, JobInfo]:
     infos = {}
     for line in done.stdout.splitlines():
         job_id, state, reason, nodes = (line.split("|") + ["", "", "", ""])[:4]
-        infos[job_id.strip()] = JobInfo(job_id.strip(), state.strip(), "" if reason == "None" else reason.strip(), nodes.strip())
+        reason = "" if reason == "None" else reason.strip()
+        infos[job_id.strip()] = JobInfo(job_id.strip(), state.strip(), reason, nodes.strip())
     return infos
 
 
@@ -105,7 +107,8 @@ def query_sacct(job_ids: list[str]) -> dict[str, JobInfo]:
     """Jobs from the accounting database; empty where accounting is disabled; SlurmUnavailable if it does not answer."""
     if not job_ids:
         return {}
-    done = _run(["sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={','.join(job_ids)}", "--format=JobID,State,NodeList,ExitCode"])
+    done = _run(["sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={','.join(job_ids)}",
+                 "--format=JobID,State,NodeList,ExitCode"])
     if done is None or done.returncode != 0:
         return {}
     infos = {}

@@ -189,10 +189,12 @@ def check_against_config(entries: dict, cfg: ModelConfig, ckpt: Path) -> list[st
         entries.pop("output.weight", None)
     problems = [f"missing {n}" for n in expected if n not in entries]
     problems += [f"unexpected {n}" for n in entries if n not in expected]
-    problems += [f"{n} has shape {list(entries[n][1].size)}, the config says {list(s)}" for n, s in expected.items() if n in entries and tuple(entries[n][1].size) != s]
+    problems += [f"{n} has shape {list(entries[n][1].size)}, the config says {list(shape)}"
+                 for n, shape in expected.items() if n in entries and tuple(entries[n][1].size) != shape]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ExportError(f"{ckpt}: the checkpoint does not match the run's model config: {'; '.join(problems[:3])}{more}")
+        raise ExportError(f"{ckpt}: the checkpoint does not match the run's model config: "
+                          f"{'; '.join(problems[:3])}{more}")
     return list(expected)
 
 
@@ -213,7 +215,9 @@ def plan_shards(names: list[str], sizes: dict[str, int], max_shard_size: int) ->
     return shards
 
 
-def read_tensors(ckpt: Path, entries: dict[str, tuple[str, TensorStorageMetadata]], names: list[str]) -> dict[str, torch.Tensor]:
+def read_tensors(
+    ckpt: Path, entries: dict[str, tuple[str, TensorStorageMetadata]], names: list[str]
+) -> dict[str, torch.Tensor]:
     """Read the named tensors, whole, into CPU memory (DCP fills preallocated tensors by flat key)."""
     state = {entries[n][0]: torch.empty(entries[n][1].size, dtype=entries[n][1].properties.dtype) for n in names}
     with warnings.catch_warnings():
@@ -329,14 +333,16 @@ def export(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainctl.models.export", description="Export a checkpoint's model as safetensors.")
+    parser = argparse.ArgumentParser(prog="python -m trainctl.models.export",
+                                     description="Export a checkpoint's model as safetensors.")
     parser.add_argument("run_dir", type=Path, help="the run directory (holds config.yaml and checkpoints/)")
     parser.add_argument(
         "--checkpoint",
         help="a checkpoint directory, or its name under RUN_DIR/checkpoints; it must verify (default: newest valid)",
     )
     parser.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/export/step-NNNNNNNN)")
-    parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
+    parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE),
+                        help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
     return parser.parse_args(argv)
 
 

@@ -195,7 +195,8 @@ class Llama(nn.Module):
         if self.tok_embeddings is not None:
             with _rng_for("tok_embeddings", seed, device):
                 # Untied: unit-variance embeddings (the first RMSNorm rescales them anyway).
-                _fill(self.tok_embeddings.weight, partial(nn.init.normal_, std=INIT_STD if self.cfg.tie_embeddings else 1.0))
+                std = INIT_STD if self.cfg.tie_embeddings else 1.0
+                _fill(self.tok_embeddings.weight, partial(nn.init.normal_, std=std))
         # Residual-branch outputs shrink with depth so the residual stream's variance stays O(1).
         out_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
         for key, wrapped in self.layers.items():
