@@ -31,7 +31,8 @@ def test_a_refused_sbatch_leaves_no_run_directory(tmp_path, monkeypatch, capsys)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     sbatch = bin_dir / "sbatch"
-    sbatch.write_text("#!/usr/bin/env bash\necho 'sbatch: error: Batch job submission failed: Invalid account' >&2\nexit 1\n")
+    sbatch.write_text("#!/usr/bin/env bash\n"
+                      "echo 'sbatch: error: Batch job submission failed: Invalid account' >&2\nexit 1\n")
     sbatch.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.chdir(tmp_path)

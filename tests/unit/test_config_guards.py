@@ -54,7 +54,8 @@ def problems_of(cfg) -> list[str]:
 
 
 def test_the_walk_finds_the_float_keys():
-    assert {"optim.lr", "optim.eps", "model.rope_theta", "cluster.assumed_mfu", "guards.spike_zscore"} <= set(FLOAT_KEYS)
+    expected = {"optim.lr", "optim.eps", "model.rope_theta", "cluster.assumed_mfu", "guards.spike_zscore"}
+    assert expected <= set(FLOAT_KEYS)
     assert len(FLOAT_KEYS) >= 14
 
 
@@ -71,7 +72,9 @@ def test_every_float_key_refuses_non_finite_values_in_one_line(key, value):
     assert problems[0].startswith(f"{key}=") and "not a finite number" in problems[0]
 
 
-@pytest.mark.parametrize("override", ["optim.lr=inf", "optim.lr=-inf", "optim.lr=nan", "model.norm_eps=inf", "guards.spike_zscore=nan"])
+@pytest.mark.parametrize(
+    "override", ["optim.lr=inf", "optim.lr=-inf", "optim.lr=nan", "model.norm_eps=inf", "guards.spike_zscore=nan"]
+)
 def test_non_finite_values_from_the_command_line(override):
     assert problems_of(compose([override])) == [f"{override}: not a finite number; use a finite value"]
 
@@ -87,7 +90,8 @@ def test_yaml_spellings_of_infinity_in_a_saved_config_are_refused(tmp_path, spel
 @pytest.mark.parametrize(("key", "value"), [("nodes", 0), ("procs_per_node", 0), ("nodes", -1), ("procs_per_node", -3)])
 def test_world_sizes_below_one_are_one_line_each(recipe, key, value):
     problems = problems_of(replace_key(composed(f"recipe={recipe}"), f"cluster.{key}", value))
-    assert [p for p in problems if "cluster.nodes" in p or "cluster.procs_per_node" in p] == [f"cluster.{key}={value}: must be >= 1"]
+    world = [p for p in problems if "cluster.nodes" in p or "cluster.procs_per_node" in p]
+    assert world == [f"cluster.{key}={value}: must be >= 1"]
     assert not any("world size" in p for p in problems)  # nothing else reasons about a world of 0
 
 
@@ -114,7 +118,8 @@ def test_any_number_in_any_key_is_validated_or_planned_never_raised(base):
 
 # ---------------------------------------------------------------- literal ${ survives the saved config
 
-NASTY = ["${", "\\${", "\\\\${", "${x}", "\\${x}", "$", "\\", "\\\\", "$${a}", "'", '"', "ü", "日本", "{", "}", ":", "#", " ", "a", "\n"]
+NASTY = ["${", "\\${", "\\\\${", "${x}", "\\${x}", "$", "\\", "\\\\", "$${a}", "'", '"', "ü", "日本",
+         "{", "}", ":", "#", " ", "a", "\n"]
 
 
 def nasty_strings(n: int, seed: int = 0) -> list[str]:
@@ -199,16 +204,17 @@ def relative_to_group(path, group: str) -> str:
      "model={abs}", "+recipe@_global_={abs}", "data=[stdlib,{rel_data}]", "recipe='{rel_recipe}'"],
 )
 def test_options_that_are_paths_are_refused_before_loading(outside_yaml, template):
-    override = template.format(rel_recipe=relative_to_group(outside_yaml, "recipe"), abs=str(outside_yaml.with_suffix("")),
-                               rel_model=relative_to_group(outside_yaml, "model"), rel_data=relative_to_group(outside_yaml, "data"))
+    override = template.format(
+        rel_recipe=relative_to_group(outside_yaml, "recipe"), abs=str(outside_yaml.with_suffix("")),
+        rel_model=relative_to_group(outside_yaml, "model"), rel_data=relative_to_group(outside_yaml, "data"))
     with pytest.raises(ConfigError) as err:
         compose([override])
     (line,) = err.value.problems
     assert line.startswith(override) and "not a" in line and "never a path" in line and "choose one of" in line
 
 
-@pytest.mark.parametrize("override", ["hydra.searchpath=[file:///tmp]", "++hydra.searchpath=[pkg://x]", "hydra/launcher=basic",
-                                      "+hydra.job.chdir=true"])
+@pytest.mark.parametrize("override", ["hydra.searchpath=[file:///tmp]", "++hydra.searchpath=[pkg://x]",
+                                      "hydra/launcher=basic", "+hydra.job.chdir=true"])
 def test_hydra_settings_are_refused(override):
     with pytest.raises(ConfigError) as err:
         compose([override])
@@ -216,7 +222,9 @@ def test_hydra_settings_are_refused(override):
     assert line.startswith(override.split("=")[0]) and "trainctl config groups" in line
 
 
-@pytest.mark.parametrize("override", ["model=null", "recipe=null", "model=choice(tiny,llama2_7b)", "recipe/x=tiny_cpu", "model="])
+@pytest.mark.parametrize(
+    "override", ["model=null", "recipe=null", "model=choice(tiny,llama2_7b)", "recipe/x=tiny_cpu", "model="]
+)
 def test_group_overrides_that_are_not_one_name_are_one_line(override):
     with pytest.raises(ConfigError) as err:
         compose([override])
@@ -225,7 +233,8 @@ def test_group_overrides_that_are_not_one_name_are_one_line(override):
 
 @pytest.mark.parametrize(
     ("overrides", "lr"),
-    [(["recipe=tiny_cpu"], 3e-3), (["+recipe@_global_=tiny_cpu"], 3e-3), (["recipe=tiny_cpu", "~recipe"], 3e-4), (["model=[tiny]"], 3e-4)],
+    [(["recipe=tiny_cpu"], 3e-3), (["+recipe@_global_=tiny_cpu"], 3e-3), (["recipe=tiny_cpu", "~recipe"], 3e-4),
+     (["model=[tiny]"], 3e-4)],
 )
 def test_plain_names_still_compose(overrides, lr):
     assert compose(overrides).optim.lr == lr
