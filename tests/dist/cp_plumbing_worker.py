@@ -28,8 +28,8 @@ def main() -> None:
     cp_mesh = cp_mesh_of(mesh)
     assert cp_mesh is not None and cp_mesh.size() == CP
     # Gradients average over every rank that holds the same parameters: all 4 here.
-    assert dp_mesh_for("fsdp", mesh).size() == 4 and dp_mesh_for("ddp", mesh).size() == 4
-    assert dp_mesh_for("hsdp", mesh).size() == 4
+    assert dp_mesh_for(("dp_shard",), mesh).size() == 4 and dp_mesh_for(("dp_replicate",), mesh).size() == 4
+    assert dp_mesh_for(("dp_replicate", "dp_shard"), mesh).size() == 4
     # cp ranks read the same data: 2 distinct data-parallel coordinates.
     dp_rank, dp_size = dp_coordinates(mesh)
     assert dp_size == 2

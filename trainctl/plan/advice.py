@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainctl.config.schema import AC_MODES, RunConfig
-from trainctl.plan import variants as V
+from trainctl.plan import variants
 from trainctl.plan.assess import Assessment, assess, dims_of
 
 VERDICT_ORDER = {"fits": 0, "tight": 1, "unknown": 2, "does not fit": 3}
@@ -40,27 +40,27 @@ class Suggestion:
         return dict(self.__dict__, overrides=list(self.overrides))
 
 
-def candidates(cfg: RunConfig) -> list[V.Variant]:
+def candidates(cfg: RunConfig) -> list[variants.Variant]:
     s, t = cfg.sharding, cfg.train
-    found: list[V.Variant | None] = []
+    found: list[variants.Variant | None] = []
     order = list(AC_MODES)
-    found += [V.with_checkpointing(cfg, mode) for mode in order if mode != t.activation_checkpointing]
-    if s.strategy in V.ZERO_ORDER or s.strategy == "none":
-        start = V.ZERO_ORDER.index(s.strategy) + 1 if s.strategy in V.ZERO_ORDER else 0
-        found += [V.with_strategy(cfg, name) for name in V.ZERO_ORDER[start:]]
-    found += [V.with_tp(cfg, s.tp * k) for k in (2, 4)]
-    found += [V.with_micro_batch(cfg, t.micro_batch // k) for k in (2, 4) if t.micro_batch % k == 0]
+    found += [variants.with_checkpointing(cfg, mode) for mode in order if mode != t.activation_checkpointing]
+    if s.strategy in variants.ZERO_ORDER or s.strategy == "none":
+        start = variants.ZERO_ORDER.index(s.strategy) + 1 if s.strategy in variants.ZERO_ORDER else 0
+        found += [variants.with_strategy(cfg, name) for name in variants.ZERO_ORDER[start:]]
+    found += [variants.with_tp(cfg, s.tp * k) for k in (2, 4)]
+    found += [variants.with_micro_batch(cfg, t.micro_batch // k) for k in (2, 4) if t.micro_batch % k == 0]
     if not s.cpu_offload:
-        found.append(V.with_strategy(cfg, "zero3", cpu_offload=True))
+        found.append(variants.with_strategy(cfg, "zero3", cpu_offload=True))
     return [v for v in found if v is not None]
 
 
-def combined(variant: V.Variant, mode: str) -> V.Variant | None:
+def combined(variant: variants.Variant, mode: str) -> variants.Variant | None:
     """`variant` with more checkpointing on top (for when no single change is enough)."""
-    more = V.with_checkpointing(variant.cfg, mode)
+    more = variants.with_checkpointing(variant.cfg, mode)
     if more is None:
         return None
-    return V.Variant(f"{variant.label}, {more.label}", variant.overrides + more.overrides, more.cfg)
+    return variants.Variant(f"{variant.label}, {more.label}", variant.overrides + more.overrides, more.cfg)
 
 
 def rank_key(s: Suggestion) -> tuple:
@@ -83,7 +83,7 @@ def suggest(cfg: RunConfig, current: Assessment, limit: int = 6) -> list[Suggest
     return out[:limit]
 
 
-def assessed(variants: list[V.Variant], current: Assessment) -> list[Suggestion]:
+def assessed(variants: list[variants.Variant], current: Assessment) -> list[Suggestion]:
     """A suggestion for each variant that lowers the need, with its figures and cost against `current`."""
     base_time = current.relative_step.total_s
     out = []

@@ -9,15 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainctl.config.schema import RunConfig
+from trainctl.core.dims import ParallelDims
+from trainctl.core.gpus import GPUS, peak_flops
+from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import memory
 from trainctl.plan import throughput as tp_model
 from trainctl.plan.activations import checkpointed_blocks
 from trainctl.plan.flops import flops_per_token
-from trainctl.core.gpus import GPUS, peak_flops
 from trainctl.plan.notes import notes_for
 from trainctl.plan.stages import rank_stages
-from trainctl.core.dims import ParallelDims
 
 NOMINAL_PEAK = 1e14  # FLOP/s standing in for an unknown device when only ratios of times are wanted
 
@@ -75,10 +76,16 @@ def step_time(cfg: RunConfig, dims: ParallelDims, mem: memory.RankMemory, n_bloc
     spec = GPUS.get(cfg.cluster.gpu)
     tp_bytes = tp_model.tp_comm_bytes(m, mem.tokens_per_micro_batch, n_blocks, dims.tp, c) * t.grad_accum
     reduce = memory.DTYPE_BYTES[cfg.precision.reduce_dtype]
-    fsdp_s = tp_model.fsdp_comm_bytes(s.strategy, mem.local_params, c, reduce, dims.dp_shard, t.grad_accum) / bandwidth(cfg, spec, dims.dp_shard * dims.cp * dims.tp)
-    ddp_s = tp_model.ddp_comm_bytes(s.strategy, mem.local_params, dims.dp_replicate) / bandwidth(cfg, spec, dims.dp * dims.cp * dims.tp)
+    wrap = wrapping(s.strategy, dims, cfg.precision)
+    fsdp_bytes = tp_model.fsdp_comm_bytes(wrap, mem.local_params, c, reduce, dims.dp_shard, t.grad_accum)
+    fsdp_s = fsdp_bytes / bandwidth(cfg, spec, dims.dp_shard * dims.cp * dims.tp)
+    ddp_bytes = tp_model.ddp_comm_bytes(wrap, mem.local_params, dims.dp_replicate)
+    ddp_s = ddp_bytes / bandwidth(cfg, spec, dims.dp * dims.cp * dims.tp)
     exposed = max(0.0, fsdp_s + ddp_s - (compute + recompute))
-    offload = tp_model.offload_seconds(mem.local_params // dims.dp_shard, s.strategy, t.grad_accum, cfg.cluster.procs_per_node) if s.cpu_offload else 0.0
+    offload = 0.0
+    if s.cpu_offload:
+        stored = mem.local_params // dims.dp_shard
+        offload = tp_model.offload_seconds(stored, wrap, t.grad_accum, cfg.cluster.procs_per_node)
     tp_s = tp_bytes / bandwidth(cfg, spec, dims.tp)
     return tp_model.StepTime(compute, recompute, bubble, tp_s, exposed, offload)
 

@@ -24,8 +24,8 @@ import os
 from dataclasses import dataclass
 
 from trainctl.config.schema import ClusterConfig
-from trainctl.core.gpus import GPUS
 from trainctl.core.dims import ParallelDims
+from trainctl.core.gpus import GPUS
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)

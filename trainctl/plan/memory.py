@@ -43,6 +43,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core.dims import ParallelDims
+from trainctl.core.wrapping import Wrapping, wrapping
 from trainctl.plan import activations as act
 from trainctl.plan.shapes import (
     Tensor,
@@ -55,7 +57,6 @@ from trainctl.plan.shapes import (
     zero1_partition,
 )
 from trainctl.plan.stages import RankStages
-from trainctl.core.dims import ParallelDims
 
 FP32 = 4
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
@@ -63,8 +64,6 @@ STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar tensor)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30
 
-FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")
-RESHARDING = ("zero3", "fsdp", "hsdp")  # reshard_after_forward=True for the embedding and blocks
 
 
 @dataclass(frozen=True)
@@ -149,32 +148,32 @@ def local_tensors(m: ModelConfig, stage: RankStages, tp: int) -> list[Tensor]:
     return [tp_local(t, tp) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
 
 
-def stored_elements(tensors: list[Tensor], strategy: str, dims: ParallelDims, dp_rank: int = 0) -> tuple[int, int, int]:
+def stored_elements(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, dp_rank: int = 0) -> tuple[int, int, int]:
     """(weight/gradient elements, optimizer elements, stepped tensors) that data-parallel rank `dp_rank` stores.
 
     Rank 0 is the busiest under FSDP2 (the first chunks are the full ones); under zero1 the
     busiest rank is the largest share of the partition.
     """
     full = sum(t.numel for t in tensors)
-    if strategy in FSDP_STRATEGIES:
+    if wrap.fsdp:
         shard_rank = dp_rank % dims.dp_shard
         local = [fsdp_local_numel(t, dims.dp_shard, shard_rank) for t in tensors]
         return sum(local), sum(local), sum(1 for n in local if n > 0)
-    if strategy == "zero1":
+    if wrap.zero1:
         elements, count = zero1_partition(tensors, dims.dp_replicate)[dp_rank]
         return full, elements, count
     return full, full, len(tensors)
 
 
-def stored_of(tensors: list[Tensor], strategy: str, dims: ParallelDims) -> int:
+def stored_of(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -> int:
     """Elements of `tensors` rank 0 stores (their gradients' share)."""
-    if strategy in FSDP_STRATEGIES:
+    if wrap.fsdp:
         return sum(fsdp_local_numel(t, dims.dp_shard) for t in tensors)
     return sum(t.numel for t in tensors)
 
 
-def busiest_dp_rank(tensors: list[Tensor], strategy: str, dims: ParallelDims) -> int:
-    if strategy == "zero1":
+def busiest_dp_rank(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -> int:
+    if wrap.zero1:
         shares = zero1_partition(tensors, dims.dp_replicate)
         return shares.index(max(shares))
     return 0
@@ -183,8 +182,9 @@ def busiest_dp_rank(tensors: list[Tensor], strategy: str, dims: ParallelDims) ->
 def model_states(m: ModelConfig, sharding: ShardingConfig, dims: ParallelDims, stage: RankStages, dp_rank: int) -> dict[str, int]:
     """Bytes of the live parameter, gradient and optimizer tensors on one rank (what memory_stats measures)."""
     tensors = local_tensors(m, stage, dims.tp)
-    stored, stepped, count = stored_elements(tensors, sharding.strategy, dims, dp_rank)
-    return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * stored, "optimizer_bytes": ADAMW_STATE_BYTES * stepped + STEP_BYTES * count}
+    stored, stepped, count = stored_elements(tensors, wrapping(sharding.strategy, dims), dims, dp_rank)
+    optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
+    return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * stored, "optimizer_bytes": optimizer}
 
 
 def fsdp_units(m: ModelConfig, stage: RankStages, tp: int) -> dict[str, int]:
@@ -217,14 +217,12 @@ def gathered(units: dict[str, int], n_blocks: int, reshard: bool, c: int, r: int
     return c * everything, c * everything + (c + r) * block, at_end
 
 
-def activation_layout(precision: PrecisionConfig, strategy: str, dims: ParallelDims) -> act.ActLayout:
+def activation_layout(precision: PrecisionConfig, wrap: Wrapping, dims: ParallelDims) -> act.ActLayout:
     c = DTYPE_BYTES[precision.compute_dtype]
-    fsdp = strategy in FSDP_STRATEGIES
     # Under FSDP mixed precision the weights (so the embedding's output) are in the compute dtype;
     # autocast leaves the embedding fp32 and the residual adds promote to fp32.
-    residual = c if fsdp else FP32
-    autocast = not fsdp and c != FP32
-    return act.ActLayout(c, residual, dims.tp, dims.cp, autocast)
+    residual = c if wrap.fsdp else FP32
+    return act.ActLayout(c, residual, dims.tp, dims.cp, wrap.autocast)
 
 
 @dataclass(frozen=True)
@@ -270,17 +268,16 @@ def offloaded(saved: SavedActivations, m: ModelConfig, lay: act.ActLayout, train
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig, dims: ParallelDims,
              stage: RankStages, device: str = "cuda") -> RankMemory:
     """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout."""
-    strategy = sharding.strategy
+    wrap = wrapping(sharding.strategy, dims, precision)
     c, r = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.reduce_dtype]
     tensors = local_tensors(m, stage, dims.tp)
     local = sum(t.numel for t in tensors)
-    stored, stepped, count = stored_elements(tensors, strategy, dims, busiest_dp_rank(tensors, strategy, dims))
-    fsdp = strategy in FSDP_STRATEGIES or (strategy == "ddp" and (dims.tp > 1 or dims.pp > 1))
+    stored, stepped, count = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims))
+    fsdp = wrap.fully_shard
     params, grads = FP32 * stored, FP32 * stored
     optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
-    ddp = strategy in ("ddp", "zero1") and dims.tp == 1 and dims.pp == 1
     tokens = train.micro_batch * train.seq_len // dims.cp
-    lay = activation_layout(precision, strategy, dims)
+    lay = activation_layout(precision, wrap, dims)
     saved = activation_bytes(m, train, lay, stage, tokens)
     if train.activation_offload:
         saved = offloaded(saved, m, lay, train, stage, tokens)
@@ -297,9 +294,9 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     at_loss = during_block = at_end = 0
     if fsdp:
         units = fsdp_units(m, stage, dims.tp)
-        unit_c = c if strategy in FSDP_STRATEGIES else FP32  # ddp over tp/pp: FSDP2 without mixed precision
-        reshard = strategy in RESHARDING
-        at_loss, during_block, at_end = gathered(units, len(stage.layers), reshard, unit_c, r if strategy in FSDP_STRATEGIES else FP32)
+        # FSDP2 as DDP (ddp over tp/pp) gathers and reduces fp32: it has no mixed precision.
+        unit_c, unit_r = (c, r) if wrap.fsdp else (FP32, FP32)
+        at_loss, during_block, at_end = gathered(units, len(stage.layers), wrap.reshard_after_forward, unit_c, unit_r)
     accumulating = train.grad_accum > 1
     unsharded = max(c, r) * local if fsdp and accumulating else 0
     step_temp = 0 if device == "cuda" and not sharding.cpu_offload else FP32 * stepped
@@ -311,7 +308,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         params=params,
         grads=grads,
         optimizer=optimizer,
-        ddp_buckets=FP32 * local if ddp else 0,
+        ddp_buckets=FP32 * local if wrap.ddp else 0,
         host=host,
         gathered_loss=at_loss,
         gathered_block=during_block,
@@ -326,8 +323,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         grad_temp=int(act.block_grad_bytes(m, lay) * tokens) if stage.layers else 0,
         head_activations=saved.head,
         last_block_activations=saved.first_block,
-        grads_head=0 if sharding.cpu_offload else FP32 * stored_of(head_part, strategy, dims),
-        grads_tail=0 if sharding.cpu_offload else grads - FP32 * stored_of(first_part, strategy, dims),
+        grads_head=0 if sharding.cpu_offload else FP32 * stored_of(head_part, wrap, dims),
+        grads_tail=0 if sharding.cpu_offload else grads - FP32 * stored_of(first_part, wrap, dims),
         step_temp=step_temp,
         tokens_per_micro_batch=tokens,
         in_flight=stage.in_flight,

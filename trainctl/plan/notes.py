@@ -7,10 +7,11 @@ behind them are in memory.py, activations.py, fit.py and throughput.py.
 from __future__ import annotations
 
 from trainctl.config.schema import RunConfig
+from trainctl.core.dims import ParallelDims
+from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan.memory import GIB, RankMemory
 from trainctl.plan.throughput import DEFAULT_MFU
-from trainctl.core.dims import ParallelDims
 
 
 def _gib(n: int) -> str:
@@ -18,32 +19,32 @@ def _gib(n: int) -> str:
 
 
 def strategy_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
-    s, t = cfg.sharding, cfg.train
+    t, wrap = cfg.train, wrapping(cfg.sharding.strategy, dims, cfg.precision)
     notes = []
     if mem.ddp_buckets:
         notes.append(f"ddp_buckets {_gib(mem.ddp_buckets)}: DDP keeps flat fp32 gradient buckets beside .grad "
                      "(gradient_as_bucket_view=False), so replicated gradients cost 8 bytes/param, not 4")
-    if s.strategy == "zero1" and dims.dp_replicate > 1:
+    if wrap.zero1 and dims.dp_replicate > 1:
         notes.append("optimizer (zero1): ZeroRedundancyOptimizer gives whole tensors to ranks (largest first), "
                      "so the busiest rank holds more than 1/dp of the AdamW states")
-    if s.strategy == "zero2":
+    if wrap.fsdp and not wrap.reshard_after_forward:
         notes.append("gathered_loss (zero2): FSDP2 with reshard_after_forward=False keeps every unit gathered from its "
                      "forward to its backward: a compute-dtype copy of the whole stage at the start of backward")
-    if s.strategy in ("zero3", "fsdp", "hsdp"):
+    if wrap.fsdp and wrap.reshard_after_forward:
         notes.append("gathered (zero3): blocks are re-gathered for backward; norm + output (and a tied embedding, in the "
                      "root unit) stay gathered from forward to backward")
     if mem.unsharded_grads:
         notes.append(f"unsharded_grads {_gib(mem.unsharded_grads)}: with grad_accum={t.grad_accum} FSDP2 skips the "
                      "reduce-scatter until the last micro-batch and keeps unsharded gradients (reduce dtype) in between: "
                      "ZeRO's gradient saving is gone until then; fewer, larger micro-batches avoid it")
-    if s.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
+    if wrap.fsdp_as_ddp:
         notes.append("ddp over tp/pp: the worker replicates with FSDP2 on a shard group of one (DDP cannot bucket "
                      "DTensors): an fp32 unsharded copy of each unit is gathered as for zero2")
     if mem.weight_casts:
         notes.append(f"weight_casts {_gib(mem.weight_casts)}: torch.autocast keeps a compute-dtype copy of every matmul "
                      "weight it used, saved for backward (checkpointed blocks re-cast instead); FSDP's mixed precision "
                      "would gather bf16 weights per unit instead of casting the whole model")
-    if s.cpu_offload:
+    if cfg.sharding.cpu_offload:
         notes.append(f"host {_gib(mem.host)}: cpu_offload keeps weights, gradients and AdamW states in host memory; the "
                      "device holds the gathered units and their unsharded gradients; the step runs AdamW on the host")
     return notes

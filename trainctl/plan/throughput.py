@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from trainctl.config.schema import ModelConfig
+from trainctl.core.wrapping import Wrapping
 from trainctl.plan.flops import layer_params
 
 DEFAULT_MFU = 0.4
@@ -93,27 +94,34 @@ def tp_comm_bytes(m: ModelConfig, tokens: int, blocks: int, tp: int, compute_byt
     return 8.0 * blocks * tokens * m.dim * compute_bytes * (tp - 1) / tp
 
 
-def fsdp_comm_bytes(strategy: str, local_params: int, compute_bytes: int, reduce_bytes: int, shards: int, micro_batches: int) -> float:
+def gathers_per_micro_batch(wrap: Wrapping) -> int:
+    """FSDP2 gathers a unit for forward and, when resharded after it, again for backward."""
+    return 2 if wrap.reshard_after_forward else 1
+
+
+def fsdp_comm_bytes(
+    wrap: Wrapping, local_params: int, compute_bytes: int, reduce_bytes: int, shards: int, micro_batches: int
+) -> float:
     """Bytes one rank moves per step for FSDP2's gathers and reduce-scatters (0 without parameter sharding)."""
-    if shards == 1 or strategy not in ("zero2", "zero3", "fsdp", "hsdp"):
+    if shards == 1 or not wrap.fsdp:
         return 0.0
-    gathers = (2 if strategy != "zero2" else 1) * micro_batches
+    gathers = gathers_per_micro_batch(wrap) * micro_batches
     share = (shards - 1) / shards
     return local_params * share * (gathers * compute_bytes + reduce_bytes)
 
 
-def ddp_comm_bytes(strategy: str, local_params: int, replicas: int) -> float:
+def ddp_comm_bytes(wrap: Wrapping, local_params: int, replicas: int) -> float:
     """Bytes one rank moves per step for DDP's fp32 ring all-reduce (and zero1's parameter broadcast)."""
-    if replicas == 1 or strategy not in ("ddp", "zero1", "hsdp"):
+    if replicas == 1 or not wrap.all_reduces_over_replicas:
         return 0.0
     share = (replicas - 1) / replicas
-    broadcast = 4.0 * local_params * share if strategy == "zero1" else 0.0
+    broadcast = 4.0 * local_params * share if wrap.zero1 else 0.0
     return 2 * 4.0 * local_params * share + broadcast
 
 
-def offload_seconds(stored_params: int, strategy: str, micro_batches: int, ranks_per_node: int) -> float:
+def offload_seconds(stored_params: int, wrap: Wrapping, micro_batches: int, ranks_per_node: int) -> float:
     """PCIe copies and the host AdamW step of cpu_offload, per step (not overlapped: an upper bound)."""
-    gathers = (2 if strategy != "zero2" else 1) * micro_batches
+    gathers = gathers_per_micro_batch(wrap) * micro_batches
     copies = 4.0 * stored_params * (gathers + 1)
     return copies / PCIE_BYTES_PER_S + stored_params * ranks_per_node / HOST_ADAMW_PARAMS_PER_S
 

@@ -14,6 +14,7 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import AC_MODES, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core.support import unsupported
+from trainctl.core.wrapping import REPLICATING
 
 AXES = ("sharding", "checkpointing", "tp", "micro_batch")
 ZERO_ORDER = ("ddp", "zero1", "zero2", "zero3")
@@ -50,7 +51,7 @@ def with_strategy(cfg: RunConfig, strategy: str, cpu_offload: bool = False) -> V
     """The same ranks under another ZeRO stage (all data-parallel ranks replicate or shard)."""
     s = cfg.sharding
     dp = s.dp_replicate * s.dp_shard
-    replicate = strategy in ("ddp", "zero1")
+    replicate = strategy in REPLICATING
     degrees = {"dp_replicate": dp if replicate else 1, "dp_shard": 1 if replicate else dp}
     if strategy == "none" and dp > 1:
         return None
@@ -74,7 +75,7 @@ def with_tp(cfg: RunConfig, tp: int) -> Variant | None:
     if ranks % tp:
         return None
     dp = ranks // tp
-    replicate = s.strategy in ("ddp", "zero1") or (s.strategy == "none" and dp > 1)
+    replicate = s.strategy in REPLICATING or (s.strategy == "none" and dp > 1)
     strategy = "ddp" if s.strategy == "none" and dp > 1 else s.strategy
     if s.strategy == "hsdp":
         degrees = {"dp_replicate": s.dp_replicate, "dp_shard": dp // s.dp_replicate} if dp % s.dp_replicate == 0 else None
@@ -89,7 +90,8 @@ def with_tp(cfg: RunConfig, tp: int) -> Variant | None:
 
 def with_micro_batch(cfg: RunConfig, micro_batch: int) -> Variant | None:
     key = f"train.micro_batch={micro_batch}"
-    return _resolved(f"micro_batch={micro_batch}", [key, "train.grad_accum=-1"], _replace(cfg, **_rebatched(cfg, micro_batch=micro_batch)))
+    variant = _replace(cfg, **_rebatched(cfg, micro_batch=micro_batch))
+    return _resolved(f"micro_batch={micro_batch}", [key, "train.grad_accum=-1"], variant)
 
 
 def _divisors_up_to(n: int, limit: int) -> list[int]:
@@ -100,8 +102,8 @@ def along(cfg: RunConfig, axis: str) -> list[Variant]:
     """Every variant of `cfg` along one axis of AXES, the config itself included (first)."""
     current = Variant("(as configured)", (), cfg)
     if axis == "sharding":
-        same = {cfg.sharding.strategy, "zero3" if cfg.sharding.strategy == "fsdp" else cfg.sharding.strategy}
-        found = [with_strategy(cfg, name) for name in ("none", *ZERO_ORDER) if name not in same]
+        # The config is resolved: an alias (fsdp) is already the strategy it names.
+        found = [with_strategy(cfg, name) for name in ("none", *ZERO_ORDER) if name != cfg.sharding.strategy]
         found.append(with_strategy(cfg, "zero3", cpu_offload=True) if not cfg.sharding.cpu_offload else None)
     elif axis == "checkpointing":
         found = [with_checkpointing(cfg, mode) for mode in AC_MODES if mode != cfg.train.activation_checkpointing]

@@ -18,11 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainctl.config.schema import ClusterConfig
-from trainctl.core.dims import ParallelDims
+from trainctl.core.dims import MESH_DIMS, ParallelDims
 from trainctl.train.errors import WorkerConfigError
-
-# Mesh dimensions, outermost first: pipeline stages talk least, tensor parallel most.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)

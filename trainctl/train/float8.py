@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from trainctl.config.schema import PrecisionConfig
+from trainctl.core.wrapping import float8_all_gather
 from trainctl.train.errors import WorkerConfigError
 
 log = logging.getLogger("trainctl.train")
@@ -51,18 +52,13 @@ def wants_float8(module: nn.Module, fqn: str, exclude: tuple[str, ...]) -> bool:
     return module.in_features % FP8_ALIGNMENT == 0 and module.out_features % FP8_ALIGNMENT == 0
 
 
-def fsdp_float8_all_gather(precision: PrecisionConfig, fsdp: bool) -> bool:
-    """Gather float8 weights under FSDP2: only the tensorwise recipe supports it in torchao."""
-    return fsdp and precision.fp8 and precision.fp8_recipe == "tensorwise"
-
-
 def apply_float8(model: nn.Module, precision: PrecisionConfig, fsdp: bool) -> int:
     """Swap eligible Linears for torchao Float8Linear in place; returns how many were converted."""
     if not precision.fp8:
         return 0
     float8 = import_torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(precision.fp8_recipe)
-    if fsdp_float8_all_gather(precision, fsdp):
+    if float8_all_gather(fsdp, precision):
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     exclude = tuple(precision.fp8_exclude)
     float8.convert_to_float8_training(
@@ -83,9 +79,11 @@ def count_float8_linears(model: nn.Module) -> int:
     return sum(is_float8_linear(m) for m in model.modules())
 
 
-def register_float8_scale_precompute(optimizer: torch.optim.Optimizer, model: nn.Module, precision: PrecisionConfig, fsdp: bool) -> None:
-    """With float8 all-gather, refresh every layer's weight scale after each real optimizer step."""
-    if not fsdp_float8_all_gather(precision, fsdp):
+def register_float8_scale_precompute(
+    optimizer: torch.optim.Optimizer, model: nn.Module, precision: PrecisionConfig, fsdp: bool
+) -> None:
+    """With float8 all-gather (core.wrapping decides), refresh every layer's weight scale after each optimizer step."""
+    if not float8_all_gather(fsdp, precision):
         return
     float8 = import_torchao_float8()
     optimizer.register_step_post_hook(lambda *_: float8.precompute_float8_dynamic_scale_for_fsdp(model))

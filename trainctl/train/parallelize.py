@@ -29,11 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.support import unsupported
+from trainctl.core.wrapping import wrapping_of
 from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.context_parallel import expand_kv_heads_for_cp
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import apply_float8
-from trainctl.train.precision import fsdp_mp_policy, uses_fsdp
+from trainctl.train.precision import fsdp_mp_policy
 from trainctl.train.tensor_parallel import apply_replicate_over_tp, apply_tp
 
 
@@ -51,21 +52,22 @@ def apply_compile(model: nn.Module) -> None:
         blocks[name] = torch.compile(block)
 
 
-def dp_mesh_for(strategy: str, mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel sub-mesh: replicate dim (ddp), shard dim (fsdp), or both (hsdp).
+def dp_mesh_for(dp_dims: tuple[str, ...], mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh over the wrapping's `dp_mesh` dims (replicate, shard, or both).
 
     Under context parallelism the cp ranks hold the same parameters and see different tokens,
     so they join data parallelism for the gradients (dims flattened by `flatten_dp_cp`).
     """
-    cp = mesh["cp"].size() > 1
-    if strategy == "ddp":
-        return mesh["dp_cp"] if cp else mesh["dp_replicate"]
-    if strategy == "hsdp":
-        return mesh["dp_replicate", "dp_shard_cp"] if cp else mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard_cp"] if cp else mesh["dp_shard"]
+    if mesh["cp"].size() > 1:
+        dp_dims = ("dp_cp",) if dp_dims == ("dp_replicate",) else tuple(
+            "dp_shard_cp" if name == "dp_shard" else name for name in dp_dims)
+    return mesh[dp_dims[0]] if len(dp_dims) == 1 else mesh[dp_dims]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, cpu_offload: bool = False) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy,
+    cpu_offload: bool = False,
+) -> None:
     """fully_shard the embedding, each block, and norm + output as their own units, then the root.
 
     Separate units let FSDP all-gather a large vocabulary matrix only around its own use and
@@ -119,10 +121,14 @@ def parallelize(
     precision: PrecisionConfig,
     device: torch.device,
 ) -> nn.Module:
-    """Apply the parallelisms in the fixed order above to a meta-device model; returns it materialized."""
+    """Apply the parallelisms in the fixed order above to a meta-device model; returns it materialized.
+
+    Which data-parallel wrapper and which precision path is core.wrapping's decision, shared with the plan.
+    """
     check_supported(sharding, precision)
+    wrap = wrapping_of(sharding, precision)
     # pipeline split: done before, by pipeline.build_pipeline (each stage's part comes here).
-    apply_float8(model, precision, uses_fsdp(sharding.strategy))
+    apply_float8(model, precision, wrap.fsdp)
     if sharding.tp > 1:
         # float8 activations in TP collectives: tensorwise recipe only, and NCCL (gloo has no float8 dtypes).
         float8_collectives = precision.fp8 and precision.fp8_recipe == "tensorwise" and device.type == "cuda"
@@ -132,17 +138,16 @@ def parallelize(
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model)
-    if uses_fsdp(sharding.strategy):
-        # zero2 keeps gathered block weights from forward to backward (more memory, one fewer all-gather).
-        reshard = sharding.strategy != "zero2"
-        apply_fsdp(model, dp_mesh_for(sharding.strategy, mesh), reshard, fsdp_mp_policy(precision), sharding.cpu_offload)
-    elif sharding.strategy == "ddp" and (sharding.tp > 1 or sharding.pp > 1):
-        # Also under a pipeline: DDP's reducer breaks when a schedule runs several forwards before a backward.
-        apply_replicate_over_tp(model, dp_mesh_for("hsdp", mesh))
+    dp_mesh = dp_mesh_for(wrap.dp_mesh, mesh) if wrap.dp_mesh else None
+    if wrap.fsdp:
+        apply_fsdp(model, dp_mesh, wrap.reshard_after_forward, fsdp_mp_policy(wrap), sharding.cpu_offload)
+    elif wrap.fsdp_as_ddp:
+        # DDP's reducer cannot bucket DTensors, and breaks when a schedule runs several forwards before a backward.
+        apply_replicate_over_tp(model, dp_mesh)
     materialize(model, device, sharding.cpu_offload)
     # zero1 is DDP for the gradients; its optimizer (optim.py) shards the AdamW states.
-    if sharding.strategy in ("ddp", "zero1") and sharding.tp == 1 and sharding.pp == 1:
-        model = apply_ddp(model, dp_mesh_for("ddp", mesh), device)
+    if wrap.ddp:
+        model = apply_ddp(model, dp_mesh, device)
     return model
 
 

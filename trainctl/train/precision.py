@@ -1,8 +1,9 @@
-"""Mixed precision: which dtype matmuls run in, and how each strategy gets there.
+"""Mixed precision: which dtype matmuls run in, and how each wrapping gets there.
 
-Master weights and optimizer state stay fp32 everywhere. FSDP2 casts its gathered
-parameters itself (MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction);
-unsharded strategies (none, ddp) use torch.autocast around forward and loss.
+Master weights and optimizer state stay fp32 everywhere. Which of the two paths a run takes is
+core.wrapping's decision: FSDP2 casts its gathered parameters itself (MixedPrecisionPolicy: compute
+dtype parameters, reduce-dtype gradient reduction); every other wrapping uses torch.autocast around
+forward and loss.
 """
 
 from __future__ import annotations
@@ -13,24 +14,31 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from trainctl.config.schema import PrecisionConfig
+from trainctl.core.dims import ParallelDims
+from trainctl.core.wrapping import Wrapping, shards_parameters, wrapping
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")
 
 
 def uses_fsdp(strategy: str) -> bool:
-    return strategy in FSDP_STRATEGIES
+    """FSDP2 shards the parameters (kept for trainer.py until it reads a Wrapping)."""
+    return shards_parameters(strategy)
 
 
-def fsdp_mp_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
-    """bf16 parameters in compute with fp32 (or the configured) gradient reduction; plain fp32 otherwise."""
-    if precision.compute_dtype == "fp32":
+def fsdp_mp_policy(wrap: Wrapping) -> MixedPrecisionPolicy:
+    """The decision's parameter and reduce dtypes; plain fp32 (no policy) when it has none."""
+    if not wrap.mixed_precision:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[precision.compute_dtype], reduce_dtype=DTYPES[precision.reduce_dtype])
+    return MixedPrecisionPolicy(param_dtype=DTYPES[wrap.param_dtype], reduce_dtype=DTYPES[wrap.reduce_dtype])
+
+
+def autocast_for(wrap: Wrapping, precision: PrecisionConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """A fresh context for one forward + loss: autocast when the decision says so, nothing otherwise."""
+    if not wrap.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision.compute_dtype])
 
 
 def autocast_context(precision: PrecisionConfig, strategy: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """A fresh context for one forward + loss: autocast for unsharded bf16, nothing otherwise."""
-    if precision.compute_dtype == "fp32" or uses_fsdp(strategy):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[precision.compute_dtype])
+    """autocast_for by strategy (kept for trainer.py and pipeline.py; autocast does not depend on the degrees)."""
+    return autocast_for(wrapping(strategy, ParallelDims(), precision), precision, device)
