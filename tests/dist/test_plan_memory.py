@@ -32,6 +32,7 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig
 from trainctl.config.validate import resolve
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.assess import dims_of
+from trainctl.launch.command import plan_record
 from trainctl.plan.runplan import build
 from trainctl.plan.stages import rank_stages
 
@@ -74,7 +75,7 @@ def runs(tmp_path_factory, data_cache) -> dict:
     for name in RUNS:
         cfg, nproc = run_config(name, data_cache)
         run_dir = write_run_dir(root, cfg)
-        (run_dir / "plan.json").write_text(json.dumps(build(cfg, run_dir).to_dict()))
+        (run_dir / "plan.json").write_text(json.dumps(plan_record(build(cfg), cfg, run_dir)))
         proc = run_worker(run_dir, nproc)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-3000:]}"
         (record,) = records(run_dir, "memory")

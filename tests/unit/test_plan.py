@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 
 from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
-from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal, with_run_dir
+from trainctl.launch.command import command_record, default_run_dir, launch_argv, plan_record
+from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal
 
 LLAMA2_7B = ModelConfig(
     name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096
@@ -149,7 +151,7 @@ def test_unresolved_or_inconsistent_config_raises_plan_error(groups):
 
 def test_launch_command_is_local_torchrun_on_the_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    plan = build(llama7b_zero3_h100(), run_dir=run_dir)
+    plan = SimpleNamespace(**command_record(llama7b_zero3_h100().cluster, run_dir))
     argv = list(plan.launch_argv)
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     for arg in ("--standalone", "--nnodes=1", "--nproc_per_node=8", "--max_restarts=0"):
@@ -160,14 +162,15 @@ def test_launch_command_is_local_torchrun_on_the_run_dir(tmp_path):
 
 def test_with_run_dir_repoints_the_command():
     cfg = llama7b_zero3_h100()
-    plan = with_run_dir(build(cfg), cfg.cluster, Path("/runs/x"))
+    plan = SimpleNamespace(**plan_record(build(cfg), cfg, Path("/runs/x")))
     assert plan.launch_argv[-1] == "/runs/x"
     assert "/runs/x" in plan.launch_command
 
 
 def test_to_dict_is_json_serializable_and_complete():
-    plan = build(llama7b_zero3_h100())
-    data = json.loads(json.dumps(plan.to_dict()))
+    cfg = llama7b_zero3_h100()
+    plan = build(cfg)
+    data = json.loads(json.dumps(plan_record(plan, cfg)))
     assert data["params_total"] == P_7B
     assert data["dims"]["dp"] == 8
     assert data["batch"]["tokens_per_step"] == 64 * 4096
@@ -176,4 +179,4 @@ def test_to_dict_is_json_serializable_and_complete():
     assert len(data["memory"]["per_pp_rank"]) == 1
     assert data["throughput"]["step_time_s"] == plan.step_time_s
     assert isinstance(data["notes"], list) and data["notes"]
-    assert data["launch_argv"] == list(plan.launch_argv)
+    assert data["launch_argv"] == launch_argv(cfg.cluster, default_run_dir(cfg))

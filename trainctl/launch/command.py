@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from trainctl.config.schema import ClusterConfig
+from trainctl.config.schema import ClusterConfig, RunConfig
 
 WORKER_MODULE = "trainctl.train"
 TORCHRUN_LOG_SUBDIR = "logs/torchrun"
@@ -125,6 +125,29 @@ def launch_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None
         return slurm_argv(cluster, run_dir, python)
     assert cluster.launcher == "local", f"unknown launcher {cluster.launcher!r}: validate should have rejected it"
     return local_argv(cluster, run_dir, python)
+
+
+# Stands in for the run directory before it exists (its name may get a collision suffix).
+RUN_DIR_PLACEHOLDER = "<run_dir>"
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    """Where the run would go when its name is already fixed; a placeholder name otherwise."""
+    return Path(cfg.runs_dir) / (cfg.name or RUN_DIR_PLACEHOLDER)
+
+
+def command_record(cluster: ClusterConfig, run_dir: Path) -> dict:
+    """The launch command as plan.json records it: the argv and the shell line."""
+    argv = launch_argv(cluster, run_dir)
+    return {"launch_argv": list(argv), "launch_command": shell_join(argv)}
+
+
+def plan_record(plan, cfg: RunConfig, run_dir: Path | None = None) -> dict:
+    """A RunPlan's data with the command that launches it on `run_dir` (the default run directory if None).
+
+    What RUN_DIR/plan.json holds and what `trainctl plan` shows: the plan itself knows nothing of launching.
+    """
+    return {**plan.to_dict(), **command_record(cfg.cluster, run_dir or default_run_dir(cfg))}
 
 
 def _quote_keeping_vars(arg: str) -> str:

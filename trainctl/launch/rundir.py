@@ -20,8 +20,9 @@ from pathlib import Path
 from trainctl.config.schema import RunConfig, to_yaml
 from trainctl.core import rundir as layout
 from trainctl.launch import code_record, local, slurm
+from trainctl.launch.command import plan_record
 from trainctl.launch.errors import LaunchError
-from trainctl.plan.runplan import RunPlan, with_run_dir
+from trainctl.plan import RunPlan
 
 MAX_SUFFIX = 10_000  # far more collisions than any real use; beyond it something is wrong
 NAME_MAX = 255 - len("-9999") - len(".tmp")  # bytes of one path component, leaving room for a suffix
@@ -72,7 +73,8 @@ def launch_script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
 def write_contents(target: Path, cfg: RunConfig, plan: RunPlan, run_dir: Path, overrides: list[str], workdir: Path) -> None:
     """Write every file of the run into `target`; paths inside them refer to the final `run_dir`."""
     (target / layout.CONFIG).write_text(to_yaml(cfg))
-    (target / layout.PLAN).write_text(json.dumps(with_run_dir(plan, cfg.cluster, run_dir).to_dict(), indent=2) + "\n")
+    # The launch command is launch's, computed here for the final run directory; readers find it in plan.json.
+    (target / layout.PLAN).write_text(json.dumps(plan_record(plan, cfg, run_dir), indent=2) + "\n")
     write_script(target, cfg, run_dir, workdir)
     (target / layout.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
     code = code_record.record()

@@ -8,25 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 from trainctl.config.data_check import data_file_problems
 from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims, UnresolvedDims
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import unsupported
-from trainctl.launch.command import launch_argv, shell_join
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
 from trainctl.plan.flops import flops_per_token, param_count
-from trainctl.core.gpus import GPUS
-from trainctl.core.support import unsupported
 from trainctl.plan.throughput import DEFAULT_MFU, StepTime, attention_flops_causal, hours
-from trainctl.core.dims import ParallelDims
 
 ASSUMED_MFU = DEFAULT_MFU  # kept for callers of the earlier name
-# Stands in for the run directory before it exists (its name may get a collision suffix).
-RUN_DIR_PLACEHOLDER = "<run_dir>"
 
 
 class PlanError(Exception):
@@ -69,8 +62,6 @@ class RunPlan:
     notes: tuple[str, ...]  # where the worker differs from the textbook, for this config
     advice: tuple[advice.Suggestion, ...]  # when a rank does not fit or is tight
     warnings: tuple[str, ...]
-    launch_argv: tuple[str, ...]
-    launch_command: str
 
     @property
     def step_time_s(self) -> float | None:
@@ -98,7 +89,7 @@ class RunPlan:
         return {**self.memory.to_dict(), **self.fit.to_dict(), "per_pp_rank": per_rank}
 
     def to_dict(self) -> dict:
-        """Plain JSON-serializable data (written to RUN_DIR/plan.json)."""
+        """Plain JSON-serializable data (launch writes it to RUN_DIR/plan.json, with the launch command)."""
         skip = ("memory_per_pp_rank", "fits_per_pp_rank", "fit", "step_time", "attention_flops_causal")
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         data["dims"] = {**self.dims.as_dict(), "dp": self.dims.dp}
@@ -109,7 +100,6 @@ class RunPlan:
         data["notes"] = list(self.notes)
         data["advice"] = [a.to_dict() for a in self.advice]
         data["warnings"] = list(self.warnings)
-        data["launch_argv"] = list(self.launch_argv)
         return data
 
 
@@ -159,17 +149,6 @@ def gpu_warning(cluster: ClusterConfig) -> str | None:
     return f"cluster.gpu={cluster.gpu!r} is not a known GPU ({', '.join(GPUS)}): no memory check and no step-time estimate"
 
 
-def default_run_dir(cfg: RunConfig) -> Path:
-    """Where the run would go when its name is already fixed; a placeholder name otherwise."""
-    return Path(cfg.runs_dir) / (cfg.name or RUN_DIR_PLACEHOLDER)
-
-
-def with_run_dir(plan: RunPlan, cluster: ClusterConfig, run_dir: Path) -> RunPlan:
-    """The same plan with its launch command pointing at the final run directory."""
-    argv = launch_argv(cluster, run_dir)
-    return dataclasses.replace(plan, launch_argv=tuple(argv), launch_command=shell_join(argv))
-
-
 def fit_warning(a: Assessment, gpu: str) -> str | None:
     """One line when the busiest rank does not fit (or is tight), naming the top advice."""
     f, mem = a.fit, a.memory
@@ -195,8 +174,8 @@ def refusal(plan: RunPlan) -> str | None:
             f"{hint}; see `trainctl plan` for the breakdown, or pass --force")
 
 
-def build(cfg: RunConfig, run_dir: Path | None = None, with_advice: bool = True) -> RunPlan:
-    """The plan of a resolved config; `run_dir` fixes the path in the launch command (see `with_run_dir`)."""
+def build(cfg: RunConfig, with_advice: bool = True) -> RunPlan:
+    """The plan of a resolved config (the launch command is launch's: launch.command.plan_record)."""
     world = world_size(cfg.cluster)
     dims = resolved_dims(cfg.sharding, world)
     batch = batch_math(cfg.train, dims.dp)
@@ -206,7 +185,6 @@ def build(cfg: RunConfig, run_dir: Path | None = None, with_advice: bool = True)
     warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision), fit_warning(a, cfg.cluster.gpu)]
     # The token files, by size and a bounded sample (launch refuses what this warns about).
     warnings += data_file_problems(cfg.data, cfg.data.vocab_size or cfg.model.vocab_size, cfg.train.seq_len)
-    argv = launch_argv(cfg.cluster, run_dir or default_run_dir(cfg))
     return RunPlan(
         world_size=world,
         nodes=cfg.cluster.nodes,
@@ -231,6 +209,4 @@ def build(cfg: RunConfig, run_dir: Path | None = None, with_advice: bool = True)
         notes=a.notes,
         advice=tuple(suggestions),
         warnings=tuple(w for w in warnings if w),
-        launch_argv=tuple(argv),
-        launch_command=shell_join(argv),
     )
