@@ -52,9 +52,12 @@ def test_directives_ask_for_nodes_one_task_each_and_the_gpus(tmp_path):
 
 def test_optional_keys_appear_only_when_set(tmp_path):
     unset = render_directives(tmp_path)
-    assert not [line for line in unset if line.startswith(("--partition", "--account", "--qos", "--constraint", "--mem", "--exclusive"))]
-    lines = render_directives(tmp_path, partition="gpu", account="proj7", qos="high", constraint="h100&ib", mem="480G", exclusive=True, job_name="pretrain")
-    assert {"--partition=gpu", "--account=proj7", "--qos=high", "--constraint=h100&ib", "--mem=480G", "--exclusive", "--job-name=pretrain"} <= set(lines)
+    unset_flags = ("--partition", "--account", "--qos", "--constraint", "--mem", "--exclusive")
+    assert not [line for line in unset if line.startswith(unset_flags)]
+    lines = render_directives(tmp_path, partition="gpu", account="proj7", qos="high", constraint="h100&ib", mem="480G",
+                              exclusive=True, job_name="pretrain")
+    assert {"--partition=gpu", "--account=proj7", "--qos=high", "--constraint=h100&ib", "--mem=480G", "--exclusive",
+            "--job-name=pretrain"} <= set(lines)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +74,8 @@ def test_cpus_per_task(tmp_path, cluster, expected):
     assert cpus == ([expected] if expected else [])
 
 
-@pytest.mark.parametrize(("cluster", "expected"), [({"device": "cpu", "gpu": ""}, []), ({"gpus_per_node": 8}, ["--gpus-per-node=8"])])
+@pytest.mark.parametrize(("cluster", "expected"),
+                         [({"device": "cpu", "gpu": ""}, []), ({"gpus_per_node": 8}, ["--gpus-per-node=8"])])
 def test_gpu_count_is_derived_or_configured(tmp_path, cluster, expected):
     assert [line for line in render_directives(tmp_path, **cluster) if line.startswith("--gpus")] == expected
 
@@ -92,7 +96,8 @@ def test_extra_directives_come_last_verbatim(tmp_path):
 
 @pytest.mark.parametrize(
     ("cluster", "run_name"),
-    [({"job_name": "a\nb"}, "run"), ({"partition": "gpu\n#SBATCH --qos=x"}, "run"), ({"extra_directives": ["--x=1\necho hi"]}, "run"), ({}, "run%x")],
+    [({"job_name": "a\nb"}, "run"), ({"partition": "gpu\n#SBATCH --qos=x"}, "run"),
+     ({"extra_directives": ["--x=1\necho hi"]}, "run"), ({}, "run%x")],
 )
 def test_render_refuses_what_would_break_a_directive(tmp_path, cluster, run_name):
     with pytest.raises(LaunchError):
@@ -107,7 +112,8 @@ def test_torchrun_forwards_the_preemption_signal_and_torchruns_defaults(tmp_path
 
 # --- the script as a compute node runs it: stub srun/scontrol record what they receive ---
 
-SLURM_ENV = {"SLURM_JOB_NODELIST": "node[017-018]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_CPUS_ON_NODE": "32"}
+SLURM_ENV = {"SLURM_JOB_NODELIST": "node[017-018]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+             "SLURM_CPUS_ON_NODE": "32"}
 
 
 def stub_bin(tmp_path: Path, srun_exit: int = 0) -> Path:
@@ -115,13 +121,15 @@ def stub_bin(tmp_path: Path, srun_exit: int = 0) -> Path:
     bin_dir.mkdir(exist_ok=True)
     # More names than a pipe buffer holds: a `scontrol | head -n 1` under pipefail would die of SIGPIPE every time.
     write_exe(bin_dir / "scontrol", "echo node017\nfor i in $(seq 20000); do echo node-spare-$i; done\n")
-    write_exe(bin_dir / "srun", f'printf "%s\\n" "$@" > {tmp_path}/srun_args\nenv > {tmp_path}/srun_env\nexit {srun_exit}\n')
+    write_exe(bin_dir / "srun",
+              f'printf "%s\\n" "$@" > {tmp_path}/srun_args\nenv > {tmp_path}/srun_env\nexit {srun_exit}\n')
     for name in ("torchrun", "python", "sbatch"):  # anything the script should never call directly
         write_exe(bin_dir / name, f"touch {tmp_path}/called-{name}\n")
     return bin_dir
 
 
-def run_script(tmp_path: Path, cfg: RunConfig, run_dir: Path, workdir: Path | None = None, srun_exit: int = 0, **env) -> subprocess.CompletedProcess:
+def run_script(tmp_path: Path, cfg: RunConfig, run_dir: Path, workdir: Path | None = None, srun_exit: int = 0,
+               **env) -> subprocess.CompletedProcess:
     bin_dir = stub_bin(tmp_path, srun_exit)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     script = run_dir / "launch.sh"
@@ -139,7 +147,8 @@ def test_script_expands_to_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
     assert args[:2] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert "--cpus-per-task=32" in args
     assert f"--output={run_dir}/logs/slurm-4242.0.out" in args  # job id and attempt in the workers' log name
-    for expected in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node017:29511", "--rdzv-id=4242", "--max-restarts=2"):
+    for expected in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node017:29511",
+                     "--rdzv-id=4242", "--max-restarts=2"):
         assert expected in args
     assert args[-3:] == ["-m", "trainctl.train", str(run_dir)]
     env = dict(line.split("=", 1) for line in (tmp_path / "srun_env").read_text().splitlines() if "=" in line)
@@ -152,7 +161,8 @@ def test_attempts_are_recorded_and_the_exit_code_passes_through(tmp_path):
     done = run_script(tmp_path, slurm_config(), run_dir, srun_exit=3, SLURM_RESTART_COUNT="2")
     assert done.returncode == 3
     records = [json.loads(line) for line in (run_dir / slurm.ATTEMPTS_FILE).read_text().splitlines()]
-    assert [(r["event"], r["job_id"], r["attempt"], r["exit_code"]) for r in records] == [("start", "4242", 2, None), ("end", "4242", 2, 3)]
+    assert [(r["event"], r["job_id"], r["attempt"], r["exit_code"]) for r in records] == [
+        ("start", "4242", 2, None), ("end", "4242", 2, 3)]
     assert records[0]["nodes"] == "node[017-018]"
 
 
@@ -211,7 +221,8 @@ def test_hostile_job_name_stays_inside_its_directive(tmp_path):
 
 
 def test_setup_lines_are_verbatim_marked_and_run(tmp_path):
-    setup = ['echo "setup ran in $PWD" > setup.out', "export FROM_SETUP=$((6 * 7))", 'echo "${UNSET_IN_MODULE_SCRIPTS:-}" >/dev/null']
+    setup = ['echo "setup ran in $PWD" > setup.out', "export FROM_SETUP=$((6 * 7))",
+             'echo "${UNSET_IN_MODULE_SCRIPTS:-}" >/dev/null']
     cfg = slurm_config(setup=setup)
     lines = slurm.render_sbatch(cfg, tmp_path / "r").splitlines()
     begin, end = lines.index(slurm.SETUP_BEGIN), lines.index(slurm.SETUP_END)

@@ -21,12 +21,14 @@ def problems_of(overrides: list[str]) -> list[str]:
 
 def test_slurm_group_sets_the_preemption_defaults():
     c = resolve(compose(["recipe=llama7b_fsdp"])).cluster
-    assert (c.preemption.signal, c.preemption.lead_s, c.preemption.requeue, c.preemption.max_requeues) == ("SIGUSR2", 120, True, 3)
+    preemption = (c.preemption.signal, c.preemption.lead_s, c.preemption.requeue, c.preemption.max_requeues)
+    assert preemption == ("SIGUSR2", 120, True, 3)
     assert c.exclusive and gpus_per_node(c) == 8
 
 
 def test_env_accepts_new_names_with_or_without_plus():
-    cfg = resolve(compose([*SLURM_CPU, "cluster.env.NCCL_DEBUG=WARN", "+cluster.env.FOO='a b'", "cluster.setup=[module load x]"]))
+    overrides = ["cluster.env.NCCL_DEBUG=WARN", "+cluster.env.FOO='a b'", "cluster.setup=[module load x]"]
+    cfg = resolve(compose([*SLURM_CPU, *overrides]))
     assert cfg.cluster.env == {"NCCL_DEBUG": "WARN", "FOO": "a b"}
     assert cfg.cluster.setup == ["module load x"]
 
@@ -56,14 +58,16 @@ BAD = [
     (["cluster.mem=lots"], "cluster.mem='lots': use a size per node"),
     (["cluster.time_limit=3h"], "cluster.time_limit='3h': use Slurm's format"),
     (["cluster.extra_directives=['--mail-type=END\necho hi']"], "cluster.extra_directives[0]="),
-    (["cluster.extra_directives=['reservation=big']"], "cluster.extra_directives[0]='reservation=big': an sbatch option"),
+    (["cluster.extra_directives=['reservation=big']"],
+     "cluster.extra_directives[0]='reservation=big': an sbatch option"),
     (["+cluster.env.1BAD=x"], None),  # Hydra's own grammar refuses the key
     (["cluster.env.A-B=x"], "cluster.env.A-B: not a valid environment variable name"),
     (["cluster.preemption.signal=SIGKILL"], "cluster.preemption.signal='SIGKILL': not a valid choice"),
     (["cluster.preemption.lead_s=70000"], "cluster.preemption.lead_s=70000: must be in [0, 65535]"),
     (["cluster.preemption.max_requeues=-1"], "cluster.preemption.max_requeues=-1: must be >= 0"),
     (["cluster.gpus_per_node=2"], "cluster.gpus_per_node=2: cluster.device=cpu runs no GPU workers"),
-    (["cluster.device=cuda", "cluster.gpu=h100", "cluster.gpus_per_node=1"], "cluster.gpus_per_node=1: fewer GPUs than cluster.procs_per_node=2"),
+    (["cluster.device=cuda", "cluster.gpu=h100", "cluster.gpus_per_node=1"],
+     "cluster.gpus_per_node=1: fewer GPUs than cluster.procs_per_node=2"),
     (["cluster.cpus_per_task=-2"], "cluster.cpus_per_task=-2: must be >= 0"),
 ]
 
@@ -77,5 +81,6 @@ def test_bad_slurm_values_are_one_line_each(overrides, start):
 
 
 def test_every_slurm_problem_at_once():
-    problems = problems_of([*SLURM_CPU, "cluster.mem=x", "cluster.time_limit=y", "cluster.preemption.signal=KILL", "cluster.gpus_per_node=1"])
+    problems = problems_of([*SLURM_CPU, "cluster.mem=x", "cluster.time_limit=y", "cluster.preemption.signal=KILL",
+                            "cluster.gpus_per_node=1"])
     assert len(problems) == 4
