@@ -28,12 +28,14 @@ def make_run(root: Path, name: str, launch: dict | None = None, steps: int = 10)
 
 
 def test_state_of_a_queued_and_a_running_job_comes_from_squeue(tmp_path, slurm_bin):
-    write_exe(slurm_bin / "squeue", f'echo "$@" > {tmp_path}/squeue_args\necho "11|PENDING|Resources|"\necho "12|RUNNING|None|node[1-2]"\n')
+    write_exe(slurm_bin / "squeue",
+              f'echo "$@" > {tmp_path}/squeue_args\necho "11|PENDING|Resources|"\necho "12|RUNNING|None|node[1-2]"\n')
     a = make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "11"})
     b = make_run(tmp_path, "b", {"launcher": "slurm", "job_id": "12"})
     (b / "metrics.jsonl").write_text('{"kind": "train", "step": 3}\n{"kind": "eval", "step": 3}\n{"kind": "train", "st')
     states = runs.run_states([a, b])
-    assert [(s.state, s.active, s.detail) for s in states] == [("PENDING", True, "Resources"), ("RUNNING", True, "node[1-2]")]
+    assert [(s.state, s.active, s.detail) for s in states] == [
+        ("PENDING", True, "Resources"), ("RUNNING", True, "node[1-2]")]
     assert (states[1].step, states[1].steps) == (3, 10)
     assert "--jobs=11,12" in (tmp_path / "squeue_args").read_text()  # one query for all runs
 
@@ -79,7 +81,8 @@ def test_local_states_come_from_the_runs_own_records(tmp_path):
     (done / "result.json").write_text("{}")
     assert runs.run_state(done).state == "COMPLETED"  # torchrun's exit code does not decide
     failure = {"rank": 0, "local_rank": 0, "exit_code": 2, "log": "", "message": "data.train_path: not found\nmore"}
-    failed = runs.run_state(make_run(tmp_path, "bad", {"launcher": "local", "exit_code": 2, "state": "FAILED", "failure": failure}))
+    record = {"launcher": "local", "exit_code": 2, "state": "FAILED", "failure": failure}
+    failed = runs.run_state(make_run(tmp_path, "bad", record))
     assert (failed.state, failed.detail) == ("FAILED", "exit code 2, rank 0 failed first: data.train_path: not found")
     stopped = make_run(tmp_path, "int", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 1})
     (stopped / "stopped.json").write_text(json.dumps({"step": 20, "signal": "SIGINT", "checkpoint": "step-00000020"}))
@@ -100,7 +103,8 @@ def test_a_copied_run_is_not_the_original(tmp_path):
 
 def hold_lock(run_dir: Path, start: str | None = None) -> subprocess.Popen:
     """A process that holds the run's trainer lock as launch.sh does (and records itself as the holder)."""
-    script = f'exec 9>>"{run_dir}/trainer.lock"; flock -n 9; "{sys.executable}" -m trainctl.core.rundir hold "{run_dir}" $$; sleep 60; true'
+    script = (f'exec 9>>"{run_dir}/trainer.lock"; flock -n 9; '
+              f'"{sys.executable}" -m trainctl.core.rundir hold "{run_dir}" $$; sleep 60; true')
     proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
     holder = run_dir / "trainer.json"
     deadline = time.monotonic() + 10
@@ -153,7 +157,8 @@ def test_slurm_cancel_calls_scancel_and_refuses_finished_runs(tmp_path, slurm_bi
 
 def test_scancel_refusal_is_reported(tmp_path, slurm_bin):
     write_exe(slurm_bin / "squeue", 'echo "61|RUNNING|None|node1"\n')
-    write_exe(slurm_bin / "scancel", 'echo "scancel: error: Kill job error on job id 61: Access/permission denied" >&2; exit 1\n')
+    write_exe(slurm_bin / "scancel",
+              'echo "scancel: error: Kill job error on job id 61: Access/permission denied" >&2; exit 1\n')
     with pytest.raises(LaunchError, match="Access/permission denied"):
         runs.cancel(make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "61"}))
 
@@ -164,11 +169,13 @@ def test_log_path_picks_the_newest_attempt_of_a_slurm_run(tmp_path):
     assert runs.log_path(run_dir, None) == logs / "slurm-71.0.out"  # not there yet: what will come
     (logs / "slurm-71.out").write_text("batch\n")
     assert runs.log_path(run_dir, None) == logs / "slurm-71.out"  # the script's own output until srun starts
-    (run_dir / "slurm-attempts.jsonl").write_text('{"event": "start", "job_id": "71", "attempt": 0}\n{"event": "start", "job_id": "71", "attempt": 1}\n')
+    (run_dir / "slurm-attempts.jsonl").write_text(
+        '{"event": "start", "job_id": "71", "attempt": 0}\n{"event": "start", "job_id": "71", "attempt": 1}\n')
     (logs / "slurm-71.1.out").write_text("attempt 1\n")
     assert runs.log_path(run_dir, None) == logs / "slurm-71.1.out"
     assert runs.log_path(run_dir, 3) == logs / "rank3.log"
-    assert runs.log_path(make_run(tmp_path, "b", {"launcher": "local"}), None) == tmp_path / "runs" / "b" / "logs" / "rank0.log"
+    local_run = make_run(tmp_path, "b", {"launcher": "local"})
+    assert runs.log_path(local_run, None) == tmp_path / "runs" / "b" / "logs" / "rank0.log"
 
 
 def test_follow_copies_a_growing_log_and_stops_when_the_run_ends(tmp_path):
@@ -230,13 +237,16 @@ def test_cli_runs_status_logs_cancel_without_torch(tmp_path):
     assert "heavy: []" in listing.stderr
     assert "COMPLETED" in cli("status", "done", cwd=tmp_path).stdout
     assert cli("logs", "done", cwd=tmp_path).stdout == "hello from rank 0\n"
-    for args, fragment in ((["cancel", "done"], "not active (COMPLETED"), (["status", "nope"], "no run 'nope'"), (["logs", "done", "--rank", "5"], "rank5.log does not exist")):
+    refusals = ((["cancel", "done"], "not active (COMPLETED"), (["status", "nope"], "no run 'nope'"),
+                (["logs", "done", "--rank", "5"], "rank5.log does not exist"))
+    for args, fragment in refusals:
         done = cli(*args, cwd=tmp_path)
         errors = [line for line in done.stderr.splitlines() if not line.startswith("heavy:")]
         assert done.returncode == 2 and len(errors) == 1 and fragment in errors[0], done.stderr
 
 
 def test_an_unreachable_controller_is_said_not_a_forgotten_job(tmp_path, slurm_bin):
-    write_exe(slurm_bin / "squeue", 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1\n')
+    write_exe(slurm_bin / "squeue",
+              'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1\n')
     state = runs.run_state(make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "71"}))
     assert state.state == "UNKNOWN" and "unreachable" in state.detail and "no longer knows" not in state.detail
