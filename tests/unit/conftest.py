@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from slurm_stubs import write_exe
+
+from tests.helpers import write_exe
 
 
 @pytest.fixture

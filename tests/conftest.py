@@ -1,0 +1,31 @@
+"""Test tiers by real cost (markers registered in pyproject.toml): `pytest -m unit` is the fast loop.
+
+A test's folder gives its tier unless the test names one itself: tests/unit -> unit, tests/dist -> dist,
+tests/slurm -> slurm. A test that uses the stub Slurm clients (`slurm_bin`) runs programs, so it is `cli`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+TIERS = ("unit", "cli", "dist", "slurm")
+FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm"}
+# Fixtures that start programs: a test using one is not in-process.
+PROCESS_FIXTURES = {"slurm_bin": "cli"}
+
+
+def tier_of(item: pytest.Item) -> str | None:
+    """The tier a test gets when it names none itself."""
+    for fixture, tier in PROCESS_FIXTURES.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            return tier
+    return FOLDER_TIER.get(item.path.parent.name)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in TIERS):
+            continue
+        tier = tier_of(item)
+        if tier is not None:
+            item.add_marker(tier)

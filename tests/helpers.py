@@ -1,0 +1,133 @@
+"""What the tests share: the torchrun command and its environment, the CLI probe, waits, tolerances, file tools.
+
+Import as `from tests.helpers import ...` (pytest puts the repository root on sys.path, see pyproject.toml;
+`worker_env` puts it on PYTHONPATH, so worker entry scripts can import it too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+# Relative tolerance of a parallel run against one process: fp32 runs agree to rounding (~1e-7 measured),
+# so 1e-5 catches any real mistake (a missing reduction, a mis-sliced weight) without flaking.
+REL = 1e-5
+
+# --- torchrun --------------------------------------------------------------------------------------
+
+# Set by an outer torchrun (a test run under one): a worker must not inherit them.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def worker_env(**extra: object) -> dict[str, str]:
+    """This environment for worker processes: one thread per rank (2 cores), wandb quiet, no inherited rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **{k: str(v) for k, v in extra.items()}}
+    for name in RANK_VARIABLES:
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def torchrun_cmd(nproc: int, *program: str, max_restarts: int | None = None, args: tuple[str, ...] = ()) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N [--max-restarts=R] [ARGS] PROGRAM...` with this interpreter.
+
+    program: a script and its arguments, or "-m", a module and its arguments.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if max_restarts is not None:
+        cmd.append(f"--max-restarts={max_restarts}")
+    return [*cmd, *args, *program]
+
+
+def run_torchrun(nproc: int, *program: str, timeout: float = 240, **env: object) -> subprocess.CompletedProcess:
+    """torchrun to the end, output captured as text."""
+    cmd = torchrun_cmd(nproc, *program)
+    return subprocess.run(cmd, env=worker_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+# --- the CLI in a fresh interpreter ----------------------------------------------------------------
+
+PROBE_PREFIX = "__PROBE__"
+# The CLI's real entry point; on the way out it reports its exit code and whether torch or wandb got imported.
+PROBE = f"""
+import json, sys
+sys.argv = ["trainctl", *sys.argv[1:]]
+from trainctl.cli import main
+code = None
+try:
+    main()
+    code = 0
+except SystemExit as exc:
+    code = exc.code or 0
+    raise
+finally:
+    heavy = sorted(m for m in ("torch", "wandb") if m in sys.modules)
+    print("{PROBE_PREFIX}" + json.dumps({{"code": code, "heavy": heavy}}), file=sys.stderr)
+"""
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict | None = None):
+    """`trainctl ARGS` as a user runs it: a CompletedProcess whose `.probe` is {"code", "heavy"} (None if
+    the CLI crashed before reporting) and whose `.stderr` is what the user saw, without the probe's line."""
+    cmd = [sys.executable, "-c", PROBE, *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = proc.stderr.splitlines()
+    reports = [line for line in lines if line.startswith(PROBE_PREFIX)]
+    proc.probe = json.loads(reports[-1][len(PROBE_PREFIX):]) if reports else None
+    proc.stderr = "\n".join(line for line in lines if not line.startswith(PROBE_PREFIX))
+    return proc
+
+
+# --- waits -----------------------------------------------------------------------------------------
+
+def wait_for(predicate: Callable[[], T], timeout: float = 120.0, interval: float = 0.05) -> T | None:
+    """The predicate's first true value, or None once `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+def wait_or_fail(predicate: Callable[[], T], what: str, timeout: float, proc: subprocess.Popen | None = None,
+                 report: Callable[[], str] | None = None, interval: float = 0.02) -> T:
+    """The predicate's first true value; the test fails if `proc` exits or time runs out first.
+
+    report: what to add to the failure message (logs, the queue).
+    """
+    deadline = time.monotonic() + timeout
+    details = (lambda: "\n" + report()) if report else (lambda: "")
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"process {proc.pid} exited ({proc.returncode}) while waiting for {what}{details()}")
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{details()}")
+
+
+# --- files -----------------------------------------------------------------------------------------
+
+def write_exe(path: Path, body: str) -> None:
+    """A bash script at `path`, executable (stub programs put on PATH)."""
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+
+
+def truncate(path: Path) -> None:
+    """Cut a file to half its size, as a crash during a write leaves it."""
+    os.truncate(path, path.stat().st_size // 2)
