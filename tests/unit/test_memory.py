@@ -12,11 +12,12 @@ import dataclasses
 import pytest
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core.dims import ParallelDims
+from trainctl.core.stages import stage_layer_counts
 from trainctl.plan import activations as act
 from trainctl.plan import memory
 from trainctl.plan.shapes import Tensor, stage_tensors, tp_local, zero1_partition
-from trainctl.plan.stages import in_flight, rank_stages, stage_layer_counts
-from trainctl.core.dims import ParallelDims
+from trainctl.plan.stages import in_flight, rank_stages
 
 LLAMA2_7B = ModelConfig(
     name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096

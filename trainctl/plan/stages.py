@@ -1,9 +1,8 @@
 """What each pipeline rank holds and how many micro-batches' activations it keeps at once.
 
-Mirrors trainctl/train/pipeline.py without torch: `pp x pp_stages_per_rank` stages of
-consecutive blocks (evenly, remainder on the first stages, or `sharding.pp_layers`); pp rank r
-holds stages r, r + pp, ... (looped placement); stage 0 holds the embedding, the last stage the
-final norm and output head.
+The split itself is the worker's, from trainctl/core/stages.py: `pp x pp_stages_per_rank` stages
+of consecutive blocks; pp rank r holds stages r, r + pp, ... (looped placement); stage 0 holds the
+embedding, the last stage the final norm and output head.
 
 Micro-batches in flight (forwards done, backwards not yet) on pp rank r with n = grad_accum
 micro-batches per step, read from torch.distributed.pipelining's schedules:
@@ -21,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainctl.config.schema import ModelConfig, ShardingConfig
+from trainctl.core.stages import local_stage_ids, stage_layers
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,6 @@ class RankStages:
     last: bool  # holds the final norm, the output projection and the loss
     in_flight: float  # micro-batches of this rank's activations alive at once (fractional when interleaved)
     last_in_flight: int  # micro-batches whose logits and log_softmax the last stage keeps at once
-
-
-def stage_layer_counts(n_layers: int, n_stages: int, pp_layers: list[int]) -> list[int]:
-    """Blocks per stage, as pipeline.stage_layer_counts."""
-    if pp_layers:
-        return list(pp_layers)
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if stage < extra else 0) for stage in range(n_stages)]
 
 
 def interleaved_warmup(rank: int, pp: int, v: int, n: int, factor: int) -> int:
@@ -67,12 +59,11 @@ def rank_stages(m: ModelConfig, sharding: ShardingConfig, grad_accum: int) -> li
     """One entry per pp rank (a single entry without pipeline parallelism)."""
     pp, v = sharding.pp, sharding.pp_stages_per_rank if sharding.pp > 1 else 1
     n_stages = pp * v
-    counts = stage_layer_counts(m.n_layers, n_stages, list(sharding.pp_layers))
-    starts = [sum(counts[:s]) for s in range(n_stages)]
+    ranges = stage_layers(m.n_layers, n_stages, list(sharding.pp_layers))
     out = []
     for rank in range(pp):
-        stage_ids = [rank + k * pp for k in range(v)]
-        layers = tuple(i for s in stage_ids for i in range(starts[s], starts[s] + counts[s]))
+        stage_ids = local_stage_ids(rank, pp, v)
+        layers = tuple(i for s in stage_ids for i in ranges[s])
         last = n_stages - 1 in stage_ids
         flight = in_flight(sharding.pp_schedule, rank, pp, v, grad_accum)
         # The last stage runs each micro-batch's backward right after its forward, except under gpipe.
