@@ -138,8 +138,10 @@ def test_checkpoint_by_name_or_path(run):
     run_dir, original = run
     shutil.copytree(run_dir / "checkpoints" / STEP, run_dir / "checkpoints" / "step-00000003")
     assert main([str(run_dir), "--checkpoint", "step-00000003"]) == 0
-    assert json.loads((run_dir / "export" / "step-00000003" / "config.json").read_text())["trainctl_checkpoint"]["step"] == 3
-    assert main([str(run_dir), "--checkpoint", str(run_dir / "checkpoints" / STEP), "--out", str(run_dir / "by-path")]) == 0
+    exported = json.loads((run_dir / "export" / "step-00000003" / "config.json").read_text())
+    assert exported["trainctl_checkpoint"]["step"] == 3
+    by_path = ["--checkpoint", str(run_dir / "checkpoints" / STEP), "--out", str(run_dir / "by-path")]
+    assert main([str(run_dir), *by_path]) == 0
     assert_same_tensors(load_file(run_dir / "by-path" / "model.safetensors"), original)
 
 
@@ -180,7 +182,8 @@ def test_bad_config_yaml_is_a_user_error(run, capsys):
     assert "cannot be read as a run config" in user_error([str(run_dir)], capsys)
 
 
-@pytest.mark.parametrize("text, size", [("5000000000", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30), ("7 kb", 7000)])
+@pytest.mark.parametrize("text, size",
+                         [("5000000000", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30), ("7 kb", 7000)])
 def test_parse_size(text, size):
     assert parse_size(text) == size
 

@@ -155,8 +155,10 @@ def wait_for(predicate, timeout=15.0) -> bool:
 def test_signal_stops_the_whole_child_group(tmp_path, sig):
     pid_file = tmp_path / "grandchild.pid"
     # The launch script runs a grandchild (as torchrun runs workers); both must stop.
-    run_dir = make_run_dir(tmp_path, f"echo $$ > {tmp_path}/child.pid\nsh -c 'echo $$ > {pid_file}; exec sleep 60'\necho not reached\n")
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run_dir = make_run_dir(
+        tmp_path, f"echo $$ > {tmp_path}/child.pid\nsh -c 'echo $$ > {pid_file}; exec sleep 60'\necho not reached\n")
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(run_dir)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
     try:
         assert wait_for(pid_file.exists) and wait_for(lambda: pid_file.read_text().strip() != "")
         child, grandchild = int((tmp_path / "child.pid").read_text()), int(pid_file.read_text())
@@ -178,7 +180,8 @@ def test_rendered_script_execs_torchrun_on_this_machine(tmp_path):
     assert f"cd {tmp_path}" in lines
     assert "export OMP_NUM_THREADS=3" in lines
     exec_line = next(line for line in lines if line.startswith("exec "))
-    for arg in ("-m torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1", "--local-ranks-filter=0"):
+    for arg in ("-m torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+                "--local-ranks-filter=0"):
         assert arg in exec_line
     # The run directory is where the script is (a copied or moved run trains where it now is).
     assert exec_line.endswith('-m trainctl.train "${RUN_DIR}"')
@@ -190,7 +193,8 @@ def test_rendered_script_execs_torchrun_on_this_machine(tmp_path):
 def test_rendered_script_shares_cores_between_workers_by_default(tmp_path):
     script = local.render_script(ClusterConfig(procs_per_node=2), tmp_path / "run", workdir=tmp_path)
     omp_line = next(line for line in script.splitlines() if "OMP_NUM_THREADS" in line)
-    done = subprocess.run(["bash", "-c", f"unset OMP_NUM_THREADS; {omp_line}; echo $OMP_NUM_THREADS"], capture_output=True, text=True)
+    done = subprocess.run(["bash", "-c", f"unset OMP_NUM_THREADS; {omp_line}; echo $OMP_NUM_THREADS"],
+                          capture_output=True, text=True)
     assert int(done.stdout) == max(1, int(subprocess.check_output(["nproc"])) // 2)
 
 

@@ -21,7 +21,8 @@ def home(tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_CONFIG_DIR", "WANDB_MODE", "NETRC"):
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_CONFIG_DIR", "WANDB_MODE",
+                 "NETRC"):
         monkeypatch.delenv(name, raising=False)
     return home
 
@@ -230,8 +231,8 @@ def test_a_dry_run_writes_and_warns_about_what_a_start_would_refuse(workdir, mon
 
 
 def test_plan_warns_about_token_files(workdir, monkeypatch, capsys):
-    code, out, _ = run_cli(monkeypatch, capsys, "plan", "data=memmap", "train.seq_len=64", "data.train_path=/nope/t.bin",
-                           "data.val_path=/nope/v.bin", "--json")
+    code, out, _ = run_cli(monkeypatch, capsys, "plan", "data=memmap", "train.seq_len=64",
+                           "data.train_path=/nope/t.bin", "data.val_path=/nope/v.bin", "--json")
     assert code == 0 and "data.train_path='/nope/t.bin': file not found" in out
 
 

@@ -1,4 +1,5 @@
-"""squeue/sacct/scancel answers (stubbed): an unreachable controller is said so, quickly, not taken for a forgotten job."""
+"""squeue/sacct/scancel answers (stubbed): an unreachable controller is said so, quickly, not taken for a forgotten
+job."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def test_the_default_timeout_is_short():
 
 
 def test_an_unreachable_accounting_database_is_not_a_forgotten_job(slurm_bin):
-    write_exe(slurm_bin / "sacct", 'echo "sacct: error: Problem talking to the database: Connection refused" >&2; exit 1\n')
+    write_exe(slurm_bin / "sacct",
+              'echo "sacct: error: Problem talking to the database: Connection refused" >&2; exit 1\n')
     with pytest.raises(slurm_jobs.SlurmUnavailable, match="unreachable: sacct"):
         slurm_jobs.job_infos(["7"])
 
