@@ -50,7 +50,8 @@ def fake_stdlib(tmp_path, monkeypatch):
 
 
 def batches(cfg, *, split="train", dp_rank=0, dp_size=1, micro_batch=4, grad_accum=1, seed=0, seq_len=SEQ):
-    return TokenBatches(cfg, split, seq_len, micro_batch * grad_accum * dp_size, micro_batch, grad_accum, dp_rank, dp_size, seed)
+    global_batch = micro_batch * grad_accum * dp_size
+    return TokenBatches(cfg, split, seq_len, global_batch, micro_batch, grad_accum, dp_rank, dp_size, seed)
 
 
 def rows(pairs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +63,8 @@ def union_over_ranks(cfg, step, dp_size, grad_accum, micro_batch):
     """The global batch of `step` reassembled in sample order j from every rank's micro-batches."""
     parts = []
     for r in range(dp_size):
-        parts += batches(cfg, dp_rank=r, dp_size=dp_size, grad_accum=grad_accum, micro_batch=micro_batch).micro_batches(step)
+        rank = batches(cfg, dp_rank=r, dp_size=dp_size, grad_accum=grad_accum, micro_batch=micro_batch)
+        parts += rank.micro_batches(step)
     return rows(parts)
 
 
@@ -121,7 +123,8 @@ def test_fake_stdlib_excludes_site_packages_and_empty_files(fake_stdlib, tmp_pat
     prepare_data(cfg)
     meta = json.loads((data.stdlib_cache_dir(cfg) / "meta.json").read_text())
     assert meta["files"]["train"] + meta["files"]["val"] == 40
-    assert meta["tokens"]["train"] + meta["tokens"]["val"] == sum((fake_stdlib / p).stat().st_size + 1 for p in rel_paths)
+    corpus_tokens = sum((fake_stdlib / p).stat().st_size + 1 for p in rel_paths)
+    assert meta["tokens"]["train"] + meta["tokens"]["val"] == corpus_tokens
 
 
 def test_truncated_cache_is_rebuilt(fake_stdlib, tmp_path):
@@ -167,7 +170,8 @@ def test_stdlib_batches_before_prepare_fail_clearly(tmp_path):
 
 @pytest.mark.parametrize("source", ["stdlib", "memmap", "synthetic"])
 def test_same_seed_and_step_give_identical_batches_different_steps_differ(source, stdlib_cfg, arange_cfg):
-    cfg = {"stdlib": stdlib_cfg, "memmap": arange_cfg, "synthetic": DataConfig(kind="synthetic", vocab_size=1000)}[source]
+    synthetic = DataConfig(kind="synthetic", vocab_size=1000)
+    cfg = {"stdlib": stdlib_cfg, "memmap": arange_cfg, "synthetic": synthetic}[source]
     first = rows(batches(cfg, seed=3, grad_accum=2).micro_batches(7))
     again = rows(batches(cfg, seed=3, grad_accum=2).micro_batches(7))  # a fresh object, as after a resume
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
@@ -177,7 +181,8 @@ def test_same_seed_and_step_give_identical_batches_different_steps_differ(source
 
 @pytest.mark.parametrize("source", ["stdlib", "memmap", "synthetic"])
 def test_union_over_dp_and_accum_equals_single_process_batch(source, stdlib_cfg, arange_cfg):
-    cfg = {"stdlib": stdlib_cfg, "memmap": arange_cfg, "synthetic": DataConfig(kind="synthetic", vocab_size=1000)}[source]
+    synthetic = DataConfig(kind="synthetic", vocab_size=1000)
+    cfg = {"stdlib": stdlib_cfg, "memmap": arange_cfg, "synthetic": synthetic}[source]
     single = union_over_ranks(cfg, step=5, dp_size=1, grad_accum=1, micro_batch=4)
     split = union_over_ranks(cfg, step=5, dp_size=2, grad_accum=2, micro_batch=1)
     assert single[0].shape == (4, SEQ)
@@ -196,7 +201,8 @@ def test_starts_follow_the_documented_generator(arange_cfg):
 
 
 def test_dp_ranks_get_disjoint_samples(arange_cfg):
-    starts = [set(rows(batches(arange_cfg, dp_rank=r, dp_size=2, micro_batch=4).micro_batches(2))[0][:, 0].tolist()) for r in range(2)]
+    first_rows = [rows(batches(arange_cfg, dp_rank=r, dp_size=2, micro_batch=4).micro_batches(2))[0] for r in range(2)]
+    starts = [set(first[:, 0].tolist()) for first in first_rows]
     assert len(starts[0]) == len(starts[1]) == 4 and not starts[0] & starts[1]
 
 
@@ -299,7 +305,8 @@ def test_check_vocab_samples_large_files(tmp_path):
     tokens = np.zeros(data._VOCAB_SAMPLE_CHUNKS * data._VOCAB_SAMPLE_TOKENS * 2, dtype=np.uint16)
     tokens[-1] = 900  # the last chunk is always sampled
     tokens.tofile(tmp_path / "big.bin")
-    cfg = DataConfig(kind="memmap", train_path=str(tmp_path / "big.bin"), val_path=str(tmp_path / "big.bin"), vocab_size=512)
+    big = str(tmp_path / "big.bin")
+    cfg = DataConfig(kind="memmap", train_path=big, val_path=big, vocab_size=512)
     with pytest.raises(DataError, match="token id 900"):
         check_vocab(cfg, model_vocab=1024)
 

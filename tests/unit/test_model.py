@@ -47,7 +47,8 @@ def test_init_is_deterministic_and_recomputes_rope():
         assert torch.equal(pa, pb), name
     expected = rope_frequencies(SMALL.dim // SMALL.n_heads, SMALL.max_seq_len, SMALL.rope_theta)
     assert torch.equal(a.freqs, expected)
-    assert not torch.equal(_materialized(SMALL, seed=1).layers["0"].attention.wq.weight, a.layers["0"].attention.wq.weight)
+    other_seed = _materialized(SMALL, seed=1)
+    assert not torch.equal(other_seed.layers["0"].attention.wq.weight, a.layers["0"].attention.wq.weight)
 
 
 def test_forward_shape_and_causality():
