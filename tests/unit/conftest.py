@@ -7,6 +7,15 @@ import os
 import pytest
 
 from tests.helpers import write_exe
+from trainctl.launch import code_record
+
+
+@pytest.fixture(autouse=True)
+def no_git_in_process(request, monkeypatch):
+    """Writing a run directory records the checkout by running git (a subprocess): in-process tests get
+    a fixed record ("not a git checkout"); tests marked `cli` (test_rundir's code.json tests) run the real one."""
+    if request.node.get_closest_marker("cli") is None:
+        monkeypatch.setattr(code_record, "record", lambda source=None: code_record.CodeRecord(git=False))
 
 
 @pytest.fixture

@@ -121,6 +121,7 @@ def test_names_that_are_not_one_plain_component_are_refused(tmp_path, name):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.cli
 def test_code_json_records_this_checkout(tmp_path):
     run_dir = create(tmp_path / "runs")
     code = json.loads((run_dir / "code.json").read_text())
@@ -128,10 +129,12 @@ def test_code_json_records_this_checkout(tmp_path):
     assert (run_dir / "code.diff").exists() == code["dirty"]
 
 
+@pytest.mark.cli
 def test_outside_a_git_checkout_the_record_says_so(tmp_path):
     assert code_record.record(tmp_path) == code_record.CodeRecord(git=False)
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_a_dirty_checkout_records_its_diff(tmp_path):
     def git(*args):
@@ -190,6 +193,7 @@ def test_disk_full_while_writing_is_one_error_and_leaves_nothing(tmp_path, monke
     assert list((tmp_path / "runs").iterdir()) == []
 
 
+@pytest.mark.cli
 def test_the_script_finds_its_run_directory_wherever_the_run_is_copied(tmp_path):
     run_dir = create(tmp_path / "runs")
     copy = tmp_path / "elsewhere" / "copy"
