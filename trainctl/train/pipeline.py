@@ -21,11 +21,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -38,8 +36,9 @@ from torch.distributed.pipelining import (
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.models.llama import Llama, build_model
+from trainctl.train.loss import TokenLoss
+from trainctl.train.micro_batch import MicroBatchContext
 from trainctl.train.parallelize import parallelize
-from trainctl.train.precision import autocast_context
 
 # Single-stage schedules take one stage; the interleaved ones a list (several stages per rank).
 SCHEDULES = {
@@ -63,9 +62,6 @@ class Pipeline:
     n_microbatches: int
     rank_tokens: int  # target tokens of this rank's whole step: the loss normalizer
     device: torch.device
-    # A fresh autocast context per schedule call. It spans the backward passes the schedule
-    # runs too: harmless, since backward ops run in the dtypes their forward ops chose.
-    autocast: Callable[[], contextlib.AbstractContextManager]
     loss_fn: StageLoss  # the last stage's loss; holds the unscaled microbatch losses of the last call
 
 
@@ -106,13 +102,8 @@ def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) 
     return model
 
 
-def normalized_token_loss(logits: torch.Tensor, targets: torch.Tensor, rank_tokens: int) -> torch.Tensor:
-    """Summed token cross-entropy of one microbatch over the rank step's token count (fp32 softmax)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / rank_tokens
-
-
 class StageLoss:
-    """The last stage's loss function: `normalized_token_loss`, times the fp16 loss scale if any.
+    """The last stage's loss function: the training loss (loss.TokenLoss), times the fp16 loss scale if any.
 
     The schedule calls backward on what this returns, so scaling here scales every stage's
     gradients (the optimizer step then unscales them as in the unsplit loop). The unscaled
@@ -120,12 +111,12 @@ class StageLoss:
     """
 
     def __init__(self, rank_tokens: int, scale_loss: Callable[[torch.Tensor], torch.Tensor]):
-        self.rank_tokens = rank_tokens
+        self.token_loss = TokenLoss(rank_tokens)
         self.scale_loss = scale_loss
         self.unscaled: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = normalized_token_loss(logits, targets, self.rank_tokens)
+        loss = self.token_loss(logits, targets)
         self.unscaled.append(loss.detach())
         return self.scale_loss(loss)
 
@@ -166,18 +157,22 @@ def build_pipeline(
         scale_grads=False,
     )
     return Pipeline(schedule, nn.ModuleList(parts), group, 0 in stage_ids, n_stages - 1 in stage_ids,
-                    train.grad_accum, rank_tokens, device, partial(autocast_context, precision, sharding.strategy, device), loss_fn)
+                    train.grad_accum, rank_tokens, device, loss_fn)
 
 
-def _run_schedule(pipeline: Pipeline, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """One schedule call over `micro_batches` (concatenated, split back by the schedule); the last stage's losses."""
+def _run_schedule(pipeline: Pipeline, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                  context: Callable[[], contextlib.AbstractContextManager]) -> list[torch.Tensor]:
+    """One schedule call over `micro_batches` (concatenated, split back by the schedule); the last stage's losses.
+
+    context: entered around the whole call, fresh each time (MicroBatchContext.forward or .autocast).
+    """
     inputs = torch.cat([inputs for inputs, _ in micro_batches]).to(pipeline.device, non_blocking=True)
     targets = torch.cat([targets for _, targets in micro_batches]).to(pipeline.device, non_blocking=True)
     args = (inputs,) if pipeline.is_first else ()
     losses: list[torch.Tensor] = []
     pipeline.loss_fn.take()  # drop calls made outside a schedule step (e.g. while the stages initialize)
     # Outputs are not needed (the loss is computed inside): do not keep the merged logits.
-    with pipeline.autocast():
+    with context():
         run(*args, target=targets if pipeline.is_last else None, losses=losses, return_outputs=False)
     # The schedule reports one (scaled) loss per microbatch; ours are the same values unscaled,
     # in the same order, as the last calls of the loss function.
@@ -192,15 +187,17 @@ def sum_over_stages(value: torch.Tensor, pipeline: Pipeline) -> torch.Tensor:
     return value
 
 
-def pipeline_forward_backward(pipeline: Pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def pipeline_forward_backward(pipeline: Pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                              contexts: MicroBatchContext) -> torch.Tensor:
     """One schedule step over this rank's micro-batches; returns the rank's mean token loss, same on every pp rank."""
-    losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches)
+    losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches, contexts.forward)
     total = torch.stack(losses).sum().detach() if pipeline.is_last else torch.zeros((), device=pipeline.device)
     return sum_over_stages(total, pipeline)
 
 
 @torch.no_grad()
-def pipeline_eval_totals(pipeline: Pipeline, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def pipeline_eval_totals(pipeline: Pipeline, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         contexts: MicroBatchContext) -> torch.Tensor:
     """(summed token loss, tokens) over `batches`, forward only, the same on every pp rank.
 
     The schedule runs exactly `n_microbatches` microbatches per call: the batches go through in
@@ -211,7 +208,7 @@ def pipeline_eval_totals(pipeline: Pipeline, batches: list[tuple[torch.Tensor, t
     for start in range(0, len(batches), n):
         group = batches[start : start + n]
         real = len(group)
-        losses = _run_schedule(pipeline, pipeline.schedule.eval, group + [group[-1]] * (n - real))
+        losses = _run_schedule(pipeline, pipeline.schedule.eval, group + [group[-1]] * (n - real), contexts.autocast)
         if pipeline.is_last:
             # The loss function divides by rank_tokens; multiply back for the plain sum.
             totals[0] += torch.stack(losses[:real]).double().sum() * pipeline.rank_tokens

@@ -1,4 +1,4 @@
-"""Where a run starts, and what a checkpoint of it records: the glue between the loop and checkpoint.py.
+"""Where a run starts: the glue between the loop and checkpoint.py (what a checkpoint holds: state.py).
 
 Start: a run's own newest valid checkpoint always wins (a restart after a crash, a requeue)
 unless `checkpoint.resume=never` (every start is step 0);
@@ -9,7 +9,6 @@ data position), model_optim (a fresh step 0 with the optimizer's moments) or mod
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,16 +58,11 @@ def find_source(cfg: CheckpointConfig, run_dir: Path, manager: CheckpointManager
     return path, cfg.load_only
 
 
-def read_meta(path: Path | None) -> dict:
-    return json.loads((path / META).read_text()) if path is not None else {}
-
-
 def restore(manager: CheckpointManager, path: Path, load_only: str, model, optimizer, world_size: int) -> StartPoint:
     """Load `path` into the live model/optimizer (resharding as needed); returns where to continue."""
     parts = _PARTS[load_only]
-    state = S.app_state(model, optimizer, parts)  # in the current layout: DCP fills it from any layout
-    meta, own_rank_state = manager.load(path, state)
-    S.apply_app_state(model, optimizer, state)
+    # Stateful parts in the current layout: DCP loads them (from any layout) into the live model and optimizer.
+    meta, own_rank_state = manager.load(path, S.app_state(model, optimizer, parts))
     if load_only != "all":
         log.info("started from %s (%s only)", path, load_only)
         S.apply_rank_state(None, optimizer, load_optim=False)

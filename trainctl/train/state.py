@@ -7,14 +7,19 @@ DCP part (resharded on load, so a checkpoint loads into another world size or la
   optim   get_optimizer_state_dict, keyed by the same names (AdamW moments and step counts).
 Per rank (rank_state): RNG states of python, numpy, torch CPU and CUDA; zero1's optimizer shard
   (ZeroRedundancyOptimizer partitions whole tensors by rank, so its shards do not reshard).
-meta.json: step, samples and tokens seen, the layout it was saved with, the W&B run id, the
-  loss-scaler and guard state, the first eval loss. The LR schedule is a function of the step.
+meta.json (`CheckpointMeta`): step, samples and tokens seen, the layout it was saved with, the W&B run id,
+  the loss-scaler and guard state, the first eval loss, the last step's loss and gradient norm. The LR
+  schedule is a function of the step.
+Every part is a torch.distributed.checkpoint Stateful (state_dict / load_state_dict): DCP calls the model's
+and the optimizer's itself, on save and on load; meta.json is CheckpointMeta's state_dict.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -60,24 +66,41 @@ def _options() -> StateDictOptions:
     return StateDictOptions(full_state_dict=False, cpu_offload=False, flatten_optimizer_state_dict=True)
 
 
+class ModelState(Stateful):
+    """The model's DCP state under the full model's names (see named_view)."""
+
+    def __init__(self, view: nn.Module):
+        self.view = view
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.view, options=_options())
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.view, state, options=_options())
+
+
+class OptimizerState(Stateful):
+    """The optimizer's DCP state, keyed by the same names as the model's."""
+
+    def __init__(self, view: nn.Module, optimizer: torch.optim.Optimizer):
+        self.view, self.optimizer = view, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.view, self.optimizer, options=_options())
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.view, self.optimizer, state, options=_options())
+
+
 def app_state(model: nn.Module, optimizer: torch.optim.Optimizer, parts: Sequence[str] = ("model", "optim")) -> dict:
-    """The DCP-saved state (see module doc): the selected parts of {"model", "optim"}."""
+    """The DCP-saved state (see module doc): the selected parts of {"model", "optim"}, as Stateful objects."""
     view = named_view(model)
-    state = {}
+    state: dict[str, Stateful] = {}
     if "model" in parts:
-        state["model"] = get_model_state_dict(view, options=_options())
+        state["model"] = ModelState(view)
     if "optim" in parts and not isinstance(optimizer, ZeroRedundancyOptimizer):
-        state["optim"] = get_optimizer_state_dict(view, optimizer, options=_options())
+        state["optim"] = OptimizerState(view, optimizer)
     return state
-
-
-def apply_app_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Put loaded DCP state back into the live model and optimizer."""
-    view = named_view(model)
-    if "model" in state:
-        set_model_state_dict(view, state["model"], options=_options())
-    if "optim" in state:
-        set_optimizer_state_dict(view, optimizer, state["optim"], options=_options())
 
 
 def rank_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -110,3 +133,49 @@ def apply_rank_state(state: dict | None, optimizer: torch.optim.Optimizer, load_
         torch.cuda.set_rng_state_all(state["cuda"])
     if zero1 and load_optim:
         optimizer.optim.load_state_dict(state["zero1_shard"])
+
+
+@dataclass
+class TrainProgress(Stateful):
+    """How far the run is: steps done, the data position, the first eval loss, the last step's numbers."""
+
+    seq_len: int
+    wandb_id: str | None = None  # this run's W&B id (recorded; a loaded checkpoint's own is not taken over)
+    step: int = 0
+    samples_seen: int = 0
+    initial_val_loss: float = math.nan
+    train_loss: float | None = None  # the last step's agreed loss and norm: the summary of a run restarted
+    grad_norm: float | None = None  # after its last step
+
+    def advance(self, step: int, loss: float, grad_norm: float, samples_seen: int) -> None:
+        """Record a finished step (1-based, as logged) and the first sample of the next one."""
+        self.step, self.train_loss, self.grad_norm, self.samples_seen = step, loss, grad_norm, samples_seen
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.samples_seen * self.seq_len,
+                "wandb_id": self.wandb_id, "initial_val_loss": self.initial_val_loss,
+                "train_loss": self.train_loss, "grad_norm": self.grad_norm}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self.initial_val_loss = state.get("initial_val_loss", math.nan)
+        self.train_loss, self.grad_norm = state.get("train_loss"), state.get("grad_norm")
+
+
+class CheckpointMeta(Stateful):
+    """meta.json: the progress, the loss scaler and the guard (each Stateful), and the layout saved with."""
+
+    def __init__(self, progress: TrainProgress, scaler: Stateful, guard: Stateful, layout: dict):
+        self.progress, self.scaler, self.guard, self.layout = progress, scaler, guard, layout
+
+    def state_dict(self) -> dict:
+        progress = self.progress.state_dict()
+        head = {key: progress.pop(key) for key in ("step", "samples_seen", "tokens_seen")}
+        # The keys in the order earlier versions wrote them.
+        return {**head, **self.layout, "wandb_id": progress.pop("wandb_id"), "scaler": self.scaler.state_dict(),
+                "guard": self.guard.state_dict(), **progress}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.progress.load_state_dict(state)
+        self.scaler.load_state_dict(state["scaler"])
+        self.guard.load_state_dict(state["guard"])

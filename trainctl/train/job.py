@@ -1,0 +1,46 @@
+"""The worker's state: everything the loop reads, built completely by `trainer.setup` (keywords only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainctl.config.schema import RunConfig
+from trainctl.train.checkpoint import CheckpointManager, SaveStats
+from trainctl.train.data import TokenBatches
+from trainctl.train.distributed import World
+from trainctl.train.guards import StepGuard
+from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling
+from trainctl.train.metrics import MetricsLogger
+from trainctl.train.micro_batch import MicroBatchContext
+from trainctl.train.pipeline import Pipeline
+from trainctl.train.resume import StartPoint
+from trainctl.train.state import CheckpointMeta, TrainProgress
+from trainctl.train.stop import StopRequest
+
+
+@dataclass(kw_only=True)
+class Job:
+    """One rank's training job. The resumable part is Stateful (state.py): the model and optimizer through
+    DCP, `meta` (progress, loss scaler, guard) as the checkpoint's meta.json."""
+
+    cfg: RunConfig
+    world: World
+    model: nn.Module  # parallelized; a pipeline rank: its stages' parts
+    optimizer: torch.optim.Optimizer
+    pipeline: Pipeline | None  # pp > 1: this rank's stages and their schedule
+    contexts: MicroBatchContext  # what every micro-batch runs under, both paths
+    train_data: TokenBatches
+    val_data: TokenBatches
+    scaler: NoLossScaling | DynamicLossScaler  # fp16 loss scaling (a no-op otherwise)
+    guard: StepGuard
+    progress: TrainProgress
+    meta: CheckpointMeta  # progress, scaler and guard as one Stateful: meta.json
+    checkpoints: CheckpointManager
+    start: StartPoint  # where the loop begins (step 0, or a checkpoint)
+    metrics: MetricsLogger
+    stop: StopRequest
+    peak_flops: float | None  # per device, for MFU; None where unknown
+    logged_commit: SaveStats | None = None  # the last committed save logged (each is logged once)

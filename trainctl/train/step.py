@@ -1,0 +1,129 @@
+"""One optimizer step, the same for the plain and the pipeline path, and the evaluation pass.
+
+`train_step`: micro-batches (plain, or one pipeline schedule step) -> unscale (fp16) -> clip -> one
+all-reduce that agrees on loss, norm and stop -> the guard decides -> optimizer step -> zero gradients.
+Every micro-batch runs under the one MicroBatchContext (micro_batch.py); the loss is loss.TokenLoss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainctl.train.guards import agreed_step
+from trainctl.train.job import Job
+from trainctl.train.loss import TokenLoss, logits_of, token_loss_sum
+from trainctl.train.loss_scaling import DynamicLossScaler
+from trainctl.train.memory_stats import memory_record
+from trainctl.train.micro_batch import MicroBatchContext
+from trainctl.train.optim import lr_at, set_lr
+from trainctl.train.peak_memory import PeakMeter, memory_step
+from trainctl.train.pipeline import norm_over_stages, pipeline_eval_totals, pipeline_forward_backward, pp_group_of
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports, agreed across ranks."""
+
+    step: int  # steps done (1-based, as logged)
+    loss: float
+    grad_norm: float
+    lr: float
+    stop: bool  # some rank was asked to stop: every rank saves this step and leaves
+    memory: dict | None = None  # the measured peak of this step, on the one step that measures it
+
+
+def train_step(job: Job, step: int) -> StepResult:
+    """Optimizer step `step` (0-based); see the module doc for the order."""
+    lr = lr_at(step, job.cfg.optim.lr, job.cfg.schedule, job.cfg.train.steps)
+    set_lr(job.optimizer, lr)
+    micro_batches = job.train_data.micro_batches(step)
+    # One step's peak is measured, once optimizer states exist and DDP has rebuilt its buckets.
+    measured = step == memory_step(job.start.step, job.cfg.train.steps)
+    meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
+    if job.pipeline is None:
+        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale)
+    else:
+        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts)
+    job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
+    local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))
+    # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
+    loss, grad_norm, stop = agreed_step(local_loss, local_norm, job.stop.wanted(step + 1))
+    # Under fp16 an overflowing gradient is routine: the loss scaler skips that step itself.
+    guard_norm = 0.0 if isinstance(job.scaler, DynamicLossScaler) else grad_norm
+    if job.guard.decide(step + 1, loss, guard_norm) == "ok":  # steps are named as logged: 1-based
+        job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
+    # Every model state exists now (gradients not yet zeroed): measure once.
+    memory = memory_record(job.model, job.optimizer, meter.stop()) if meter is not None else None
+    job.optimizer.zero_grad(set_to_none=True)
+    return StepResult(step + 1, loss, grad_norm, lr, stop, memory)
+
+
+def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                     contexts: MicroBatchContext, scale_loss=lambda loss: loss) -> torch.Tensor:
+    """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync)."""
+    device = contexts.device
+    # Every micro-batch is full (no padding), so the count is known without a device sync;
+    # a cp rank holds 1/cp of each sequence.
+    token_loss = TokenLoss(sum(targets.numel() for _, targets in micro_batches) // contexts.cp)
+    total = torch.zeros((), device=device)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        # Under cp the backward stays inside around_backward: it runs the ring's backward.
+        with contexts.around_backward(inputs, targets, last=index == len(micro_batches) - 1) as freqs:
+            with contexts.forward():
+                loss = token_loss(logits_of(model, inputs, freqs), targets)
+            scale_loss(loss).backward()
+        total += loss.detach()
+    return total
+
+
+def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip to global norm `max_norm` (0: no clipping); returns the pre-clip norm, as a tensor, unsynced.
+
+    FSDP and TP gradients are DTensors (shards, or TP's partial sums for the norm weights): their
+    norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
+    and then applied, because clip_grad_norm_ fails on gradients of different meshes.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    norm = norm_over_stages(norm, pp_group)  # pipeline: add the other stages' gradients
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+@torch.no_grad()
+def evaluate(job: Job) -> float:
+    """Mean token loss over the held-out batches of every rank."""
+    if job.cfg.train.eval_batches <= 0:
+        return float("nan")
+    job.model.eval()
+    batches = job.val_data.eval_batches(job.cfg.train.eval_batches)
+    if job.pipeline is not None:
+        totals = pipeline_eval_totals(job.pipeline, batches, job.contexts)  # the same on every stage
+    else:
+        totals = eval_totals(job.model, batches, job.contexts)
+    job.model.train()
+    # Ranks that share data (tp, pp) add equal copies to both sums: the ratio is unchanged;
+    # cp ranks add disjoint slices of the same sequences.
+    if dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def eval_totals(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                contexts: MicroBatchContext) -> torch.Tensor:
+    """(summed token loss, tokens) of this rank's held-out batches, float64."""
+    totals = torch.zeros(2, device=contexts.device, dtype=torch.float64)
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(contexts.device), targets.to(contexts.device)
+        with contexts.sequences(inputs, targets) as freqs, contexts.autocast():
+            totals[0] += token_loss_sum(model, inputs, targets, freqs).double()
+        totals[1] += targets.numel()  # after the call: a cp rank's own slice
+    return totals
