@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from worker_runs import TINY_OVERRIDES
 
+from tests.faults.worker_faults import FAULTS_ENV, fault_env
+
 pytestmark = pytest.mark.dist
 
 # tiny_cpu, shrunk so the whole launch takes seconds on 2 cores.
@@ -27,7 +29,8 @@ SMALL = [
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     trainctl = Path(sys.executable).parent / "trainctl"
-    return subprocess.run([str(trainctl), "launch", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(trainctl), "launch", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,8 @@ def test_rank0_output_streams_to_the_terminal(fsdp_run):
 
 def test_run_directory_is_complete(fsdp_run):
     run_dir, _ = fsdp_run
-    for name in ("config.yaml", "plan.json", "launch.sh", "code.json", "overrides.txt", "metrics.jsonl", "result.json", "launch.json"):
+    for name in ("config.yaml", "plan.json", "launch.sh", "code.json", "overrides.txt", "metrics.jsonl", "result.json",
+                 "launch.json"):
         assert (run_dir / name).is_file(), name
     for rank in (0, 1):
         assert "train" in (run_dir / "logs" / f"rank{rank}.log").read_text()
@@ -70,14 +74,16 @@ def test_run_directory_is_complete(fsdp_run):
 
 def test_a_missing_data_file_is_refused_before_anything_starts(tmp_path):
     missing = tmp_path / "nope.bin"
-    proc = launch(tmp_path, "recipe=tiny_cpu", "data=memmap", f"data.train_path={missing}", f"data.val_path={missing}", *SMALL, "--name", "crash")
+    proc = launch(tmp_path, "recipe=tiny_cpu", "data=memmap", f"data.train_path={missing}", f"data.val_path={missing}",
+                  *SMALL, "--name", "crash")
     assert proc.returncode == 2 and "data.train_path" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
 def test_worker_failure_names_the_first_rank_and_its_own_message_without_a_traceback(tmp_path):
     # Only the workers can see this one: the loss blows up at step 2 and the guard stops the run.
-    proc = launch(tmp_path, "recipe=tiny_cpu", "optim.lr=1e6", "guards.nonfinite=stop", f"data.cache_dir={tmp_path / 'cache'}", *SMALL,
+    proc = launch(tmp_path, "recipe=tiny_cpu", "optim.lr=1e6", "guards.nonfinite=stop",
+                  f"data.cache_dir={tmp_path / 'cache'}", *SMALL,
                   "--name", "crash")
     run_dir = tmp_path / "runs" / "crash"
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -91,16 +97,17 @@ def test_worker_failure_names_the_first_rank_and_its_own_message_without_a_trace
 
 
 def test_resume_relaunches_a_stopped_run_from_its_checkpoint(tmp_path):
-    # The stop hook acts like a preemption signal after step 12: checkpoint, exit 0, no result.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINCTL_TEST_STOP_AFTER_STEP": "12"}
+    # The test-side stop fault acts like a preemption signal after step 12: checkpoint, exit 0, no result.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **fault_env(stop_after_step=12)}
     trainctl = str(Path(sys.executable).parent / "trainctl")
     args = ["launch", "recipe=tiny_cpu", f"data.cache_dir={tmp_path / 'cache'}", *SMALL, "--name", "stopped"]
     first = subprocess.run([trainctl, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     run_dir = tmp_path / "runs" / "stopped"
     assert first.returncode == 0, first.stderr[-3000:]
     assert not (run_dir / "result.json").exists() and (run_dir / "checkpoints" / "step-00000012").is_dir()
-    env.pop("TRAINCTL_TEST_STOP_AFTER_STEP")
-    again = subprocess.run([trainctl, "resume", "stopped"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env.pop(FAULTS_ENV)
+    again = subprocess.run([trainctl, "resume", "stopped"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "from step-00000012" in again.stdout
     result = json.loads((run_dir / "result.json").read_text())
@@ -109,5 +116,6 @@ def test_resume_relaunches_a_stopped_run_from_its_checkpoint(tmp_path):
     assert "resume" in kinds
     # A finished run has nothing left to train; an unknown run is a user error.
     for run, message in (("stopped", "already finished"), ("no-such-run", "no-such-run")):
-        bad = subprocess.run([trainctl, "resume", run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        bad = subprocess.run([trainctl, "resume", run], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=60)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

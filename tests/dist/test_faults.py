@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, run_worker, write_run_dir
 
+from tests.faults.worker_faults import fault_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
-from trainctl.train.checkpoint import DIE_BEFORE_COMMIT_ENV, checkpoint_dir, list_committed, step_name, verify
-
 from trainctl.launch.command import TORCHRUN_ENV  # what the launch scripts export: restarts need it
+from trainctl.train.checkpoint import checkpoint_dir, list_committed, step_name, verify
 
 pytestmark = pytest.mark.dist
 
@@ -98,7 +98,9 @@ def assert_same_losses(run_dir: Path, reference: Path, first: int = 1) -> None:
     got, want = final_steps(run_dir), final_steps(reference)
     assert sorted(want) == list(range(1, STEPS + 1))
     want = {step: want[step] for step in range(first, STEPS + 1)}
-    assert got == want, {step: (got.get(step), want.get(step)) for step in want.keys() | got.keys() if got.get(step) != want.get(step)}
+    steps = want.keys() | got.keys()
+    differ = {step: (got.get(step), want.get(step)) for step in steps if got.get(step) != want.get(step)}
+    assert got == want, differ
 
 
 def assert_finished(proc_rc: int, output: str, run_dir: Path) -> None:
@@ -109,7 +111,7 @@ def assert_finished(proc_rc: int, output: str, run_dir: Path) -> None:
 # --- running torchrun in the background and stopping its workers -------------------------------
 
 def start_torchrun(run_dir: Path, max_restarts: int, **env: str) -> tuple[subprocess.Popen, Path]:
-    """torchrun --standalone (2 workers, --max-restarts) in the background; its output goes to a file next to the run."""
+    """torchrun --standalone (2 workers, --max-restarts) in the background; output to a file next to the run."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **TORCHRUN_ENV, **env}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(name, None)
@@ -134,7 +136,7 @@ def finish(proc: subprocess.Popen, run_dir: Path, output: Path) -> tuple[int | N
 
 
 def kill_leftover_workers(run_dir: Path) -> None:
-    """SIGKILL this run's workers still alive: torchrun starts each in its own session, so they outlive a killed torchrun."""
+    """SIGKILL this run's workers still alive: torchrun starts each in a session of its own (they outlive it)."""
     for pids in starts(run_dir).values():
         for pid in pids:
             try:
@@ -229,14 +231,15 @@ def assert_resumed_from_newest(run_dir: Path, committed_at_kill: list[int], kill
     a save that the victim had finished its part of)."""
     resumes = [r["step"] for r in records(run_dir, "resume")]
     assert len(resumes) == 1 and committed_at_kill, (resumes, committed_at_kill)
-    assert resumes[0] % EVERY == 0 and committed_at_kill[-1] <= resumes[0] <= killed_after, (resumes, committed_at_kill, killed_after)
+    assert resumes[0] % EVERY == 0 and committed_at_kill[-1] <= resumes[0] <= killed_after, \
+        (resumes, committed_at_kill, killed_after)
 
 
 # --- b. a kill during a save -------------------------------------------------------------------
 
 def test_kill_during_save_resumes_from_previous(root, data_cache, reference):
     run_dir = write_run_dir(root, ddp_config(data_cache, "kill-in-save"))
-    proc, output = start_torchrun(run_dir, max_restarts=1, **{DIE_BEFORE_COMMIT_ENV: str(2 * EVERY)})
+    proc, output = start_torchrun(run_dir, max_restarts=1, **fault_env(die_before_commit=2 * EVERY))
     rc, out = finish(proc, run_dir, output)
     assert_finished(rc, out, run_dir)
     assert [r["step"] for r in records(run_dir, "resume")] == [EVERY]
@@ -283,7 +286,8 @@ def test_damaged_newest_falls_back_to_previous(reference, damage):
     proc = run_worker(run_dir, 2)
     assert_finished(proc.returncode, proc.stderr, run_dir)
     log = (run_dir / "logs" / "rank0.log").read_text()
-    assert re.search(rf"checkpoint \S+{step_name(STEPS)} is damaged, falling back to an older one: __1_0.distcp", log), log[-3000:]
+    damaged = rf"checkpoint \S+{step_name(STEPS)} is damaged, falling back to an older one: __1_0.distcp"
+    assert re.search(damaged, log), log[-3000:]
     assert [r["step"] for r in records(run_dir, "resume")] == [STEPS - EVERY]
     assert_same_losses(run_dir, reference, first=STEPS - EVERY + 1)
     assert verify(shard(run_dir, STEPS).parent) == []  # the rerun wrote step 16 again, whole
@@ -297,7 +301,8 @@ def test_every_checkpoint_damaged_is_one_clear_error(reference):
     assert proc.returncode != 0
     errors = error_lines((run_dir / "logs" / "rank0.log").read_text())
     assert len(errors) == 1, errors
-    assert re.search(r"no valid checkpoint under \S+: all 3 committed checkpoints fail verification", errors[0]), errors[0]
+    none_valid = r"no valid checkpoint under \S+: all 3 committed checkpoints fail verification"
+    assert re.search(none_valid, errors[0]), errors[0]
     assert "Traceback" not in all_logs(run_dir)
 
 

@@ -10,7 +10,7 @@ than 1e-6, ten times fp32's own reduction-order noise (~1e-7 across strategies):
 it did not run in reduced precision.
 
 fp16 starts at init_scale 1024, where this model never overflows by itself, so the one
-skipped step of the overflow test is the injected one (TRAINCTL_TEST_INJECT_INF_STEP).
+skipped step of the overflow test is the injected one (the test-side fault inf_at_step).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import replace
 import pytest
 from worker_runs import TINY, base_config, records, series, train_and_check
 
+from tests.faults.worker_faults import fault_env
 from trainctl.config.schema import PrecisionConfig, ShardingConfig
 
 pytestmark = pytest.mark.dist
@@ -36,7 +37,8 @@ TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp8": 2e-2, "fp8_tp": 2e-2}
 FP32_NOISE = 1e-6
 
 
-def tiny(cache, name: str, precision: PrecisionConfig, sharding: ShardingConfig = ShardingConfig(), nproc: int = 1, **train):
+def tiny(cache, name: str, precision: PrecisionConfig, sharding: ShardingConfig = ShardingConfig(), nproc: int = 1,
+         **train):
     """dim 64, 2 layers, seq 32, global batch 4: reduced-precision matmuls are slow on CPU."""
     train = {"micro_batch": 4 // nproc, **train}
     cfg = base_config(cache, steps=STEPS, seq_len=32, global_batch=4, **train)
@@ -73,7 +75,8 @@ def fp16_pipeline(root, data_cache):
     """fp16 over 2 pipeline stages (the schedule's loss function applies the scale); inf injected at one step."""
     cfg = replace(tiny(data_cache, "fp16-pp", FP16, micro_batch=2, grad_accum=2), sharding=PP2)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("TRAINCTL_TEST_INJECT_INF_STEP", str(INJECT_STEP))
+        for name, value in fault_env(inf_at_step=INJECT_STEP).items():
+            env.setenv(name, value)
         return train_and_check(root, cfg, 2)
 
 
@@ -91,7 +94,8 @@ def injected(root, data_cache):
     """fp16 under FSDP2 (ShardedGradScaler) with an inf loss at one step; evaluated after every step."""
     cfg = tiny(data_cache, "fp16-fsdp-inf", FP16, FSDP2, nproc=2, eval_every=1, eval_batches=1)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("TRAINCTL_TEST_INJECT_INF_STEP", str(INJECT_STEP))
+        for name, value in fault_env(inf_at_step=INJECT_STEP).items():
+            env.setenv(name, value)
         return train_and_check(root, cfg, 2)
 
 
@@ -127,7 +131,8 @@ def test_bf16_logs_no_loss_scale(runs):
 def test_fp8_converts_every_block_linear_but_the_output(runs):
     log = (runs["fp8"] / "logs" / "rank0.log").read_text()
     linears = 7 * TINY.n_layers  # wq wk wv wo w1 w2 w3, all 16-aligned in TINY
-    expected = f"float8: {linears} of {linears + 1} Linear layers converted (recipe tensorwise, fsdp float8 all-gather True)"
+    expected = (f"float8: {linears} of {linears + 1} Linear layers converted "
+                "(recipe tensorwise, fsdp float8 all-gather True)")
     assert expected in log
 
 

@@ -1,6 +1,6 @@
 """Resume: a run stopped and resumed equals the run done in one go, bitwise (fp32, gloo, deterministic).
 
-A stop request (the test hook TRAINCTL_TEST_STOP_AFTER_STEP acts like the preemption signal)
+A stop request (the test-side fault stop_after_step acts like the preemption signal)
 checkpoints after step 10 and exits; the same run directory launched again resumes from it.
 """
 
@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
+from tests.faults.worker_faults import fault_env
 from trainctl.config.schema import CheckpointConfig, GuardsConfig, ShardingConfig
 from trainctl.train.checkpoint import list_committed, verify
 
@@ -33,7 +34,8 @@ def launch(run_dir: Path, nproc: int | None, **env) -> subprocess.CompletedProce
     if nproc is None:
         cmd = [sys.executable, "-m", "trainctl.train", str(run_dir)]
     else:
-        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}", "-m", "trainctl.train", str(run_dir)]
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "trainctl.train", str(run_dir)]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
 
 
@@ -81,7 +83,7 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
     straight = write_run_dir(tmp_path, config(data_cache, "straight", sharding, micro))
     ok(launch(straight, nproc), straight)
     resumed = write_run_dir(tmp_path, config(data_cache, "resumed", sharding, micro))
-    stopped = launch(resumed, nproc, TRAINCTL_TEST_STOP_AFTER_STEP=STOP_AT)
+    stopped = launch(resumed, nproc, **fault_env(stop_after_step=STOP_AT))
     ok(stopped, resumed)
     assert not (resumed / "result.json").exists()  # stopped early: no result yet
     assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
@@ -104,7 +106,7 @@ def four_worker_runs(tmp_path_factory, data_cache):
     straight = write_run_dir(root, config(data_cache, "z4-straight", z4, 2))
     ok(launch(straight, 4), straight)
     source = write_run_dir(root, config(data_cache, "z4-stopped", z4, 2))
-    ok(launch(source, 4, TRAINCTL_TEST_STOP_AFTER_STEP=STOP_AT), source)
+    ok(launch(source, 4, **fault_env(stop_after_step=STOP_AT)), source)
     return root, straight, source
 
 
@@ -145,9 +147,9 @@ def test_load_only_model_starts_a_fresh_run_from_the_weights(four_worker_runs, d
 def test_nan_at_a_chosen_step(tmp_path, data_cache, policy):
     sharding, nproc, micro = LAYOUTS["ddp"]
     cfg = config(data_cache, f"nan-{policy}", sharding, micro, every=4)
-    cfg = replace(cfg, guards=GuardsConfig(nonfinite=policy, inject_nan_step=7))
+    cfg = replace(cfg, guards=GuardsConfig(nonfinite=policy))
     run_dir = write_run_dir(tmp_path, cfg)
-    proc = launch(run_dir, nproc)
+    proc = launch(run_dir, nproc, **fault_env(nan_at_step=7))
     log = (run_dir / "logs" / "rank0.log").read_text()
     if policy == "stop":
         assert proc.returncode != 0 and "Traceback" not in log

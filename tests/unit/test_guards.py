@@ -9,8 +9,11 @@ import random
 import pytest
 import torch
 
+from tests.faults import worker_faults
 from trainctl.config.schema import GuardsConfig
-from trainctl.train.guards import NonFiniteError, StepGuard, agreed_step, inject_nan
+from trainctl.train import step as step_module
+from trainctl.train.guards import NonFiniteError, StepGuard, agreed_step
+from trainctl.train.loss import TokenLoss
 
 NAN, INF = float("nan"), float("inf")
 
@@ -181,12 +184,20 @@ def test_agreed_values_over_a_process_group_of_one():
         dist.destroy_process_group()
 
 
-def test_inject_nan_poisons_loss_and_gradients_at_that_step_only():
+def test_nan_fault_poisons_loss_and_gradients_at_that_step_only(monkeypatch):
+    # The test-side fault (tests/faults): the training loss of step 5 (1-based), nothing else.
     weight = torch.ones(3, requires_grad=True)
-    loss = (weight * 2).sum()
-    assert inject_nan(loss, 4, inject_step=5) is loss
-    poisoned = inject_nan(loss, 5, inject_step=5)
+    targets = torch.tensor([[0, 1]])
+
+    def loss_of(job, step):  # stands in for train_step: the training loss computed during `step` (0-based)
+        return TokenLoss(2)((weight * 2).expand(1, 2, 3), targets)
+
+    monkeypatch.setattr(step_module, "train_step", loss_of)
+    clean = loss_of(None, 0)
+    worker_faults.install({"nan_at_step": 5}, monkeypatch.setattr)
+    assert torch.equal(step_module.train_step(None, 3), clean)  # step 4
+    poisoned = step_module.train_step(None, 4)  # step 5
     assert math.isnan(poisoned.item())
     poisoned.backward()
     assert torch.isnan(weight.grad).all()
-    assert inject_nan(loss, 0, inject_step=-1) is loss
+    assert torch.equal(TokenLoss(2)((weight * 2).expand(1, 2, 3), targets), clean)  # outside a step

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests.faults import worker_faults
 from trainctl.config.schema import ModelConfig, PrecisionConfig
 from trainctl.models.llama import build_model
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import apply_float8, count_float8_linears, wants_float8
-from trainctl.train.loss_scaling import INJECT_INF_ENV, DynamicLossScaler, NoLossScaling, build_loss_scaler
+from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
 
 FP16 = PrecisionConfig(compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
 # dim 64, kv heads 2 x 16, ffn 96: every block Linear is 16-aligned.
@@ -26,7 +27,10 @@ def one_step(scaler, model: nn.Module, optimizer: torch.optim.Optimizer, max_nor
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     params = list(model.parameters())
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm else torch.nn.utils.get_total_norm([p.grad for p in params])
+    if max_norm:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     scaler.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
@@ -42,8 +46,7 @@ def test_without_loss_scaling_the_scaler_is_a_no_op():
     assert isinstance(build_loss_scaler(PrecisionConfig(), torch.device("cpu")), NoLossScaling)
 
 
-def test_unscaled_gradients_match_plain_fp32_backward(monkeypatch):
-    monkeypatch.delenv(INJECT_INF_ENV, raising=False)
+def test_unscaled_gradients_match_plain_fp32_backward():
     plain_model, plain_opt = linear_and_sgd()
     plain_norm = one_step(NoLossScaling(), plain_model, plain_opt)
     scaled_model, scaled_opt = linear_and_sgd()
@@ -56,9 +59,9 @@ def test_unscaled_gradients_match_plain_fp32_backward(monkeypatch):
 
 
 def test_injected_overflow_skips_the_step_and_halves_the_scale(monkeypatch):
-    monkeypatch.setenv(INJECT_INF_ENV, "1")
+    worker_faults.install({"inf_at_step": 1}, monkeypatch.setattr)  # the test-side fault (tests/faults)
     scaler = build_loss_scaler(FP16, torch.device("cpu"))
-    assert isinstance(scaler, DynamicLossScaler) and scaler.inject_inf_step == 1
+    assert isinstance(scaler, DynamicLossScaler)
     model, optimizer = linear_and_sgd()
     one_step(scaler, model, optimizer, max_norm=1.0)
     before = model.weight.detach().clone()
@@ -71,11 +74,11 @@ def test_injected_overflow_skips_the_step_and_halves_the_scale(monkeypatch):
     assert scaler.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}
 
 
-def test_state_dict_round_trip_keeps_scale_and_skips(monkeypatch):
-    monkeypatch.setenv(INJECT_INF_ENV, "0")
-    scaler = build_loss_scaler(FP16, torch.device("cpu"))
-    one_step(scaler, *linear_and_sgd())
-    monkeypatch.delenv(INJECT_INF_ENV)
+def test_state_dict_round_trip_keeps_scale_and_skips():
+    with pytest.MonkeyPatch.context() as patch:
+        worker_faults.install({"inf_at_step": 0}, patch.setattr)
+        scaler = build_loss_scaler(FP16, torch.device("cpu"))
+        one_step(scaler, *linear_and_sgd())
     restored = build_loss_scaler(FP16, torch.device("cpu"))
     restored.load_state_dict(scaler.state_dict())
     assert restored.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}

@@ -37,16 +37,14 @@ filesystem every rank sees (DCP's coordinator writes .metadata; loads read every
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
 import os
 import shutil
-import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,13 +62,11 @@ from trainctl.core.checkpoints import (  # noqa: F401  (checkpoint_dir, step_nam
     step_name,
     verify,
 )
+from trainctl.train.checkpoint_failure import SAVE_ERRORS, Part, describe, human
 from trainctl.train.manifest import fsync_dir, hash_files, write_bytes
 
 log = logging.getLogger("trainctl.train")
 
-DIE_BEFORE_COMMIT_ENV = "TRAINCTL_TEST_DIE_BEFORE_COMMIT"  # tests: the step whose save is killed
-# DCP's CheckpointException derives from BaseException, so `except Exception` alone lets it through.
-_SAVE_ERRORS = (Exception, CheckpointException)
 
 
 class CheckpointError(Exception):
@@ -96,68 +92,12 @@ class SaveStats:
 
 
 @dataclass
-class _Part:
-    """What one rank reports about its share of a save."""
-
-    error: str | None = None
-    disk_full: bool = False
-    files: dict[str, dict] = field(default_factory=dict)  # relative path -> {"size", "sha256"}
-
-    def fail(self, exc: BaseException, where: Path) -> None:
-        self.error = self.error or _describe(exc)
-        self.disk_full = self.disk_full or _is_disk_full(exc, where)
-
-
-@dataclass
 class _Pending:
     step: int
     tmp: Path
     started: float
     blocking_s: float
-    part: Future  # -> _Part, once DCP's write is done and this rank's files are hashed
-
-
-def _chain(exc: BaseException):
-    """exc, its causes and contexts, and the per-rank failures a CheckpointException carries."""
-    stack, seen = [exc], set()
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        stack += [current.__cause__, current.__context__]
-        if isinstance(current, CheckpointException):
-            stack += [failure[0] for failure in current.failures.values()]
-
-
-def _is_disk_full(exc: BaseException, where: Path) -> bool:
-    for e in _chain(exc):
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-    # torch.save reports a failed write as a RuntimeError ("unexpected pos"), the OSError only its
-    # __context__, and DCP pickles other ranks' exceptions, contexts dropped: judge by the space left.
-    try:
-        usage = shutil.disk_usage(where if where.exists() else where.parent)
-    except OSError:
-        return False
-    return usage.free < min(64 << 20, usage.total // 100)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(exc.failures.items()))
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _human(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _test_die_before_commit(step: int) -> None:
-    """Test hook: SIGKILL this process once every file of `step` is written, before the commit (first attempt only)."""
-    if os.environ.get(DIE_BEFORE_COMMIT_ENV) == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
+    part: Future  # -> Part, once DCP's write is done and this rank's files are hashed
 
 
 class CheckpointManager:
@@ -209,9 +149,11 @@ class CheckpointManager:
         return bool(t.item())
 
     def save(self, step: int, app_state: dict, rank_state: dict, meta: dict) -> None:
-        """Write checkpoint `step` on every rank; sync: committed (or CheckpointError) on return, async: by poll()/wait().
+        """Write checkpoint `step` on every rank; sync: committed (or CheckpointError) on return, async: by
+        poll()/wait().
 
-        app_state: name -> state dict, saved with DCP; rank_state: this rank's picklable dict; meta: JSON-able, rank 0 writes it.
+        app_state: name -> state dict or Stateful, saved with DCP; rank_state: this rank's picklable dict;
+        meta: JSON-able, rank 0 writes it.
         """
         self.wait()  # one save in flight at a time: a second async_save would race the first one's commit
         started = time.perf_counter()
@@ -220,23 +162,24 @@ class CheckpointManager:
         if not self.async_save:
             try:
                 dcp.save(app_state, checkpoint_id=tmp, process_group=self._dcp_group)
-            except _SAVE_ERRORS as exc:
+            except SAVE_ERRORS as exc:
                 part.fail(exc, tmp)
             self._commit(step, tmp, self._hash_own(tmp, part), started, 0.0, started)
             return
         try:
             written = dcp.async_save(app_state, checkpoint_id=tmp, process_group=self._dcp_group)
-        except _SAVE_ERRORS as exc:
+        except SAVE_ERRORS as exc:
             # Staging failed on this rank only; the others' writers wait for it in DCP's collectives,
             # so end this process (torchrun stops the rest) rather than train on.
-            raise CheckpointError(f"checkpoint step {step}: staging for the background save failed: {_describe(exc)}") from None
+            message = f"checkpoint step {step}: staging for the background save failed: {describe(exc)}"
+            raise CheckpointError(message) from None
         written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse when DCP stages asynchronously
         future = self._hasher.submit(self._finish_part, tmp, part, written)
         self._pending = _Pending(step, tmp, started, time.perf_counter() - started, future)
 
-    def _write_private(self, tmp: Path, step: int, rank_state: dict, meta: dict) -> _Part:
+    def _write_private(self, tmp: Path, step: int, rank_state: dict, meta: dict) -> Part:
         """This rank's own file (and meta.json on rank 0), small, written before DCP's shards."""
-        part = _Part()
+        part = Part()
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             buffer = io.BytesIO()
@@ -249,15 +192,15 @@ class CheckpointManager:
             part.fail(exc, tmp)
         return part
 
-    def _finish_part(self, tmp: Path, part: _Part, written: Future) -> _Part:
+    def _finish_part(self, tmp: Path, part: Part, written: Future) -> Part:
         """Background: wait for DCP's write, then hash this rank's files."""
         try:
             written.result()
-        except _SAVE_ERRORS as exc:
+        except SAVE_ERRORS as exc:
             part.fail(exc, tmp)
         return self._hash_own(tmp, part)
 
-    def _hash_own(self, tmp: Path, part: _Part) -> _Part:
+    def _hash_own(self, tmp: Path, part: Part) -> Part:
         """Hash the files this rank wrote, so the hashing of a big checkpoint is spread over the ranks."""
         if part.error is None:
             try:
@@ -268,7 +211,7 @@ class CheckpointManager:
         return part
 
     def poll(self) -> None:
-        """Commit a finished async save, if every rank's part is done; a no-op otherwise (call at every step boundary)."""
+        """Commit a finished async save if every rank's part is done; a no-op otherwise (call at each step boundary)."""
         if self._pending is not None and self._everyone(self._pending.part.done()):
             self._commit_pending(time.perf_counter())
 
@@ -283,13 +226,12 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         self._commit(pending.step, pending.tmp, pending.part.result(), pending.started, pending.blocking_s, held)
 
-    def _commit(self, step: int, tmp: Path, part: _Part, started: float, blocking_s: float, held: float) -> None:
+    def _commit(self, step: int, tmp: Path, part: Part, started: float, blocking_s: float, held: float) -> None:
         """Every rank: gather the parts on rank 0, which commits or cleans up; raise its verdict everywhere.
 
         held: when the loop started waiting for this commit (blocking time = blocking_s + now - held).
         """
         parts = self._all_gather(part)
-        _test_die_before_commit(step)
         verdict = self._seal(step, tmp, parts) if self.rank == 0 else None
         error, size = self._broadcast(verdict)
         if error is not None:
@@ -297,7 +239,7 @@ class CheckpointManager:
         now = time.perf_counter()
         self.stats = SaveStats(step, blocking_s + now - held, now - started, size)
 
-    def _seal(self, step: int, tmp: Path, parts: list[_Part]) -> tuple[str | None, int]:
+    def _seal(self, step: int, tmp: Path, parts: list[Part]) -> tuple[str | None, int]:
         """Rank 0: manifest, fsync, rename, prune, if every part succeeded; otherwise remove tmp. -> (error, bytes)."""
         failed = [(rank, p) for rank, p in enumerate(parts) if p.error is not None]
         if not failed:
@@ -306,13 +248,13 @@ class CheckpointManager:
                 self._prune(step)
                 return None, size
             except OSError as exc:
-                failed = [(0, _Part())]
+                failed = [(0, Part())]
                 failed[0][1].fail(exc, tmp)
         partial = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
         shutil.rmtree(tmp, ignore_errors=True)
         return self._failure_message(step, failed, partial), 0
 
-    def _publish(self, step: int, tmp: Path, parts: list[_Part]) -> int:
+    def _publish(self, step: int, tmp: Path, parts: list[Part]) -> int:
         files = {rel: entry for p in parts for rel, entry in p.files.items()}
         # .metadata, meta.json, and whatever a newer DCP names differently: rank 0 hashes what no rank claimed.
         files.update(hash_files(tmp, [rel for rel in list_files(tmp) if rel not in files]))
@@ -322,20 +264,22 @@ class CheckpointManager:
         final = self.root / step_name(step)
         replaced = _trash_name(final)
         if final.exists():  # a run that resumed from an older checkpoint writes this step again
-            os.rename(final, replaced)  # renames only between the two names: no window without a checkpoint of this step
+            # Renames only between the two names: no window without a checkpoint of this step.
+            os.rename(final, replaced)
         os.rename(tmp, final)
         fsync_dir(self.root)
         shutil.rmtree(replaced, ignore_errors=True)
         return sum(entry["size"] for entry in files.values())
 
-    def _failure_message(self, step: int, failed: list[tuple[int, _Part]], partial: int) -> str:
+    def _failure_message(self, step: int, failed: list[tuple[int, Part]], partial: int) -> str:
         previous = self.committed()
-        kept = f"the previous checkpoint {previous[-1][1].name} is intact" if previous else "there is no earlier checkpoint"
+        kept = (f"the previous checkpoint {previous[-1][1].name} is intact" if previous
+                else "there is no earlier checkpoint")
         if any(p.disk_full for _, p in failed):
             usage = shutil.disk_usage(self.root)
             return (
-                f"checkpoint step {step}: disk full under {self.root} (it failed after writing {_human(partial)}; "
-                f"{_human(usage.free)} free of {_human(usage.total)} now that the partial save is removed); {kept}; "
+                f"checkpoint step {step}: disk full under {self.root} (it failed after writing {human(partial)}; "
+                f"{human(usage.free)} free of {human(usage.total)} now that the partial save is removed); {kept}; "
                 f"free space, lower checkpoint.keep_last or put the run on a larger filesystem"
             )
         ranks = ", ".join(str(rank) for rank, _ in failed)
@@ -350,7 +294,8 @@ class CheckpointManager:
         committed = self.committed()
         newer = [path for s, path in committed if s > step]
         if newer:
-            log.warning("removing checkpoints newer than the committed step %d: %s", step, ", ".join(p.name for p in newer))
+            log.warning("removing checkpoints newer than the committed step %d: %s", step,
+                        ", ".join(p.name for p in newer))
         for path in newer + [path for s, path in committed if s <= step][: -self.keep_last]:
             try:  # rename first: a kill mid-delete leaves a .tmp, never a half checkpoint that looks committed
                 os.rename(path, _trash_name(path))
@@ -399,7 +344,7 @@ class CheckpointManager:
             meta = json.loads((path / META).read_text())
             dcp.load(app_state, checkpoint_id=path, process_group=self._dcp_group)
         except (OSError, ValueError, CheckpointException) as exc:
-            raise CheckpointError(f"cannot load checkpoint {path}: {_describe(exc)}") from None
+            raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from None
         own = path / _rank_file(self.rank)
         if meta.get("world_size") != self.world_size or not own.is_file():
             return meta, None

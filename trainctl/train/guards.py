@@ -79,7 +79,8 @@ class StepGuard:
         zscore = self.spike_zscore(loss)
         if zscore is not None and zscore > self.cfg.spike_zscore:
             self.loss_spikes += 1
-            reason = f"loss spike: {zscore:.1f} robust deviations above the median of the last {len(self._history)} losses"
+            reason = (f"loss spike: {zscore:.1f} robust deviations above the median of the last "
+                      f"{len(self._history)} losses")
             if self.cfg.spike == "skip":
                 return self._skip(step, loss, grad_norm, reason)
             log.warning("step %d: %s (loss=%.6g); stepping anyway (guards.spike=warn)", step, reason, loss)
@@ -107,7 +108,9 @@ class StepGuard:
         self.consecutive_skips += 1
         if self.consecutive_skips >= self.cfg.max_consecutive_skips:
             advice = "lower optim.lr, check the training data around this step, or raise guards.max_consecutive_skips"
-            reason = f"{self.consecutive_skips} steps in a row skipped (guards.max_consecutive_skips={self.cfg.max_consecutive_skips}); last: {reason}"
+            cap = self.cfg.max_consecutive_skips
+            reason = (f"{self.consecutive_skips} steps in a row skipped (guards.max_consecutive_skips={cap}); "
+                      f"last: {reason}")
             raise NonFiniteError(step, loss, grad_norm, reason, advice)
         counts = f"{self.consecutive_skips} in a row, {self.skipped_steps} in total"
         log.warning("step %d: skipped, %s (loss=%.6g, grad_norm=%.6g); %s", step, reason, loss, grad_norm, counts)
@@ -154,10 +157,3 @@ def agreed_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool, group=N
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     total_loss, total_norm, stops = values.tolist()
     return total_loss / world, total_norm / world, stops > 0
-
-
-def inject_nan(loss: torch.Tensor, step: int, inject_step: int) -> torch.Tensor:
-    """Test hook (guards.inject_nan_step): the loss times NaN at `inject_step`, so its gradients are NaN too."""
-    if step == inject_step:
-        return loss * float("nan")
-    return loss

@@ -15,17 +15,9 @@ uses torch.amp.GradScaler.
 Skips are detected from the scale itself: it only ever decreases on an overflow.
 GradScaler.step already reads its found-inf flag on the host every step, so reading the
 scale back costs no extra pipeline stall worth avoiding.
-
-Test hook: the environment variable TRAINCTL_TEST_INJECT_INF_STEP=N (read once, when the
-scaler is built) multiplies the loss fed to backward by inf at the N-th optimizer step
-(0-based) this process runs, forcing an overflow; the reported loss stays the true one.
-It exists for tests/dist/test_precision.py only.
 """
 
 from __future__ import annotations
-
-import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -33,8 +25,6 @@ from torch.amp import GradScaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainctl.config.schema import PrecisionConfig
-
-INJECT_INF_ENV = "TRAINCTL_TEST_INJECT_INF_STEP"
 
 
 class NoLossScaling:
@@ -62,7 +52,7 @@ class NoLossScaling:
 class DynamicLossScaler:
     """A torch GradScaler plus the bookkeeping the loop logs: current scale, skipped steps."""
 
-    def __init__(self, scaler: GradScaler, init_scale: float, inject_inf_step: int | None = None, device: torch.device | None = None):
+    def __init__(self, scaler: GradScaler, init_scale: float, device: torch.device | None = None):
         self.scaler = scaler
         if device is not None:
             # GradScaler creates its scale tensor on the first scale(); a pipeline stage without the
@@ -70,13 +60,9 @@ class DynamicLossScaler:
             scaler.scale(torch.ones((), device=device))
         self.loss_scale = init_scale
         self.skipped_steps = 0
-        self.steps_run = 0
-        self.inject_inf_step = inject_inf_step
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on (one micro-batch)."""
-        if self.steps_run == self.inject_inf_step:
-            loss = loss * math.inf
         return self.scaler.scale(loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -90,7 +76,6 @@ class DynamicLossScaler:
         scale = self.scaler.get_scale()
         self.skipped_steps += scale < self.loss_scale
         self.loss_scale = scale
-        self.steps_run += 1
 
     def metrics(self) -> dict:
         return {"loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps}
@@ -105,11 +90,6 @@ class DynamicLossScaler:
         self.loss_scale = self.scaler.get_scale()
 
 
-def injected_inf_step() -> int | None:
-    value = os.environ.get(INJECT_INF_ENV, "")
-    return int(value) if value else None
-
-
 def build_loss_scaler(precision: PrecisionConfig, device: torch.device) -> NoLossScaling | DynamicLossScaler:
     """Dynamic loss scaling when `precision.loss_scaling` (validate requires it for fp16), else a no-op."""
     if not precision.loss_scaling:
@@ -118,4 +98,4 @@ def build_loss_scaler(precision: PrecisionConfig, device: torch.device) -> NoLos
         scaler = ShardedGradScaler(device=device.type, init_scale=precision.init_scale, process_group=dist.group.WORLD)
     else:
         scaler = GradScaler(device.type, init_scale=precision.init_scale)
-    return DynamicLossScaler(scaler, precision.init_scale, injected_inf_step(), device)
+    return DynamicLossScaler(scaler, precision.init_scale, device)

@@ -28,7 +28,6 @@ import time
 
 log = logging.getLogger("trainctl.train")
 
-TEST_STOP_ENV = "TRAINCTL_TEST_STOP_AFTER_STEP"  # tests: act as if a stop was requested after this step
 _PR_SET_PDEATHSIG = 1
 
 
@@ -51,15 +50,14 @@ class StopRequest:
         self._previous: dict = {}
         self._previous_wakeup = -1
         self._pipe: tuple[int, int] | None = None
-        self._test_stop_after = int(os.environ.get(TEST_STOP_ENV, "-1"))
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(("SIGINT", "SIGTERM", self.preemption_signal)))
 
     def wanted(self, done: int) -> bool:
-        """This rank's answer after `done` steps: a signal arrived (or the test hook's step is reached)."""
-        return self.requested or done == self._test_stop_after
+        """This rank's answer after `done` steps: a stop signal arrived."""
+        return self.requested
 
     @property
     def preempted(self) -> bool:
@@ -68,7 +66,7 @@ class StopRequest:
 
     @property
     def exit_code(self) -> int:
-        """128 + the signal that asked for the stop; 0 for the test hook's stop, which no signal asked for."""
+        """128 + the signal that asked for the stop; 0 for a stop no signal asked for."""
         return exit_code_of(self.signal_name) if self.signal_name else 0
 
     def install(self) -> None:
