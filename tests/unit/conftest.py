@@ -9,13 +9,23 @@ import pytest
 from tests.helpers import write_exe
 from trainctl.launch import code_record
 
+REAL_CODE_RECORD = code_record.record
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_git_in_process():
+    """Writing a run directory records the checkout by running git (a subprocess): in-process tests, and
+    module fixtures that write a run, get a fixed record ("not a git checkout")."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(code_record, "record", lambda source=None: code_record.CodeRecord(git=False))
+        yield
+
 
 @pytest.fixture(autouse=True)
-def no_git_in_process(request, monkeypatch):
-    """Writing a run directory records the checkout by running git (a subprocess): in-process tests get
-    a fixed record ("not a git checkout"); tests marked `cli` (test_rundir's code.json tests) run the real one."""
-    if request.node.get_closest_marker("cli") is None:
-        monkeypatch.setattr(code_record, "record", lambda source=None: code_record.CodeRecord(git=False))
+def real_git_for_cli_tests(request, monkeypatch):
+    """Tests marked `cli` (test_rundir's code.json tests) run the real git record."""
+    if request.node.get_closest_marker("cli") is not None:
+        monkeypatch.setattr(code_record, "record", REAL_CODE_RECORD)
 
 
 @pytest.fixture
