@@ -139,6 +139,7 @@ def run_script(tmp_path: Path, cfg: RunConfig, run_dir: Path, workdir: Path | No
     return subprocess.run(["bash", str(script)], env=full_env, capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.cli
 def test_script_expands_to_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
     run_dir = tmp_path / "run-b"
     done = run_script(tmp_path, slurm_config(rdzv_port=29511, max_restarts=2), run_dir)
@@ -156,6 +157,7 @@ def test_script_expands_to_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
     assert env["MASTER_ADDR"] == "node017"
 
 
+@pytest.mark.cli
 def test_attempts_are_recorded_and_the_exit_code_passes_through(tmp_path):
     run_dir = tmp_path / "run-c"
     done = run_script(tmp_path, slurm_config(), run_dir, srun_exit=3, SLURM_RESTART_COUNT="2")
@@ -166,6 +168,7 @@ def test_attempts_are_recorded_and_the_exit_code_passes_through(tmp_path):
     assert records[0]["nodes"] == "node[017-018]"
 
 
+@pytest.mark.cli
 def test_an_attempt_beyond_max_requeues_stops_before_srun(tmp_path):
     cfg = slurm_config(preemption=PreemptionConfig(max_requeues=3))
     done = run_script(tmp_path, cfg, tmp_path / "run-d", SLURM_RESTART_COUNT="4")
@@ -185,6 +188,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.cli
 def test_hostile_config_values_are_inert(tmp_path):
     """Job name, env values, run and work directories full of shell syntax: nothing runs, every value arrives intact."""
     values = [v.format(p=tmp_path) for v in HOSTILE]
@@ -206,6 +210,7 @@ def test_hostile_config_values_are_inert(tmp_path):
     assert (run_dir / slurm.ATTEMPTS_FILE).is_file()  # the quoted RUN_DIR was used as a path, literally
 
 
+@pytest.mark.cli
 def test_only_our_own_templates_are_expanded(tmp_path):
     """A path that happens to contain `${` is still quoted literally (it once was double-quoted, so `$(...)` ran)."""
     literal = f"{tmp_path}/a${{IFS}}$(touch${{IFS}}{tmp_path}/pwned)"
@@ -220,6 +225,7 @@ def test_hostile_job_name_stays_inside_its_directive(tmp_path):
     assert [line for line in script.splitlines() if "touch" in line] == ["#SBATCH --job-name=x$(touch/tmp/pwned)"]
 
 
+@pytest.mark.cli
 def test_setup_lines_are_verbatim_marked_and_run(tmp_path):
     setup = ['echo "setup ran in $PWD" > setup.out', "export FROM_SETUP=$((6 * 7))",
              'echo "${UNSET_IN_MODULE_SCRIPTS:-}" >/dev/null']
@@ -233,6 +239,7 @@ def test_setup_lines_are_verbatim_marked_and_run(tmp_path):
     assert "FROM_SETUP=42" in (tmp_path / "srun_env").read_text()
 
 
+@pytest.mark.cli
 def test_user_env_can_override_our_defaults(tmp_path):
     run_script(tmp_path, slurm_config(env={"OMP_NUM_THREADS": "3"}), tmp_path / "run-g")
     assert "OMP_NUM_THREADS=3\n" in (tmp_path / "srun_env").read_text()
@@ -263,6 +270,7 @@ def run_dir(tmp_path):
     return run_dir
 
 
+@pytest.mark.cli
 def test_submit_returns_the_job_id_and_records_it(fake_sbatch, run_dir, tmp_path):
     write_exe(fake_sbatch, f'printf "%s\\n" "$@" > {tmp_path}/sbatch_args\necho "9876;cluster-a"\n')
     assert slurm.submit(run_dir) == "9876"
@@ -270,6 +278,7 @@ def test_submit_returns_the_job_id_and_records_it(fake_sbatch, run_dir, tmp_path
     assert json.loads((run_dir / "launch.json").read_text())["job_id"] == "9876"
 
 
+@pytest.mark.cli
 def test_submit_reports_sbatch_rejection(fake_sbatch, run_dir):
     write_exe(fake_sbatch, 'echo "sbatch: error: invalid partition specified: gpu" >&2\nexit 1\n')
     with pytest.raises(LaunchError, match="invalid partition"):
@@ -290,6 +299,7 @@ def test_launch_scripts_give_restarted_workers_a_fresh_rendezvous_store(tmp_path
 # ---------------------------------------------------------------- cluster.setup must not break the script
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     ("setup", "blamed", "why"),
     [
@@ -311,6 +321,7 @@ def test_setup_that_breaks_the_script_is_one_line_before_anything_is_written(tmp
         slurm.render_sbatch(cfg, tmp_path / "run-a")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "setup",
     [
@@ -327,12 +338,14 @@ def test_setup_that_parses_passes(tmp_path, setup):
     assert slurm.render_sbatch(cfg, tmp_path / "run-a")
 
 
+@pytest.mark.cli
 def test_bash_syntax_error_reports_line_and_message():
     assert slurm.bash_syntax_error("echo ok\n") is None
     line, message = slurm.bash_syntax_error("echo ok\nfi\n")
     assert line == 2 and "fi" in message
 
 
+@pytest.mark.cli
 def test_the_batch_script_refuses_to_train_while_another_trainer_holds_the_run(tmp_path):
     run_dir = tmp_path / "run-a"
     run_dir.mkdir()
