@@ -32,6 +32,7 @@ def test_a_second_taker_is_refused_naming_the_first(tmp_path):
     rundir.acquire(tmp_path).release()
 
 
+@pytest.mark.cli
 def test_a_killed_holders_lock_is_taken_over(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", f"""
 from trainctl.core import rundir
@@ -53,6 +54,7 @@ time.sleep(60)
         holder.wait()
 
 
+@pytest.mark.cli
 def test_the_lock_passes_to_the_launch_script_and_what_it_execs(tmp_path):
     lock = rundir.acquire(tmp_path, inheritable=True)
     script = f'exec {{fd}}<&{lock.fd}; exec sleep 30'  # keep only an inherited copy, then exec
