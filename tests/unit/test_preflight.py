@@ -236,6 +236,7 @@ def test_plan_warns_about_token_files(workdir, monkeypatch, capsys):
     assert code == 0 and "data.train_path='/nope/t.bin': file not found" in out
 
 
+@pytest.mark.cli
 def test_a_setup_that_breaks_the_script_writes_nothing_even_for_a_dry_run(workdir, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "launch", "cluster=slurm", "cluster.procs_per_node=1", *SMALL,
                            "cluster.setup=['if true; then']", "--dry-run")
