@@ -27,6 +27,7 @@ def test_an_absurd_layer_count_fails_at_once_instead_of_hanging_the_plan(monkeyp
     assert code == 2 and "model.n_layers=1099511627776" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.cli
 def test_a_refused_sbatch_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
