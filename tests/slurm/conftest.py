@@ -33,7 +33,8 @@ def slurm_cluster():
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (apt-get, network namespaces, slurmd); run as root or in CI")
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        pytest.skip("no Slurm installed and no apt-get to install Debian's; install slurmctld, slurmd, slurm-client and munge")
+        pytest.skip("no Slurm installed and no apt-get to install Debian's; "
+                    "install slurmctld, slurmd, slurm-client and munge")
     was_up = _two_nodes_up()
     # `up` is idempotent: on a running cluster it only restarts what died and waits for idle nodes.
     done = subprocess.run([str(SCRIPT), "up", "--nodes", "2"], capture_output=True, text=True, timeout=UP_TIMEOUT_S)

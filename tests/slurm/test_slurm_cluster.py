@@ -21,15 +21,18 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 JOB_TIMEOUT_S = 240
 FAST = [
     "recipe=tiny_cpu",
-    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", "model.max_seq_len=64",
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "model.max_seq_len=64",
     "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_every=0", "train.eval_batches=2",
     "schedule.warmup_steps=1", "logging.log_every=1", "logging.progress=false",
 ]  # fmt: skip
-SLURM_CPU = ["cluster=slurm", "cluster.device=cpu", "cluster.gpu=", "cluster.cpu_threads=1", "cluster.max_restarts=0", "cluster.time_limit=10"]
+SLURM_CPU = ["cluster=slurm", "cluster.device=cpu", "cluster.gpu=", "cluster.cpu_threads=1", "cluster.max_restarts=0",
+             "cluster.time_limit=10"]
 
 
 def trainctl(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def launch(cwd: Path, name: str, *overrides: str) -> Path:
@@ -118,7 +121,8 @@ def test_status_logs_and_cancel_a_running_job(tmp_path):
     assert status.returncode == 0 and "RUNNING" in status.stdout and "node[1-2]" in status.stdout
     assert "kind=train step=1 " in trainctl("logs", "long", cwd=tmp_path).stdout
     assert "rank1" in trainctl("logs", "long", "--rank", "1", cwd=tmp_path).stdout
-    follower = subprocess.Popen([sys.executable, "-m", "trainctl.cli", "logs", "long", "--follow"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    follower = subprocess.Popen([sys.executable, "-m", "trainctl.cli", "logs", "long", "--follow"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, text=True)
 
     cancelled = trainctl("cancel", "long", cwd=tmp_path)
     assert cancelled.returncode == 0 and "cancelled Slurm job" in cancelled.stdout, cancelled.stderr
@@ -155,7 +159,8 @@ def _requeued_and_released(job_id: str, run_dir: Path) -> bool:
     """
     state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout.split()
     if state[:2] == ["PENDING", "BeginTime"]:
-        released = subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], capture_output=True, text=True)
+        released = subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"],
+                                  capture_output=True, text=True)
         assert released.returncode == 0, released.stderr
         return True
     attempts = run_dir / "slurm-attempts.jsonl"
@@ -175,7 +180,8 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
     assert sent.returncode == 0, sent.stderr
     local = launch(tmp_path, "local-ref", "cluster=local", "cluster.procs_per_node=2", "cluster.cpu_threads=1", steps)
     wait_for(lambda: _requeued_and_released(job_id, run_dir), "the job to be requeued", run_dir)
-    wait_for(lambda: (run_dir / "result.json").is_file(), "the requeued job to finish", run_dir, timeout=2 * JOB_TIMEOUT_S)
+    wait_for(lambda: (run_dir / "result.json").is_file(), "the requeued job to finish", run_dir,
+             timeout=2 * JOB_TIMEOUT_S)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumes = [r for r in records if r["kind"] == "resume"]
     assert len(resumes) == 1, failure_report(run_dir)
