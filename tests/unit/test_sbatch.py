@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import write_exe
 from trainctl.config.schema import ClusterConfig, PreemptionConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.launch import slurm
 from trainctl.launch.command import Expand, shell_join
@@ -31,11 +32,6 @@ def directives(script: str) -> list[str]:
 
 def render_directives(tmp_path: Path, **cluster) -> list[str]:
     return directives(slurm.render_sbatch(slurm_config(**cluster), tmp_path / "run-a"))
-
-
-def write_exe(path: Path, body: str) -> None:
-    path.write_text("#!/usr/bin/env bash\n" + body)
-    path.chmod(0o755)
 
 
 def test_directives_ask_for_nodes_one_task_each_and_the_gpus(tmp_path):
