@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
 from trainctl.config.schema import ClusterConfig
 from trainctl.launch import local
+
+pytestmark = pytest.mark.cli
 
 # The tail of a real torchrun failure (torch 2.13), rank 1 failing first with exit code 3.
 TORCHRUN_SUMMARY = """\
@@ -140,15 +142,6 @@ def alive(pid: int) -> bool:
     # A zombie waiting for its parent to reap it is dead for our purpose.
     stat = Path(f"/proc/{pid}/stat")
     return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
-
-
-def wait_for(predicate, timeout=15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
