@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_stubs import write_exe
 
+from tests.helpers import run_cli, write_exe
 from trainctl.launch import runs, slurm_jobs
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.rundir import check_name
@@ -125,6 +125,7 @@ def local_launch(tmp_path):
     proc.wait()
 
 
+@pytest.mark.cli
 def test_running_local_launch_is_seen_and_cancelled(local_launch):
     run_dir, proc = local_launch
     state = runs.run_state(run_dir)
@@ -134,6 +135,7 @@ def test_running_local_launch_is_seen_and_cancelled(local_launch):
     assert proc.wait(timeout=10) == -15  # SIGTERM to the holder
 
 
+@pytest.mark.cli
 def test_cancel_never_signals_a_reused_pid(tmp_path):
     run_dir = make_run(tmp_path, "live", {})
     proc = hold_lock(run_dir, start="another-boot:12345")  # the recorded process is not the one alive under that pid
@@ -213,22 +215,15 @@ def test_run_names_refuse_whitespace_and_control_characters(name):
         check_name(name)
 
 
-# The real entry point in a fresh interpreter; reports on the way out whether torch or wandb got imported.
-PROBE = """
-import sys
-sys.argv = ["trainctl", *sys.argv[1:]]
-from trainctl.cli import main
-try:
-    main()
-finally:
-    print("heavy:", sorted(m for m in ("torch", "wandb") if m in sys.modules), file=sys.stderr)
-"""
-
-
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", PROBE, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    """The CLI in a fresh interpreter (tests.helpers.run_cli); its report on torch and wandb as a last stderr line."""
+    proc = run_cli(*args, cwd=cwd, timeout=60)
+    heavy = proc.probe["heavy"] if proc.probe else "(no report: the CLI crashed)"
+    proc.stderr += f"\nheavy: {heavy}\n"
+    return proc
 
 
+@pytest.mark.cli
 def test_cli_runs_status_logs_cancel_without_torch(tmp_path):
     run_dir = make_run(tmp_path, "done", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 0})
     (run_dir / "logs" / "rank0.log").write_text("hello from rank 0\n")
