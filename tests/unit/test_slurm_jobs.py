@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from slurm_stubs import write_exe
 
+from tests.helpers import write_exe
 from trainctl.launch import slurm_jobs
 from trainctl.launch.errors import LaunchError
 
