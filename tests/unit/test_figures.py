@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_runs import cli, make_run
 
 from trainctl.launch.figures import Figures, figures
@@ -38,6 +39,7 @@ def test_a_run_without_metrics_shows_only_the_plan(tmp_path):
     assert (f.mfu_text(), f.peak_text()) == ("-", "- (plan 1.0)")
 
 
+@pytest.mark.cli
 def test_runs_and_status_show_measured_next_to_planned(tmp_path):
     write_figures(make_run(tmp_path, "done", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 0}))
     listing = cli("runs", cwd=tmp_path)
