@@ -7,7 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from test_cli import trainctl
+
+pytestmark = pytest.mark.cli
 
 ROWS_KEYS = {"variant", "overrides", "states_bytes", "activations_bytes", "peak_bytes", "need_bytes", "headroom_bytes", "verdict",
              "step_time_s", "slowdown", "tokens_per_s"}
