@@ -9,32 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_cli
 from trainctl.config.compose import list_options, project_root
 
-# Runs the CLI's real entry point, then reports whether torch or wandb got imported.
-PROBE = """
-import json, sys
-from trainctl.cli import main
-sys.argv = ["trainctl", *json.loads(sys.argv[1])]
-code = 0
-try:
-    main()
-except SystemExit as exc:
-    code = exc.code or 0
-heavy = sorted(m for m in ("torch", "wandb") if m in sys.modules)
-print("__PROBE__" + json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
-sys.exit(code)
-"""
+pytestmark = pytest.mark.cli
 
 
 def trainctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(list(args))], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
-    probe = [line for line in proc.stderr.splitlines() if line.startswith("__PROBE__")]
-    proc.probe = json.loads(probe[-1][len("__PROBE__") :]) if probe else None
-    proc.stderr = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("__PROBE__"))
-    return proc
+    """The CLI in a fresh interpreter; `.probe` says its exit code and whether torch or wandb got imported."""
+    return run_cli(*args, cwd=cwd, timeout=120)
 
 
 @pytest.fixture
