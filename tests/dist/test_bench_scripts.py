@@ -1,0 +1,55 @@
+"""Smoke tests of scripts/bench_loop.py and scripts/bench_checkpoint.py: tiny shapes, CPU, a few steps.
+
+Each runs the script as a user would (a fresh interpreter: a gloo world of one, or torchrun for --nproc 2)
+and checks that it reports every figure it promises; the figures themselves are measurements, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+pytestmark = pytest.mark.dist
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def test_bench_loop_runs_the_worker_loop_next_to_a_bare_one(tmp_path):
+    out = tmp_path / "loop.json"
+    proc = run_script("bench_loop.py", "--steps", "3", "--warmup", "3", "--repeats", "2", "--seq-len", "32",
+                      "--micro-batch", "2", "--grad-accum", "2", "--threads", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio trainctl/bare" in proc.stdout
+    result = json.loads(out.read_text())
+    assert len(result["bare_tokens_per_s"]) == len(result["trainctl_tokens_per_s"]) == 2
+    assert all(x > 0 for x in result["bare_tokens_per_s"] + result["trainctl_tokens_per_s"])
+    assert result["ratio_best"] > 0 and result["ratio_median"] > 0
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_bench_checkpoint_reports_every_figure(tmp_path, nproc):
+    out = tmp_path / "checkpoint.json"
+    proc = run_script("bench_checkpoint.py", "--dim", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
+                      "--nproc", str(nproc), "--repeats", "1", "--dir", str(tmp_path / "work"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["ranks"] == nproc and summary["params"] > 0 and summary["checkpoint_mib"] > 0
+    for key in ("sync_s", "async_blocking_s", "async_total_s", "verify_s", "raw_write_s",
+                "sync_mib_s", "async_mib_s", "raw_write_mib_s", "verify_mib_s"):
+        assert summary[key] > 0, key
+    assert len(summary["repeats"]) == 1
+    assert not (tmp_path / "work").exists()  # the script leaves nothing behind
+    assert "sync save (committed)" in proc.stdout
