@@ -88,19 +88,21 @@ def plan(
     # One help line for typer, written as two literals to keep the source under 120 columns.
     ("Show the run plan: topology, batch math, FLOPs, memory per rank with a verdict, throughput.  "
      "Example: trainctl plan recipe=llama7b_fsdp cluster.nodes=2 --compare sharding")
+    from trainctl.launch.command import plan_record
     from trainctl.plan import build
 
     cfg = _resolved(overrides)
     if compare is not None:
         _plan_compare(cfg, compare.replace("-", "_"), as_json)
         return
-    run_plan = build(cfg)
+    # The plan with the command that would launch it, as the run directory's plan.json will hold it.
+    data = plan_record(build(cfg), cfg)
     if as_json:
-        sys.stdout.write(json.dumps(run_plan.to_dict(), indent=2) + "\n")
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return
     from trainctl.render import render_plan
 
-    render_plan(out, run_plan.to_dict())
+    render_plan(out, data)
 
 
 def _plan_compare(cfg: RunConfig, axis: str, as_json: bool) -> None:
