@@ -19,7 +19,7 @@ import torch
 
 from trainctl.config.schema import LoggingConfig
 from trainctl.core import rundir
-from trainctl.plan.hardware import match_gpu, peak_flops
+from trainctl.core.gpus import match_gpu, peak_flops
 from trainctl.train.peak_memory import read_prediction, with_prediction
 
 log = logging.getLogger("trainctl.train")
@@ -54,7 +54,14 @@ class _Progress:
     """A rich progress bar with ETA, shown only on a TTY."""
 
     def __init__(self, total_steps: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._bar = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -1,13 +1,13 @@
 """Pipeline parallelism through torch.distributed.pipelining.
 
 The model is cut into `pp x pp_stages_per_rank` stages of consecutive blocks (evenly, or as
-`sharding.pp_layers` says); the first stage also holds the embedding, the last the final
-norm and output head. Rank r of the pp mesh holds stages r, r + pp, ... (the looped placement
-the interleaved schedules expect). Each stage is built on the meta device as a Llama that
-lacks what it does not hold, keeps the global block keys (stable names for checkpoints),
-and goes through the same `parallelize` as an unsplit model (TP, float8, AC, compile, FSDP).
-Init is per block and per name (see Llama.init_weights), so a stage starts from exactly the
-weights the full model would.
+`sharding.pp_layers` says; core/stages.py, the split the plan counts too); the first stage also
+holds the embedding, the last the final norm and output head. Rank r of the pp mesh holds stages
+r, r + pp, ... (the looped placement the interleaved schedules expect). Each stage is built on the
+meta device as a Llama that lacks what it does not hold, keeps the global block keys (stable names
+for checkpoints), and goes through the same `parallelize` as an unsplit model (TP, float8, AC,
+compile, FSDP). Init is per block and per name (see Llama.init_weights), so a stage starts from
+exactly the weights the full model would.
 
 One optimizer step is one schedule step over this dp rank's `train.grad_accum` micro-batches,
 each one pipeline microbatch. The last stage's loss is the summed token cross-entropy over
@@ -35,6 +35,7 @@ from torch.distributed.pipelining import (
 )
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core.stages import local_stage_ids, stage_layers
 from trainctl.models.llama import Llama, build_model
 from trainctl.train.loss import TokenLoss
 from trainctl.train.micro_batch import MicroBatchContext
@@ -63,29 +64,6 @@ class Pipeline:
     rank_tokens: int  # target tokens of this rank's whole step: the loss normalizer
     device: torch.device
     loss_fn: StageLoss  # the last stage's loss; holds the unscaled microbatch losses of the last call
-
-
-def stage_layer_counts(n_layers: int, n_stages: int, pp_layers: list[int]) -> list[int]:
-    """Blocks per stage: `pp_layers` if given, else an even split with the remainder on the first stages."""
-    if pp_layers:
-        return list(pp_layers)
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if stage < extra else 0) for stage in range(n_stages)]
-
-
-def stage_layers(n_layers: int, n_stages: int, pp_layers: list[int]) -> list[range]:
-    """The global block indices of every stage, in order."""
-    ranges, start = [], 0
-    for count in stage_layer_counts(n_layers, n_stages, pp_layers):
-        ranges.append(range(start, start + count))
-        start += count
-    assert start == n_layers, (n_layers, pp_layers)
-    return ranges
-
-
-def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """Looped placement: rank r holds stages r, r + pp, r + 2 pp, ..."""
-    return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
 def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) -> Llama:

@@ -19,9 +19,9 @@ from torch import nn
 
 from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
+from trainctl.core.dims import ParallelDims
 from trainctl.models.llama import build_model
 from trainctl.plan.flops import flops_per_token
-from trainctl.plan.topology import ParallelDims
 from trainctl.train import distributed
 from trainctl.train import state as checkpoint_state
 from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir, step_name
@@ -220,8 +220,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     distributed.enable_tf32(world.device)
     distributed.seed_everything(cfg.train.seed)
     sharding, train = cfg.sharding, cfg.train
-    dims = ParallelDims(sharding.dp_replicate, sharding.dp_shard, sharding.cp, sharding.tp, sharding.pp)
-    mesh = distributed.build_mesh(dims, world.device)
+    mesh = distributed.build_mesh(ParallelDims.from_config(sharding), world.device)
     scaler = build_loss_scaler(cfg.precision, world.device)
     model, pipeline = build_parallel_model(cfg, mesh, world.device, scaler)
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(sharding.strategy, mesh))
