@@ -23,8 +23,9 @@ from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical
 def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
     nonfinite = check_finite(cfg)
-    problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train) + check_data(cfg.data, cfg.model)
-    problems += check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster) + check_names(cfg) + check_offload(cfg.sharding)
+    problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
+    problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster)
+    problems += check_names(cfg) + check_offload(cfg.sharding)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
@@ -34,7 +35,8 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_model_parallel(dims, cfg.model)
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems
-        problems += check_pipeline(cfg.sharding, dims, cfg.model, train) + check_context_parallel(dims, cfg.cluster, train)
+        problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
+        problems += check_context_parallel(dims, cfg.cluster, train)
     problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:
         raise ConfigError(problems)
@@ -107,8 +109,13 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("checkpoint.load_only", cfg.checkpoint.load_only, schema.LOAD_ONLY)
         + _choice("guards.nonfinite", cfg.guards.nonfinite, schema.NONFINITE_POLICIES)
         + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
-        + ([] if not cfg.cluster.gpu or cfg.cluster.gpu in GPUS else _choice("cluster.gpu", cfg.cluster.gpu, ("", *GPUS)))
+        + _gpu_choice(cfg.cluster.gpu)
     )
+
+
+def _gpu_choice(gpu: str) -> list[str]:
+    """cluster.gpu: empty (unknown device) or a key of the GPU table."""
+    return [] if not gpu or gpu in GPUS else _choice("cluster.gpu", gpu, ("", *GPUS))
 
 
 def _at_least(key: str, value: float, low: float, hint: str = "") -> list[str]:
@@ -155,17 +162,20 @@ def check_ranges(cfg: schema.RunConfig) -> list[str]:
         + _at_least("sharding.pp_stages_per_rank", cfg.sharding.pp_stages_per_rank, 1)
         + _positive("precision.init_scale", cfg.precision.init_scale)
         + _at_least("checkpoint.every", cfg.checkpoint.every, 0, "0 saves only at the end and on a stop request")
-        + _at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 2, "the newest checkpoint may be damaged; keep one to fall back on")
+        + _at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 2,
+                    "the newest checkpoint may be damaged; keep one to fall back on")
         + _at_least("guards.max_consecutive_skips", cfg.guards.max_consecutive_skips, 1)
         + _at_least("guards.spike_window", cfg.guards.spike_window, 5, "the median and MAD need a few steps of history")
         + _positive("guards.spike_zscore", cfg.guards.spike_zscore)
     )
     if not cfg.checkpoint.resume:
-        problems.append("checkpoint.resume='': use auto (newest checkpoint of this run), never, or a checkpoint/run directory")
+        problems.append("checkpoint.resume='': use auto (newest checkpoint of this run), never, or a checkpoint/run "
+                        "directory")
     if t.eval_every > 0:
         problems += _positive("train.eval_batches", t.eval_batches)
     if t.steps > 0 and sch.warmup_steps >= t.steps:
-        problems.append(f"schedule.warmup_steps={sch.warmup_steps}: warmup is not shorter than training (train.steps={t.steps}); lower it below {t.steps}")
+        problems.append(f"schedule.warmup_steps={sch.warmup_steps}: warmup is not shorter than training "
+                        f"(train.steps={t.steps}); lower it below {t.steps}")
     return problems
 
 
@@ -175,8 +185,8 @@ MAX_LAYERS = 10_000  # the plan works layer by layer: an absurd count would hang
 def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit."""
     problems = []
-    for key, value in (("dim", m.dim), ("n_layers", m.n_layers), ("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("vocab_size", m.vocab_size), ("max_seq_len", m.max_seq_len)):
-        problems += _positive(f"model.{key}", value)
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        problems += _positive(f"model.{key}", getattr(m, key))
     problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
     if m.n_layers > MAX_LAYERS:
         problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
@@ -188,9 +198,11 @@ def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     elif (m.dim // m.n_heads) % 2:
         problems.append(f"model.n_heads={m.n_heads}: head dim {m.dim // m.n_heads} is odd, RoPE needs an even head dim")
     if m.n_heads % m.n_kv_heads:
-        problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query attention); use a divisor such as {_divisors(m.n_heads)}")
+        problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query "
+                        f"attention); use a divisor such as {_divisors(m.n_heads)}")
     if t.seq_len > m.max_seq_len:
-        problems.append(f"train.seq_len={t.seq_len}: longer than model.max_seq_len={m.max_seq_len} of model {m.name}; use at most {m.max_seq_len}")
+        problems.append(f"train.seq_len={t.seq_len}: longer than model.max_seq_len={m.max_seq_len} of model {m.name}; "
+                        f"use at most {m.max_seq_len}")
     return problems
 
 
@@ -199,7 +211,8 @@ def _divisors(n: int) -> str:
 
 
 def check_data(d: schema.DataConfig, m: schema.ModelConfig) -> list[str]:
-    problems = _at_least("data.vocab_size", d.vocab_size, 0, "0 means the model's vocab_size") + _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
+    problems = _at_least("data.vocab_size", d.vocab_size, 0, "0 means the model's vocab_size")
+    problems += _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
     if d.kind == "memmap":
         for key in ("train_path", "val_path"):
             if not getattr(d, key):
@@ -207,21 +220,26 @@ def check_data(d: schema.DataConfig, m: schema.ModelConfig) -> list[str]:
     if d.kind == "stdlib" and d.vocab_size not in (0, 256):
         problems.append(f"data.vocab_size={d.vocab_size}: the stdlib corpus is byte-level, so its vocabulary is 256")
     if d.vocab_size > m.vocab_size:
-        problems.append(f"data.vocab_size={d.vocab_size}: the data has more token ids than model.vocab_size={m.vocab_size}; raise model.vocab_size or pick matching data")
+        problems.append(f"data.vocab_size={d.vocab_size}: the data has more token ids than "
+                        f"model.vocab_size={m.vocab_size}; raise model.vocab_size or pick matching data")
     return problems
 
 
 def check_cluster(c: schema.ClusterConfig, p: schema.PrecisionConfig) -> list[str]:
     problems = []
     if c.launcher == "local" and c.nodes > 1:
-        problems.append(f"cluster.nodes={c.nodes}: a local launch runs on this machine only; use cluster=slurm for several nodes")
+        problems.append(f"cluster.nodes={c.nodes}: a local launch runs on this machine only; use cluster=slurm for "
+                        "several nodes")
     if p.fp8 and c.device == "cuda" and c.gpu in GPUS and not GPUS[c.gpu].fp8:
         fp8_gpus = ", ".join(k for k, v in GPUS.items() if v.fp8)
-        problems.append(f"precision=fp8: cluster.gpu={c.gpu} has no fp8 tensor cores; use precision=bf16 or a GPU with them ({fp8_gpus})")
+        problems.append(f"precision=fp8: cluster.gpu={c.gpu} has no fp8 tensor cores; use precision=bf16 or a GPU with "
+                        f"them ({fp8_gpus})")
     if p.fp8 and p.compute_dtype != "bf16":
-        problems.append(f"precision.compute_dtype={p.compute_dtype}: fp8 training runs on top of bf16; set precision.compute_dtype=bf16")
+        problems.append(f"precision.compute_dtype={p.compute_dtype}: fp8 training runs on top of bf16; set "
+                        "precision.compute_dtype=bf16")
     if p.compute_dtype == "fp16" and not p.loss_scaling:
-        problems.append("precision.loss_scaling=false: fp16 gradients underflow without loss scaling; set precision.loss_scaling=true or use precision=bf16")
+        problems.append("precision.loss_scaling=false: fp16 gradients underflow without loss scaling; set "
+                        "precision.loss_scaling=true or use precision=bf16")
     return problems
 
 
@@ -229,9 +247,11 @@ def check_names(cfg: schema.RunConfig) -> list[str]:
     """Run names become folder names and sbatch paths: no separators, no whitespace."""
     problems = []
     if cfg.name and (re.search(r"[\s/]", cfg.name) or cfg.name in (".", "..")):
-        problems.append(f"name={cfg.name!r}: a run name is one folder name without spaces or '/'; e.g. name=llama7b-lr1e-4")
+        problems.append(f"name={cfg.name!r}: a run name is one folder name without spaces or '/'; e.g. "
+                        "name=llama7b-lr1e-4")
     if re.search(r"\s", cfg.runs_dir):
-        problems.append(f"runs_dir={cfg.runs_dir!r}: paths with spaces break sbatch's --output; pick a path without whitespace")
+        problems.append(f"runs_dir={cfg.runs_dir!r}: paths with spaces break sbatch's --output; pick a path without "
+                        "whitespace")
     return problems
 
 
@@ -261,49 +281,62 @@ def infer_dims(sh: schema.ShardingConfig, world_size: int) -> tuple[ParallelDims
 
 def check_offload(sh: schema.ShardingConfig) -> list[str]:
     if sh.cpu_offload and not shards_parameters(sh.strategy):
-        return [f"sharding.cpu_offload=true: offload is an FSDP2 policy; use sharding=zero3 (or zero2/hsdp), not {sh.strategy}"]
+        return ["sharding.cpu_offload=true: offload is an FSDP2 policy; use sharding=zero3 (or zero2/hsdp), not "
+                f"{sh.strategy}"]
     return []
 
 
 def check_model_parallel(dims: ParallelDims, m: schema.ModelConfig) -> list[str]:
     problems = []
     if dims.tp > 1:
-        for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("dim", m.dim)):
+        for key, value in ((key, getattr(m, key)) for key in ("n_heads", "n_kv_heads", "ffn_dim", "dim")):
             if value % dims.tp:
-                problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that divides it ({_divisors(value)})")
+                problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that "
+                                f"divides it ({_divisors(value)})")
     if dims.pp > m.n_layers:
         problems.append(f"sharding.pp={dims.pp}: more pipeline stages than model.n_layers={m.n_layers}")
     return problems
 
 
-def check_pipeline(sh: schema.ShardingConfig, dims: ParallelDims, m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
+def check_pipeline(
+    sh: schema.ShardingConfig, dims: ParallelDims, m: schema.ModelConfig, t: schema.TrainConfig
+) -> list[str]:
     """Stages, layer split, schedule and chunking of a pipeline-parallel run."""
     if dims.pp == 1:
         return []
     problems = []
     if m.tie_embeddings:
-        problems.append("model.tie_embeddings=true: the first and last pipeline stages would share the embedding; use sharding.pp=1 or an untied model")
+        problems.append("model.tie_embeddings=true: the first and last pipeline stages would share the embedding; use "
+                        "sharding.pp=1 or an untied model")
     if t.compile and sh.pp_schedule == "interleaved_zero_bubble":
         # Its split input/weight backward rejects compiled modules (torch 2.11-2.13).
-        problems.append("train.compile=true: sharding.pp_schedule=interleaved_zero_bubble cannot run compiled blocks; set train.compile=false or use interleaved_1f1b")
+        problems.append("train.compile=true: sharding.pp_schedule=interleaved_zero_bubble cannot run compiled blocks; "
+                        "set train.compile=false or use interleaved_1f1b")
     stages = dims.pp * sh.pp_stages_per_rank
     interleaved = sh.pp_schedule.startswith("interleaved")
     if interleaved and sh.pp_stages_per_rank < 2:
-        problems.append(f"sharding.pp_stages_per_rank={sh.pp_stages_per_rank}: schedule {sh.pp_schedule} runs several stages per rank; set it to 2 or more")
+        problems.append(f"sharding.pp_stages_per_rank={sh.pp_stages_per_rank}: schedule {sh.pp_schedule} runs several "
+                        "stages per rank; set it to 2 or more")
     if not interleaved and sh.pp_stages_per_rank != 1:
-        problems.append(f"sharding.pp_stages_per_rank={sh.pp_stages_per_rank}: schedule {sh.pp_schedule} runs one stage per rank; set it to 1 or use an interleaved schedule")
+        problems.append(f"sharding.pp_stages_per_rank={sh.pp_stages_per_rank}: schedule {sh.pp_schedule} runs one "
+                        "stage per rank; set it to 1 or use an interleaved schedule")
     if sh.pp_layers:
         if len(sh.pp_layers) != stages or sum(sh.pp_layers) != m.n_layers or min(sh.pp_layers) < 1:
             problems.append(
-                f"sharding.pp_layers={list(sh.pp_layers)}: needs {stages} positive entries (pp x pp_stages_per_rank) summing to model.n_layers={m.n_layers}"
+                f"sharding.pp_layers={list(sh.pp_layers)}: needs {stages} positive entries (pp x pp_stages_per_rank) "
+                f"summing to model.n_layers={m.n_layers}"
             )
     elif stages > m.n_layers:
-        problems.append(f"sharding.pp={dims.pp} x pp_stages_per_rank={sh.pp_stages_per_rank}: {stages} stages for model.n_layers={m.n_layers}; use fewer stages")
+        problems.append(f"sharding.pp={dims.pp} x pp_stages_per_rank={sh.pp_stages_per_rank}: {stages} stages for "
+                        f"model.n_layers={m.n_layers}; use fewer stages")
     # Each of the step's grad_accum micro-batches is one pipeline microbatch.
     if sh.pp_schedule != "gpipe" and t.grad_accum < dims.pp:
-        problems.append(f"train.grad_accum={t.grad_accum}: schedule {sh.pp_schedule} needs at least sharding.pp={dims.pp} pipeline microbatches per step; raise train.global_batch or lower train.micro_batch")
+        problems.append(f"train.grad_accum={t.grad_accum}: schedule {sh.pp_schedule} needs at least "
+                        f"sharding.pp={dims.pp} pipeline microbatches per step; raise train.global_batch or lower "
+                        "train.micro_batch")
     if interleaved and t.grad_accum % dims.pp:
-        problems.append(f"train.grad_accum={t.grad_accum}: interleaved schedules need a multiple of sharding.pp={dims.pp} microbatches per step")
+        problems.append(f"train.grad_accum={t.grad_accum}: interleaved schedules need a multiple of "
+                        f"sharding.pp={dims.pp} microbatches per step")
     return problems
 
 
@@ -311,19 +344,23 @@ def check_context_parallel(dims: ParallelDims, c: schema.ClusterConfig, t: schem
     if dims.cp == 1:
         return []
     if c.device != "cuda":
-        return [f"sharding.cp={dims.cp}: context parallelism needs CUDA attention kernels (torch's context_parallel); use sharding.cp=1 on cluster.device={c.device}"]
+        return [f"sharding.cp={dims.cp}: context parallelism needs CUDA attention kernels (torch's context_parallel); "
+                f"use sharding.cp=1 on cluster.device={c.device}"]
     if t.seq_len % (2 * dims.cp):
-        return [f"sharding.cp={dims.cp}: train.seq_len={t.seq_len} must be a multiple of 2 x cp = {2 * dims.cp} (load-balanced sequence shards)"]
+        return [f"sharding.cp={dims.cp}: train.seq_len={t.seq_len} must be a multiple of 2 x cp = {2 * dims.cp} "
+                "(load-balanced sequence shards)"]
     return []
 
 
 def resolve_batch(t: schema.TrainConfig, dp: int) -> tuple[schema.TrainConfig, list[str]]:
     """global_batch = micro_batch x grad_accum x dp, deriving the one set to -1."""
     values = {"global_batch": t.global_batch, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum}
-    problems = [f"train.{k}={v}: must be a positive integer, or -1 to derive it" for k, v in values.items() if v == 0 or v < -1]
+    problems = [f"train.{k}={v}: must be a positive integer, or -1 to derive "
+                "it" for k, v in values.items() if v == 0 or v < -1]
     derived = [k for k, v in values.items() if v == -1]
     if len(derived) > 1:
-        problems.append(f"train.{' and train.'.join(derived)} are all -1: set all but one of global_batch, micro_batch, grad_accum")
+        problems.append(f"train.{' and train.'.join(derived)} are all -1: set all but one of global_batch, "
+                        "micro_batch, grad_accum")
     if problems:
         return t, problems
     g, mb, ga = t.global_batch, t.micro_batch, t.grad_accum
@@ -333,7 +370,8 @@ def resolve_batch(t: schema.TrainConfig, dp: int) -> tuple[schema.TrainConfig, l
         other = ga if derived == ["micro_batch"] else mb
         if g % (other * dp):
             return t, [
-                f"train.global_batch={g}: not divisible by {'grad_accum' if derived == ['micro_batch'] else 'micro_batch'} x data-parallel degree "
+                f"train.global_batch={g}: not divisible by "
+                f"{'grad_accum' if derived == ['micro_batch'] else 'micro_batch'} x data-parallel degree "
                 f"= {other} x {dp}; use a multiple of {other * dp}"
             ]
         if derived == ["micro_batch"]:
@@ -342,7 +380,8 @@ def resolve_batch(t: schema.TrainConfig, dp: int) -> tuple[schema.TrainConfig, l
             ga = g // (mb * dp)
     if g != mb * ga * dp:
         return t, [
-            f"train.global_batch={g}: must equal micro_batch x grad_accum x data-parallel degree = {mb} x {ga} x {dp} = {mb * ga * dp}; "
+            f"train.global_batch={g}: must equal micro_batch x grad_accum x data-parallel degree = {mb} x {ga} x {dp} "
+            f"= {mb * ga * dp}; "
             "set one of them to -1 to derive it"
         ]
     return dataclasses.replace(t, global_batch=g, micro_batch=mb, grad_accum=ga), []

@@ -45,8 +45,7 @@ class Assessment:
 
 def dims_of(cfg: RunConfig) -> ParallelDims:
     """The parallel degrees of a resolved config."""
-    s = cfg.sharding
-    return ParallelDims(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.pp)
+    return ParallelDims.from_config(cfg.sharding)
 
 
 def device_peak(cfg: RunConfig) -> float | None:
