@@ -238,3 +238,25 @@ def test_group_overrides_that_are_not_one_name_are_one_line(override):
 )
 def test_plain_names_still_compose(overrides, lr):
     assert compose(overrides).optim.lr == lr
+
+
+# ---------------------------------------------------------------- one key names a group's option
+
+
+@pytest.mark.parametrize("group", sorted(schema.RETIRED_KEYS))
+def test_the_retired_name_key_is_unknown_on_the_command_line(group):
+    with pytest.raises(ConfigError) as err:
+        compose([f"{group}.name=x"])
+    (line,) = err.value.problems
+    assert line.startswith(f"{group}.name: unknown key; valid keys of {group}: ")
+
+
+def test_a_config_yaml_of_an_older_run_still_loads(tmp_path):
+    """Runs written before the duplicate `name` keys were dropped must still resume and export."""
+    cfg = compose(["recipe=llama7b_fsdp", "precision=fp8"])
+    text = schema.to_yaml(cfg)
+    for group, option in (("precision", "fp8"), ("sharding", "fsdp"), ("cluster", "slurm"), ("data", "memmap")):
+        text = text.replace(f"\n{group}:\n", f"\n{group}:\n  name: {option}\n", 1)
+    (tmp_path / "config.yaml").write_text(text)
+    assert text.count("  name: ") >= 5  # the model's own name, and the four retired ones
+    assert schema.load_run_config(tmp_path) == cfg
