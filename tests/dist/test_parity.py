@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 from worker_runs import base_config, records, series, train_and_check
 
+from tests.helpers import REL
 from trainctl.config.schema import ShardingConfig
 
 pytestmark = pytest.mark.dist
 
-REL = 1e-5
 PARITY_STEPS = 10
 
 
