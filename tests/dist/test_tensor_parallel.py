@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 from worker_runs import TINY, base_config, records, series, train_and_check
 
+from tests.helpers import REL
 from trainctl.config.schema import ShardingConfig
 
 pytestmark = pytest.mark.dist
 
-REL = 1e-5
 STEPS = 10
 
 
