@@ -24,16 +24,16 @@ from dataclasses import replace
 import pytest
 from worker_runs import TINY, base_config, records, series, train_and_check
 
+from tests.helpers import REL
 from trainctl.config.schema import ShardingConfig
+from trainctl.core.dims import ParallelDims
 from trainctl.models.llama import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.flops import param_count
 from trainctl.plan.stages import rank_stages
-from trainctl.core.dims import ParallelDims
 
 pytestmark = pytest.mark.dist
 
-REL = 1e-5
 STEPS = 10
 P = param_count(TINY)
 PARAMS = list(build_model(TINY, "meta").parameters())
