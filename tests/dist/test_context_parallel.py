@@ -19,6 +19,7 @@ import pytest
 import torch
 from worker_runs import base_config, records, series, train_and_check
 
+from tests.helpers import REL
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
 from trainctl.models.llama import build_model
 
@@ -28,7 +29,6 @@ HERE = Path(__file__).parent
 CPU_RING_WORKER = HERE / "cpu_ring_worker.py"
 # Ring attention merges per-chunk softmaxes (log-sum-exp), so a cp run is close, not bitwise:
 # measured within 2e-7 (loss) and 8e-7 (grad norm) of one process over 10 steps.
-REL = 1e-5
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=32)
 
 
