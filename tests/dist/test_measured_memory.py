@@ -22,18 +22,21 @@ import torch
 import torch.nn.functional as F
 from worker_runs import TINY
 
+from tests.helpers import REL
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core.dims import ParallelDims
 from trainctl.models.llama import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.stages import rank_stages
-from trainctl.core.dims import ParallelDims
 from trainctl.train.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
 from trainctl.train.memory_stats import retained_activation_bytes, saved_tensor_bytes
 from trainctl.train.trainer import token_loss_sum
 
+# One process, no process group, but real forward/backward passes (~15 s): the dist tier, not unit.
+pytestmark = pytest.mark.dist
+
 MODEL = replace(TINY, n_layers=4)
 MODES = ("none", "selective", "full", "op")
-REL = 1e-5
 
 
 def tiny_model(mode: str) -> torch.nn.Module:
