@@ -11,6 +11,9 @@ from trainctl.config.schema import ModelConfig
 from trainctl.models.llama import build_model
 from trainctl.train.parallelize import apply_fsdp
 
+# A process group (a world of one, in this process): the dist tier, not unit.
+pytestmark = pytest.mark.dist
+
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
 
 
