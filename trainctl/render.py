@@ -100,7 +100,8 @@ def throughput_section(t: dict) -> Table:
 
 
 def advice_table(advice: list[dict]) -> Table:
-    table = Table(title="to make it fit (best first)", title_justify="left", title_style="bold", box=None, padding=(0, 2))
+    table = Table(title="to make it fit (best "
+                        "first)", title_justify="left", title_style="bold", box=None, padding=(0, 2))
     table.add_column("change", overflow="fold", ratio=1)
     for column in ("peak", "needed", "verdict", "step time"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -161,6 +162,6 @@ def compare_table(axis: str, rows: list[dict]) -> Table:
         change = "-" if r["slowdown"] is None else f"{r['slowdown']:+.0%}"
         headroom = "-" if r["headroom_bytes"] is None else f"{r['headroom_bytes'] / GIB:.1f}"
         style = VERDICT_STYLE[r["verdict"]]
-        table.add_row(r["variant"], f"{r['activations_bytes'] / GIB:.1f}", f"{r['peak_bytes'] / GIB:.1f}", f"{r['need_bytes'] / GIB:.1f}",
-                      headroom, f"[{style}]{r['verdict']}[/]", step, change)
+        sizes = (f"{r[key] / GIB:.1f}" for key in ("activations_bytes", "peak_bytes", "need_bytes"))
+        table.add_row(r["variant"], *sizes, headroom, f"[{style}]{r['verdict']}[/]", step, change)
     return table

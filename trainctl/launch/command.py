@@ -97,13 +97,19 @@ def handled_signals(cluster: ClusterConfig) -> str:
     return ",".join(names)
 
 
-def slurm_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None, srun_options: tuple[str, ...] = ()) -> list[str]:
-    """srun starting one torchrun per node (the sbatch script sets MASTER_ADDR); `Expand` arguments are expanded by the shell."""
+def slurm_argv(
+    cluster: ClusterConfig, run_dir: Path, python: str | None = None, srun_options: tuple[str, ...] = ()
+) -> list[str]:
+    """srun starting one torchrun per node (the sbatch script sets MASTER_ADDR).
+
+    `Expand` arguments are expanded by the shell.
+    """
     return [
         "srun",
         "--ntasks-per-node=1",
         "--kill-on-bad-exit=1",
-        # Recent Slurm no longer passes the job's CPUs on to srun; without this torchrun and all its workers share one core.
+        # Recent Slurm no longer passes the job's CPUs on to srun; without this torchrun and all its workers
+        # share one core.
         Expand("--cpus-per-task=${SLURM_CPUS_ON_NODE}"),
         *srun_options,
         *torchrun_prefix(python),
@@ -186,4 +192,6 @@ def omp_threads_export(cluster: ClusterConfig, cores: str, keep_user_value: bool
         return f"export OMP_NUM_THREADS={cluster.cpu_threads}"
     n = cluster.procs_per_node
     share = f"$(( {cores} / {n} > 0 ? {cores} / {n} : 1 ))"
-    return f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{share}}}" if keep_user_value else f"export OMP_NUM_THREADS={share}"
+    if keep_user_value:
+        return f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{share}}}"
+    return f"export OMP_NUM_THREADS={share}"

@@ -37,8 +37,10 @@ def default_name(cfg: RunConfig, now: datetime | None = None) -> str:
 def check_name(name: str) -> None:
     """A run name must be one plain path component (it becomes a directory under runs_dir)."""
     # Whitespace too: the name lands in #SBATCH lines and script comments, where a newline would start a command.
-    if not name or any(c in name for c in "/\\\0") or any(c.isspace() or not c.isprintable() for c in name) or name.startswith("."):
-        raise LaunchError(f"run name {name!r} is not a plain directory name; use letters, digits, '-', '_' (no '/', no spaces, not starting with '.')")
+    plain = not any(c in name for c in "/\\\0") and not any(c.isspace() or not c.isprintable() for c in name)
+    if not name or not plain or name.startswith("."):
+        raise LaunchError(f"run name {name!r} is not a plain directory name; use letters, digits, '-', '_' (no '/', no "
+                          "spaces, not starting with '.')")
     if len(name.encode()) > NAME_MAX:
         raise LaunchError(f"run name {name[:40]!r}... is {len(name.encode())} bytes; "
                           f"use at most {NAME_MAX} (one directory name)")
@@ -70,7 +72,9 @@ def launch_script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
     return local.render_script(cfg.cluster, run_dir, workdir)
 
 
-def write_contents(target: Path, cfg: RunConfig, plan: RunPlan, run_dir: Path, overrides: list[str], workdir: Path) -> None:
+def write_contents(
+    target: Path, cfg: RunConfig, plan: RunPlan, run_dir: Path, overrides: list[str], workdir: Path
+) -> None:
     """Write every file of the run into `target`; paths inside them refer to the final `run_dir`."""
     (target / layout.CONFIG).write_text(to_yaml(cfg))
     # The launch command is launch's, computed here for the final run directory; readers find it in plan.json.

@@ -92,6 +92,7 @@ def assessed(variants: list[variants.Variant], current: Assessment) -> list[Sugg
         if a.fit.need_bytes >= current.fit.need_bytes:
             continue  # only what helps
         slowdown = a.relative_step.total_s / base_time - 1 if base_time else None
-        out.append(Suggestion(variant.label, variant.overrides, a.fit.peak_bytes, a.fit.need_bytes, a.fit.headroom_bytes,
-                              a.fit.verdict, None if a.step is None else a.step.total_s, slowdown))
+        step = None if a.step is None else a.step.total_s
+        out.append(Suggestion(variant.label, variant.overrides, a.fit.peak_bytes, a.fit.need_bytes,
+                              a.fit.headroom_bytes, a.fit.verdict, step, slowdown))
     return out

@@ -58,7 +58,9 @@ def assumed_mfu(cfg: RunConfig) -> float:
     return cfg.cluster.assumed_mfu or tp_model.DEFAULT_MFU
 
 
-def step_time(cfg: RunConfig, dims: ParallelDims, mem: memory.RankMemory, n_blocks: int, peak: float | None) -> tp_model.StepTime | None:
+def step_time(
+    cfg: RunConfig, dims: ParallelDims, mem: memory.RankMemory, n_blocks: int, peak: float | None
+) -> tp_model.StepTime | None:
     """Seconds per optimizer step on the busiest rank (throughput module doc); None without a peak."""
     if peak is None:
         return None
@@ -71,7 +73,8 @@ def step_time(cfg: RunConfig, dims: ParallelDims, mem: memory.RankMemory, n_bloc
     recompute = tp_model.recompute_flops_per_token(m, t.seq_len, t.activation_checkpointing, wrapped) * tokens / rate
     if t.activation_checkpointing == "op":
         recompute = tp_model.OP_RECOMPUTE_OVERHEAD * compute
-    bubble = (compute + recompute) * tp_model.bubble_fraction(s.pp_schedule, dims.pp, t.grad_accum, s.pp_stages_per_rank)
+    bubble_fraction = tp_model.bubble_fraction(s.pp_schedule, dims.pp, t.grad_accum, s.pp_stages_per_rank)
+    bubble = (compute + recompute) * bubble_fraction
     spec = GPUS.get(cfg.cluster.gpu)
     tp_bytes = tp_model.tp_comm_bytes(m, mem.tokens_per_micro_batch, n_blocks, dims.tp, c) * t.grad_accum
     reduce = memory.DTYPE_BYTES[cfg.precision.reduce_dtype]
@@ -100,7 +103,8 @@ def bandwidth(cfg: RunConfig, spec, span: int) -> float:
 def assess(cfg: RunConfig, dims: ParallelDims) -> Assessment:
     """Per-pp-rank memory and verdict, and the step time, of a resolved config."""
     stages = rank_stages(cfg.model, cfg.sharding, cfg.train.grad_accum)
-    per_rank = tuple(memory.estimate(cfg.model, cfg.precision, cfg.sharding, cfg.train, dims, st, cfg.cluster.device) for st in stages)
+    per_rank = tuple(memory.estimate(cfg.model, cfg.precision, cfg.sharding, cfg.train, dims, st, cfg.cluster.device)
+                     for st in stages)
     capacity = fitting.capacity_bytes(cfg.cluster)
     fits = tuple(fitting.fit(r.peak, cfg.cluster.device, dims, capacity) for r in per_rank)
     busiest = max(range(len(fits)), key=lambda i: fits[i].need_bytes)

@@ -130,13 +130,15 @@ class RankMemory:
         return max(phases, key=phases.get)
 
     def to_dict(self) -> dict:
-        data = {k: v for k, v in asdict(self).items() if k not in ("pp_rank", "tokens_per_micro_batch", "in_flight", "local_params")}
+        counts = ("pp_rank", "tokens_per_micro_batch", "in_flight", "local_params")
+        data = {k: v for k, v in asdict(self).items() if k not in counts}
         out = {f"{k}_bytes": v for k, v in data.items()}
         out["states_bytes"] = self.states
         out["phases_bytes"] = self.phases()
         out["peak_bytes"] = self.peak
         out["peak_phase"] = self.peak_phase
-        out.update(pp_rank=self.pp_rank, tokens_per_micro_batch=self.tokens_per_micro_batch, in_flight=self.in_flight, local_params=self.local_params)
+        out.update(pp_rank=self.pp_rank, tokens_per_micro_batch=self.tokens_per_micro_batch, in_flight=self.in_flight,
+                   local_params=self.local_params)
         return out
 
 
@@ -148,7 +150,9 @@ def local_tensors(m: ModelConfig, stage: RankStages, tp: int) -> list[Tensor]:
     return [tp_local(t, tp) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
 
 
-def stored_elements(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, dp_rank: int = 0) -> tuple[int, int, int]:
+def stored_elements(
+    tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, dp_rank: int = 0
+) -> tuple[int, int, int]:
     """(weight/gradient elements, optimizer elements, stepped tensors) that data-parallel rank `dp_rank` stores.
 
     Rank 0 is the busiest under FSDP2 (the first chunks are the full ones); under zero1 the
@@ -179,7 +183,9 @@ def busiest_dp_rank(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -
     return 0
 
 
-def model_states(m: ModelConfig, sharding: ShardingConfig, dims: ParallelDims, stage: RankStages, dp_rank: int) -> dict[str, int]:
+def model_states(
+    m: ModelConfig, sharding: ShardingConfig, dims: ParallelDims, stage: RankStages, dp_rank: int
+) -> dict[str, int]:
     """Bytes of the live parameter, gradient and optimizer tensors on one rank (what memory_stats measures)."""
     tensors = local_tensors(m, stage, dims.tp)
     stored, stepped, count = stored_elements(tensors, wrapping(sharding.strategy, dims), dims, dp_rank)
@@ -235,12 +241,17 @@ class SavedActivations:
     unpacked: int = 0  # offloaded tensors copied back to the device for one block's backward
 
 
-def activation_bytes(m: ModelConfig, train: TrainConfig, lay: act.ActLayout, stage: RankStages, tokens: int) -> SavedActivations:
+def activation_bytes(
+    m: ModelConfig, train: TrainConfig, lay: act.ActLayout, stage: RankStages, tokens: int
+) -> SavedActivations:
     """Activations saved for backward on this rank."""
     mode, n_blocks = train.activation_checkpointing, len(stage.layers)
     blocks = act.blocks_bytes(m, lay, mode, n_blocks, train.ac_every) * tokens
     ids = act.TOKEN_ID_BYTES * tokens if stage.first else 0
-    first = act.blocks_bytes(m, lay, mode, 1, train.ac_every) * tokens if mode != "selective" else blocks / max(1, n_blocks)
+    if mode != "selective":
+        first = act.blocks_bytes(m, lay, mode, 1, train.ac_every) * tokens
+    else:
+        first = blocks / max(1, n_blocks)
     head = int(act.head_bytes(m, lay) * tokens) if stage.last else 0
     # A pipeline's last stage also keeps its output logits (the schedule's forward cache) until backward.
     if stage.last and n_blocks < m.n_layers:
@@ -251,7 +262,9 @@ def activation_bytes(m: ModelConfig, train: TrainConfig, lay: act.ActLayout, sta
     return SavedActivations(one + head, everything, head * stage.last_in_flight, first_block)
 
 
-def offloaded(saved: SavedActivations, m: ModelConfig, lay: act.ActLayout, train: TrainConfig, stage: RankStages, tokens: int) -> SavedActivations:
+def offloaded(
+    saved: SavedActivations, m: ModelConfig, lay: act.ActLayout, train: TrainConfig, stage: RankStages, tokens: int
+) -> SavedActivations:
     """train.activation_offload: every saved tensor goes to host memory (torch's save_on_cpu).
 
     What op-level checkpointing caches (the matmul outputs) is kept by checkpointing itself, not
@@ -265,8 +278,8 @@ def offloaded(saved: SavedActivations, m: ModelConfig, lay: act.ActLayout, train
     return SavedActivations(saved.one, on_device, 0, on_device, saved.everything - on_device, unpacked)
 
 
-def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig, dims: ParallelDims,
-             stage: RankStages, device: str = "cuda") -> RankMemory:
+def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,
+             dims: ParallelDims, stage: RankStages, device: str = "cuda") -> RankMemory:
     """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout."""
     wrap = wrapping(sharding.strategy, dims, precision)
     c, r = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.reduce_dtype]
@@ -289,7 +302,9 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         per_block = block_matmul // max(1, len(stage.layers))
         head_matmul = sum(t.numel for t in tensors if t.is_matmul and not t.name.startswith("layers."))
         casts = c * (per_block * (len(stage.layers) - wrapped) + head_matmul)
-    first_part = [t for t in tensors if t.name.startswith("tok_embeddings") or (stage.layers and t.name.startswith(f"layers.{stage.layers[0]}."))]
+    first_block = f"layers.{stage.layers[0]}." if stage.layers else None
+    first_part = [t for t in tensors
+                  if t.name.startswith("tok_embeddings") or (first_block and t.name.startswith(first_block))]
     head_part = [t for t in tensors if t.name.startswith(("norm.", "output."))]
     at_loss = during_block = at_end = 0
     if fsdp:

@@ -31,40 +31,47 @@ def strategy_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[
         notes.append("gathered_loss (zero2): FSDP2 with reshard_after_forward=False keeps every unit gathered from its "
                      "forward to its backward: a compute-dtype copy of the whole stage at the start of backward")
     if wrap.fsdp and wrap.reshard_after_forward:
-        notes.append("gathered (zero3): blocks are re-gathered for backward; norm + output (and a tied embedding, in the "
+        notes.append("gathered (zero3): blocks are re-gathered for backward; norm + output (and a tied embedding, in "
+                     "the "
                      "root unit) stay gathered from forward to backward")
     if mem.unsharded_grads:
         notes.append(f"unsharded_grads {_gib(mem.unsharded_grads)}: with grad_accum={t.grad_accum} FSDP2 skips the "
-                     "reduce-scatter until the last micro-batch and keeps unsharded gradients (reduce dtype) in between: "
+                     "reduce-scatter until the last micro-batch and keeps unsharded gradients (reduce dtype) in "
+                     "between: "
                      "ZeRO's gradient saving is gone until then; fewer, larger micro-batches avoid it")
     if wrap.fsdp_as_ddp:
         notes.append("ddp over tp/pp: the worker replicates with FSDP2 on a shard group of one (DDP cannot bucket "
                      "DTensors): an fp32 unsharded copy of each unit is gathered as for zero2")
     if mem.weight_casts:
-        notes.append(f"weight_casts {_gib(mem.weight_casts)}: torch.autocast keeps a compute-dtype copy of every matmul "
+        notes.append(f"weight_casts {_gib(mem.weight_casts)}: torch.autocast keeps a compute-dtype copy of every "
+                     "matmul "
                      "weight it used, saved for backward (checkpointed blocks re-cast instead); FSDP's mixed precision "
                      "would gather bf16 weights per unit instead of casting the whole model")
     if cfg.sharding.cpu_offload:
-        notes.append(f"host {_gib(mem.host)}: cpu_offload keeps weights, gradients and AdamW states in host memory; the "
+        notes.append(f"host {_gib(mem.host)}: cpu_offload keeps weights, gradients and AdamW states in host memory; "
+                     "the "
                      "device holds the gathered units and their unsharded gradients; the step runs AdamW on the host")
     return notes
 
 
 def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     t, s = cfg.train, cfg.sharding
-    notes = [f"loss_buffers {_gib(mem.loss_buffers)}: log_softmax saves fp32 [tokens, vocab] and backward adds two more "
+    notes = [f"loss_buffers {_gib(mem.loss_buffers)}: log_softmax saves fp32 [tokens, vocab] and backward adds two "
+             "more "
              "fp32 [tokens, vocab] gradients before the output projection's backward (the largest transient for a "
              "large vocabulary; fewer tokens per micro-batch shrink it)"] if mem.loss_buffers else []
     if dims.tp > 1:
         notes.append("tp: the output projection gathers full logits (no loss parallelism), so every tp rank holds the "
-                     "whole vocabulary's loss buffers; column-parallel matmuls save the all-gathered sequence (2 a d per "
+                     "whole vocabulary's loss buffers; column-parallel matmuls save the all-gathered sequence (2 a d "
+                     "per "
                      "token per block, not divided by tp)")
     if dims.cp > 1:
         notes.append("cp: tokens per rank are divided by cp, and k/v are counted with n_heads (the worker repeats the "
                      "kv heads for the ring kernels)")
     if dims.pp > 1:
         notes.append(f"pp: schedule {s.pp_schedule} keeps {mem.in_flight:g} micro-batches of this rank's activations "
-                     "alive at once (trainctl/plan/stages.py); the last stage also keeps its output logits until backward")
+                     "alive at once (trainctl/plan/stages.py); the last stage also keeps its output logits until "
+                     "backward")
     if t.activation_checkpointing == "op":
         notes.append("op checkpointing keeps matmul and attention outputs; the row-parallel outputs (wo, w2) are full "
                      "size under tp (partial sums before the reduce-scatter)")
@@ -73,8 +80,10 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
                      "on the device); one block's tensors come back at a time")
     if cfg.precision.fp8:
         notes.append("fp8: torchao's Float8Linear saves the bf16 input and weight and re-casts in backward, so "
-                     "activations are counted as bf16; its transient fp8 copies (1 byte per element of one layer) are not, "
-                     "and FSDP's float8 all-gather (tensorwise: 1 byte per matmul weight) is counted as bf16 (errs high)")
+                     "activations are counted as bf16; its transient fp8 copies (1 byte per element of one layer) are "
+                     "not, "
+                     "and FSDP's float8 all-gather (tensorwise: 1 byte per matmul weight) is counted as bf16 (errs "
+                     "high)")
     if t.compile:
         notes.append("compile: estimates follow the eager ops; inductor's fused kernels usually save less, so the "
                      "prediction errs high")
@@ -87,17 +96,22 @@ def device_notes(cfg: RunConfig, dims: ParallelDims) -> list[str]:
                 "capacity: this machine's memory over procs_per_node for a local launch"]
     groups = sum(1 for size in dims.as_dict().values() if size > 1)
     return [f"framework: CUDA context and workspaces {fitting.CUDA_CONTEXT_BYTES / GIB:.2f} GiB + NCCL "
-            f"{fitting.NCCL_BYTES_PER_DIM / GIB:.2f} GiB x {groups} parallel dims + {fitting.FRAGMENTATION:.0%} of the peak for "
+            f"{fitting.NCCL_BYTES_PER_DIM / GIB:.2f} GiB x {groups} parallel dims + {fitting.FRAGMENTATION:.0%} of the "
+            "peak for "
             "allocator fragmentation; none of it is in torch.cuda.max_memory_allocated"]
 
 
 def throughput_notes(cfg: RunConfig) -> list[str]:
-    source = "cluster.assumed_mfu" if cfg.cluster.assumed_mfu else "the default: no measured figure under benchmarks/ yet"
-    return [f"step time at MFU {cfg.cluster.assumed_mfu or DEFAULT_MFU:g} ({source}); recompute, pipeline bubble, exposed TP/FSDP "
-            "traffic and offload transfers are added as trainctl/plan/throughput.py states (full checkpointing: one more "
+    source = ("cluster.assumed_mfu" if cfg.cluster.assumed_mfu
+              else "the default: no measured figure under benchmarks/ yet")
+    return [f"step time at MFU {cfg.cluster.assumed_mfu or DEFAULT_MFU:g} ({source}); recompute, pipeline bubble, "
+            "exposed TP/FSDP "
+            "traffic and offload transfers are added as trainctl/plan/throughput.py states (full checkpointing: one "
+            "more "
             "forward of the wrapped blocks, about +1/3 of their FLOPs; op: +3% for re-run pointwise ops)"]
 
 
 def notes_for(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     """Every note that applies to this config, strategy first."""
-    return strategy_notes(cfg, dims, mem) + activation_notes(cfg, dims, mem) + device_notes(cfg, dims) + throughput_notes(cfg)
+    return (strategy_notes(cfg, dims, mem) + activation_notes(cfg, dims, mem) + device_notes(cfg, dims)
+            + throughput_notes(cfg))

@@ -85,7 +85,8 @@ class RunPlan:
         }
 
     def memory_dict(self) -> dict:
-        per_rank = [{**m.to_dict(), **f.to_dict()} for m, f in zip(self.memory_per_pp_rank, self.fits_per_pp_rank, strict=True)]
+        pairs = zip(self.memory_per_pp_rank, self.fits_per_pp_rank, strict=True)
+        per_rank = [{**rank_memory.to_dict(), **rank_fit.to_dict()} for rank_memory, rank_fit in pairs]
         return {**self.memory.to_dict(), **self.fit.to_dict(), "per_pp_rank": per_rank}
 
     def to_dict(self) -> dict:
@@ -120,7 +121,8 @@ def batch_math(train: TrainConfig, dp: int) -> BatchMath:
     sizes = {"global_batch": train.global_batch, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
     unresolved = [f"train.{k}={v}" for k, v in sizes.items() if v < 1]
     if unresolved:
-        raise PlanError(f"{', '.join(unresolved)}: the plan needs resolved batch sizes; run the config through validate first")
+        raise PlanError(f"{', '.join(unresolved)}: the plan needs resolved batch sizes; run the config through "
+                        "validate first")
     tokens_per_step = train.global_batch * train.seq_len
     return BatchMath(
         global_batch=train.global_batch,
@@ -146,7 +148,8 @@ def batch_warning(batch: BatchMath) -> str | None:
 def gpu_warning(cluster: ClusterConfig) -> str | None:
     if cluster.device != "cuda" or cluster.gpu in GPUS:
         return None
-    return f"cluster.gpu={cluster.gpu!r} is not a known GPU ({', '.join(GPUS)}): no memory check and no step-time estimate"
+    return (f"cluster.gpu={cluster.gpu!r} is not a known GPU ({', '.join(GPUS)}): "
+            "no memory check and no step-time estimate")
 
 
 def fit_warning(a: Assessment, gpu: str) -> str | None:
@@ -156,8 +159,10 @@ def fit_warning(a: Assessment, gpu: str) -> str | None:
         return None
     GIB = memory.GIB
     where = f"pp rank {mem.pp_rank}" if len(a.per_pp_rank) > 1 else "each rank"
-    return (f"{where} needs {f.need_bytes / GIB:.1f} GiB (peak {f.peak_bytes / GIB:.1f} GiB at the {mem.peak_phase} phase + "
-            f"{f.framework_bytes / GIB:.1f} GiB framework) of the {f.capacity_bytes / GIB:.1f} GiB of one {gpu or 'worker'}: {f.verdict}")
+    return (f"{where} needs {f.need_bytes / GIB:.1f} GiB (peak {f.peak_bytes / GIB:.1f} GiB at the {mem.peak_phase} "
+            "phase + "
+            f"{f.framework_bytes / GIB:.1f} GiB framework) of the {f.capacity_bytes / GIB:.1f} GiB of one "
+            f"{gpu or 'worker'}: {f.verdict}")
 
 
 def refusal(plan: RunPlan) -> str | None:
@@ -170,7 +175,8 @@ def refusal(plan: RunPlan) -> str | None:
     hint = "" if top is None else (f"; try {' '.join(top.overrides)} ({top.need_bytes / gib:.1f} GiB"
                                    + ("" if top.slowdown is None else f", {top.slowdown:+.0%} step time") + ")")
     return (f"does not fit: {where} needs {f.need_bytes / gib:.1f} GiB (peak {f.peak_bytes / gib:.1f} GiB + "
-            f"{f.framework_bytes / gib:.1f} GiB framework) of the {f.capacity_bytes / gib:.1f} GiB of one {plan.gpu or plan.device}"
+            f"{f.framework_bytes / gib:.1f} GiB framework) of the {f.capacity_bytes / gib:.1f} GiB of one "
+            f"{plan.gpu or plan.device}"
             f"{hint}; see `trainctl plan` for the breakdown, or pass --force")
 
 
@@ -182,7 +188,8 @@ def build(cfg: RunConfig, with_advice: bool = True) -> RunPlan:
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)
     a = assess(cfg, dims)
     suggestions = advice.suggest(cfg, a) if with_advice and a.fit.verdict in ("does not fit", "tight") else []
-    warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision), fit_warning(a, cfg.cluster.gpu)]
+    warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision),
+                fit_warning(a, cfg.cluster.gpu)]
     # The token files, by size and a bounded sample (launch refuses what this warns about).
     warnings += data_file_problems(cfg.data, cfg.data.vocab_size or cfg.model.vocab_size, cfg.train.seq_len)
     return RunPlan(

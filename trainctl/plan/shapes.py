@@ -105,7 +105,9 @@ def fsdp_local_numel(t: Tensor, shards: int, rank: int = 0) -> int:
 
 
 def zero1_partition(tensors: list[Tensor], ranks: int) -> list[tuple[int, int]]:
-    """(elements, tensors) each rank's ZeroRedundancyOptimizer steps: whole tensors, largest first, to the emptiest rank.
+    """(elements, tensors) each rank's ZeroRedundancyOptimizer steps.
+
+    Whole tensors, largest first, each to the emptiest rank.
 
     torch partitions each parameter group in turn with running totals shared across groups;
     the worker's two groups are the decayed matmul weights and the rest (norms, embedding).

@@ -53,7 +53,8 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.bubble_s + self.tp_comm_s + self.exposed_dp_comm_s + self.offload_s
+        return (self.compute_s + self.recompute_s + self.bubble_s + self.tp_comm_s + self.exposed_dp_comm_s
+                + self.offload_s)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "total_s": self.total_s}

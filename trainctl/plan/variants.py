@@ -78,7 +78,8 @@ def with_tp(cfg: RunConfig, tp: int) -> Variant | None:
     replicate = s.strategy in REPLICATING or (s.strategy == "none" and dp > 1)
     strategy = "ddp" if s.strategy == "none" and dp > 1 else s.strategy
     if s.strategy == "hsdp":
-        degrees = {"dp_replicate": s.dp_replicate, "dp_shard": dp // s.dp_replicate} if dp % s.dp_replicate == 0 else None
+        divides = dp % s.dp_replicate == 0
+        degrees = {"dp_replicate": s.dp_replicate, "dp_shard": dp // s.dp_replicate} if divides else None
     else:
         degrees = {"dp_replicate": dp if replicate else 1, "dp_shard": 1 if replicate else dp}
     if degrees is None:

@@ -43,7 +43,8 @@ def pick_device(cluster: ClusterConfig, local_rank: int) -> torch.device:
     """cuda:LOCAL_RANK or cpu, as `cluster.device` asks; fails clearly if CUDA is missing."""
     if cluster.device == "cuda":
         if not torch.cuda.is_available():
-            raise WorkerConfigError("cluster.device=cuda: no CUDA device is visible to this worker; use cluster.device=cpu")
+            raise WorkerConfigError("cluster.device=cuda: no CUDA device is visible to this worker; use "
+                                    "cluster.device=cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -39,6 +39,8 @@ def autocast_for(wrap: Wrapping, precision: PrecisionConfig, device: torch.devic
     return torch.autocast(device.type, dtype=DTYPES[precision.compute_dtype])
 
 
-def autocast_context(precision: PrecisionConfig, strategy: str, device: torch.device) -> contextlib.AbstractContextManager:
+def autocast_context(
+    precision: PrecisionConfig, strategy: str, device: torch.device
+) -> contextlib.AbstractContextManager:
     """autocast_for by strategy (kept for trainer.py and pipeline.py; autocast does not depend on the degrees)."""
     return autocast_for(wrapping(strategy, ParallelDims(), precision), precision, device)

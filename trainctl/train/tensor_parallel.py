@@ -56,7 +56,11 @@ def _is_float8(module: nn.Module | None) -> bool:
 def linear_styles(float8_tensorwise: bool):
     """(Colwise, Rowwise, PrepareInput) classes: torchao's float8 ones move activations in float8."""
     if float8_tensorwise:
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
 
         return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
@@ -94,7 +98,8 @@ def block_plan(block: nn.Module | None = None, float8_tensorwise: bool = False) 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tensorwise: bool = False) -> None:
     """Shard the meta-device Llama's weights over `tp_mesh` in place (after float8, before AC and FSDP)."""
-    tied = model.output is not None and model.tok_embeddings is not None and model.output.weight is model.tok_embeddings.weight
+    ends = model.output is not None and model.tok_embeddings is not None
+    tied = ends and model.output.weight is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, root_plan(model))
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block, float8_tensorwise))
