@@ -6,38 +6,27 @@ Slow for the unit tier (two interpreters importing torch), so it lives with the 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
+from tests.helpers import run_cli
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_export import SHARD, SMALL, assert_same_tensors, flip_bytes, make_run  # noqa: E402  (real DCP checkpoints)
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-# The CLI's real entry point; reports whether the CLI process itself imported torch (the exporter is its child).
-PROBE = """
-import json, sys
-from trainctl.cli import main
-sys.argv = ["trainctl", *sys.argv[1:]]
-code = 0
-try:
-    main()
-except SystemExit as exc:
-    code = exc.code or 0
-print("__HEAVY__" + json.dumps(sorted(m for m in ("torch", "wandb") if m in sys.modules)), file=sys.stderr)
-sys.exit(code)
-"""
 
 
 def trainctl(*args: str) -> tuple[int, list[str], str]:
-    """(exit code, stderr lines without the probe's, the probe's report)."""
-    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=300)
-    lines = proc.stderr.strip().splitlines()
-    return proc.returncode, [line for line in lines if not line.startswith("__HEAVY__")], lines[-1]
+    """(exit code, stderr lines without the probe's, the probe's report on whether the CLI process itself
+    imported torch or wandb: the exporter is its child)."""
+    proc = run_cli(*args, timeout=300)
+    heavy = "__HEAVY__" + json.dumps(proc.probe["heavy"]) if proc.probe else "(no report: the CLI crashed)"
+    return proc.returncode, proc.stderr.strip().splitlines(), heavy
 
 
 def test_cli_export_takes_the_newest_valid_checkpoint_of_a_named_run_and_refuses_a_damaged_one(tmp_path):
