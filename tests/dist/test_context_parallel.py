@@ -9,9 +9,6 @@ kernels themselves where 2+ GPUs exist.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import pytest
 import torch
 from worker_runs import base_config, records, series, train_and_check
 
-from tests.helpers import REL
+from tests.helpers import REL, run_torchrun
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
 from trainctl.models.llama import build_model
 
@@ -33,10 +30,7 @@ SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vo
 
 
 def test_cp_plumbing_under_torchrun():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(HERE / "cp_plumbing_worker.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = run_torchrun(4, str(HERE / "cp_plumbing_worker.py"), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("cp plumbing ok") == 4
 
