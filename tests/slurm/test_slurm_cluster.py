@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_or_fail
 from trainctl.launch import runs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
@@ -49,13 +49,8 @@ def cluster_report(run_dir: Path) -> str:
 
 
 def wait_for(predicate, what: str, run_dir: Path, timeout: float = JOB_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{cluster_report(run_dir)}")
+    """The predicate's first true value; on a timeout the test fails with what Slurm and the run say."""
+    return wait_or_fail(predicate, what, timeout, report=lambda: cluster_report(run_dir), interval=0.5)
 
 
 def wait_done(run_dir: Path) -> runs.RunState:
