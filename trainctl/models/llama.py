@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn import functional
 
 from trainctl.config.schema import ModelConfig
 
@@ -86,7 +86,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 for stability under bf16 autocast, then cast back.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+        return functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
 class Attention(nn.Module):
@@ -120,7 +120,7 @@ class Attention(nn.Module):
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             grouped = False
         # The kv heads are shared by groups of query heads (enable_gqa avoids materializing copies).
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        out = functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -139,7 +139,7 @@ class FeedForward(nn.Module):
         _normal(self.w2.weight, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(functional.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
