@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from tests.helpers import torchrun_cmd, worker_env
 from trainctl.config.schema import DataConfig, LoggingConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, to_yaml
 
 WORKER_TIMEOUT_S = 240
@@ -48,16 +48,12 @@ def run_worker(run_dir: Path, nproc: int | None, entry: Path | None = None) -> s
 
     entry: a script to run instead of `-m trainctl.train` (a test wrapper around the worker).
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
     program = [str(entry)] if entry is not None else ["-m", "trainctl.train"]
     if nproc is None:
         cmd = [sys.executable, *program, str(run_dir)]
     else:
-        torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", *program, str(run_dir)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        cmd = torchrun_cmd(nproc, *program, str(run_dir))
+    return subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
 
 
 def train_and_check(root: Path, cfg: RunConfig, nproc: int | None, entry: Path | None = None) -> Path:
