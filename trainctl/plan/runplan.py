@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from trainctl.config.data_check import data_file_problems
 from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims, UnresolvedDims
+from trainctl.core.errors import UserError
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import unsupported
 from trainctl.plan import advice, fit, memory
@@ -22,7 +23,7 @@ from trainctl.plan.throughput import DEFAULT_MFU, StepTime, attention_flops_caus
 ASSUMED_MFU = DEFAULT_MFU  # kept for callers of the earlier name
 
 
-class PlanError(Exception):
+class PlanError(UserError):
     """The config given to `build` was not resolved by validate; the message is one line."""
 
 
