@@ -7,7 +7,6 @@ checkpoints after step 10 and exits; the same run directory launched again resum
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
 from tests.faults.worker_faults import fault_env
+from tests.helpers import torchrun_cmd, worker_env
 from trainctl.config.schema import CheckpointConfig, GuardsConfig, ShardingConfig
 from trainctl.train.checkpoint import list_committed, verify
 
@@ -28,15 +28,11 @@ STEPS, STOP_AT = 20, 10
 
 
 def launch(run_dir: Path, nproc: int | None, **env) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(name, None)
     if nproc is None:
         cmd = [sys.executable, "-m", "trainctl.train", str(run_dir)]
     else:
-        torchrun = str(Path(sys.executable).with_name("torchrun"))
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "trainctl.train", str(run_dir)]
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        cmd = torchrun_cmd(nproc, "-m", "trainctl.train", str(run_dir))
+    return subprocess.run(cmd, env=worker_env(**env), capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
 
 
 def ok(proc: subprocess.CompletedProcess, run_dir: Path) -> None:
