@@ -8,9 +8,10 @@ gradient and optimizer bytes are those of the live tensors on each rank (tests/d
     zero1             local               local                          ZeroRedundancyOptimizer's
                                                                          whole-tensor partition
     zero2, zero3,     FSDP2 shard of      FSDP2 shard                    FSDP2 shard
-    fsdp, hsdp        dp_shard (rank 0's chunk, the largest)
+    hsdp              dp_shard (rank 0's chunk, the largest)
 ("local": the tensor-parallel share of this pipeline rank's stage.) Master weights, gradients
-and optimizer states are fp32 whatever the compute dtype.
+and optimizer states are fp32 whatever the compute dtype. Which wrapper a strategy gets is
+core.wrapping's decision, the one the worker's parallelize applies: this module branches on it.
 
 On top of them, what the worker's libraries hold during a step, where they differ from the
 textbook ZeRO table (the worker wins):
