@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from worker_runs import TINY_OVERRIDES
 
+from tests.helpers import wait_for
 from trainctl.core.checkpoints import list_committed, verify
 
 pytestmark = pytest.mark.dist
@@ -57,15 +58,6 @@ def train_steps(run_dir: Path) -> list[int]:
 def losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
-
-
-def wait_for(predicate, timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
