@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, run_worker, write_run_dir
 
 from tests.faults.worker_faults import fault_env
+from tests.helpers import torchrun_cmd, truncate, wait_or_fail, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.launch.command import TORCHRUN_ENV  # what the launch scripts export: restarts need it
 from trainctl.train.checkpoint import checkpoint_dir, list_committed, step_name, verify
@@ -112,12 +112,8 @@ def assert_finished(proc_rc: int, output: str, run_dir: Path) -> None:
 
 def start_torchrun(run_dir: Path, max_restarts: int, **env: str) -> tuple[subprocess.Popen, Path]:
     """torchrun --standalone (2 workers, --max-restarts) in the background; output to a file next to the run."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **TORCHRUN_ENV, **env}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
-        env.pop(name, None)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
-           "-m", "trainctl.train", str(run_dir)]
+    env = worker_env(**TORCHRUN_ENV, **env)
+    cmd = torchrun_cmd(2, "-m", "trainctl.train", str(run_dir), max_restarts=max_restarts)
     output = run_dir.with_name(run_dir.name + ".torchrun.out")
     with open(output, "w") as out:  # a file, not a pipe: nobody reads while it runs, a pipe could fill and block it
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True), output
@@ -148,15 +144,7 @@ def kill_leftover_workers(run_dir: Path) -> None:
 
 def wait_for(condition, proc: subprocess.Popen, what: str):
     """Poll `condition` until it returns something true; fail if torchrun exits or time runs out first."""
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        if proc.poll() is not None:
-            pytest.fail(f"torchrun exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.01)
-    pytest.fail(f"timed out waiting for {what}")
+    return wait_or_fail(condition, what, WORKER_TIMEOUT_S, proc=proc, interval=0.01)
 
 
 def process_state(pid: int) -> str:
@@ -260,10 +248,6 @@ def copy_of(reference: Path, name: str) -> Path:
     for result in ("metrics.jsonl", "result.json"):
         (run_dir / result).unlink()
     return run_dir
-
-
-def truncate(path: Path) -> None:
-    os.truncate(path, path.stat().st_size // 2)
 
 
 def alter_one_byte(path: Path) -> None:
