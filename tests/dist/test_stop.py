@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
+from tests.helpers import torchrun_cmd, wait_or_fail, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.core import rundir
 from trainctl.core.checkpoints import checkpoint_dir, list_committed, step_name, verify
@@ -85,26 +85,15 @@ class Torchrun:
     """torchrun --standalone with 2 workers in the background, output to a file (a pipe could fill and block it)."""
 
     def __init__(self, root: Path, run_dir: Path, mode: str = "", **env: str):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **TORCHRUN_ENV, "TEST_MODE": mode, **env}
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
-            env.pop(name, None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
-               *output_args(run_dir), str(root / "entry.py"), str(run_dir)]
+        env = worker_env(**TORCHRUN_ENV, TEST_MODE=mode, **env)
+        cmd = torchrun_cmd(2, str(root / "entry.py"), str(run_dir), max_restarts=0, args=tuple(output_args(run_dir)))
         self.run_dir, self.output = run_dir, run_dir.with_name(run_dir.name + ".torchrun.out")
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_for(self, condition, what: str, timeout: float = WORKER_TIMEOUT_S):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = condition()
-            if value:
-                return value
-            if self.proc.poll() is not None:
-                tail = self.text()[-3000:]
-                pytest.fail(f"torchrun exited ({self.proc.returncode}) while waiting for {what}:\n{tail}")
-            time.sleep(0.02)
-        pytest.fail(f"timed out waiting for {what}")
+        """Poll `condition`; fail, with the tail of torchrun's output, if torchrun exits or time runs out first."""
+        return wait_or_fail(condition, what, timeout, proc=self.proc, report=lambda: self.text()[-3000:])
 
     def finish(self, timeout: float = WORKER_TIMEOUT_S) -> int | None:
         try:
