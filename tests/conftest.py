@@ -1,7 +1,7 @@
 """Test tiers by real cost (markers registered in pyproject.toml): `pytest -m unit` is the fast loop.
 
 A test's folder gives its tier unless the test names one itself: tests/unit -> unit, tests/dist -> dist,
-tests/slurm -> slurm. A test that uses the stub Slurm clients (`slurm_bin`) runs programs, so it is `cli`.
+tests/slurm -> slurm. A test using a fixture that runs programs (stub Slurm clients, a tmpfs mount) is `cli`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 TIERS = ("unit", "cli", "dist", "slurm")
 FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm"}
 # Fixtures that start programs: a test using one is not in-process.
-PROCESS_FIXTURES = {"slurm_bin": "cli"}
+PROCESS_FIXTURES = {"slurm_bin": "cli", "small_fs": "cli"}  # small_fs: mount/umount a tmpfs (test_checkpoint_store)
 
 
 def tier_of(item: pytest.Item) -> str | None:
