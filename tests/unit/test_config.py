@@ -9,8 +9,7 @@ import pytest
 from trainctl.config import schema
 from trainctl.config.compose import compose, list_options, recipe_description
 from trainctl.config.errors import ConfigError
-from trainctl.config.validate import resolve, resolve_batch
-from trainctl.config.validate import infer_dims
+from trainctl.config.validate import infer_dims, resolve, resolve_batch
 
 RECIPES = list_options("recipe")
 
@@ -64,13 +63,21 @@ def test_recipe_choices_lose_to_command_line():
 
 def test_defaults_without_recipe():
     cfg = compose([])
-    options = tuple(schema.option_of(group, getattr(cfg, group)) for group in ("model", "precision", "sharding", "cluster"))
+    options = tuple(
+        schema.option_of(group, getattr(cfg, group)) for group in ("model", "precision", "sharding", "cluster")
+    )
     assert options == ("tiny", "fp32", "none", "local")
 
 
 def test_group_yaml_sets_published_shape():
     cfg = compose(["model=llama2_70b"])
-    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim) == (8192, 80, 64, 8, 28672)
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim) == (
+        8192,
+        80,
+        64,
+        8,
+        28672,
+    )
 
 
 def _problems(overrides):
@@ -136,7 +143,14 @@ def test_all_problems_reported_at_once():
         ]
     )
     keys = {p.split("=")[0].split(":")[0] for p in problems}
-    assert {"optim.lr", "train.steps", "model.n_kv_heads", "train.seq_len", "train.global_batch", "data.val_fraction"} <= keys
+    assert {
+        "optim.lr",
+        "train.steps",
+        "model.n_kv_heads",
+        "train.seq_len",
+        "train.global_batch",
+        "data.val_fraction",
+    } <= keys
     assert all("\n" not in p for p in problems)
 
 
@@ -193,7 +207,12 @@ def test_batch_math_derives_the_missing_term(global_batch, micro, accum, dp, exp
 
 @pytest.mark.parametrize(
     ("global_batch", "micro", "accum", "dp", "fragment"),
-    [(10, 4, -1, 2, "multiple of 8"), (16, 2, 2, 2, "= 8"), (-1, -1, 2, 2, "set all but one"), (0, 1, 1, 1, "positive")],
+    [
+        (10, 4, -1, 2, "multiple of 8"),
+        (16, 2, 2, 2, "= 8"),
+        (-1, -1, 2, 2, "set all but one"),
+        (0, 1, 1, 1, "positive"),
+    ],
 )
 def test_batch_math_errors(global_batch, micro, accum, dp, fragment):
     t = dataclasses.replace(schema.TrainConfig(), global_batch=global_batch, micro_batch=micro, grad_accum=accum)

@@ -9,19 +9,34 @@ import pytest
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.config.validate import resolve
+from trainctl.core.dims import ParallelDims
+from trainctl.core.gpus import GPUS, device_kinds, match_gpu, peak_flops
 from trainctl.plan import fit, throughput
 from trainctl.plan.advice import VERDICT_ORDER
-from trainctl.core.gpus import GPUS, device_kinds, match_gpu, peak_flops
 from trainctl.plan.runplan import build
-from trainctl.core.dims import ParallelDims
 
 GIB = 2**30
-LLAMA2_7B = ModelConfig(name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096)
+LLAMA2_7B = ModelConfig(
+    name="llama2_7b",
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    ffn_dim=11008,
+    vocab_size=32000,
+    max_seq_len=4096,
+)
 
 
 @pytest.mark.parametrize(
     "kind, memory_gib, bf16_tflops",
-    [("h100_sxm", 79.6, 989.4), ("h100_pcie", 79.6, 756.0), ("h200", 140.4, 989.4), ("a100_80gb", 80.0, 312.0), ("a100_40gb", 40.0, 312.0)],
+    [
+        ("h100_sxm", 79.6, 989.4),
+        ("h100_pcie", 79.6, 756.0),
+        ("h200", 140.4, 989.4),
+        ("a100_80gb", 80.0, 312.0),
+        ("a100_40gb", 40.0, 312.0),
+    ],
 )
 def test_device_table_has_memory_and_peaks(kind, memory_gib, bf16_tflops):
     spec = device_kinds()[kind]
@@ -108,7 +123,11 @@ def test_micro_batch_efficiency_and_bubble_and_recompute():
     assert throughput.micro_batch_efficiency(4096) == pytest.approx(0.95)
     assert throughput.micro_batch_efficiency(2048) == pytest.approx(0.95**2)
     assert throughput.bubble_fraction("1f1b", pp=4, micro_batches=8, stages_per_rank=1) == pytest.approx(3 / 8)
-    assert throughput.bubble_fraction("interleaved_1f1b", pp=4, micro_batches=8, stages_per_rank=2) == pytest.approx(3 / 16)
+    assert throughput.bubble_fraction("interleaved_1f1b", pp=4, micro_batches=8, stages_per_rank=2) == pytest.approx(
+        3 / 16
+    )
     assert throughput.bubble_fraction("gpipe", pp=1, micro_batches=8, stages_per_rank=1) == 0
     assert throughput.recompute_flops_per_token(LLAMA2_7B, 4096, "op", 32) == 0
-    assert throughput.recompute_flops_per_token(LLAMA2_7B, 4096, "full", 2) == 2 * throughput.recompute_flops_per_token(LLAMA2_7B, 4096, "full", 1)
+    assert throughput.recompute_flops_per_token(LLAMA2_7B, 4096, "full", 2) == 2 * throughput.recompute_flops_per_token(
+        LLAMA2_7B, 4096, "full", 1
+    )

@@ -20,7 +20,14 @@ from trainctl.plan.shapes import Tensor, stage_tensors, tp_local, zero1_partitio
 from trainctl.plan.stages import in_flight, rank_stages
 
 LLAMA2_7B = ModelConfig(
-    name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096
+    name="llama2_7b",
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    ffn_dim=11008,
+    vocab_size=32000,
+    max_seq_len=4096,
 )
 # Published parameter count of Llama 2 7B; by hand: 2 x 32000 x 4096 (embedding, output) + 4096 (final norm)
 # + 32 x (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096) = 6,738,415,616.
@@ -33,7 +40,9 @@ BF16 = PrecisionConfig(compute_dtype="bf16")
 TRAIN = TrainConfig(seq_len=4096, micro_batch=1, grad_accum=1, global_batch=8)
 
 
-def estimate(strategy: str, precision=FP32, train=TRAIN, cpu_offload=False, model=LLAMA2_7B, **degrees) -> memory.RankMemory:
+def estimate(
+    strategy: str, precision=FP32, train=TRAIN, cpu_offload=False, model=LLAMA2_7B, **degrees
+) -> memory.RankMemory:
     dims = ParallelDims(**degrees)
     sharding = ShardingConfig(strategy=strategy, cpu_offload=cpu_offload, **degrees)
     (stage,) = rank_stages(model, sharding, train.grad_accum)[:1]
@@ -58,8 +67,12 @@ def test_model_states_follow_zero_stages(strategy, degrees, weights, grads, opti
 
 
 def test_zero1_gives_whole_tensors_largest_first_to_the_emptiest_rank():
-    tensors = [Tensor("layers.0.attention.wq.weight", 10, 10), Tensor("layers.0.feed_forward.w1.weight", 6, 10),
-               Tensor("layers.0.feed_forward.w2.weight", 5, 10), Tensor("norm.weight", 7, 1)]
+    tensors = [
+        Tensor("layers.0.attention.wq.weight", 10, 10),
+        Tensor("layers.0.feed_forward.w1.weight", 6, 10),
+        Tensor("layers.0.feed_forward.w2.weight", 5, 10),
+        Tensor("norm.weight", 7, 1),
+    ]
     # decayed group (matmuls): 100 -> rank 0, 60 -> rank 1, 50 -> rank 1 (110); then the norm (7) -> rank 0 (107).
     assert zero1_partition(tensors, 2) == [(107, 2), (110, 2)]
 
@@ -82,13 +95,17 @@ def test_autocast_keeps_a_bf16_copy_of_every_matmul_weight():
     assert estimate("ddp", precision=FP32, dp_replicate=8).weight_casts == 0
     assert estimate("zero3", precision=BF16, dp_shard=8).weight_casts == 0  # FSDP casts per unit instead
     full = dataclasses.replace(TRAIN, activation_checkpointing="full")
-    assert estimate("ddp", precision=BF16, train=full, dp_replicate=8).weight_casts == 2 * 32000 * 4096  # only the output
+    assert (
+        estimate("ddp", precision=BF16, train=full, dp_replicate=8).weight_casts == 2 * 32000 * 4096
+    )  # only the output
 
 
 def test_zero3_gathers_head_at_the_loss_and_two_blocks_in_backward():
     est = estimate("zero3", precision=BF16, dp_shard=8)
     assert est.gathered_loss == 2 * (32000 * 4096 + 4096)  # norm + output stay gathered until their backward
-    assert est.gathered_block == BLOCK * (3 * 2 + 4)  # gathered + prefetched (bf16), unsharded grad (bf16), reduce input (fp32)
+    assert est.gathered_block == BLOCK * (
+        3 * 2 + 4
+    )  # gathered + prefetched (bf16), unsharded grad (bf16), reduce input (fp32)
 
 
 def test_zero2_keeps_the_whole_model_gathered_until_backward():
@@ -111,7 +128,10 @@ def test_cpu_offload_moves_model_states_to_host():
 
 def test_activation_offload_moves_saved_activations_to_host():
     offload = dataclasses.replace(TRAIN, activation_offload=True)
-    kept, moved = estimate("zero3", precision=BF16, dp_shard=8), estimate("zero3", precision=BF16, train=offload, dp_shard=8)
+    kept, moved = (
+        estimate("zero3", precision=BF16, dp_shard=8),
+        estimate("zero3", precision=BF16, train=offload, dp_shard=8),
+    )
     assert moved.activations == 0
     assert moved.host == kept.activations
 
@@ -130,7 +150,9 @@ def test_pipeline_stages_split_layers_and_hold_the_ends():
     ranks = rank_stages(LLAMA2_7B, sharding, grad_accum=8)
     assert [len(r.layers) for r in ranks] == [8, 8, 8, 8]
     assert (ranks[0].first, ranks[0].last, ranks[3].first, ranks[3].last) == (True, False, False, True)
-    interleaved = rank_stages(LLAMA2_7B, ShardingConfig(strategy="ddp", pp=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), 8)
+    interleaved = rank_stages(
+        LLAMA2_7B, ShardingConfig(strategy="ddp", pp=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), 8
+    )
     assert interleaved[0].layers == (*range(0, 4), *range(16, 20))  # stages 0 and 4 on pp rank 0
 
 

@@ -4,7 +4,6 @@ The parts keep the full model's parameter names, start from the same weights (in
 depend on the split), and chained together compute the same logits.
 """
 
-
 import pytest
 import torch
 
@@ -46,7 +45,9 @@ def _parts(layers: list[int]):
 
 
 def test_stage_holds_only_its_blocks_and_ends():
-    first, middle, last = (build_stage_model(CFG, r, first=i == 0, last=i == 2) for i, r in enumerate(stage_layers(4, 3, [1, 2, 1])))
+    first, middle, last = (
+        build_stage_model(CFG, r, first=i == 0, last=i == 2) for i, r in enumerate(stage_layers(4, 3, [1, 2, 1]))
+    )
     assert list(first.layers.keys()) == ["0"] and first.tok_embeddings is not None and first.output is None
     assert list(middle.layers.keys()) == ["1", "2"] and middle.tok_embeddings is None and middle.norm is None
     assert list(last.layers.keys()) == ["3"] and last.norm is not None and last.output is not None
@@ -76,7 +77,6 @@ def test_init_still_depends_on_the_seed():
     a, b = _materialize(build_model(CFG), seed=1), _materialize(build_model(CFG), seed=2)
     assert not torch.equal(a.layers["2"].feed_forward.w1.weight, b.layers["2"].feed_forward.w1.weight)
     assert not torch.equal(a.tok_embeddings.weight, b.tok_embeddings.weight)
-
 
 
 def test_pipeline_is_supported_except_under_zero1():

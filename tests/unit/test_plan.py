@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +14,14 @@ from trainctl.launch.command import command_record, default_run_dir, launch_argv
 from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal
 
 LLAMA2_7B = ModelConfig(
-    name="llama2_7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096
+    name="llama2_7b",
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    ffn_dim=11008,
+    vocab_size=32000,
+    max_seq_len=4096,
 )
 P_7B = 6_738_415_616  # published; see test_memory for the arithmetic
 BLOCK_7B = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
@@ -25,15 +32,24 @@ def plain_flops_per_token() -> float:
 
 
 def llama7b_zero3_h100(**train) -> RunConfig:
-    """Llama 2 7B, FSDP (zero3) over 8 H100s of one node, bf16, 64 x 4096-token sequences per step, full checkpointing."""
+    """Llama 2 7B, FSDP (zero3) over 8 H100s of one node, bf16, 64 x 4096-token sequences per step, full AC."""
     return RunConfig(
         recipe="llama7b_fsdp",
         model=LLAMA2_7B,
         precision=PrecisionConfig(compute_dtype="bf16"),
         sharding=ShardingConfig(strategy="zero3", dp_shard=8),
         cluster=ClusterConfig(launcher="local", nodes=1, procs_per_node=8, device="cuda", gpu="h100"),
-        train=TrainConfig(**{"steps": 1000, "seq_len": 4096, "global_batch": 64, "micro_batch": 2, "grad_accum": 4,
-                             "activation_checkpointing": "full", **train}),
+        train=TrainConfig(
+            **{
+                "steps": 1000,
+                "seq_len": 4096,
+                "global_batch": 64,
+                "micro_batch": 2,
+                "grad_accum": 4,
+                "activation_checkpointing": "full",
+                **train,
+            }
+        ),
     )
 
 

@@ -12,8 +12,19 @@ from test_cli import trainctl
 
 pytestmark = pytest.mark.cli
 
-ROWS_KEYS = {"variant", "overrides", "states_bytes", "activations_bytes", "peak_bytes", "need_bytes", "headroom_bytes", "verdict",
-             "step_time_s", "slowdown", "tokens_per_s"}
+ROWS_KEYS = {
+    "variant",
+    "overrides",
+    "states_bytes",
+    "activations_bytes",
+    "peak_bytes",
+    "need_bytes",
+    "headroom_bytes",
+    "verdict",
+    "step_time_s",
+    "slowdown",
+    "tokens_per_s",
+}
 
 
 def test_compare_sharding_lists_each_strategy_for_the_users_model(tmp_path):
@@ -33,7 +44,11 @@ def test_compare_json_has_one_row_per_variant_with_memory_and_time(tmp_path):
     assert set(rows) == {"(as configured)", "ac=none", "ac=selective", "ac=op"}  # the recipe runs full
     assert all(ROWS_KEYS <= set(r) for r in rows.values())
     # Less checkpointing keeps more activations and costs less recompute.
-    assert rows["ac=none"]["activations_bytes"] > rows["ac=selective"]["activations_bytes"] > rows["(as configured)"]["activations_bytes"]
+    assert (
+        rows["ac=none"]["activations_bytes"]
+        > rows["ac=selective"]["activations_bytes"]
+        > rows["(as configured)"]["activations_bytes"]
+    )
     assert rows["ac=none"]["slowdown"] < 0 == rows["(as configured)"]["slowdown"]
 
 
@@ -48,7 +63,9 @@ def test_compare_micro_batch_keeps_the_global_batch(tmp_path):
 def test_compare_unknown_axis_is_one_line_and_exit_2(tmp_path):
     proc = trainctl("plan", "recipe=tiny_cpu", "--compare", "colour", cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: --compare colour: not an axis; use one of: sharding, checkpointing, tp, micro_batch"]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --compare colour: not an axis; use one of: sharding, checkpointing, tp, micro_batch"
+    ]
 
 
 def test_launch_refuses_a_plan_that_does_not_fit(tmp_path):

@@ -28,13 +28,19 @@ def config(launcher: str = "local") -> RunConfig:
     )
 
 
-def create(runs_dir: Path, name: str | None = "exp", cfg: RunConfig | None = None, overrides=("optim.lr=1e-4",)) -> Path:
+def create(
+    runs_dir: Path, name: str | None = "exp", cfg: RunConfig | None = None, overrides=("optim.lr=1e-4",)
+) -> Path:
     cfg = cfg or config()
     return rundir.create(cfg, build(cfg), runs_dir, name, list(overrides), workdir=runs_dir.parent)
 
 
 def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+        if p.is_file()
+    }
 
 
 def test_all_files_are_written(tmp_path):
@@ -65,7 +71,9 @@ def test_local_launch_script_is_the_plans_command(tmp_path):
     script = (run_dir / "launch.sh").read_text()
     exec_line = next(line for line in script.splitlines() if line.startswith("exec "))
     # The same command, with the run directory found from the script's own location.
-    assert exec_line.replace("${RUN_DIR}", str(run_dir)).replace('"', "") == f"exec {plan['launch_command']}".replace("'", "")
+    assert exec_line.replace("${RUN_DIR}", str(run_dir)).replace('"', "") == f"exec {plan['launch_command']}".replace(
+        "'", ""
+    )
     assert f"cd {tmp_path}" in script.splitlines()
 
 
