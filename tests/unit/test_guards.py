@@ -174,6 +174,7 @@ def test_agreed_values_keep_nan_and_inf():
     assert math.isnan(loss) and math.isinf(norm)
 
 
+@pytest.mark.dist
 def test_agreed_values_over_a_process_group_of_one():
     import torch.distributed as dist
 
