@@ -17,11 +17,11 @@ import pytest
 from worker_runs import TINY, base_config, records, run_worker, series, train_and_check, write_run_dir
 
 from tests.faults.worker_faults import fault_env
+from tests.helpers import REL
 from trainctl.config.schema import GuardsConfig, ShardingConfig
 
 pytestmark = pytest.mark.dist
 
-REL = 1e-5
 STEPS = 10
 MODEL = replace(TINY, n_layers=4)
 
