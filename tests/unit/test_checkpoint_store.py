@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from tests.helpers import truncate
 from trainctl.train import checkpoint as ckpt
 from trainctl.train.checkpoint import CheckpointError, CheckpointManager, checkpoint_dir, step_name, verify
 
@@ -86,10 +87,6 @@ def test_rank_state_dropped_when_world_size_changed(tmp_path):
     meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "world_size": 4}))
     meta, rank_state = manager.load(tmp_path / step_name(1), small_state(0.0))
     assert meta["world_size"] == 4 and rank_state is None
-
-
-def truncate(path: Path) -> None:
-    os.truncate(path, path.stat().st_size // 2)
 
 
 def flip_one_byte(path: Path) -> None:
