@@ -6,8 +6,6 @@ This file is also the worker: torchrun runs it as a script (`main`), the test ch
 from __future__ import annotations
 
 import errno
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import run_torchrun
 from trainctl.train import checkpoint as ckpt
 from trainctl.train.checkpoint import CheckpointError, CheckpointManager, step_name
 
@@ -25,9 +24,7 @@ FULL = torch.arange(32, dtype=torch.float32).reshape(8, 4)
 
 
 def test_two_ranks_then_one(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = run_torchrun(2, __file__, str(tmp_path), timeout=240)  # this file is also the workers' script
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("checkpoint store ok") == 2, proc.stdout
 
