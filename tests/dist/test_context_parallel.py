@@ -98,6 +98,7 @@ def test_repeated_kv_heads_equal_grouped_query_attention():
     torch.testing.assert_close(model(tokens), grouped, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention replaces CUDA SDPA kernels: needs 2+ GPUs (NCCL refuses two ranks on one GPU)")
 def test_cp_loss_parity_on_gpus(tmp_path, data_cache):
     # fp32 on GPU: ring attention adds per-chunk softmax merges, so close, not bitwise.
