@@ -17,12 +17,26 @@ from typing import TypeVar
 
 import pytest
 
+from trainctl.config.schema import ModelConfig
+
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 # Relative tolerance of a parallel run against one process: fp32 runs agree to rounding (~1e-7 measured),
 # so 1e-5 catches any real mistake (a missing reduction, a mis-sliced weight) without flaking.
 REL = 1e-5
+
+# Llama 2 7B, the model the plan's memory and throughput figures are checked against (6,738,415,616 parameters).
+LLAMA2_7B = ModelConfig(
+    name="llama2_7b",
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    ffn_dim=11008,
+    vocab_size=32000,
+    max_seq_len=4096,
+)
 
 # --- torchrun --------------------------------------------------------------------------------------
 
