@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from tests.helpers import LLAMA2_7B
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.config.schema import ClusterConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.config.validate import resolve
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import GPUS, device_kinds, match_gpu, peak_flops
@@ -16,16 +17,6 @@ from trainctl.plan.advice import VERDICT_ORDER
 from trainctl.plan.runplan import build
 
 GIB = 2**30
-LLAMA2_7B = ModelConfig(
-    name="llama2_7b",
-    dim=4096,
-    n_layers=32,
-    n_heads=32,
-    n_kv_heads=32,
-    ffn_dim=11008,
-    vocab_size=32000,
-    max_seq_len=4096,
-)
 
 
 @pytest.mark.parametrize(
