@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+from tests.helpers import LLAMA2_7B
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.core.stages import stage_layer_counts
@@ -19,16 +20,6 @@ from trainctl.plan import memory
 from trainctl.plan.shapes import Tensor, stage_tensors, tp_local, zero1_partition
 from trainctl.plan.stages import in_flight, rank_stages
 
-LLAMA2_7B = ModelConfig(
-    name="llama2_7b",
-    dim=4096,
-    n_layers=32,
-    n_heads=32,
-    n_kv_heads=32,
-    ffn_dim=11008,
-    vocab_size=32000,
-    max_seq_len=4096,
-)
 # Published parameter count of Llama 2 7B; by hand: 2 x 32000 x 4096 (embedding, output) + 4096 (final norm)
 # + 32 x (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096) = 6,738,415,616.
 P = 6_738_415_616
