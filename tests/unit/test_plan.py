@@ -9,20 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainctl.config.schema import ClusterConfig, ModelConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
+from tests.helpers import LLAMA2_7B
+from trainctl.config.schema import ClusterConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.launch.command import command_record, default_run_dir, launch_argv, plan_record
 from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal
 
-LLAMA2_7B = ModelConfig(
-    name="llama2_7b",
-    dim=4096,
-    n_layers=32,
-    n_heads=32,
-    n_kv_heads=32,
-    ffn_dim=11008,
-    vocab_size=32000,
-    max_seq_len=4096,
-)
 P_7B = 6_738_415_616  # published; see test_memory for the arithmetic
 BLOCK_7B = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
 
