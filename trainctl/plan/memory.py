@@ -279,6 +279,33 @@ def offloaded(
     return SavedActivations(saved.one, on_device, 0, on_device, saved.everything - on_device, unpacked)
 
 
+def weight_cast_bytes(tensors: list[Tensor], stage: RankStages, c: int, wrapped: int) -> int:
+    """torch.autocast's compute-dtype copies of the matmul weights, kept for backward (not in checkpointed blocks)."""
+    block_matmul = sum(t.numel for t in tensors if t.is_matmul and t.name.startswith("layers."))
+    per_block = block_matmul // max(1, len(stage.layers))
+    head_matmul = sum(t.numel for t in tensors if t.is_matmul and not t.name.startswith("layers."))
+    return c * (per_block * (len(stage.layers) - wrapped) + head_matmul)
+
+
+def end_parts(tensors: list[Tensor], stage: RankStages) -> tuple[list[Tensor], list[Tensor]]:
+    """(embedding + first block, norm + output): the tensors whose gradients come last and first in backward."""
+    first_block = f"layers.{stage.layers[0]}." if stage.layers else None
+    first_part = [t for t in tensors
+                  if t.name.startswith("tok_embeddings") or (first_block and t.name.startswith(first_block))]
+    head_part = [t for t in tensors if t.name.startswith(("norm.", "output."))]
+    return first_part, head_part
+
+
+def gathered_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: Wrapping, c: int, r: int):
+    """`gathered` for this wrapping's FSDP2 units; zeros without FSDP2."""
+    if not wrap.fully_shard:
+        return 0, 0, 0
+    units = fsdp_units(m, stage, dims.tp)
+    # FSDP2 as DDP (ddp over tp/pp) gathers and reduces fp32: it has no mixed precision.
+    unit_c, unit_r = (c, r) if wrap.fsdp else (FP32, FP32)
+    return gathered(units, len(stage.layers), wrap.reshard_after_forward, unit_c, unit_r)
+
+
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,
              dims: ParallelDims, stage: RankStages, device: str = "cuda") -> RankMemory:
     """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout."""
@@ -297,22 +324,9 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         saved = offloaded(saved, m, lay, train, stage, tokens)
     mode = train.activation_checkpointing
     wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
-    casts = 0
-    if lay.autocast:
-        block_matmul = sum(t.numel for t in tensors if t.is_matmul and t.name.startswith("layers."))
-        per_block = block_matmul // max(1, len(stage.layers))
-        head_matmul = sum(t.numel for t in tensors if t.is_matmul and not t.name.startswith("layers."))
-        casts = c * (per_block * (len(stage.layers) - wrapped) + head_matmul)
-    first_block = f"layers.{stage.layers[0]}." if stage.layers else None
-    first_part = [t for t in tensors
-                  if t.name.startswith("tok_embeddings") or (first_block and t.name.startswith(first_block))]
-    head_part = [t for t in tensors if t.name.startswith(("norm.", "output."))]
-    at_loss = during_block = at_end = 0
-    if fsdp:
-        units = fsdp_units(m, stage, dims.tp)
-        # FSDP2 as DDP (ddp over tp/pp) gathers and reduces fp32: it has no mixed precision.
-        unit_c, unit_r = (c, r) if wrap.fsdp else (FP32, FP32)
-        at_loss, during_block, at_end = gathered(units, len(stage.layers), wrap.reshard_after_forward, unit_c, unit_r)
+    casts = weight_cast_bytes(tensors, stage, c, wrapped) if lay.autocast else 0
+    first_part, head_part = end_parts(tensors, stage)
+    at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r)
     accumulating = train.grad_accum > 1
     unsharded = max(c, r) * local if fsdp and accumulating else 0
     step_temp = 0 if device == "cuda" and not sharding.cpu_offload else FP32 * stepped
