@@ -68,7 +68,8 @@ def rope_rows(model: nn.Module, seq_len: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def sharded_sequences(cp_mesh: DeviceMesh | None, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> Iterator[torch.Tensor | None]:
+def sharded_sequences(cp_mesh: DeviceMesh | None, model: nn.Module, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> Iterator[torch.Tensor | None]:
     """Within: inputs/targets [batch, seq] hold this rank's load-balanced slice; yields its RoPE rows.
 
     They are sharded in place and not restored (the step owns them). SDPA inside the context

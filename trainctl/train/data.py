@@ -65,13 +65,15 @@ def _check_config(cfg: DataConfig) -> None:
         if not 0.0 < cfg.val_fraction < 1.0:
             raise DataError(f"data.val_fraction={cfg.val_fraction} must be between 0 and 1 (exclusive); e.g. 0.05")
         if cfg.vocab_size < STDLIB_VOCAB:
-            raise DataError(f"data.vocab_size={cfg.vocab_size} is below the stdlib corpus's {STDLIB_VOCAB} byte tokens; use 256")
+            raise DataError(f"data.vocab_size={cfg.vocab_size} is below the stdlib corpus's {STDLIB_VOCAB} byte "
+                            "tokens; use 256")
     if cfg.kind == "memmap":
         if cfg.token_dtype not in TOKEN_DTYPES:
             raise DataError(f"data.token_dtype={cfg.token_dtype!r} is unknown; use one of {', '.join(TOKEN_DTYPES)}")
         dtype_limit = np.iinfo(cfg.token_dtype).max + 1
         if cfg.vocab_size > dtype_limit:
-            raise DataError(f"data.vocab_size={cfg.vocab_size} does not fit data.token_dtype={cfg.token_dtype}; use uint32")
+            raise DataError(f"data.vocab_size={cfg.vocab_size} does not fit data.token_dtype={cfg.token_dtype}; "
+                            "use uint32")
     if cfg.vocab_size < 1:
         raise DataError(f"data.vocab_size={cfg.vocab_size} must be >= 1")
 
@@ -170,7 +172,8 @@ def build_stdlib_cache(cfg: DataConfig) -> Path:
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"data.cache_dir={cfg.cache_dir!r} is not writable ({e.strerror}); set a writable directory") from e
+        message = f"data.cache_dir={cfg.cache_dir!r} is not writable ({e.strerror}); set a writable directory"
+        raise DataError(message) from e
     held_out = {p for p in rel_paths if is_val_file(p, cfg.val_fraction)}
     split_files = {"train": [p for p in rel_paths if p not in held_out], "val": [p for p in rel_paths if p in held_out]}
     for split, files in split_files.items():
@@ -209,7 +212,8 @@ def _open_token_file(path: Path, dtype: str, key: str) -> np.ndarray:
     if size == 0:
         raise DataError(f"{key}={str(path)!r}: file is empty; it needs at least train.seq_len+1 tokens")
     if size % itemsize:
-        raise DataError(f"{key}={str(path)!r}: {size} bytes is not a multiple of {itemsize} ({dtype}); check data.token_dtype")
+        raise DataError(f"{key}={str(path)!r}: {size} bytes is not a multiple of {itemsize} ({dtype}); "
+                        "check data.token_dtype")
     return np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -223,7 +227,8 @@ def _open_split(cfg: DataConfig, split: str) -> tuple[np.ndarray, str]:
         return _open_token_file(Path(path).expanduser(), cfg.token_dtype, key), key
     cache = stdlib_cache_dir(cfg)
     if not _stdlib_cache_is_complete(cache, _read_meta(cache)):
-        raise DataError(f"data.cache_dir={cfg.cache_dir!r}: no complete stdlib token cache at {cache}; run prepare_data first")
+        raise DataError(f"data.cache_dir={cfg.cache_dir!r}: no complete stdlib token cache at {cache}; "
+                        "run prepare_data first")
     return _open_token_file(cache / f"{split}.bin", "uint16", "data.cache_dir"), "data.cache_dir"
 
 
@@ -254,14 +259,16 @@ def check_vocab(data_cfg: DataConfig, model_vocab: int) -> None:
     _check_config(data_cfg)
     data_vocab = STDLIB_VOCAB if data_cfg.kind == "stdlib" else data_cfg.vocab_size
     if data_vocab > model_vocab:
-        raise DataError(f"model.vocab_size={model_vocab} is below data.vocab_size={data_vocab}; raise model.vocab_size to >= {data_vocab}")
+        raise DataError(f"model.vocab_size={model_vocab} is below data.vocab_size={data_vocab}; "
+                        f"raise model.vocab_size to >= {data_vocab}")
     if data_cfg.kind != "memmap":
         return
     for split in _SPLITS:
         tokens, key = _open_split(data_cfg, split)
         largest = _sampled_max(tokens)
         if largest >= data_cfg.vocab_size:
-            raise DataError(f"{key}: token id {largest} >= data.vocab_size={data_cfg.vocab_size}; set data.vocab_size (and model.vocab_size) to > {largest}")
+            raise DataError(f"{key}: token id {largest} >= data.vocab_size={data_cfg.vocab_size}; "
+                            f"set data.vocab_size (and model.vocab_size) to > {largest}")
 
 
 # ---------------------------------------------------------------- batches
@@ -293,7 +300,8 @@ class TokenBatches:
         if data_cfg.kind != "synthetic":
             self._tokens, self._key = _open_split(data_cfg, split)
             if self._tokens.size < seq_len + 1:
-                raise DataError(f"{self._key}: the {split} split has {self._tokens.size} tokens, fewer than train.seq_len+1="
+                raise DataError(f"{self._key}: the {split} split has {self._tokens.size} tokens, "
+                                f"fewer than train.seq_len+1="
                                 f"{seq_len + 1}; use more data or a smaller train.seq_len")
 
     @property
@@ -357,7 +365,8 @@ class TokenBatches:
         if self._tokens is None:
             return None
         blocks = range(first // _BLOCK, (first + count - 1) // _BLOCK + 1)
-        draws = np.concatenate([np.random.default_rng([self.seed, b]).integers(0, self._num_starts(), size=_BLOCK) for b in blocks])
+        draws = np.concatenate([np.random.default_rng([self.seed, b]).integers(0, self._num_starts(), size=_BLOCK)
+                                for b in blocks])
         offset = first - blocks[0] * _BLOCK
         return draws[offset : offset + count]
 

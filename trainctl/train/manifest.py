@@ -13,7 +13,7 @@ from trainctl.core.checkpoints import MANIFEST, list_files, sha256, verify  # no
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write through Python's file API and fsync: ENOSPC keeps its errno, and the commit never publishes unsynced data."""
+    """Write through Python's file API and fsync: ENOSPC keeps its errno; a commit never publishes unsynced data."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()

@@ -94,7 +94,8 @@ def lr_at(step: int, lr: float, schedule: ScheduleConfig, total_steps: int) -> f
     elif schedule.name in ("linear", "cosine"):
         start = warmup
     else:
-        raise WorkerConfigError(f"schedule.name={schedule.name!r}: unknown schedule; use constant, linear, cosine or wsd")
+        raise WorkerConfigError(f"schedule.name={schedule.name!r}: unknown schedule; "
+                                "use constant, linear, cosine or wsd")
     if step <= start:
         return lr
     progress = min(1.0, (step - start) / max(1, last - start))

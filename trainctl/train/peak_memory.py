@@ -67,7 +67,8 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(device)
             return
         states = model_state_bytes(model, optimizer)
-        self._baseline = states["params_bytes"] + states["grads_bytes"] + states["optimizer_bytes"] + ddp_bucket_bytes(model)
+        states_bytes = states["params_bytes"] + states["grads_bytes"] + states["optimizer_bytes"]
+        self._baseline = states_bytes + ddp_bucket_bytes(model)
         from torch.profiler import ProfilerActivity, profile
 
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -77,7 +78,8 @@ class PeakMeter:
         """{peak_bytes, peak_source, and on CPU: rss_peak_bytes} of the step."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return {"peak_bytes": torch.cuda.max_memory_allocated(self.device), "peak_source": "cuda_max_memory_allocated"}
+            peak = torch.cuda.max_memory_allocated(self.device)
+            return {"peak_bytes": peak, "peak_source": "cuda_max_memory_allocated"}
         self._profiler.__exit__(None, None, None)
         rise = largest_rise(_allocation_events(self._profiler))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
