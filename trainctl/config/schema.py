@@ -209,7 +209,6 @@ class GuardsConfig:
     spike: str = "off"  # off | warn | skip: loss-spike detector (robust z-score over a window)
     spike_window: int = 50  # steps of loss history for the median and MAD
     spike_zscore: float = 6.0  # a loss this many robust deviations above the median is a spike
-    inject_nan_step: int = -1  # testing: make the loss NaN at this step (1-based, as logged; -1: never)
 
 
 @dataclass(frozen=True)
@@ -325,9 +324,11 @@ def from_dict(data: dict | DictConfig) -> RunConfig:
 
 
 # Keys that config.yaml files of older runs hold but the schema no longer has. Each group once had a `name`
-# next to the key that names its option; a run directory written then must still resume, so these are
-# dropped when a run's file is read (never in compose: a user's `sharding.name=x` is an unknown key).
-RETIRED_KEYS = {"precision": ("name",), "sharding": ("name",), "cluster": ("name",), "data": ("name",)}
+# next to the key that names its option, and guards had a test-only NaN injection (tests now inject faults
+# from their own code); a run directory written then must still resume, so these are dropped when a run's
+# file is read (never in compose: a user's `sharding.name=x` is an unknown key).
+RETIRED_KEYS = {"precision": ("name",), "sharding": ("name",), "cluster": ("name",), "data": ("name",),
+                "guards": ("inject_nan_step",)}
 
 
 def _drop_retired_keys(data: DictConfig) -> DictConfig:
