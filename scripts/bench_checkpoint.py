@@ -1,4 +1,4 @@
-"""Checkpoint save speed: sync save, async save (loop blocking time and time to commit), next to the raw disk write speed.
+"""Checkpoint save speed: sync save, async save (loop blocking time, time to commit), next to raw disk write speed.
 
 Builds a Llama (trainctl.models.llama) of the chosen shape with AdamW state (one real optimizer step),
 then, `--repeats` times, each into a fresh directory under --dir:
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from trainctl.config.schema import ClusterConfig, ModelConfig, OptimConfig
 from trainctl.models.llama import build_model, count_params
-from trainctl.train import distributed as D
-from trainctl.train import state as S
+from trainctl.train import distributed
+from trainctl.train import state as checkpoint_state
 from trainctl.train.checkpoint import CheckpointManager, list_committed, verify
 from trainctl.train.optim import build_optimizer
 
@@ -52,7 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun --standalone) writing the checkpoint")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", type=Path, default=Path("runs/bench-checkpoint"), help="where to write (removed afterwards)")
+    p.add_argument("--dir", type=Path, default=Path("runs/bench-checkpoint"),
+                   help="where to write (removed afterwards)")
     p.add_argument("--out", type=Path, default=None, help="JSON results (rank 0)")
     return p.parse_args(argv)
 
@@ -64,7 +65,8 @@ def relaunch_under_torchrun(args: argparse.Namespace, argv: list[str]) -> int:
     abbreviation of its own --nproc-per-node.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__]
-    env = {**os.environ, ARGS_ENV: json.dumps(argv), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
+    threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    env = {**os.environ, ARGS_ENV: json.dumps(argv), "OMP_NUM_THREADS": str(threads)}
     return subprocess.run(cmd, env=env).returncode
 
 
@@ -75,7 +77,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def build_trained_model(cfg: ModelConfig, world_size: int):
-    """The model (FSDP2-sharded over every rank when there are several) and AdamW after one step: full optimizer state."""
+    """The model (FSDP2-sharded over every rank when there are several) and AdamW after one step (full state)."""
     torch.manual_seed(0)
     model = build_model(cfg, "meta")
     if world_size > 1:
@@ -113,16 +115,17 @@ def timed(fn) -> float:
 
 def save_sync(root: Path, model, optimizer) -> dict:
     manager = CheckpointManager(root, keep_last=2, async_save=False)
-    seconds = timed(lambda: manager.save(1, S.app_state(model, optimizer), S.rank_state(optimizer), {}))
+    state = checkpoint_state.app_state(model, optimizer)
+    seconds = timed(lambda: manager.save(1, state, checkpoint_state.rank_state(optimizer), {}))
     return {"sync_s": seconds, "bytes": manager.stats.bytes}
 
 
 def save_async(root: Path, model, optimizer) -> dict:
-    """save() returning is what the loop waits for; wait() right after measures the time to commit with nothing competing."""
+    """save() returning is what the loop waits for; wait() right after: the time to commit with nothing competing."""
     manager = CheckpointManager(root, keep_last=2, async_save=True)
     barrier()
     start = time.perf_counter()
-    manager.save(1, S.app_state(model, optimizer), S.rank_state(optimizer), {})
+    manager.save(1, checkpoint_state.app_state(model, optimizer), checkpoint_state.rank_state(optimizer), {})
     returned = time.perf_counter()
     manager.wait()
     barrier()
@@ -142,7 +145,8 @@ def raw_write(path: Path, nbytes: int) -> None:
     """`dd if=/dev/zero of=path bs=4M count=... conv=fsync`: the data, then fsync, before returning."""
     count = max(1, -(-nbytes // BLOCK))
     if shutil.which("dd"):
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={BLOCK}", f"count={count}", "conv=fsync", "status=none"], check=True)
+        subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={BLOCK}", f"count={count}", "conv=fsync",
+                        "status=none"], check=True)
         return
     block = bytes(BLOCK)
     with open(path, "wb") as f:
@@ -214,11 +218,12 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return relaunch_under_torchrun(args, argv)
-    world = D.init_distributed(ClusterConfig())  # a gloo world of one outside torchrun
+    world = distributed.init_distributed(ClusterConfig())  # a gloo world of one outside torchrun
     try:
         cfg = model_config(args)
         model, optimizer = build_trained_model(cfg, world.world_size)
-        base = args.dir.resolve() / f"run-{os.getpid() if world.world_size == 1 else os.environ.get('TORCHELASTIC_RUN_ID', 'x')}"
+        run_id = os.getpid() if world.world_size == 1 else os.environ.get("TORCHELASTIC_RUN_ID", "x")
+        base = args.dir.resolve() / f"run-{run_id}"
         runs = [one_repeat(base, i, model, optimizer, world.is_main) for i in range(args.repeats)]
         if world.is_main:
             shutil.rmtree(base, ignore_errors=True)
@@ -229,7 +234,7 @@ def main(argv: list[str]) -> int:
             if args.out:
                 args.out.write_text(json.dumps(summary, indent=2) + "\n")
     finally:
-        D.close_distributed()
+        distributed.close_distributed()
     return 0
 
 
