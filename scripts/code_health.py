@@ -21,7 +21,7 @@ WIDTH = 120
 MODULE_LINES = 400
 # The launcher side's layer order: a package may import only packages to its right.
 LAYERS = ("cli", "launch", "plan", "config", "core")
-HOOK_PATTERN = re.compile(r"TRAINCTL_TEST_|inject_nan")
+HOOK_PATTERN = re.compile(r"TRAINCTL_TEST_|def inject_|^\s+inject_\w+: ")  # test env vars, injectors, config keys
 
 
 def python_files(root: Path) -> list[Path]:
