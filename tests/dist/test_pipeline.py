@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, run_worker, series, train_and_check, write_run_dir
+from worker_runs import TINY, base_config, records, series, train_and_check
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import REL
@@ -51,7 +51,8 @@ def pipeline_config(data_cache, name: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("pipeline")
-    reference = replace(base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=4), name="reference", model=MODEL)
+    reference = base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=4)
+    reference = replace(reference, name="reference", model=MODEL)
     out = {"reference": train_and_check(root, reference, None)}
     for name in LAYOUTS:
         cfg, nproc = pipeline_config(data_cache, name)
