@@ -77,7 +77,8 @@ def test_unknown_schedule_raises_our_error():
 
 
 def _small_model(tie: bool = False):
-    cfg = ModelConfig(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab_size=32, max_seq_len=8, tie_embeddings=tie)
+    cfg = ModelConfig(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab_size=32, max_seq_len=8,
+                      tie_embeddings=tie)
     model = build_model(cfg, device="cpu")
     model.init_weights()
     return model
