@@ -2,9 +2,12 @@
 
 A test's folder gives its tier unless the test names one itself: tests/unit -> unit, tests/dist -> dist,
 tests/slurm -> slurm. A test using a fixture that runs programs (stub Slurm clients, a tmpfs mount) is `cli`.
+A `unit` test that starts a process fails, saying so.
 """
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 
@@ -29,3 +32,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = tier_of(item)
         if tier is not None:
             item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process(request, monkeypatch):
+    """Keeps the unit tier honest: a unit test that starts a program fails, naming the marker it needs."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(self, args, *rest, **kwargs):
+        raise AssertionError(f"a `unit` test started a process ({args!r}): mark it `cli` (or `dist`)")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
