@@ -2,12 +2,13 @@
 
 A test's folder gives its tier unless the test names one itself: tests/unit -> unit, tests/dist -> dist,
 tests/slurm -> slurm. A test using a fixture that runs programs (stub Slurm clients, a tmpfs mount) is `cli`.
-A `unit` test that starts a process fails, saying so.
+A `unit` test that starts a process or opens a torch process group fails, saying so.
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -43,4 +44,9 @@ def unit_tests_start_no_process(request, monkeypatch):
     def refuse(self, args, *rest, **kwargs):
         raise AssertionError(f"a `unit` test started a process ({args!r}): mark it `cli` (or `dist`)")
 
+    def refuse_group(*args, **kwargs):
+        raise AssertionError("a `unit` test opened a torch process group: mark it `dist`")
+
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    if "torch.distributed" in sys.modules:  # imported by the test's module if it uses it; never imported here
+        monkeypatch.setattr(sys.modules["torch.distributed"], "init_process_group", refuse_group)
