@@ -32,7 +32,8 @@ from trainctl.train.distributed import build_mesh
 from trainctl.train.optim import build_optimizer, zero1_group
 from trainctl.train.parallelize import parallelize
 from trainctl.train.pipeline import build_stage_model
-from trainctl.train.precision import DTYPES, autocast_context
+from trainctl.train.micro_batch import MicroBatchContext
+from trainctl.train.precision import DTYPES
 
 RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "recipe").glob("*.yaml"))
 CPU = torch.device("cpu")
@@ -151,13 +152,15 @@ def check_part(part: torch.nn.Module, wrap: Wrapping, cfg, mesh) -> None:
     if wrap.float8_all_gather:
         linears = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
         assert linears and all(m.config.enable_fsdp_float8_all_gather for m in linears)
-    optimizer = build_optimizer(part, cfg.optim, "cpu", zero1_group(cfg.sharding.strategy, mesh))
+    optimizer = build_optimizer(part, cfg.optim, "cpu", zero1_group(wrapping_of(cfg.sharding, cfg.precision), mesh))
     assert isinstance(optimizer, ZeroRedundancyOptimizer) == wrap.zero1
 
 
 def check_precision_path(wrap: Wrapping, cfg) -> None:
     """The context the worker enters around forward and loss: autocast exactly when the decision says so."""
-    context = autocast_context(cfg.precision, cfg.sharding.strategy, CPU)
+    contexts = MicroBatchContext(model=torch.nn.Identity(), precision=cfg.precision,
+                                 wrap=wrapping_of(cfg.sharding, cfg.precision), device=CPU)
+    context = contexts.autocast()  # what the worker's micro-batch builder enters around forward and loss
     assert isinstance(context, torch.autocast) == wrap.autocast
     # A lower compute dtype is reached one way: FSDP2's policy or autocast, never both, never neither.
     lower = cfg.precision.compute_dtype != "fp32"

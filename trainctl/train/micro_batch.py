@@ -23,10 +23,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainctl.config.schema import PrecisionConfig
+from trainctl.core.wrapping import Wrapping
 from trainctl.train.activations import activation_offload
 from trainctl.train.context_parallel import sharded_sequences
 from trainctl.train.parallelize import gradient_sync, unwrap
-from trainctl.train.precision import autocast_context
+from trainctl.train.precision import autocast_for
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class MicroBatchContext:
 
     model: nn.Module  # the parallelized model (a pipeline rank: its parts)
     precision: PrecisionConfig
-    strategy: str
+    wrap: Wrapping  # core.wrapping's decision: whether forward runs under autocast
     device: torch.device
     offload: bool = False  # train.activation_offload
     cp_mesh: DeviceMesh | None = None  # cp > 1: the ranks that share each sequence
@@ -56,7 +57,7 @@ class MicroBatchContext:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast alone: what an evaluation forward runs under."""
-        return autocast_context(self.precision, self.strategy, self.device)
+        return autocast_for(self.wrap, self.precision, self.device)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:

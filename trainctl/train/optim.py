@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from trainctl.config.schema import OptimConfig, ScheduleConfig
+from trainctl.core.wrapping import Wrapping
 from trainctl.train.errors import WorkerConfigError
 
 
@@ -38,9 +39,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def zero1_group(strategy: str, mesh: DeviceMesh) -> torch.distributed.ProcessGroup | None:
+def zero1_group(wrap: Wrapping, mesh: DeviceMesh) -> torch.distributed.ProcessGroup | None:
     """The data-parallel group that shares the optimizer states under zero1; None otherwise."""
-    return mesh["dp_replicate"].get_group() if strategy == "zero1" else None
+    return mesh["dp_replicate"].get_group() if wrap.zero1 else None
 
 
 def build_optimizer(

@@ -14,15 +14,9 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from trainctl.config.schema import PrecisionConfig
-from trainctl.core.dims import ParallelDims
-from trainctl.core.wrapping import Wrapping, shards_parameters, wrapping
+from trainctl.core.wrapping import Wrapping
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def uses_fsdp(strategy: str) -> bool:
-    """FSDP2 shards the parameters (kept for trainer.py until it reads a Wrapping)."""
-    return shards_parameters(strategy)
 
 
 def fsdp_mp_policy(wrap: Wrapping) -> MixedPrecisionPolicy:
@@ -38,9 +32,3 @@ def autocast_for(wrap: Wrapping, precision: PrecisionConfig, device: torch.devic
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision.compute_dtype])
 
-
-def autocast_context(
-    precision: PrecisionConfig, strategy: str, device: torch.device
-) -> contextlib.AbstractContextManager:
-    """autocast_for by strategy (kept for trainer.py and pipeline.py; autocast does not depend on the degrees)."""
-    return autocast_for(wrapping(strategy, ParallelDims(), precision), precision, device)

@@ -20,6 +20,7 @@ from torch import nn
 from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
+from trainctl.core.wrapping import wrapping_of
 from trainctl.models.llama import build_model
 from trainctl.plan.flops import flops_per_token
 from trainctl.train import distributed
@@ -38,7 +39,6 @@ from trainctl.train.micro_batch import MicroBatchContext
 from trainctl.train.optim import build_optimizer, zero1_group
 from trainctl.train.parallelize import check_supported, parallelize
 from trainctl.train.pipeline import Pipeline, build_pipeline
-from trainctl.train.precision import uses_fsdp
 from trainctl.train.resume import StartPoint, find_source, restore
 from trainctl.train.state import CheckpointMeta, TrainProgress
 from trainctl.train.step import StepResult, evaluate, train_step
@@ -221,10 +221,11 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     distributed.seed_everything(cfg.train.seed)
     sharding, train = cfg.sharding, cfg.train
     mesh = distributed.build_mesh(ParallelDims.from_config(sharding), world.device)
+    wrap = wrapping_of(sharding, cfg.precision)  # what parallelize wrapped with; the rest of setup follows it
     scaler = build_loss_scaler(cfg.precision, world.device)
     model, pipeline = build_parallel_model(cfg, mesh, world.device, scaler)
-    optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(sharding.strategy, mesh))
-    register_float8_scale_precompute(optimizer, model, cfg.precision, uses_fsdp(sharding.strategy))
+    optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(wrap, mesh))
+    register_float8_scale_precompute(optimizer, model, cfg.precision, wrap.fsdp)
     train_data, val_data = build_data(cfg, mesh, world)
     metrics = MetricsLogger(run_dir, cfg.logging, train.steps, world.is_main, asdict(cfg))
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {sharding.strategy}, "
@@ -234,7 +235,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     layout = {"global_batch": train.global_batch, "sharding": asdict(sharding)}
     meta = CheckpointMeta(progress, scaler, guard, layout)
     checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
-    contexts = MicroBatchContext(model=model, precision=cfg.precision, strategy=sharding.strategy,
+    contexts = MicroBatchContext(model=model, precision=cfg.precision, wrap=wrap,
                                  device=world.device, offload=train.activation_offload, cp_mesh=cp_mesh_of(mesh))
     start = start_from_checkpoint(cfg, run_dir, checkpoints, model, optimizer, world)  # last: it sets the RNG
     if start.resumed:
