@@ -1,4 +1,5 @@
-"""The checkpoint store in one process: roundtrip, manifest verification and fallback, commit and pruning, async, full disk."""
+"""The checkpoint store in one process: roundtrip, manifest verification and fallback, commit and pruning, async,
+full disk."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_roundtrip_model_optimizer_meta_and_rank_state(tmp_path):
     rank_state = {"cpu_rng": torch.get_rng_state(), "data_position": 1234}
     expected_draw = torch.rand(5)
     manager = CheckpointManager(tmp_path, keep_last=2)
-    manager.save(7, {"model": model_sd, "optim": optim_sd, "schedule": {"step": 7}}, rank_state, {"tokens_seen": 99, "wandb_id": "abc"})
+    manager.save(7, {"model": model_sd, "optim": optim_sd, "schedule": {"step": 7}}, rank_state,
+                 {"tokens_seen": 99, "wandb_id": "abc"})
     assert names(manager) == ["step-00000007"] and manager.stats.bytes > 0
 
     fresh, fresh_optim = trained_linear(seed=1)
@@ -95,7 +97,8 @@ def flip_one_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize(("damage", "problem"), [(truncate, "bytes, the manifest says"), (flip_one_byte, "content differs")])
+@pytest.mark.parametrize(("damage", "problem"),
+                         [(truncate, "bytes, the manifest says"), (flip_one_byte, "content differs")])
 def test_damaged_newest_falls_back_with_warning(tmp_path, caplog, damage, problem):
     manager = CheckpointManager(tmp_path, keep_last=3)
     save_steps(manager, 1, 2)
@@ -140,7 +143,8 @@ def test_prune_keeps_exactly_keep_last_and_ignores_uncommitted(tmp_path):
     assert names(manager) == ["step-00000002", "step-00000003"]
     save_steps(manager, 6)
     assert names(manager) == ["step-00000003", "step-00000006"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004.tmp", "step-00000005", "step-00000006"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000003", "step-00000004.tmp", "step-00000005", "step-00000006"]
 
 
 def test_failed_save_prunes_nothing_and_leaves_no_tmp(tmp_path, monkeypatch):
@@ -151,7 +155,8 @@ def test_failed_save_prunes_nothing_and_leaves_no_tmp(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", "somewhere")
 
     monkeypatch.setattr(ckpt.dcp, "save", broken_save)
-    with pytest.raises(CheckpointError, match=r"step 3 failed on rank\(s\) 0: PermissionError.*step-00000002 is intact"):
+    failed = r"step 3 failed on rank\(s\) 0: PermissionError.*step-00000002 is intact"
+    with pytest.raises(CheckpointError, match=failed):
         save_steps(manager, 3)
     assert names(manager) == ["step-00000001", "step-00000002"]
     assert not list(tmp_path.glob("*.tmp"))
@@ -223,7 +228,8 @@ def small_fs(tmp_path):
 def test_disk_full_keeps_previous_checkpoint(small_fs, async_save):
     manager = CheckpointManager(small_fs / "checkpoints", keep_last=2, async_save=async_save)
     save_steps(manager, 1, size=32)
-    with pytest.raises(CheckpointError, match=r"checkpoint step 2: disk full under .* free of 1.0 MiB.*step-00000001 is intact"):
+    full = r"checkpoint step 2: disk full under .* free of 1.0 MiB.*step-00000001 is intact"
+    with pytest.raises(CheckpointError, match=full):
         save_steps(manager, 2, size=1024)  # 4 MiB of fp32
     assert names(manager) == ["step-00000001"]
     assert verify(small_fs / "checkpoints" / step_name(1)) == []
