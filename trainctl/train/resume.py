@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainctl.config.schema import CheckpointConfig
-from trainctl.train import state as S
+from trainctl.train import state
 from trainctl.train.checkpoint import META, CheckpointError, CheckpointManager, checkpoint_dir
 
 log = logging.getLogger("trainctl.train")
@@ -62,12 +62,12 @@ def restore(manager: CheckpointManager, path: Path, load_only: str, model, optim
     """Load `path` into the live model/optimizer (resharding as needed); returns where to continue."""
     parts = _PARTS[load_only]
     # Stateful parts in the current layout: DCP loads them (from any layout) into the live model and optimizer.
-    meta, own_rank_state = manager.load(path, S.app_state(model, optimizer, parts))
+    meta, own_rank_state = manager.load(path, state.app_state(model, optimizer, parts))
     if load_only != "all":
         log.info("started from %s (%s only)", path, load_only)
-        S.apply_rank_state(None, optimizer, load_optim=False)
+        state.apply_rank_state(None, optimizer, load_optim=False)
         return StartPoint(path=path, meta=meta)
-    S.apply_rank_state(own_rank_state, optimizer, load_optim="optim" in parts)
+    state.apply_rank_state(own_rank_state, optimizer, load_optim="optim" in parts)
     if meta.get("world_size") != world_size:
         log.warning("resuming %s saved by %s ranks on %s ranks: weights and optimizer resharded, data position kept "
                     "in samples, RNG streams not restored", path, meta.get("world_size"), world_size)
