@@ -289,10 +289,30 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     ("Relaunch a run from its directory with its own config; it continues from its newest valid checkpoint.  "
      "Example: trainctl resume tiny_cpu-20250101-120000")
     from trainctl.core import checkpoints
-    from trainctl.core import rundir as layout
-    from trainctl.launch import rundir, runs
+    from trainctl.launch import local, runs
 
     run_dir = runs.find_run(run, runs_dir)
+    cfg = _resumable(run_dir)
+    # Locally, the lock first: a second resume started at the same moment is refused before it writes anything.
+    held = local.lock(run_dir) if cfg.cluster.launcher == "local" else None
+    _rewrite_script(run_dir, cfg, held)
+    # Named, not verified here: hashing a large checkpoint on a login node would take long, and the workers
+    # verify it anyway (sharing the work), falling back to an older one when it is damaged.
+    committed = checkpoints.list_committed(checkpoints.checkpoint_dir(run_dir))
+    where = committed[-1][1].name if committed else "the start (no checkpoint yet)"
+    out.print(f"resuming {escape(str(run_dir))} from {escape(where)}", highlight=False, soft_wrap=True)
+    if cfg.cluster.launcher == "slurm":
+        _submit(run_dir)
+        return
+    raise typer.Exit(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0, held=held))
+
+
+def _resumable(run_dir: Path) -> RunConfig:
+    """The run's config, or a UserError saying why it cannot be resumed now (before anything is written)."""
+    from trainctl.core import rundir as layout
+    from trainctl.launch import rundir, runs
+    from trainctl.launch.preflight import launch_problems
+
     state = runs.run_state(run_dir)
     if state.active:
         raise UserError([f"run {state.name} is still {state.state} ({state.detail}); "
@@ -309,30 +329,21 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
                          "launch a new run instead"])
     if cfg.cluster.launcher == "slurm" and shutil.which("sbatch") is None:
         raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; resume from a Slurm login node"])
-    from trainctl.launch.preflight import launch_problems
-
     if problems := launch_problems(cfg, workdir=rundir.script_workdir(run_dir)):  # W&B credentials, token files
         raise UserError(problems)
-    from trainctl.launch import local
+    return cfg
 
-    # Locally, the lock first: a second resume started at the same moment is refused before it writes anything.
-    held = local.lock(run_dir) if cfg.cluster.launcher == "local" else None
+
+def _rewrite_script(run_dir: Path, cfg: RunConfig, held) -> None:
+    """The script for where the run is now (it may have been copied or moved), launched from where it was."""
+    from trainctl.launch import rundir
+
     try:
-        # The script for where the run is now (it may have been copied or moved), launched from where it was.
         rundir.write_script(run_dir, cfg, run_dir, rundir.script_workdir(run_dir) or Path.cwd())
     except BaseException:
         if held is not None:
-            held.release()
+            held.release()  # nothing was launched: the next resume must not find the run locked
         raise
-    # Named, not verified here: hashing a large checkpoint on a login node would take long, and the workers
-    # verify it anyway (sharing the work), falling back to an older one when it is damaged.
-    committed = checkpoints.list_committed(checkpoints.checkpoint_dir(run_dir))
-    where = committed[-1][1].name if committed else "the start (no checkpoint yet)"
-    out.print(f"resuming {escape(str(run_dir))} from {escape(where)}", highlight=False, soft_wrap=True)
-    if cfg.cluster.launcher == "slurm":
-        _submit(run_dir)
-        return
-    raise typer.Exit(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0, held=held))
 
 
 @app.command()
