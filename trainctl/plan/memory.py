@@ -143,10 +143,6 @@ class RankMemory:
         return out
 
 
-def _ceil_div(n: int, d: int) -> int:
-    return -(-n // d)
-
-
 def local_tensors(m: ModelConfig, stage: RankStages, tp: int) -> list[Tensor]:
     return [tp_local(t, tp) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
 
