@@ -55,7 +55,8 @@ MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"}
 class Pipeline:
     """This rank's stages and the schedule that drives them."""
 
-    schedule: object  # a torch.distributed.pipelining schedule
+    schedule: object  # a torch.distributed.pipelining schedule: the training steps
+    eval_schedule: object  # the same schedule over separate stage objects: forward-only evaluation
     parts: nn.ModuleList  # this rank's model parts, in stage order (optimizer, clipping, train/eval)
     group: dist.ProcessGroup  # the pp group: ranks holding the other stages of the same model copy
     is_first: bool  # holds stage 0: feeds the token ids
@@ -118,24 +119,29 @@ def build_pipeline(
     n_stages = sharding.pp * sharding.pp_stages_per_rank
     layers = stage_layers(model_cfg.n_layers, n_stages, list(sharding.pp_layers))
     stage_ids = local_stage_ids(pp_mesh.get_local_rank(), sharding.pp, sharding.pp_stages_per_rank)
-    parts, stages = [], []
+    parts = []
     for stage_id in stage_ids:
         part = build_stage_model(model_cfg, layers[stage_id], first=stage_id == 0, last=stage_id == n_stages - 1)
-        part = parallelize(part, mesh, sharding, train, precision, device)
-        parts.append(part)
-        stages.append(PipelineStage(part, stage_id, n_stages, device, group=group))
+        parts.append(parallelize(part, mesh, sharding, train, precision, device))
     rank_tokens = train.grad_accum * train.micro_batch * train.seq_len
     loss_fn = StageLoss(rank_tokens, scale_loss)
-    schedule_cls = SCHEDULES[sharding.pp_schedule]
-    schedule = schedule_cls(
-        stages if sharding.pp_schedule in MULTI_STAGE else stages[0],
-        n_microbatches=train.grad_accum,
-        loss_fn=loss_fn,
-        # Our loss is already normalized over the whole step: the schedule must not divide again.
-        scale_grads=False,
-    )
-    return Pipeline(schedule, nn.ModuleList(parts), group, 0 in stage_ids, n_stages - 1 in stage_ids,
-                    train.grad_accum, rank_tokens, device, loss_fn)
+
+    def make_schedule():
+        stages = [PipelineStage(part, stage_id, n_stages, device, group=group)
+                  for part, stage_id in zip(parts, stage_ids, strict=True)]
+        return SCHEDULES[sharding.pp_schedule](
+            stages if sharding.pp_schedule in MULTI_STAGE else stages[0],
+            n_microbatches=train.grad_accum,
+            loss_fn=loss_fn,
+            # Our loss is already normalized over the whole step: the schedule must not divide again.
+            scale_grads=False,
+        )
+
+    # Two schedules over the same parts: a schedule sets its stages up on its first call, and torch 2.11 sets
+    # them up for forward only when that call is eval() (the initial evaluation of a fresh run), so the first
+    # training step then fails ("has gradients None"). Separate stage objects keep each set-up right.
+    return Pipeline(make_schedule(), make_schedule(), nn.ModuleList(parts), group, 0 in stage_ids,
+                    n_stages - 1 in stage_ids, train.grad_accum, rank_tokens, device, loss_fn)
 
 
 def _run_schedule(pipeline: Pipeline, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -186,7 +192,8 @@ def pipeline_eval_totals(pipeline: Pipeline, batches: list[tuple[torch.Tensor, t
     for start in range(0, len(batches), n):
         group = batches[start : start + n]
         real = len(group)
-        losses = _run_schedule(pipeline, pipeline.schedule.eval, group + [group[-1]] * (n - real), contexts.autocast)
+        padded = group + [group[-1]] * (n - real)
+        losses = _run_schedule(pipeline, pipeline.eval_schedule.eval, padded, contexts.autocast)
         if pipeline.is_last:
             # The loss function divides by rank_tokens; multiply back for the plain sum.
             totals[0] += torch.stack(losses[:real]).double().sum() * pipeline.rank_tokens
