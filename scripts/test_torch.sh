@@ -49,6 +49,6 @@ if [ $# -eq 0 ]; then
   # checkpoints and exact resume, mixed precision. The launcher, CLI and Slurm tests do not touch torch.
   set -- tests/dist/test_pipeline.py tests/dist/test_fsdp_units.py tests/dist/test_zero.py \
     tests/dist/test_tensor_parallel.py tests/dist/test_checkpoint_store_dist.py tests/dist/test_resume.py \
-    tests/dist/test_precision.py
+    tests/dist/test_precision.py tests/dist/test_parity.py tests/dist/test_parity_3d.py
 fi
 "$PY" -m pytest -q -ra -p no:cacheprovider "$@"

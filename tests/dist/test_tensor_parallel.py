@@ -5,6 +5,9 @@ embedding) are added by a collective in a different order than one process's sin
 and the grad norm is summed shard by shard. Everything else (data, init, loss normalization)
 is identical, so fp32 runs agree to rounding (~1e-7 measured) and 1e-5 relative catches
 any real mistake (a missing gradient reduction, a wrong RoPE position, a mis-sliced init).
+Under torch 2.11 (CI runs this file there too) tp2 alone drifts further: measured 4.9e-6 (loss) and
+1.3e-5 (grad norm) by step 10, growing from step 4, while fsdp2 x tp2 and ddp2 x tp2 stay at 1e-7; a
+missing reduction would be off by tens of percent at step 1, so 2.11 gets 5e-5.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import re
 from dataclasses import replace
 
 import pytest
+import torch
 from worker_runs import TINY, base_config, records, series, train_and_check
 
 from tests.helpers import REL
@@ -21,6 +25,7 @@ from trainctl.config.schema import ShardingConfig
 pytestmark = pytest.mark.dist
 
 STEPS = 10
+TOL = 5e-5 if torch.__version__ < (2, 12) else REL  # see the module doc
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def runs(tmp_path_factory, data_cache):
 def test_tensor_parallel_matches_one_process(runs, name, key):
     got, want = series(runs[name], key), series(runs["single"], key)
     assert len(got) == len(want) == STEPS
-    assert got == pytest.approx(want, rel=REL), key
+    assert got == pytest.approx(want, rel=TOL), key
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2_tp2"])
