@@ -21,7 +21,7 @@ MEMORY_ROWS = (
     ("weight_casts_bytes", "autocast weight copies"),
     ("activations_per_micro_batch_bytes", "activations, one micro-batch"),
     ("activations_bytes", "activations, all in flight"),
-    ("loss_buffers_bytes", "loss gradients (fp32 tokens x vocab)"),
+    ("loss_buffers_bytes", "loss buffers (chunked, or fp32 tokens x vocab)"),
     ("recompute_bytes", "recomputed block"),
     ("grad_temp_bytes", "block backward temporaries"),
     ("step_temp_bytes", "optimizer step temporaries"),

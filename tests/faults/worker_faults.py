@@ -61,13 +61,13 @@ def _track_step(module, set_attr: Setter) -> None:
 
 def nan_at_step(step: int) -> dict[str, Callable]:
     def poison_loss(module, set_attr: Setter) -> None:
-        call = module.TokenLoss.__call__
+        normalize = module.TokenLoss.normalize  # both paths' training loss goes through it
 
-        def poisoned(self, logits, targets):
-            loss = call(self, logits, targets)
+        def poisoned(self, summed):
+            loss = normalize(self, summed)
             return loss * float("nan") if _current_step[0] == step - 1 else loss
 
-        set_attr(module.TokenLoss, "__call__", poisoned)
+        set_attr(module.TokenLoss, "normalize", poisoned)
 
     return {"trainctl.train.loss": poison_loss, "trainctl.train.step": _track_step}
 

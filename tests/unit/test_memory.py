@@ -81,14 +81,17 @@ def test_ddp_keeps_flat_gradient_buckets_beside_the_gradients():
 
 
 def test_autocast_keeps_a_bf16_copy_of_every_matmul_weight():
-    matmul = P - 32000 * 4096 - (2 * 32 + 1) * 4096  # all but the embedding lookup and the norms
+    # All but the embedding lookup, the norms and the output projection (the chunked loss keeps its weight's
+    # gradient instead, counted with the head's activations).
+    matmul = P - 2 * 32000 * 4096 - (2 * 32 + 1) * 4096
     assert estimate("ddp", precision=BF16, dp_replicate=8).weight_casts == 2 * matmul
     assert estimate("ddp", precision=FP32, dp_replicate=8).weight_casts == 0
     assert estimate("zero3", precision=BF16, dp_shard=8).weight_casts == 0  # FSDP casts per unit instead
     full = dataclasses.replace(TRAIN, activation_checkpointing="full")
-    assert (
-        estimate("ddp", precision=BF16, train=full, dp_replicate=8).weight_casts == 2 * 32000 * 4096
-    )  # only the output
+    assert estimate("ddp", precision=BF16, train=full, dp_replicate=8).weight_casts == 0
+    # Under tensor parallelism the loss is dense: the output weight's copy is kept (its tp shard).
+    tp_full = estimate("ddp", precision=BF16, train=full, dp_replicate=4, tp=2)
+    assert tp_full.weight_casts == 2 * 32000 * 4096 // 2
 
 
 def test_zero3_gathers_head_at_the_loss_and_two_blocks_in_backward():
@@ -172,9 +175,30 @@ def test_block_activations_by_hand_and_checkpointing_order():
     assert act.block_none(m, tp2) > act.block_none(m, fp32) / 2  # the gathered matmul inputs are not divided
 
 
-def test_loss_buffers_are_two_fp32_vocab_gradients_per_token():
-    est = estimate("zero3", precision=BF16, dp_shard=8)
+def test_dense_loss_buffers_are_two_fp32_vocab_gradients_per_token():
+    est = estimate("zero3", precision=BF16, dp_shard=4, tp=2)  # tp: the dense loss
     assert est.loss_buffers == 2 * 4 * 32000 * 4096
+
+
+def test_chunked_loss_buffers_hold_no_whole_fp32_logits():
+    chunked = estimate("zero3", precision=BF16, dp_shard=8)
+    # The larger of: fp32 weight-gradient accumulator + one chunk (bf16 logits, fp32, bf16 gradient),
+    # and backward's scaled copies of the saved input (bf16 [tokens, dim]) and weight (bf16 [V, dim]) gradients.
+    chunk = 2**28 // (4 * 32000)
+    forward = 4 * 32000 * 4096 + chunk * 32000 * (4 + 2 + 2)
+    backward = 2 * 4096 * 4096 + 2 * 32000 * 4096
+    assert chunked.loss_buffers == max(forward, backward)
+    # Llama 3's 128k vocabulary at 8 x 2048 tokens: what the head keeps plus the loss's transients.
+    llama3 = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
+    tokens = 8 * 2048
+
+    def around_loss(chunked_loss: bool) -> float:
+        lay = act.ActLayout(compute_bytes=2, residual_bytes=2, chunked_loss=chunked_loss)
+        kept = act.head_bytes(llama3, lay) * tokens + act.head_fixed_bytes(llama3, lay)
+        return kept + act.loss_transient_bytes(llama3, lay, tokens)
+
+    fp32_logits = 4 * 128256 * tokens  # 8.4 GB
+    assert around_loss(False) - around_loss(True) > 2 * fp32_logits
 
 
 def test_peak_is_the_largest_phase_and_to_dict_reports_it():

@@ -11,6 +11,7 @@ from torch import nn
 from tests.faults import worker_faults
 from trainctl.config.schema import ModelConfig, PrecisionConfig
 from trainctl.models.llama import build_model
+from trainctl.models.loss_head import OutputHead
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import apply_float8, count_float8_linears, wants_float8
 from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
@@ -101,7 +102,8 @@ def test_float8_converts_every_eligible_linear_of_the_meta_model(recipe):
     converted = apply_float8(model, precision, fsdp=False)
     # w2 of every block and the output layer are excluded by name.
     assert converted == count_float8_linears(model) == (LINEARS_PER_BLOCK - 1) * SMALL.n_layers
-    assert type(model.output) is nn.Linear and type(model.layers["0"].feed_forward.w2) is nn.Linear
+    # Excluded Linears keep their class (the output head's own, which chunks the loss).
+    assert type(model.output) is OutputHead and type(model.layers["0"].feed_forward.w2) is nn.Linear
 
 
 def test_float8_off_converts_nothing():

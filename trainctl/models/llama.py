@@ -22,10 +22,35 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainctl.config.schema import ModelConfig
+from trainctl.models.loss_head import OutputHead, dense_loss_sum
 
 INIT_STD = 0.02
+# SDPA's kernels in the order the worker prefers them on CUDA: cuDNN and flash (bf16/fp16 only), then the
+# memory-efficient kernel (fp32 too), then the math fallback, which materializes batch x heads x seq x seq.
+ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                      SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends() -> contextlib.AbstractContextManager:
+    """Entered once around the worker's training: SDPA tries ATTENTION_BACKENDS in that order.
+
+    Once, not per call: the setting is global, and a per-block context would be traced into every
+    compiled block.
+    """
+    return sdpa_kernel(ATTENTION_BACKENDS, set_priority=True)
+
+
+def expands_kv(q: torch.Tensor) -> bool:
+    """Whether grouped-query attention copies the kv heads up instead of passing enable_gqa.
+
+    enable_gqa runs only in the flash and math kernels, and flash (like cuDNN) needs bf16/fp16:
+    fp32 on CUDA with enable_gqa would fall back to math. Copied kv heads let the memory-efficient
+    kernel run it; bf16/fp16 keep enable_gqa (no copies), and so does the CPU.
+    """
+    return q.is_cuda and q.dtype == torch.float32
 
 
 def _fill(param: torch.Tensor, init_fn: Callable[[torch.Tensor], object]) -> None:
@@ -116,7 +141,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         grouped = self.n_kv_heads != self.n_heads
-        if grouped and self.repeat_kv:
+        if grouped and (self.repeat_kv or expands_kv(q)):
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             grouped = False
         # The kv heads are shared by groups of query heads (enable_gqa avoids materializing copies).
@@ -168,7 +193,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the config, so checkpoints need not carry it.
@@ -210,11 +235,13 @@ class Llama(nn.Module):
             with _rng_for("output", seed, device):
                 _normal(self.output.weight, 1 / math.sqrt(self.cfg.dim))
 
-    def forward(self, tokens: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, freqs: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] for tokens [batch, seq]; position t sees only tokens <= t.
 
         freqs: the RoPE rows of the tokens' positions (context parallelism passes its shard);
-        default: positions 0..seq-1.
+        default: positions 0..seq-1. targets [batch, seq]: return the summed next-token cross-entropy
+        instead (fp32 scalar), chunked over tokens where the output head allows (models/loss_head.py).
         """
         # A pipeline stage may lack the embedding (it receives hidden states) or the head (it returns them).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -222,7 +249,13 @@ class Llama(nn.Module):
         for block in self.layers.values():
             h = block(h, freqs)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is None:
+            return self.output(h)
+        if isinstance(self.output, OutputHead) and self.output.chunked:
+            return self.output(h, targets)
+        return dense_loss_sum(self.output(h), targets)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Llama:

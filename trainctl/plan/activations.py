@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainctl.config.schema import ModelConfig
+from trainctl.core.loss_head import chunk_tokens
 
 FP32 = 4
 TOKEN_ID_BYTES = 8  # int64 token ids and targets
@@ -52,6 +53,7 @@ class ActLayout:
     tp: int = 1
     cp: int = 1
     autocast: bool = False  # torch.autocast (none/ddp/zero1 under bf16/fp16): each matmul casts its own input
+    chunked_loss: bool = False  # the output projection + cross-entropy run in chunks (core/loss_head.py)
 
 
 def kv_dim(m: ModelConfig, cp: int) -> int:
@@ -108,17 +110,36 @@ def blocks_bytes(m: ModelConfig, lay: ActLayout, mode: str, n_blocks: int, every
 
 
 def head_bytes(m: ModelConfig, lay: ActLayout) -> float:
-    """The last stage's final norm and log_softmax output (fp32 over the whole vocabulary) plus the targets."""
-    return norm_bytes(m, lay) + FP32 * m.vocab_size + TOKEN_ID_BYTES
-
-
-def loss_transient_bytes(m: ModelConfig) -> float:
-    """Per token, on top of the saved log_softmax output at the start of backward: two fp32 [tokens, V] gradients.
-
-    nll_loss's backward writes a dense gradient and log_softmax's backward another before the
-    first is freed; the forward's own peak (logits, their fp32 copy, log_softmax) is lower.
+    """Per token, what the last stage's head keeps for backward: the final norm, the targets, and either the
+    output matmul's input and log_softmax's output (fp32 over the whole vocabulary: dense) or, chunked, the
+    input's gradient computed in forward (the same size as the matmul input norm_bytes counts, which is not saved).
     """
-    return 2 * FP32 * m.vocab_size
+    loss = 0 if lay.chunked_loss else FP32 * m.vocab_size
+    return norm_bytes(m, lay) + loss + TOKEN_ID_BYTES
+
+
+def head_fixed_bytes(m: ModelConfig, lay: ActLayout) -> int:
+    """Per micro-batch, whatever its tokens: the chunked loss keeps the output weight's gradient [V, dim]."""
+    return lay.compute_bytes * m.vocab_size * m.dim if lay.chunked_loss else 0
+
+
+def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int) -> int:
+    """Bytes alive around the loss beyond what the head keeps.
+
+    Dense: two fp32 [tokens, V] gradients at the start of backward (nll_loss's backward writes one and
+    log_softmax's another before the first is freed; the forward's own peak is lower).
+    Chunked: the larger of the forward's (the fp32 weight-gradient accumulator and one chunk's logits:
+    compute-dtype, fp32, and the compute-dtype gradient) and the backward's (the two saved gradients
+    scaled by the incoming one: new tensors of their sizes; under autocast the weight's cast back to fp32).
+    """
+    if not lay.chunked_loss:
+        return 2 * FP32 * m.vocab_size * tokens
+    c = lay.compute_bytes
+    chunk = min(tokens, chunk_tokens(m.vocab_size))
+    chunk_temps = chunk * m.vocab_size * (FP32 + (2 * c if c != FP32 else 0))
+    forward = FP32 * m.vocab_size * m.dim + chunk_temps
+    backward = c * m.dim * tokens + (c + (FP32 if lay.autocast else 0)) * m.vocab_size * m.dim
+    return max(forward, backward)
 
 
 def block_grad_bytes(m: ModelConfig, lay: ActLayout) -> float:

@@ -26,8 +26,10 @@ textbook ZeRO table (the worker wins):
   the unsharded gradients in between (in the fp32 reduce dtype): a full fp32 gradient copy.
 - Backward of one FSDP2 unit: its gathered weights, the prefetched next unit, its unsharded
   gradient (compute dtype) and the reduce-scatter input (reduce dtype).
-- Loss: log_softmax's fp32 [tokens, V] output is saved, and backward adds two more fp32
-  [tokens, V] gradients (trainctl/plan/activations.py).
+- Loss: chunked over tokens (core/loss_head.py) it keeps the input's and the output weight's
+  gradients, computed in forward; where it is dense (tp, pp, a float8 output layer) log_softmax's
+  fp32 [tokens, V] output is saved and backward adds two more fp32 [tokens, V] gradients
+  (trainctl/plan/activations.py).
 - cpu_offload moves weights, gradients and optimizer states to host memory; the device keeps
   the gathered units and their gradients.
 - The optimizer step: fused AdamW on CUDA allocates nothing; the foreach AdamW used elsewhere
@@ -45,6 +47,7 @@ from dataclasses import asdict, dataclass
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
+from trainctl.core.loss_head import chunked_loss
 from trainctl.core.wrapping import Wrapping, wrapping
 from trainctl.plan import activations as act
 from trainctl.plan.shapes import (
@@ -85,7 +88,7 @@ class RankMemory:
     weight_casts: int  # autocast copies of matmul weights, saved for backward
     activations: int  # saved for backward, every micro-batch in flight
     activations_per_micro_batch: int
-    loss_buffers: int  # the two fp32 [tokens, V] gradients at the start of backward
+    loss_buffers: int  # around the loss: chunked temporaries, or the dense loss's two fp32 [tokens, V] gradients
     recompute: int  # one checkpointed block re-run in backward
     grad_temp: int  # activation gradients alive inside one block's backward (SwiGLU's, the largest)
     head_activations: int  # the head's saved tensors (freed before the blocks' backward)
@@ -220,12 +223,13 @@ def gathered(units: dict[str, int], n_blocks: int, reshard: bool, c: int, r: int
     return c * everything, c * everything + (c + r) * block, at_end
 
 
-def activation_layout(precision: PrecisionConfig, wrap: Wrapping, dims: ParallelDims) -> act.ActLayout:
+def activation_layout(precision: PrecisionConfig, wrap: Wrapping, dims: ParallelDims,
+                      chunked_loss: bool = False) -> act.ActLayout:
     c = DTYPE_BYTES[precision.compute_dtype]
     # Under FSDP mixed precision the weights (so the embedding's output) are in the compute dtype;
     # autocast leaves the embedding fp32 and the residual adds promote to fp32.
     residual = c if wrap.fsdp else FP32
-    return act.ActLayout(c, residual, dims.tp, dims.cp, wrap.autocast)
+    return act.ActLayout(c, residual, dims.tp, dims.cp, wrap.autocast, chunked_loss)
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ def activation_bytes(
         first = act.blocks_bytes(m, lay, mode, 1, train.ac_every) * tokens
     else:
         first = blocks / max(1, n_blocks)
-    head = int(act.head_bytes(m, lay) * tokens) if stage.last else 0
+    head = int(act.head_bytes(m, lay) * tokens) + act.head_fixed_bytes(m, lay) if stage.last else 0
     # A pipeline's last stage also keeps its output logits (the schedule's forward cache) until backward.
     if stage.last and n_blocks < m.n_layers:
         head += lay.compute_bytes * m.vocab_size * tokens
@@ -275,11 +279,15 @@ def offloaded(
     return SavedActivations(saved.one, on_device, 0, on_device, saved.everything - on_device, unpacked)
 
 
-def weight_cast_bytes(tensors: list[Tensor], stage: RankStages, c: int, wrapped: int) -> int:
-    """torch.autocast's compute-dtype copies of the matmul weights, kept for backward (not in checkpointed blocks)."""
+def weight_cast_bytes(tensors: list[Tensor], stage: RankStages, c: int, wrapped: int, chunked_loss: bool) -> int:
+    """torch.autocast's compute-dtype copies of the matmul weights, kept for backward (not in checkpointed blocks).
+
+    The chunked loss keeps its weight gradient instead of the output weight's copy (activations count it).
+    """
     block_matmul = sum(t.numel for t in tensors if t.is_matmul and t.name.startswith("layers."))
     per_block = block_matmul // max(1, len(stage.layers))
-    head_matmul = sum(t.numel for t in tensors if t.is_matmul and not t.name.startswith("layers."))
+    head_matmul = sum(t.numel for t in tensors if t.is_matmul and not t.name.startswith("layers.")
+                      and not (chunked_loss and t.name.startswith("output.")))
     return c * (per_block * (len(stage.layers) - wrapped) + head_matmul)
 
 
@@ -314,13 +322,13 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     params, grads = FP32 * stored, FP32 * stored
     optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
     tokens = train.micro_batch * train.seq_len // dims.cp
-    lay = activation_layout(precision, wrap, dims)
+    lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp))
     saved = activation_bytes(m, train, lay, stage, tokens)
     if train.activation_offload:
         saved = offloaded(saved, m, lay, train, stage, tokens)
     mode = train.activation_checkpointing
     wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
-    casts = weight_cast_bytes(tensors, stage, c, wrapped) if lay.autocast else 0
+    casts = weight_cast_bytes(tensors, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
     first_part, head_part = end_parts(tensors, stage)
     at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r)
     accumulating = train.grad_accum > 1
@@ -344,7 +352,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         weight_casts=casts,
         activations=saved.everything,
         activations_per_micro_batch=saved.one,
-        loss_buffers=int(act.loss_transient_bytes(m) * tokens) if stage.last else 0,
+        loss_buffers=act.loss_transient_bytes(m, lay, tokens) if stage.last else 0,
         recompute=(int(act.recompute_bytes(m, lay, mode) * tokens) if wrapped else 0) + saved.unpacked,
         grad_temp=int(act.block_grad_bytes(m, lay) * tokens) if stage.layers else 0,
         head_activations=saved.head,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from trainctl.config.schema import RunConfig
 from trainctl.core.dims import ParallelDims
+from trainctl.core.loss_head import chunk_tokens, chunked_loss
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan.memory import GIB, RankMemory
@@ -56,10 +57,16 @@ def strategy_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[
 
 def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     t, s = cfg.train, cfg.sharding
-    notes = [f"loss_buffers {_gib(mem.loss_buffers)}: log_softmax saves fp32 [tokens, vocab] and backward adds two "
-             "more "
-             "fp32 [tokens, vocab] gradients before the output projection's backward (the largest transient for a "
-             "large vocabulary; fewer tokens per micro-batch shrink it)"] if mem.loss_buffers else []
+    if not mem.loss_buffers:
+        notes = []
+    elif chunked_loss(cfg.model, cfg.precision, dims.tp, dims.pp):
+        notes = [f"loss_buffers {_gib(mem.loss_buffers)}: the output projection and cross-entropy run in chunks of "
+                 f"{chunk_tokens(cfg.model.vocab_size)} tokens, computing their gradients in forward: no fp32 "
+                 "[tokens, vocab] tensor is ever whole; the head keeps the input's and the weight's gradients"]
+    else:
+        notes = [f"loss_buffers {_gib(mem.loss_buffers)}: the dense loss (tp, pp or a float8 output layer): "
+                 "log_softmax saves fp32 [tokens, vocab] and backward adds two more fp32 [tokens, vocab] gradients "
+                 "(the largest transient for a large vocabulary; fewer tokens per micro-batch shrink it)"]
     if dims.tp > 1:
         notes.append("tp: the output projection gathers full logits (no loss parallelism), so every tp rank holds the "
                      "whole vocabulary's loss buffers; column-parallel matmuls save the all-gathered sequence (2 a d "

@@ -15,7 +15,7 @@ from torch import nn
 
 from trainctl.train.guards import agreed_step
 from trainctl.train.job import Job
-from trainctl.train.loss import TokenLoss, logits_of, token_loss_sum
+from trainctl.train.loss import TokenLoss, token_loss_sum
 from trainctl.train.loss_scaling import DynamicLossScaler
 from trainctl.train.memory_stats import memory_record
 from trainctl.train.micro_batch import MicroBatchContext
@@ -75,7 +75,7 @@ def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, t
         # Under cp the backward stays inside around_backward: it runs the ring's backward.
         with contexts.around_backward(inputs, targets, last=index == len(micro_batches) - 1) as freqs:
             with contexts.forward():
-                loss = token_loss(logits_of(model, inputs, freqs), targets)
+                loss = token_loss.of_model(model, inputs, targets, freqs)
             scale_loss(loss).backward()
         total += loss.detach()
     return total

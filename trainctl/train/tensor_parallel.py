@@ -101,6 +101,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tensorwise: bool = Fa
     ends = model.output is not None and model.tok_embeddings is not None
     tied = ends and model.output.weight is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, root_plan(model))
+    if model.output is not None:
+        # Its weight is vocab-sharded and its hooks gather the logits: the model computes the dense loss.
+        model.output.chunked = False
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block, float8_tensorwise))
     if tied:

@@ -1,0 +1,50 @@
+"""Attention on CUDA, checked on CPU: the backend order the worker sets, and the fp32 grouped-query path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from trainctl.config.schema import ModelConfig
+from trainctl.models import llama
+
+pytestmark = pytest.mark.unit
+
+GQA = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+
+
+def test_the_worker_prefers_cudnn_then_flash_then_efficient_then_math_and_restores_the_order():
+    before = torch._C._get_sdp_priority_order()
+    with llama.attention_backends():
+        order = torch._C._get_sdp_priority_order()
+    want = [int(b) for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)]
+    assert order[:4] == want
+    assert torch._C._get_sdp_priority_order() == before
+
+
+def test_only_fp32_on_cuda_copies_the_kv_heads():
+    assert not llama.expands_kv(torch.zeros(1))  # CPU fp32: enable_gqa (the math kernel handles it)
+    assert not llama.expands_kv(torch.zeros(1, dtype=torch.bfloat16))
+
+
+def test_copied_kv_heads_give_the_same_attention_as_enable_gqa(monkeypatch):
+    torch.manual_seed(0)
+    model = llama.build_model(GQA, "cpu")
+    model.init_weights()
+    attention = model.layers["0"].attention
+    x = torch.randn(2, 16, GQA.dim)
+    calls = []
+    real_sdpa = llama.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kwargs):
+        calls.append((k.shape[1], kwargs.get("enable_gqa")))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(llama.functional, "scaled_dot_product_attention", sdpa)
+    grouped = attention(x, model.freqs)
+    monkeypatch.setattr(llama, "expands_kv", lambda q: True)  # what fp32 on CUDA takes
+    expanded = attention(x, model.freqs)
+    assert calls == [(GQA.n_kv_heads, True), (GQA.n_heads, False)]
+    torch.testing.assert_close(expanded, grouped, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,149 @@
+"""The chunked output projection + cross-entropy (models/loss_head.py) against the dense loss.
+
+Same summed loss and same gradients for every parameter, in fp32 to 1e-6, whatever the chunk size
+(one token, one that does not divide the token count, all tokens at once), tied or untied
+embeddings, ignored targets; bf16 autocast to bf16 rounding; no gradients computed under no_grad.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from trainctl.config.schema import ModelConfig
+from trainctl.models import loss_head
+from trainctl.models.llama import build_model
+from trainctl.models.loss_head import chunk_tokens, dense_loss_sum, linear_cross_entropy
+
+pytestmark = pytest.mark.unit
+
+real_chunk = loss_head._chunk
+TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=97, max_seq_len=16)
+
+
+def _model(tie: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(replace(TINY, tie_embeddings=tie), "cpu")
+    model.init_weights()
+    return model
+
+
+def _grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 48, 10_000])
+def test_chunked_loss_and_gradients_equal_the_dense_ones_in_fp32(monkeypatch, tie, chunk):
+    model = _model(tie)
+    tokens = torch.randint(0, TINY.vocab_size, (3, 16))
+    targets = torch.randint(0, TINY.vocab_size, (3, 16))
+    targets[1, 4] = loss_head.IGNORE_INDEX
+    dense = dense_loss_sum(model(tokens), targets)
+    want = _grads(model, dense)
+    monkeypatch.setattr(loss_head, "CHUNK_BYTES", chunk * 4 * TINY.vocab_size)
+    assert chunk_tokens(TINY.vocab_size, loss_head.CHUNK_BYTES) == chunk
+    seen = []
+    monkeypatch.setattr(loss_head, "_chunk", lambda h, *rest: seen.append(h.shape[0]) or real_chunk(h, *rest))
+    chunked = model(tokens, targets=targets)  # the model's own path: its head chunks
+    assert seen[0] == min(chunk, 48) and sum(seen) == 48
+    torch.testing.assert_close(chunked, dense, rtol=1e-6, atol=0)
+    got = _grads(model, chunked)
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max()
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6 * scale.item(), msg=name)
+
+
+def test_a_wrong_gradient_would_be_caught():
+    # The comparison above is sharp enough: halving one chunk's gradient is far outside 1e-6.
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    targets = torch.randint(0, 20, (10,))
+    dense = dense_loss_sum(hidden @ weight.t(), targets)
+    (want,) = torch.autograd.grad(dense, hidden)
+    (got,) = torch.autograd.grad(linear_cross_entropy(hidden, weight, targets, 3), hidden)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got[:3] *= 0.5
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_autocast_projects_in_bf16_like_the_linear():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 24, 16, requires_grad=True)
+    weight = (torch.randn(50, 16) * 0.1).requires_grad_()
+    targets = torch.randint(0, 50, (2, 24))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = linear_cross_entropy(hidden, weight, targets, 5)
+        dense = dense_loss_sum(torch.nn.functional.linear(hidden, weight), targets)
+    assert chunked.dtype == torch.float32
+    # The same bf16 logits, the same fp32 softmax: equal up to fp32 summation order.
+    torch.testing.assert_close(chunked, dense, rtol=1e-6, atol=0)
+    got = torch.autograd.grad(chunked, (hidden, weight))
+    want = torch.autograd.grad(dense, (hidden, weight))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=0, atol=2 ** -7 * w.abs().max().item())  # bf16's precision
+
+
+def test_no_gradients_are_computed_under_no_grad(monkeypatch):
+    calls = []
+    real = loss_head._chunk
+    monkeypatch.setattr(loss_head, "_chunk", lambda *a: calls.append(a[-1]) or real(*a))
+    hidden, weight = torch.randn(6, 4), torch.randn(9, 4)
+    targets = torch.randint(0, 9, (6,))
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets, 4)
+    torch.testing.assert_close(loss, dense_loss_sum(hidden @ weight.t(), targets), rtol=1e-6, atol=0)
+    assert calls == [False, False]
+
+
+def test_tensor_parallel_heads_keep_the_dense_loss():
+    model = _model(tie=False)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 8))
+    targets = torch.randint(0, TINY.vocab_size, (2, 8))
+    model.output.chunked = False  # what apply_tp sets
+    calls = []
+    model.output.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    loss = model(tokens, targets=targets)
+    assert calls == [torch.Size([2, 8, TINY.vocab_size])]  # whole logits, then the dense loss
+    torch.testing.assert_close(loss, dense_loss_sum(model(tokens), targets), rtol=1e-6, atol=0)
+
+
+def _peak_rise(fn) -> int:
+    """The largest rise of CPU allocator memory while `fn` runs (torch's memory profiler, as PeakMeter uses)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainctl.train.peak_memory import _allocation_events, largest_rise
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return largest_rise(_allocation_events(prof))
+
+
+def test_measured_cpu_peak_of_a_large_vocabulary_micro_batch_drops_by_the_fp32_logits(monkeypatch):
+    config = replace(TINY, vocab_size=32_000, max_seq_len=256)
+    torch.manual_seed(0)
+    model = build_model(config, "cpu")
+    model.init_weights()
+    tokens = torch.randint(0, config.vocab_size, (2, 256))
+    targets = torch.randint(0, config.vocab_size, (2, 256))
+    fp32_logits = tokens.numel() * config.vocab_size * 4  # 65.5 MB
+    monkeypatch.setattr(loss_head, "CHUNK_BYTES", fp32_logits // 16)  # 16 chunks of 32 tokens
+
+    def step(chunked: bool):
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, targets=targets) if chunked else dense_loss_sum(model(tokens), targets)
+        loss.backward()
+
+    step(True), step(False)  # warm up both paths
+    dense, chunked = _peak_rise(lambda: step(False)), _peak_rise(lambda: step(True))
+    print(f"peak rise: dense {dense / 2**20:.1f} MiB, chunked {chunked / 2**20:.1f} MiB, "
+          f"fp32 logits {fp32_logits / 2**20:.1f} MiB")
+    assert dense - chunked >= fp32_logits
