@@ -35,6 +35,12 @@ GPUS: dict[str, GpuSpec] = {
     "h100_pcie": GpuSpec(
         "NVIDIA H100 PCIe 80GB", 79.6, {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0}, True, 64.0, 50.0
     ),
+    # NVIDIA's H100 datasheet, H100 NVL column (figures with sparsity, halved here): BF16 1,671, FP8 3,341,
+    # TF32 835 TFLOP/s; 94 GB HBM3 (nvidia-smi: 95830 MiB). PCIe cards: NVLink bridges pair them only, so
+    # collectives over more than two go over PCIe Gen5.
+    "h100_nvl": GpuSpec(
+        "NVIDIA H100 NVL 94GB", 93.6, {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 417.5}, True, 64.0, 50.0
+    ),
     "h200": GpuSpec("NVIDIA H200 141GB", 140.4, _HOPPER, True, 450.0, 50.0),
     "b200": GpuSpec(
         "NVIDIA B200 180GB", 178.4, {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 1100.0}, True, 900.0, 50.0
@@ -50,6 +56,7 @@ GPUS: dict[str, GpuSpec] = {
 # Substrings of torch.cuda.get_device_name() -> key above; most specific first.
 _DEVICE_NAME_PATTERNS = (
     ("H100 PCIe", "h100_pcie"),
+    ("H100 NVL", "h100_nvl"),
     ("H100", "h100_sxm"),
     ("H200", "h200"),
     ("B200", "b200"),
@@ -69,7 +76,12 @@ def match_gpu(device_name: str) -> str | None:
 
 
 def peak_flops(gpu: str, compute_dtype: str, fp8: bool = False) -> float | None:
-    """Dense peak FLOP/s of one device for the dtype its matmuls run in; None if unknown."""
+    """Dense peak FLOP/s of one device for the dtype its matmuls run in; None if unknown.
+
+    An fp8 run's MFU is against the fp8 peak, in the plan and in the worker alike: it is the tensor-core
+    rate that run asks of the device (its bf16-peak MFU would read twice as high). Attention and the
+    output layer stay bf16, so an fp8 run's MFU is lower than its bf16 twin's at the same speed-up.
+    """
     spec = GPUS.get(gpu)
     if spec is None:
         return None

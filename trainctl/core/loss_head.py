@@ -4,12 +4,11 @@ The worker (models/loss_head.py) computes the output projection and the cross-en
 so no fp32 [tokens, vocab] tensor is ever whole, except where the output layer is not its own plain
 Linear on this rank: tensor parallelism shards it over the vocabulary (its hooks gather whole logits),
 a pipeline's schedule calls the loss on the last stage's logits, and float8 swaps a converted output
-Linear for torchao's. The plan counts the loss buffers by the same rule.
+Linear for torchao's. The plan counts the loss buffers by the same rule. `m` and `precision` are the
+config's model and precision sections (core imports no config module).
 """
 
 from __future__ import annotations
-
-from trainctl.config.schema import ModelConfig, PrecisionConfig
 
 CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits at most
 FP8_ALIGNMENT = 16  # float8 matmuls need both dimensions of a Linear to be multiples of this
@@ -20,13 +19,13 @@ def chunk_tokens(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
-def output_in_float8(m: ModelConfig, precision: PrecisionConfig) -> bool:
+def output_in_float8(m, precision) -> bool:
     """Whether float8 converts the output Linear (not excluded by name, both dimensions aligned)."""
     if not precision.fp8 or any(part in "output" for part in precision.fp8_exclude):
         return False
     return m.dim % FP8_ALIGNMENT == 0 and m.vocab_size % FP8_ALIGNMENT == 0
 
 
-def chunked_loss(m: ModelConfig, precision: PrecisionConfig, tp: int, pp: int) -> bool:
+def chunked_loss(m, precision, tp: int, pp: int) -> bool:
     """Whether the worker computes this run's loss in chunks (see the module doc for the exceptions)."""
     return tp == 1 and pp == 1 and not output_in_float8(m, precision)

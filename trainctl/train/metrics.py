@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from trainctl.config.schema import LoggingConfig
+from trainctl.config.schema import LoggingConfig, PrecisionConfig
 from trainctl.core import rundir
 from trainctl.core.gpus import match_gpu, peak_flops
 from trainctl.train.peak_memory import read_prediction, with_prediction
@@ -32,12 +32,13 @@ def print0(message: str, is_main: bool) -> None:
         print(message, flush=True)
 
 
-def device_peak_flops(device: torch.device, compute_dtype: str) -> float | None:
-    """Dense peak FLOP/s of one device for MFU; None on CPU or an unknown GPU (MFU is then omitted)."""
+def device_peak_flops(device: torch.device, precision: PrecisionConfig) -> float | None:
+    """Dense peak FLOP/s of one device for MFU, the plan's (core.gpus.peak_flops: fp8 runs against the fp8
+    peak); None on CPU or an unknown GPU (MFU is then omitted)."""
     if device.type != "cuda":
         return None
     gpu = match_gpu(torch.cuda.get_device_name(device))
-    return None if gpu is None else peak_flops(gpu, compute_dtype)
+    return None if gpu is None else peak_flops(gpu, precision.compute_dtype, precision.fp8)
 
 
 def _format(values: dict) -> str:

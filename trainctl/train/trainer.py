@@ -244,7 +244,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     return Job(cfg=cfg, world=world, model=model, optimizer=optimizer, pipeline=pipeline, contexts=contexts,
                train_data=train_data, val_data=val_data, scaler=scaler, guard=guard, progress=progress, meta=meta,
                checkpoints=checkpoints, start=start, metrics=metrics, stop=stop,
-               peak_flops=device_peak_flops(world.device, cfg.precision.compute_dtype))
+               peak_flops=device_peak_flops(world.device, cfg.precision))
 
 
 def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager, model: nn.Module,
