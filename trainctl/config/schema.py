@@ -186,6 +186,7 @@ class TrainConfig:
     compile: bool = False
     eval_every: int = 50  # 0 disables
     eval_batches: int = 8
+    gc_every: int = 50  # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,7 @@ def check_ranges(cfg: schema.RunConfig) -> list[str]:
         + _positive("train.seq_len", t.seq_len)
         + _at_least("train.seed", t.seed, 0)
         + _at_least("train.eval_every", t.eval_every, 0, "0 disables evaluation")
+        + _at_least("train.gc_every", t.gc_every, 0, "0 leaves Python's garbage collector alone")
         + _at_least("train.ac_every", t.ac_every, 1)
         + _positive("optim.lr", o.lr)
         + _at_least("optim.weight_decay", o.weight_decay, 0)

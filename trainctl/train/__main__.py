@@ -103,7 +103,22 @@ def fail(message: str, exit_code: int, log_path: Path | None) -> int:
     return exit_code
 
 
+ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the older name, and torch's newer one
+ALLOC_CONF_DEFAULT = "expandable_segments:True"
+
+
+def allocator_defaults(env: dict = os.environ) -> None:
+    """Expandable segments for the CUDA caching allocator, unless the user configured it.
+
+    A large model runs near the device's capacity, where fixed-size segments fragment: expandable ones
+    grow in place. Set before torch is imported (the allocator reads it at its first CUDA allocation).
+    """
+    if not any(env.get(name) for name in ALLOC_CONF_ENVS):
+        env[ALLOC_CONF_ENVS[0]] = ALLOC_CONF_DEFAULT
+
+
 def main(argv: list[str]) -> int:
+    allocator_defaults()
     if len(argv) != 1:
         return fail("usage: python -m trainctl.train RUN_DIR", EXIT_CONFIG, None)
     run_dir = Path(argv[0]).resolve()

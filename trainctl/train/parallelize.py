@@ -19,7 +19,11 @@ What is not implemented is refused up front by `check_supported`, one line namin
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import sysconfig
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -43,6 +47,21 @@ def check_supported(sharding: ShardingConfig, precision: PrecisionConfig) -> Non
     missing = unsupported(sharding, precision)
     if missing:
         raise WorkerConfigError("; ".join(missing))
+
+
+def check_compiler(env: dict | None = None) -> None:
+    """torch.compile on CUDA builds Triton's launcher with a C compiler and Python's headers: refuse up front
+    (one line) where they are missing, instead of dying at the first forward."""
+    env = os.environ if env is None else env
+    compiler = env.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    missing = ([] if compiler and shutil.which(compiler.split()[0]) else ["a C compiler (cc, gcc or clang; or $CC)"])
+    missing += [] if headers.exists() else [f"Python's headers ({headers})"]
+    if missing:
+        raise WorkerConfigError(
+            f"train.compile=true: Triton needs {' and '.join(missing)} on this node; install gcc and "
+            f"python{sysconfig.get_python_version()}-dev (or your distribution's equivalent), "
+            "or set train.compile=false")
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -137,6 +156,8 @@ def parallelize(
         expand_kv_heads_for_cp(model)  # the ring's kernels take equal q and kv head counts
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
+        if device.type == "cuda":
+            check_compiler()
         apply_compile(model)
     dp_mesh = dp_mesh_for(wrap.dp_mesh, mesh) if wrap.dp_mesh else None
     if wrap.fsdp:

@@ -20,10 +20,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fsdp_mp_policy(wrap: Wrapping) -> MixedPrecisionPolicy:
-    """The decision's parameter and reduce dtypes; plain fp32 (no policy) when it has none."""
+    """The decision's parameter and reduce dtypes; plain fp32 (no policy) when it has none.
+
+    cast_forward_inputs=False: the blocks take the RoPE table as an argument, and FSDP2 would cast it
+    to the compute dtype (bf16 cos/sin) where the autocast path keeps fp32. Nothing else needs the cast:
+    the embedding's compute-dtype weight makes the hidden states compute-dtype from the start.
+    """
     if not wrap.mixed_precision:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[wrap.param_dtype], reduce_dtype=DTYPES[wrap.reduce_dtype])
+    return MixedPrecisionPolicy(param_dtype=DTYPES[wrap.param_dtype], reduce_dtype=DTYPES[wrap.reduce_dtype],
+                                cast_forward_inputs=False)
 
 
 def autocast_for(wrap: Wrapping, precision: PrecisionConfig, device: torch.device) -> contextlib.AbstractContextManager:

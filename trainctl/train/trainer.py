@@ -21,7 +21,7 @@ from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.wrapping import wrapping_of
-from trainctl.models.llama import build_model
+from trainctl.models.llama import attention_backends, build_model
 from trainctl.plan.flops import flops_per_token
 from trainctl.train import distributed
 from trainctl.train import state as checkpoint_state
@@ -30,6 +30,7 @@ from trainctl.train.context_parallel import check_cp_device, cp_mesh_of
 from trainctl.train.data import TokenBatches, check_vocab, prepare_data
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import register_float8_scale_precompute
+from trainctl.train.gc_schedule import collect_every
 from trainctl.train.guards import StepGuard
 from trainctl.train.job import Job
 from trainctl.train.loss import token_loss_sum  # noqa: F401  (re-exported: tests measure the loop's own loss)
@@ -57,13 +58,15 @@ def train_loop(job: Job) -> dict:
     val_loss = begin_training(job)
     job.stop.armed = True  # from here a stop signal means: finish the step, save, leave
     timer, started, stopped = StepTimer(job.world.device), time.perf_counter(), False
-    for step in range(begin, steps):
-        result = train_step(job, step)
-        timer.tick()
-        val_loss = after_step(job, result, timer, val_loss)
-        if result.stop:
-            stopped = True
-            break
+    with collect_every(job.cfg.train.gc_every) as collect:
+        for step in range(begin, steps):
+            result = train_step(job, step)
+            timer.tick()
+            val_loss = after_step(job, result, timer, val_loss)
+            collect(result.step)
+            if result.stop:
+                stopped = True
+                break
     if begin == steps:  # a restart after the final checkpoint (a crash or preemption before result.json)
         val_loss = evaluate_and_log(job, steps)
     job.checkpoints.wait()
@@ -286,7 +289,8 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
     job = None
     try:
         job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.preemption.signal))
-        summary = train_loop(job)
+        with attention_backends():  # cuDNN, flash, efficient, math: set, not left to chance
+            summary = train_loop(job)
         if summary["stopped"]:
             report_stop(job, run_dir, summary["steps"])
         elif world.is_main:
