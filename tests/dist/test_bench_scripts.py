@@ -29,14 +29,26 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_bench_loop_runs_the_worker_loop_next_to_a_bare_one(tmp_path):
     out = tmp_path / "loop.json"
-    proc = run_script("bench_loop.py", "--steps", "3", "--warmup", "3", "--repeats", "2", "--seq-len", "32",
-                      "--micro-batch", "2", "--grad-accum", "2", "--threads", "1", "--json", str(out))
+    proc = run_script("bench_loop.py", "--steps", "3", "--warmup", "3", "--rounds", "2", "train.seq_len=32",
+                      "train.micro_batch=2", "train.grad_accum=2", "cluster.cpu_threads=1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ratio trainctl/bare" in proc.stdout
     result = json.loads(out.read_text())
     assert len(result["bare_tokens_per_s"]) == len(result["trainctl_tokens_per_s"]) == 2
     assert all(x > 0 for x in result["bare_tokens_per_s"] + result["trainctl_tokens_per_s"])
     assert result["ratio_best"] > 0 and result["ratio_median"] > 0
+    assert result["batch"] == "2x2x32" and result["steps"] == 3 and result["precision"] == "fp32"
+
+
+def test_bench_loop_takes_a_recipe_and_a_lower_precision(tmp_path):
+    # Any recipe and precision: bf16 autocast in the bare arm, the recipe's own path in trainctl's (tiny shapes).
+    out = tmp_path / "loop.json"
+    proc = run_script("bench_loop.py", "--recipe", "tiny_cpu", "--device", "cpu", "--steps", "2", "--warmup", "2",
+                      "--rounds", "1", "sharding=none", "precision=bf16", "train.seq_len=16", "train.micro_batch=1",
+                      "train.grad_accum=1", "model.n_layers=1", "cluster.cpu_threads=1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["recipe"] == "tiny_cpu" and result["precision"] == "bf16" and result["batch"] == "1x1x16"
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
