@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_variants import write_results  # same folder: the script's own directory is on sys.path
+from bench_variants import launched_run_dir, write_results  # same folder: the script's own directory is on sys.path
 
 GIB = 2**30
 MODES = ("none", "selective", "op", "full")
@@ -40,7 +40,8 @@ def run_variant(recipe: str, base: list[str], mode: str, micro_batch: int, runs_
     cmd = [sys.executable, "-m", "trainctl.cli", "launch", *common, *overrides, "--name", name, "--force"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     result = {"variant": name, "mode": mode, "micro_batch": micro_batch, "exit_code": proc.returncode}
-    run_dir = runs_dir / name
+    run_dir = launched_run_dir(proc.stdout + proc.stderr) or runs_dir / name  # the launcher may suffix the name
+    result["run_dir"] = str(run_dir)
     plan = read_json(run_dir / "plan.json")
     if plan:
         memory = plan["memory"]

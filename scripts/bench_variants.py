@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -32,25 +33,60 @@ VARIANTS = {
     "ac_full": ["train.activation_checkpointing=full"],
     "ac_op": ["train.activation_checkpointing=op"],
     "fp8": ["precision=fp8"],
+    "fp8_rowwise": ["precision=fp8", "precision.fp8_recipe=rowwise"],
 }
-DEFAULT = ["eager", "compile", "ac_selective", "ac_full", "fp8"]
+DEFAULT = ["eager", "compile", "ac_selective", "ac_full", "fp8", "fp8_rowwise"]
 
 
 def run_variant(recipe: str, base: list[str], extra: list[str], runs_dir: Path, name: str) -> dict:
-    """Launch one variant and summarize its train records."""
+    """Launch one variant and summarize its train records (kept even when something after training failed).
+
+    No checkpoints (five 1B variants would write ~69 GiB), and the run directory is the one this launch
+    printed: the launcher suffixes `-1`, `-2` to a name that exists, and an older run's metrics must never
+    be read in its place.
+    """
+    overrides = [*base, *extra, "checkpoint.save_final=false", "checkpoint.every=0"]
     cmd = [sys.executable, "-m", "trainctl.cli", "launch", f"recipe={recipe}", f"runs_dir={runs_dir}",
-           *base, *extra, "--name", name]
+           *overrides, "--name", name]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    run_dir = runs_dir / name
-    result = {"variant": name, "overrides": [*base, *extra], "exit_code": proc.returncode, "run_dir": str(run_dir)}
+    result = {"variant": name, "overrides": overrides, "exit_code": proc.returncode}
+    run_dir = launched_run_dir(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         result["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    if run_dir is None:
+        result.setdefault("error", ["the launch printed no run directory"])
         return result
-    return {**result, **summarize(run_dir / "metrics.jsonl")}
+    result["run_dir"] = str(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    figures = summarize(metrics, model_figures(recipe, overrides)) if metrics.exists() else {}
+    if "error" in figures and "error" in result:
+        figures.pop("error")
+    return {**result, **figures}
 
 
-def summarize(metrics: Path, skip: int = 1) -> dict:
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+RUN_DIR_LINE = re.compile(r"^run directory: (.+)$", re.MULTILINE)
+
+
+def launched_run_dir(output: str) -> Path | None:
+    """The run directory `trainctl launch` printed (the last one, if it printed several)."""
+    found = RUN_DIR_LINE.findall(output)
+    return Path(found[-1].strip()) if found else None
+
+
+def model_figures(recipe: str, overrides: list[str]) -> dict:
+    """FLOPs per token of the variant's model and sequence length, under both attention conventions."""
+    from trainctl.config.compose import compose
+    from trainctl.plan.flops import flops_per_token
+
+    cfg = compose([f"recipe={recipe}", *overrides])
+    full = flops_per_token(cfg.model, cfg.train.seq_len)
+    attention = 12.0 * cfg.model.n_layers * cfg.model.dim * cfg.train.seq_len
+    return {"flops_per_token": full, "flops_per_token_causal": full - attention / 2}
+
+
+def summarize(metrics: Path, model: dict | None = None, skip: int = 1) -> dict:
+    """Medians of the train records after the first `skip` (compilation, warmup)."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("kind") == "train"][skip:]
     if not train:
         return {"error": ["no train records after warmup; raise train.steps"]}
@@ -59,29 +95,39 @@ def summarize(metrics: Path, skip: int = 1) -> dict:
         values = [r[key] for r in train if key in r]
         return statistics.median(values) if values else None
 
-    return {
+    figures = {
         "tokens_per_s": median("tokens_per_s"),
+        # The worker's MFU counts attention over the full sequence (PaLM's convention); the causal
+        # convention halves the attention FLOPs (a causal kernel skips the masked half).
         "mfu": median("mfu"),
         "step_time_s": median("step_time_s"),
         "peak_mem_gib": max((r["peak_mem_gib"] for r in train if "peak_mem_gib" in r), default=None),
+        "peak_reserved_gib": max((r["peak_reserved_gib"] for r in train if "peak_reserved_gib" in r), default=None),
         "final_loss": train[-1]["loss"],
     }
+    if model and figures["mfu"] is not None:
+        figures["mfu_causal"] = figures["mfu"] * model["flops_per_token_causal"] / model["flops_per_token"]
+    return figures
 
 
 def markdown(results: list[dict], header: str) -> str:
     def cell(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    columns = "| variant | tokens/s | MFU | step s | peak GiB | loss | overrides |"
-    lines = [header, "", columns, "|---|---|---|---|---|---|---|"]
+    columns = ("| variant | tokens/s | MFU (full attn) | MFU (causal attn) | step s | peak alloc GiB | "
+               "peak reserved GiB | loss | overrides |")
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {' '.join(r['error'])} | | | | | {' '.join(r['overrides'])} |")
+        if "tokens_per_s" not in r:
+            failed = " ".join(r["error"])
+            lines.append(f"| {r['variant']} | failed: {failed} | | | | | | | {' '.join(r['overrides'])} |")
             continue
+        note = f" (then failed: {' '.join(r['error'])})" if "error" in r else ""
         lines.append(
-            f"| {r['variant']} | {cell(r['tokens_per_s'], ',.0f')} | {cell(r['mfu'], '.1%')} | "
-            f"{cell(r['step_time_s'], '.3f')} | "
-            f"{cell(r['peak_mem_gib'], '.1f')} | {cell(r['final_loss'], '.3f')} | {' '.join(r['overrides'])} |"
+            f"| {r['variant']}{note} | {cell(r['tokens_per_s'], ',.0f')} | {cell(r['mfu'], '.1%')} | "
+            f"{cell(r.get('mfu_causal'), '.1%')} | {cell(r['step_time_s'], '.3f')} | "
+            f"{cell(r['peak_mem_gib'], '.1f')} | {cell(r['peak_reserved_gib'], '.1f')} | "
+            f"{cell(r['final_loss'], '.3f')} | {' '.join(r['overrides'])} |"
         )
     return "\n".join(lines) + "\n"
 

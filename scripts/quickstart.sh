@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Fresh clone -> .venv -> install -> train recipe=tiny_cpu on this CPU (2 workers, DDP).
 # Extra arguments are passed on as overrides, e.g. ./scripts/quickstart.sh train.steps=50
+# TRAINCTL_RUNS_DIR: where the run goes (default runs/, as `trainctl launch`'s own default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_setup.sh
 
 name="quickstart-$(date +%Y%m%d-%H%M%S)"
+runs=${TRAINCTL_RUNS_DIR:-runs}
 trainctl recipes
-trainctl plan recipe=tiny_cpu "$@"
-trainctl launch recipe=tiny_cpu --name "$name" "$@"
+trainctl plan recipe=tiny_cpu "runs_dir=$runs" "$@"
+trainctl launch recipe=tiny_cpu "runs_dir=$runs" --name "$name" "$@"
 
 # The demo's promise: validation loss at the end is at most half of the step-0 one.
-python - "runs/$name/result.json" <<'PY'
+python - "$runs/$name/result.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 ratio = r["final_val_loss"] / r["initial_val_loss"]

@@ -30,3 +30,10 @@ def test_bench_variants_reports_each_variant_from_its_metrics(tmp_path, data_cac
     assert result["final_loss"] == result["final_loss"]  # a number, not NaN
     assert report["device"].startswith("cpu") and report["command"].startswith("python scripts/bench_variants.py")
     assert "| eager |" in (tmp_path / "bench.md").read_text()
+    first = Path(result["run_dir"])
+    assert first.name == "eager" and not (first / "checkpoints").exists() or not any((first / "checkpoints").iterdir())
+    # Again into the same runs folder: the launcher names the new run eager-1, and that is the one read.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (again,) = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert Path(again["run_dir"]).name == "eager-1" and again["tokens_per_s"] > 0

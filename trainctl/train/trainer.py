@@ -190,6 +190,7 @@ def step_metrics(job: Job, result: StepResult, lap: tuple[float, int]) -> dict:
         values["mfu"] = flops / (job.world.world_size * job.peak_flops)
     if job.world.device.type == "cuda":
         values["peak_mem_gib"] = torch.cuda.max_memory_allocated(job.world.device) / 2**30
+        values["peak_reserved_gib"] = torch.cuda.max_memory_reserved(job.world.device) / 2**30
     return values
 
 
