@@ -1,4 +1,4 @@
-"""Smoke tests of scripts/bench_loop.py and scripts/bench_checkpoint.py: tiny shapes, CPU, a few steps.
+"""Smoke tests of scripts/bench_loop.py, bench_checkpoint.py, gpu_proof.sh and gpu_wheels.sh: tiny shapes, CPU.
 
 Each runs the script as a user would (a fresh interpreter: a gloo world of one, or torchrun for --nproc 2)
 and checks that it reports every figure it promises; the figures themselves are measurements, not asserted.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,26 @@ def test_bench_checkpoint_reports_every_figure(tmp_path, nproc):
     assert len(summary["repeats"]) == 1
     assert not (tmp_path / "work").exists()  # the script leaves nothing behind
     assert "sync save (committed)" in proc.stdout
+
+
+def run_shell(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_gpu_proof_checks_the_box_and_refuses_unknown_stages(tmp_path):
+    proc = run_shell("gpu_proof.sh", "check", env={"OUT": str(tmp_path / "out")})
+    if shutil.which("nvidia-smi") is None:
+        assert proc.returncode == 3 and "no NVIDIA GPU" in proc.stdout, proc.stdout + proc.stderr
+    else:  # on a GPU box: the versions and the compiler verdict
+        assert proc.returncode == 0 and "torch.compile" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "out" / "check.log").exists()
+    bad = run_shell("gpu_proof.sh", "benchmark-everything", env={"OUT": str(tmp_path / "out")})
+    assert bad.returncode == 2 and "unknown stage" in bad.stderr
+
+
+def test_gpu_wheels_names_what_the_gpu_box_lacks():
+    proc = run_shell("gpu_wheels.sh", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    for package in ("hydra-core==", "omegaconf==", "PyYAML==", "torchao==", "antlr4-python3-runtime==4.9.3"):
+        assert package in proc.stdout, package

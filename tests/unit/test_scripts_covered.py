@@ -1,0 +1,54 @@
+"""Every script under scripts/ has a smoke test that runs it, so none can rot unnoticed (issue 13).
+
+A new script without an entry here fails this test; an entry whose test is gone fails it too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.unit
+
+# script -> the test that runs it ("file::function"), or the CI entry that does (".ci/run").
+COVERED = {
+    "_setup.sh": "tests/dist/test_quickstart.py::test_quickstart_trains_and_keeps_its_promise",  # sourced by it
+    "quickstart.sh": "tests/dist/test_quickstart.py::test_quickstart_trains_and_keeps_its_promise",
+    "test.sh": ".ci/run",  # the suite itself
+    "test_torch.sh": ".ci/run",  # the worker's dist tests under torch 2.11
+    "bench_loop.py": "tests/dist/test_bench_scripts.py::test_bench_loop_runs_the_worker_loop_next_to_a_bare_one",
+    "bench_checkpoint.py": "tests/dist/test_bench_scripts.py::test_bench_checkpoint_reports_every_figure",
+    "bench_variants.py": "tests/dist/test_bench_variants.py::test_bench_variants_reports_each_variant_from_its_metrics",
+    "bench_memory.py": "tests/dist/test_plan_memory.py::test_bench_memory_script_measures_against_the_plan",
+    "code_health.py": "tests/unit/test_code_health.py::test_runs_on_this_repository",
+    "slurm-local-cluster.sh":
+        "tests/slurm/test_slurm_cluster.py::test_one_node_job_completes_with_its_logs_and_records",
+    "gpu_proof.sh": "tests/dist/test_bench_scripts.py::test_gpu_proof_checks_the_box_and_refuses_unknown_stages",
+    "gpu_wheels.sh": "tests/dist/test_bench_scripts.py::test_gpu_wheels_names_what_the_gpu_box_lacks",
+}
+
+
+def test_every_script_has_a_smoke_test():
+    scripts = {p.name for p in (REPO / "scripts").iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts - COVERED.keys() == set(), "scripts without a smoke test: add one and an entry in COVERED"
+    assert COVERED.keys() - scripts == set(), "entries for scripts that no longer exist"
+
+
+@pytest.mark.parametrize("script", sorted(COVERED))
+def test_the_named_test_exists_and_runs_the_script(script):
+    target = COVERED[script]
+    if target == ".ci/run":
+        assert script in (REPO / ".ci" / "run").read_text()
+        return
+    path, function = target.split("::")
+    source = (REPO / path).read_text()
+    assert re.search(rf"^def {function}\(", source, re.MULTILINE), target
+    # The test's module names the script it runs (slurm's conftest starts the cluster script for its tests).
+    conftest = (REPO / path).parent / "conftest.py"
+    text = source + (conftest.read_text() if conftest.exists() else "")
+    named = "quickstart.sh" if script == "_setup.sh" else script  # _setup.sh is sourced by quickstart.sh
+    assert named in text, target
