@@ -19,6 +19,7 @@ from rich.syntax import Syntax
 from rich.table import Column, Table
 
 from trainctl.config import compose as composer
+from trainctl.config import sources
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import GROUPS, RunConfig, option_of, to_yaml
 from trainctl.config.validate import resolve
@@ -42,34 +43,58 @@ OVERRIDES = typer.Argument(
 )
 
 
-def _resolved(overrides: list[str] | None) -> RunConfig:
-    return resolve(composer.compose(list(overrides or [])))
+CONFIG_DIRS = typer.Option(
+    None, "--config-dir", show_default=False,
+    help=f"A folder of your own options (DIR/recipes/*.yaml, DIR/model/*.yaml, ...); repeatable; "
+    f"searched before ${sources.ENV_VAR}'s folders and the shipped configs.")
+
+
+def _search(config_dirs: list[Path] | None) -> sources.SearchPath:
+    """The config folders to compose from; a user option hiding a shipped one is said on stderr."""
+    sp = sources.search_path([str(d) for d in config_dirs or []])
+    for winner, _hidden in sources.shadowed(sp):
+        err.print(f"note: {winner.group} {winner.name} from {winner.path} shadows the shipped one",
+                  highlight=False, soft_wrap=True, markup=False)
+    return sp
+
+
+def _resolved(overrides: list[str] | None, config_dirs: list[Path] | None = None) -> RunConfig:
+    return resolve(composer.compose(list(overrides or []), _search(config_dirs)))
 
 
 @app.command()
-def recipes() -> None:
-    """List the recipes, one line each.  Example: trainctl recipes"""
-    table = Table("recipe", "description", box=None, header_style="bold")
-    for name in composer.list_options("recipe"):
-        table.add_row(name, composer.recipe_description(name))
+def recipes(config_dirs: list[Path] = CONFIG_DIRS) -> None:
+    """List the recipes, one line each, with where each comes from.  Example: trainctl recipes"""
+    sp = _search(config_dirs)
+    rows = [(name, composer.recipe_description(name, sp), sources.describe_origin(opt))
+            for name, opt in sources.options("recipe", sp).items()]
+    if not out.is_terminal:  # for grep and scripts: whole values, tab-separated, never cut
+        sys.stdout.write("".join("\t".join(row) + "\n" for row in rows))
+        return
+    table = Table("recipe", "description", "from", box=None, header_style="bold")
+    for row in rows:
+        table.add_row(*map(escape, row))
     out.print(table)
 
 
 @config_app.command("groups")
-def config_groups() -> None:
-    """Every config group and its options.  Example: trainctl config groups"""
-    table = Table("group", "options", "default", box=None, header_style="bold")
-    defaults = composer.compose_dictconfig([])
-    for group in GROUPS:
-        table.add_row(group, ", ".join(composer.list_options(group)), option_of(group, defaults[group]))
-    table.add_row("recipe", ", ".join(composer.list_options("recipe")), "(none)")
+def config_groups(config_dirs: list[Path] = CONFIG_DIRS) -> None:
+    """Every config group and its options (user options with their file).  Example: trainctl config groups"""
+    sp = _search(config_dirs)
+    table = Table("group", "options", "default", "from your folders", box=None, header_style="bold")
+    defaults = composer.compose_dictconfig([], sp)
+    for group in (*GROUPS, "recipe"):
+        found = sources.options(group, sp)
+        default = option_of(group, defaults[group]) if group in GROUPS else "(none)"
+        mine = ", ".join(f"{name} ({opt.path})" for name, opt in found.items() if not opt.shipped)
+        table.add_row(group, escape(", ".join(found)), default, escape(mine or "-"))
     out.print(table)
 
 
 @config_app.command("show")
-def config_show(overrides: list[str] = OVERRIDES) -> None:
+def config_show(overrides: list[str] = OVERRIDES, config_dirs: list[Path] = CONFIG_DIRS) -> None:
     """Print the resolved config as YAML.  Example: trainctl config show recipe=llama7b_fsdp optim.lr=1e-4"""
-    cfg = _resolved(overrides)
+    cfg = _resolved(overrides, config_dirs)
     text = to_yaml(cfg)
     if out.is_terminal:
         out.print(Syntax(text, "yaml", background_color="default"))
@@ -84,6 +109,7 @@ def plan(
     compare: str = typer.Option(
         None, "--compare", show_default=False,
         help="Side-by-side memory and step time along one axis: sharding, checkpointing, tp, micro_batch."),
+    config_dirs: list[Path] = CONFIG_DIRS,
 ) -> None:
     # One help line for typer, written as two literals to keep the source under 120 columns.
     ("Show the run plan: topology, batch math, FLOPs, memory per rank with a verdict, throughput.  "
@@ -91,7 +117,7 @@ def plan(
     from trainctl.launch.command import plan_record
     from trainctl.plan import build
 
-    cfg = _resolved(overrides)
+    cfg = _resolved(overrides, config_dirs)
     if compare is not None:
         _plan_compare(cfg, compare.replace("-", "_"), as_json)
         return
@@ -210,13 +236,14 @@ def launch(
     name: str = typer.Option("", "--name", help="Run directory name (default: recipe or model, then a timestamp)."),
     force: bool = typer.Option(
         False, "--force", help="Launch even when the plan says a rank's memory does not fit its device."),
+    config_dirs: list[Path] = CONFIG_DIRS,
 ) -> None:
     """Write a run directory and start the workers.  Example: trainctl launch recipe=tiny_cpu train.steps=50"""
     from trainctl.core.support import unsupported
     from trainctl.launch import rundir
     from trainctl.plan import build, refusal
 
-    cfg = _resolved(overrides)
+    cfg = _resolved(overrides, config_dirs)
     run_plan = build(cfg)
     missing = unsupported(cfg.sharding, cfg.precision)
     if missing and not dry_run:

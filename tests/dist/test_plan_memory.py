@@ -30,9 +30,9 @@ from worker_runs import base_config, records, run_worker, write_run_dir
 
 from trainctl.config.schema import PrecisionConfig, ShardingConfig
 from trainctl.config.validate import resolve
+from trainctl.launch.command import plan_record
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.assess import dims_of
-from trainctl.launch.command import plan_record
 from trainctl.plan.runplan import build
 from trainctl.plan.stages import rank_stages
 

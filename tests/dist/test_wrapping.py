@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainctl.config.compose import compose
+from trainctl.config.compose import compose, list_options
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
 from trainctl.core.dims import ParallelDims
@@ -29,13 +28,13 @@ from trainctl.core.stages import local_stage_ids, stage_layers
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import Wrapping, wrapping_of
 from trainctl.train.distributed import build_mesh
+from trainctl.train.micro_batch import MicroBatchContext
 from trainctl.train.optim import build_optimizer, zero1_group
 from trainctl.train.parallelize import parallelize
 from trainctl.train.pipeline import build_stage_model
-from trainctl.train.micro_batch import MicroBatchContext
 from trainctl.train.precision import DTYPES
 
-RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "recipe").glob("*.yaml"))
+RECIPES = list_options("recipe")
 CPU = torch.device("cpu")
 
 

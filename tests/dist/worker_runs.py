@@ -9,7 +9,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from tests.helpers import torchrun_cmd, worker_env
-from trainctl.config.schema import DataConfig, LoggingConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, to_yaml
+from trainctl.config.schema import (
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+    to_yaml,
+)
 
 WORKER_TIMEOUT_S = 240
 # The tiny model as CLI overrides of recipe=tiny_cpu, for tests that launch through `trainctl`: seconds per run.

@@ -210,7 +210,20 @@ def test_options_that_are_paths_are_refused_before_loading(outside_yaml, templat
     with pytest.raises(ConfigError) as err:
         compose([override])
     (line,) = err.value.problems
-    assert line.startswith(override) and "not a" in line and "never a path" in line and "choose one of" in line
+    if override.startswith("recipe="):  # a recipe may be a file, but only one named as such
+        assert "a recipe file must end in .yaml" in line
+        return
+    assert line.startswith(override) and "not a" in line and "--config-dir" in line and "choose one of" in line
+
+
+def test_a_recipe_file_named_by_path_loads_and_only_as_recipe(outside_yaml):
+    assert compose([f"recipe={outside_yaml}"]).optim.lr == 0.123
+    for override in (f"+recipe@_global_={outside_yaml}", f"model={outside_yaml}"):
+        with pytest.raises(ConfigError):
+            compose([override])
+    with pytest.raises(ConfigError) as err:
+        compose([f"recipe={outside_yaml.parent / 'missing.yaml'}"])
+    assert "no such file" in err.value.problems[0]
 
 
 @pytest.mark.parametrize("override", ["hydra.searchpath=[file:///tmp]", "++hydra.searchpath=[pkg://x]",
@@ -219,7 +232,7 @@ def test_hydra_settings_are_refused(override):
     with pytest.raises(ConfigError) as err:
         compose([override])
     (line,) = err.value.problems
-    assert line.startswith(override.split("=")[0]) and "trainctl config groups" in line
+    assert line.startswith(override.split("=")[0]) and "--config-dir" in line
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,17 @@
 """The Llama decoder: parameter count matches the plan's formula, forward is causal and deterministic."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from trainctl.config.compose import conf_dir
 from trainctl.config.schema import ModelConfig, from_dict
 from trainctl.models.llama import apply_rope, build_model, count_params, rope_frequencies
 from trainctl.plan.flops import param_count
 
-MODEL_YAMLS = sorted((Path(__file__).parents[2] / "conf" / "model").glob("*.yaml"))
+MODEL_YAMLS = sorted((conf_dir() / "model").glob("*.yaml"))
 SMALL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=32)
 
 

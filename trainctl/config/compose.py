@@ -1,4 +1,4 @@
-"""Compose conf/ groups, a recipe and the user's overrides into a typed RunConfig.
+"""Compose config groups, a recipe and the user's overrides into a typed RunConfig.
 
 Hydra's compose API does the composition and its override grammar (`key=value`,
 `group=option`, `+key=value`, `~key`, lists); the structured schema makes unknown
@@ -28,33 +28,39 @@ from omegaconf.errors import (
 
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import GROUPS, RunConfig, escape_interpolations, from_dict, structured_schema
+from trainctl.config.sources import (
+    ENV_VAR,
+    SearchPath,
+    is_path_like,
+    options,
+    overlay,
+    recipe_file_problem,
+    shipped_dir,
+)
 
 SCHEMA_NAME = "trainctl_schema"
 PRIMARY = "config"
+DEFAULT_PATH = SearchPath()
 
 
 def project_root() -> Path:
-    """The folder holding conf/ and recipes/ (the source checkout)."""
+    """The source checkout holding trainctl/, scripts/ and tests/ (meaningless in an installed wheel)."""
     return Path(__file__).resolve().parents[2]
 
 
 def conf_dir() -> Path:
-    return project_root() / "conf"
+    """The shipped configs (inside the package)."""
+    return shipped_dir()
 
 
-def recipes_dir() -> Path:
-    return project_root() / "recipes"
+def list_options(group: str, sp: SearchPath = DEFAULT_PATH) -> list[str]:
+    """The options of a config group (or `recipe`), sorted; user folders included."""
+    return list(options(group, sp))
 
 
-def list_options(group: str) -> list[str]:
-    """The options of a config group (or `recipe`), sorted."""
-    folder = recipes_dir() if group == "recipe" else conf_dir() / group
-    return sorted(p.stem for p in folder.glob("*.yaml"))
-
-
-def recipe_description(name: str) -> str:
+def recipe_description(name: str, sp: SearchPath = DEFAULT_PATH) -> str:
     """The recipe's one-line summary: its `description:` key, else its first comment."""
-    text = (recipes_dir() / f"{name}.yaml").read_text()
+    text = options("recipe", sp)[name].path.read_text()
     match = re.search(r"^description:\s*(.+)$", text, re.MULTILINE)
     if match:
         return match.group(1).strip().strip("\"'")
@@ -67,31 +73,32 @@ def _register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=structured_schema())
 
 
-def compose_dictconfig(overrides: list[str]) -> DictConfig:
+def compose_dictconfig(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> DictConfig:
     """Hydra composition of the primary config with `overrides`; raises ConfigError."""
-    _check_group_choices(overrides)
+    overrides, sp = _take_recipe_file(list(overrides), sp)
+    _check_group_choices(overrides, sp)
     _register_schema()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return hydra_compose(config_name=PRIMARY, overrides=list(overrides))
+        with overlay(sp) as root, initialize_config_dir(config_dir=str(root), version_base="1.3"):
+            return hydra_compose(config_name=PRIMARY, overrides=overrides)
     except MissingConfigException as exc:
-        raise ConfigError([_missing_option_message(exc)]) from None
+        raise ConfigError([_missing_option_message(exc, sp)]) from None
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError([_one_line(exc)]) from None
+        raise ConfigError([_with_user_file(_one_line(exc), sp)]) from None
     except ValueError as exc:  # Hydra's own checks of an override's shape, e.g. a group set to a dict
         raise ConfigError([f"{_one_line(exc)}; {_GROUPS_HINT}"]) from None
     finally:
         GlobalHydra.instance().clear()
 
 
-def compose(overrides: list[str]) -> RunConfig:
+def compose(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> RunConfig:
     """Compose and type-check; the result is a frozen RunConfig (not yet validated).
 
     The composed tree is merged once more onto a fresh schema so that keys added
     with `+key=value` are checked too; `~key` resets a key to its schema default.
     """
-    cfg = compose_dictconfig(overrides)
+    cfg = compose_dictconfig(overrides, sp)
     try:
         # Resolved here, against the composed tree; what is left of `${` is literal text and stays so.
         return from_dict(escape_interpolations(OmegaConf.to_container(cfg, resolve=True)))
@@ -109,55 +116,88 @@ _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _GROUPS_HINT = "see `trainctl recipes` and `trainctl config groups`"
 
 
-def _check_group_choices(overrides: list[str]) -> None:
+def _take_recipe_file(overrides: list[str], sp: SearchPath) -> tuple[list[str], SearchPath]:
+    """`recipe=path/to/foo.yaml` becomes `recipe=foo`, with that file above every config folder."""
+    result = []
+    for item in overrides:
+        override = _parse(item)
+        value = override.value() if override is not None and not override.is_sweep_override() else None
+        if item.startswith("recipe=") and isinstance(value, str) and is_path_like(value):
+            problem = recipe_file_problem(value)
+            if problem:
+                raise ConfigError([problem])
+            path = Path(value).expanduser().resolve()
+            sp = sp.with_recipe_file(path)
+            item = f"recipe={path.stem}"
+        result.append(item)
+    return result, sp
+
+
+def _parse(item: str):
+    try:
+        return OverridesParser.create().parse_override(item)
+    except HydraException:
+        return None
+
+
+def _check_group_choices(overrides: list[str], sp: SearchPath) -> None:
     """Refuse, before Hydra composes, any override that would load a config from elsewhere; one line each.
 
     Hydra resolves an option relative to its group's folder, so `recipe=../x`,
     `+recipe@_global_=../../any/file` or `model=/abs/path` would read any YAML on disk;
     `hydra.searchpath` would add folders. Options must be plain names of the group's files.
     """
-    problems = [p for item in overrides if (p := _override_problem(item))]
+    problems = [p for item in overrides if (p := _override_problem(item, sp))]
     if problems:
         raise ConfigError(problems)
 
 
-def _override_problem(item: str) -> str | None:
-    try:
-        override = OverridesParser.create().parse_override(item)
-    except HydraException:
+def _override_problem(item: str, sp: SearchPath) -> str | None:
+    override = _parse(item)
+    if override is None:
         return None  # not an override at all; Hydra reports it with the grammar's hint
     key = override.key_or_group
     if key == "hydra" or key.startswith(("hydra.", "hydra/")):
         return (f"{item}: Hydra's own settings (hydra.*) cannot be overridden; "
-                f"configs load only from trainctl's config groups; {_GROUPS_HINT}")
+                f"add config folders with --config-dir DIR or {ENV_VAR}; {_GROUPS_HINT}")
     group = key.split("/")[0]
     if "/" in key and group in config_groups():
         return f"{item}: {group} has no nested groups; choose an option with {group}=NAME; {_GROUPS_HINT}"
     if key not in config_groups():
         return None
     if override.is_sweep_override():
-        return f"{item}: one {key} per run; pass {key}=NAME (choose one of: {', '.join(list_options(key))})"
+        return f"{item}: one {key} per run; pass {key}=NAME (choose one of: {', '.join(list_options(key, sp))})"
     value = override.value()
-    options = list_options(key)
+    options = list_options(key, sp)
     if value is None and not override.is_delete():
         return f"{item}: pass {key}=NAME, or ~{key} for the default; choose one of: {', '.join(options)}"
     names = [] if value is None else value if isinstance(value, list) else [value]
     for name in names:
         if not isinstance(name, str) or not _PLAIN_NAME.match(name) or ".." in name:
             return (f"{item}: not a {key} name "
-                    f"({key} options load only from trainctl's config directories, never a path); "
+                    f"({key} options load only from config folders: add one with --config-dir DIR); "
                     f"choose one of: {', '.join(options)}")
         if name not in options:
             return f"{key}={name}: unknown {key}; choose one of: {', '.join(options)}"
     return None
 
 
-def _missing_option_message(exc: MissingConfigException) -> str:
+def _with_user_file(line: str, sp: SearchPath) -> str:
+    """Hydra names a file by its group and option (`In 'model/wide': ...`); a user's file also by its path."""
+    match = re.match(r"In '([^/']+)/([^']+)'", line)
+    if match:
+        opt = options(match.group(1), sp).get(match.group(2))
+        if opt is not None and not opt.shipped:
+            return f"{opt.path}: {line}"
+    return line
+
+
+def _missing_option_message(exc: MissingConfigException, sp: SearchPath) -> str:
     text = str(exc)
     match = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if match and match.group(1) in (*GROUPS, "recipe"):
         group, option = match.groups()
-        return f"{group}={option}: unknown {group}; choose one of: {', '.join(list_options(group))}"
+        return f"{group}={option}: unknown {group}; choose one of: {', '.join(list_options(group, sp))}"
     return _one_line(exc)
 
 

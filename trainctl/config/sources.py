@@ -1,0 +1,167 @@
+"""Where config options come from: the shipped configs, the user's config directories, a recipe file.
+
+The shipped configs live inside the package (`trainctl/conf/`: `config.yaml`, one folder per group,
+`recipes/`), so a wheel installed anywhere finds them. A user adds options with `--config-dir DIR`
+(repeatable) or `TRAINCTL_CONFIG_PATH=DIR1:DIR2`, laid out like the shipped folder (`DIR/model/*.yaml`,
+`DIR/recipes/*.yaml`, ...), and may name a recipe file directly (`recipe=path/to/foo.yaml`).
+
+Precedence: `--config-dir` folders in the order given, then `TRAINCTL_CONFIG_PATH`, then the shipped
+configs; the first folder holding an option wins, and `shadowed()` names every user option that hides a
+shipped one. Only the group folders and `recipes/` of the declared folders are read: a folder's own
+`config.yaml` or any other file never loads.
+
+Hydra composes from one overlay folder of symbolic links made for each composition (`overlay`): the
+winning file of every option, under its group's name. Hydra itself then searches one folder, and what
+it can reach is exactly what this module listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainctl.config.errors import ConfigError
+from trainctl.config.schema import GROUPS
+
+ENV_VAR = "TRAINCTL_CONFIG_PATH"
+PRIMARY_FILE = "config.yaml"
+RECIPE = "recipe"
+# The folder of a group inside a config directory: groups keep their own name; recipes live in recipes/.
+RECIPES_FOLDER = "recipes"
+SHIPPED = "shipped"
+YAML_SUFFIXES = (".yaml", ".yml")
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def shipped_dir() -> Path:
+    """The configs that ship inside the package."""
+    return Path(__file__).resolve().parents[1] / "conf"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a group: its name, its file, and where it came from (`shipped` or the user folder)."""
+
+    group: str
+    name: str
+    path: Path
+    origin: str
+
+    @property
+    def shipped(self) -> bool:
+        return self.origin == SHIPPED
+
+
+@dataclass(frozen=True)
+class SearchPath:
+    """The user's config folders, highest precedence first, before the shipped ones."""
+
+    user_dirs: tuple[Path, ...] = ()
+    recipe_file: Path | None = None  # recipe=path/to/foo.yaml, taken as recipe `foo` above every folder
+
+    def roots(self) -> list[tuple[Path, str]]:
+        return [*((d, str(d)) for d in self.user_dirs), (shipped_dir(), SHIPPED)]
+
+    def with_recipe_file(self, path: Path) -> SearchPath:
+        return SearchPath(self.user_dirs, path)
+
+
+def search_path(cli_dirs: Sequence[str] = (), environ: dict | None = None) -> SearchPath:
+    """`--config-dir` folders then `TRAINCTL_CONFIG_PATH`'s, checked; every bad one named on its own line."""
+    env = os.environ if environ is None else environ
+    given = [(d, "--config-dir") for d in cli_dirs]
+    given += [(d, ENV_VAR) for d in env.get(ENV_VAR, "").split(os.pathsep) if d.strip()]
+    dirs, problems = [], []
+    for raw, where in given:
+        path = Path(raw).expanduser()
+        if not path.is_dir():
+            what = "does not exist" if not path.exists() else "is not a directory"
+            problems.append(f"{where} {raw}: {what}; a config directory holds group folders "
+                            f"({', '.join(GROUPS[:3])}, ...) and {RECIPES_FOLDER}/ of YAML files")
+            continue
+        resolved = path.resolve()
+        if resolved != shipped_dir() and resolved not in dirs:
+            dirs.append(resolved)
+    if problems:
+        raise ConfigError(problems)
+    return SearchPath(tuple(dirs))
+
+
+def group_folder(root: Path, group: str) -> Path:
+    return root / (RECIPES_FOLDER if group == RECIPE else group)
+
+
+def _files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in YAML_SUFFIXES and p.is_file()
+                  and _PLAIN_NAME.match(p.stem))
+
+
+def all_options(group: str, sp: SearchPath) -> list[Option]:
+    """Every file of a group in every folder, highest precedence first (shadowed ones included)."""
+    found = []
+    if group == RECIPE and sp.recipe_file is not None:
+        found.append(Option(group, sp.recipe_file.stem, sp.recipe_file, str(sp.recipe_file.parent)))
+    for root, origin in sp.roots():
+        found += [Option(group, p.stem, p, origin) for p in _files(group_folder(root, group))]
+    return found
+
+
+def options(group: str, sp: SearchPath) -> dict[str, Option]:
+    """The option each name resolves to (the first folder wins), sorted by name."""
+    chosen: dict[str, Option] = {}
+    for opt in all_options(group, sp):
+        chosen.setdefault(opt.name, opt)
+    return dict(sorted(chosen.items()))
+
+
+def shadowed(sp: SearchPath) -> list[tuple[Option, Option]]:
+    """(winner, hidden) pairs where a user option hides a shipped one of the same group and name."""
+    pairs = []
+    for group in (*GROUPS, RECIPE):
+        winners = options(group, sp)
+        for opt in all_options(group, sp):
+            winner = winners[opt.name]
+            if opt.shipped and not winner.shipped:
+                pairs.append((winner, opt))
+    return pairs
+
+
+def describe_origin(opt: Option) -> str:
+    return "shipped" if opt.shipped else str(opt.path)
+
+
+def recipe_file_problem(value: str) -> str | None:
+    """Why `recipe=VALUE` (a path) cannot be loaded, or None."""
+    path = Path(value).expanduser()
+    if path.suffix not in YAML_SUFFIXES:
+        return f"recipe={value}: a recipe file must end in .yaml; or pass recipe=NAME"
+    if not path.is_file():
+        return f"recipe={value}: no such file; pass an existing recipe .yaml, or recipe=NAME (see `trainctl recipes`)"
+    if not _PLAIN_NAME.match(path.stem):
+        return f"recipe={value}: the file name must be letters, digits, _ . - (it becomes the recipe's name)"
+    return None
+
+
+def is_path_like(value: str) -> bool:
+    return "/" in value or value.endswith(YAML_SUFFIXES) or value.startswith("~")
+
+
+@contextlib.contextmanager
+def overlay(sp: SearchPath) -> Iterator[Path]:
+    """A temporary folder Hydra can compose from: the primary config and every winning option, as links."""
+    with tempfile.TemporaryDirectory(prefix="trainctl-conf-") as tmp:
+        root = Path(tmp)
+        (root / PRIMARY_FILE).symlink_to(shipped_dir() / PRIMARY_FILE)
+        for group in (*GROUPS, RECIPE):
+            folder = root / group  # Hydra's group name: `recipe`, whatever the folder on disk is called
+            folder.mkdir()
+            for name, opt in options(group, sp).items():
+                (folder / f"{name}.yaml").symlink_to(opt.path.resolve())
+        yield root
