@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from trainctl.config.schema import ModelConfig, RunConfig, to_yaml
 from trainctl.core.checkpoints import MANIFEST, list_files, sha256
 from trainctl.models.export import main, parse_size, plan_shards
+from trainctl.models.hf import from_hf
 from trainctl.models.llama import build_model
 
 STEP = "step-00000005"
@@ -74,7 +75,16 @@ def run(saved, tmp_path):
     return tmp_path / "run", tensors
 
 
-def assert_same_tensors(exported: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) -> None:
+def as_trainctl(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """An export's Hugging Face tensors back under trainctl's names and rotary layout."""
+    return dict(from_hf(name, t, cfg) for name, t in tensors.items())
+
+
+def assert_same_tensors(exported: dict[str, torch.Tensor], original: dict[str, torch.Tensor],
+                        cfg: ModelConfig | None = None) -> None:
+    """The export holds exactly the model's tensors, bit for bit, in Hugging Face's names and layout."""
+    assert all(name.startswith(("model.", "lm_head.")) for name in exported), sorted(exported)[:3]
+    exported = as_trainctl(exported, cfg or ModelConfig())
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype, name
@@ -89,7 +99,8 @@ def test_single_file_export_equals_the_model_exactly(run):
     assert_same_tensors(load_file(out / "model.safetensors"), original)
     config = json.loads((out / "config.json").read_text())
     assert config.pop("trainctl_checkpoint")["step"] == 5
-    assert config == asdict(ModelConfig())
+    assert config.pop("trainctl_model") == asdict(ModelConfig())
+    assert config["model_type"] == "llama" and config["torch_dtype"] == "float32"
     assert not list((run_dir / "export").glob(".*tmp*")), "no temporary folder left behind"
 
 
@@ -117,9 +128,9 @@ def test_tied_embeddings_are_saved_once(tmp_path):
     original = make_run(tmp_path / "run", replace(SMALL, tie_embeddings=True))[5]
     assert main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     exported = load_file(tmp_path / "out" / "model.safetensors")
-    assert "output.weight" not in exported
-    assert_same_tensors(exported, {k: v for k, v in original.items() if k != "output.weight"})
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_embeddings"] is True
+    assert "lm_head.weight" not in exported
+    assert_same_tensors(exported, {k: v for k, v in original.items() if k != "output.weight"}, SMALL)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 def test_default_is_the_newest_committed_checkpoint(run):
@@ -255,7 +266,7 @@ def test_flipped_bytes_in_a_shard_refuse_the_named_step_and_the_default_falls_ba
     assert "exported step 3" in captured.out
     assert sorted(p.name for p in (run_dir / "export").iterdir()) == [OLDER]
     assert not torch.equal(tensors[3]["output.weight"], tensors[5]["output.weight"]), "the two steps must differ"
-    assert_same_tensors(exported(run_dir / "export" / OLDER), tensors[3])
+    assert_same_tensors(exported(run_dir / "export" / OLDER), tensors[3], SMALL)
 
 
 def test_a_truncated_shard_is_skipped_or_refused(two, tmp_path, capsys):
@@ -266,7 +277,7 @@ def test_a_truncated_shard_is_skipped_or_refused(two, tmp_path, capsys):
     assert "bytes, the manifest says" in refused([str(run_dir), "--checkpoint", NEWER], capsys, tmp_path)
     assert main([str(run_dir)]) == 0
     assert "warning: skipped step-00000005: __0_0.distcp:" in capsys.readouterr().err
-    assert_same_tensors(exported(run_dir / "export" / OLDER), tensors[3])
+    assert_same_tensors(exported(run_dir / "export" / OLDER), tensors[3], SMALL)
 
 
 def test_a_truncated_shard_that_verifies_fails_in_dcp_with_one_line(two, tmp_path, capsys):
@@ -305,7 +316,7 @@ def test_a_checkpoint_without_manifest_is_not_committed(two, tmp_path, capsys):
     assert "no manifest.json in it" in refused([str(run_dir), "--checkpoint", NEWER], capsys, tmp_path)
     assert main([str(run_dir)]) == 0  # uncommitted: not a candidate at all, so no warning either
     assert capsys.readouterr().err == ""
-    assert_same_tensors(exported(run_dir / "export" / OLDER), tensors[3])
+    assert_same_tensors(exported(run_dir / "export" / OLDER), tensors[3], SMALL)
 
 
 def test_out_under_a_regular_file_is_one_line(two, tmp_path, capsys):

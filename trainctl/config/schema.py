@@ -50,6 +50,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    path: str = ""  # a Hugging Face Llama folder whose config.json gives the shape (model=hf)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ class DataConfig:
     train_path: str = ""  # memmap: pre-tokenized token file
     val_path: str = ""  # memmap: held-out token file
     token_dtype: str = "uint16"  # memmap: uint16 | uint32
+    # memmap: prepared datasets (`trainctl data prepare`), all their shards; instead of train_path/val_path
+    datasets: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # blend weights of `datasets` (default: by their tokens)
     vocab_size: int = 256  # largest token id + 1 the data can contain; 0: the model's vocab_size
     val_fraction: float = 0.05  # stdlib: share of files held out
     cache_dir: str = "~/.cache/trainctl"
@@ -199,6 +203,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background while the loop continues
     resume: str = "auto"  # auto: newest valid checkpoint of this run | never | a checkpoint or run directory
     load_only: str = "all"  # resume from a path: all | model | model_optim (a fresh run otherwise)
+    init_from: str = ""  # a Hugging Face Llama folder: its weights start a fresh run (a resume ignores it)
 
 
 @dataclass(frozen=True)

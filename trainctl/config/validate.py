@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 
-from trainctl.config import schema
+from trainctl.config import hf_config, schema
 from trainctl.config.errors import ConfigError
 from trainctl.config.slurm import check_slurm
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
@@ -22,7 +22,11 @@ from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical
 
 def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
-    nonfinite = check_finite(cfg)
+    model, hf_problems = resolve_hf_model(cfg.model)
+    if hf_problems:
+        raise ConfigError(hf_problems)
+    cfg = dataclasses.replace(cfg, model=model)
+    nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster)
     problems += check_names(cfg) + check_offload(cfg.sharding)
@@ -44,6 +48,38 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     # The alias (fsdp) is resolved here, once: downstream code sees only the strategy it names.
     sharding = dataclasses.replace(cfg.sharding, strategy=canonical(cfg.sharding.strategy), **dims.as_dict())
     return dataclasses.replace(cfg, sharding=sharding, train=train, data=resolve_data_vocab(cfg.data, cfg.model))
+
+
+def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[str]]:
+    """model.path: the shape of that Hugging Face Llama, from its config.json (the option's own values yield)."""
+    if not m.path:
+        if m.name == "hf":
+            return m, ["model=hf: set model.path=DIR, a Hugging Face Llama folder (config.json, *.safetensors)"]
+        return m, []
+    try:
+        fields = hf_config.model_fields(m.path)
+    except hf_config.HFConfigError as exc:
+        return m, [f"model.path={m.path}: {exc}"]
+    return dataclasses.replace(m, **fields), []
+
+
+def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[str]:
+    """checkpoint.init_from: a Hugging Face Llama folder with weights, of exactly the model's shape."""
+    if not c.init_from:
+        return []
+    key = f"checkpoint.init_from={c.init_from}"
+    try:
+        theirs = hf_config.model_fields(c.init_from)
+        hf_config.weight_files(c.init_from)
+    except hf_config.HFConfigError as exc:
+        return [f"{key}: {exc}"]
+    ours = dataclasses.asdict(m)
+    differ = [f"{k}={theirs[k]} (model.{k}={ours[k]})" for k in theirs
+              if k != "max_seq_len" and theirs[k] != ours[k]]
+    if differ:
+        return [f"{key}: its shape differs from the model's: {', '.join(differ[:4])}; "
+                f"use model=hf model.path={c.init_from} to take the shape from it"]
+    return []
 
 
 def check_finite(cfg: schema.RunConfig) -> list[str]:

@@ -1,6 +1,6 @@
 """Export a checkpoint's model weights as safetensors for inference tools.
 
-    python -m trainctl.models.export RUN_DIR [--checkpoint PATH] [--out DIR] [--max-shard-size BYTES]
+    python -m trainctl.models.export RUN_DIR [--checkpoint PATH] [--out DIR] [--max-shard-size BYTES] [--dtype bf16]
 
 Reads only the model tensors ("model.<fqn>" in the DCP metadata; never the optimizer
 state) of a torch.distributed.checkpoint directory, in one process without a process
@@ -9,9 +9,11 @@ output shard at a time, so peak memory is about one shard, not the whole model.
 
 Writes `model.safetensors`, or when the total exceeds the shard size,
 `model-0000K-of-0000N.safetensors` plus `model.safetensors.index.json` (Hugging Face's
-layout), and `config.json`: the run's ModelConfig fields plus `trainctl_checkpoint`.
-Names are trainctl's own (`layers.0.attention.wq.weight`), dtypes those of the
-checkpoint. Tied embeddings are saved once, as `tok_embeddings.weight`.
+layout), and `config.json` as transformers' LlamaForCausalLM reads it (plus `trainctl_model` and
+`trainctl_checkpoint`). Names and the q/k rotary layout are Hugging Face's (models/hf.py), dtypes
+those of the checkpoint unless --dtype casts them. Tied embeddings are saved once, as
+`model.embed_tokens.weight`. When the run trained on a dataset prepared with a Hugging Face
+tokenizer, its tokenizer.json (and a tokenizer_config.json) come along.
 
 Only a verified checkpoint is read (trainctl.core.checkpoints: committed, and every file matches
 its manifest): a named one that fails is refused; by default the newest valid one is taken and each
@@ -49,6 +51,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from trainctl.config.schema import ModelConfig, load_run_config
 from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
+from trainctl.models.hf import hf_config, to_hf
 from trainctl.models.llama import build_model
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
@@ -58,6 +61,7 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_mo
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # pickle documents no common base for what a damaged file raises ("including but not limited to" these).
 PICKLE_ERRORS = (
     pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError, TypeError, ValueError
@@ -251,18 +255,25 @@ def _readable_like_other_files(path: Path) -> None:
     path.chmod(0o666 & ~umask)
 
 
-def write_weights(ckpt: Path, entries: dict, names: list[str], out: Path, max_shard_size: int) -> int:
-    """Write the safetensors file(s) (and the index when sharded); returns the total bytes."""
+def write_weights(ckpt: Path, entries: dict, names: list[str], out: Path, max_shard_size: int,
+                  cfg: ModelConfig, dtype: torch.dtype | None = None) -> int:
+    """Write the safetensors file(s) in Hugging Face's names and rotary layout (and the index when sharded).
+
+    Returns the total bytes. `dtype`: cast every tensor to it (default: as saved).
+    """
     from safetensors.torch import save_file
 
-    sizes = {n: tensor_bytes(entries[n][1]) for n in names}
+    scale = (lambda item: dtype.itemsize / item.properties.dtype.itemsize) if dtype else (lambda item: 1)
+    sizes = {n: int(tensor_bytes(entries[n][1]) * scale(entries[n][1])) for n in names}
     shards = plan_shards(names, sizes, max_shard_size)
     weight_map = {}
     for index, shard in enumerate(shards):
         filename = shard_file(index, len(shards))
-        save_file(read_tensors(ckpt, entries, shard), str(out / filename), metadata={"format": "pt"})
+        tensors = dict(to_hf(name, t if dtype is None else t.to(dtype), cfg)
+                       for name, t in read_tensors(ckpt, entries, shard).items())
+        save_file(tensors, str(out / filename), metadata={"format": "pt"})
         _readable_like_other_files(out / filename)
-        weight_map.update(dict.fromkeys(shard, filename))
+        weight_map.update(dict.fromkeys(tensors, filename))
     total = sum(sizes.values())
     if len(shards) > 1:
         index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -270,10 +281,55 @@ def write_weights(ckpt: Path, entries: dict, names: list[str], out: Path, max_sh
     return total
 
 
-def write_config(cfg: ModelConfig, ckpt: Path, out: Path) -> None:
-    """config.json: the ModelConfig fields and where the weights came from."""
-    data = {**asdict(cfg), "trainctl_checkpoint": {"step": checkpoints.step_of(ckpt), "path": str(ckpt.resolve())}}
+def write_config(cfg: ModelConfig, ckpt: Path, out: Path, dtype: torch.dtype, tokens: dict | None) -> None:
+    """config.json as transformers reads it, plus the run's own model config and where the weights came from."""
+    eos = tokens.get("eos_id") if tokens else None
+    data = {**hf_config(cfg, dtype, eos_id=eos), "trainctl_model": asdict(cfg),
+            "trainctl_checkpoint": {"step": checkpoints.step_of(ckpt), "path": str(ckpt.resolve())}}
     (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_tokenizer(tokens: dict | None, cfg: ModelConfig, out: Path) -> None:
+    """The tokenizer the data was prepared with (a Hugging Face tokenizer.json), as AutoTokenizer loads it."""
+    if not tokens or not tokens.get("file"):
+        return
+    shutil.copyfile(tokens["file"], out / "tokenizer.json")
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                "eos_token": tokens.get("eos_token"), "clean_up_tokenization_spaces": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def data_tokenizer(run_dir: Path) -> dict | None:
+    """The run's data tokenizer from its prepared dataset's meta.json: {file, eos_id, eos_token}, or None."""
+    try:
+        data = load_run_config(run_dir).data
+    except CONFIG_ERRORS:
+        return None
+    if data.kind != "memmap" or not data.datasets:
+        return None
+    from trainctl.data import format as dataset
+
+    try:
+        meta = dataset.read_meta(data.datasets[0])
+    except dataset.DatasetError:
+        return None
+    tok = meta.tokenizer
+    info = {"eos_id": tok.eos_id, "file": None, "eos_token": None}
+    if tok.file:
+        info["file"] = str(meta.root / tok.file)
+        info["eos_token"] = _token_string(info["file"], tok.eos_id)
+    return info
+
+
+def _token_string(tokenizer_file: str, token_id: int) -> str | None:
+    try:
+        vocab = json.loads(Path(tokenizer_file).read_text())
+    except (OSError, ValueError):
+        return None
+    for added in vocab.get("added_tokens", []):
+        if added.get("id") == token_id:
+            return added.get("content")
+    return None
 
 
 def default_out(run_dir: Path, ckpt: Path) -> Path:
@@ -302,7 +358,8 @@ def missing_parents(path: Path) -> list[Path]:
 
 
 def export(
-    run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Export one verified checkpoint of `run_dir` (default: the newest valid one); returns the output folder."""
     cfg = read_model_config(run_dir)
@@ -316,8 +373,11 @@ def export(
     try:
         check_out(out, run_dir, ckpt)
         tmp.mkdir(parents=True)
-        write_weights(ckpt, entries, names, tmp, max_shard_size)
-        write_config(cfg, ckpt, tmp)
+        write_weights(ckpt, entries, names, tmp, max_shard_size, cfg, dtype)
+        saved = dtype or entries[names[0]][1].properties.dtype
+        tokens = data_tokenizer(run_dir)
+        write_config(cfg, ckpt, tmp, saved, tokens)
+        write_tokenizer(tokens, cfg, tmp)
         tmp.rename(out)  # onto an empty folder or a free name; never a half-written folder at `out`
         done = True
     except (OSError, SafetensorError) as exc:  # writing the output; reads of the checkpoint raise ExportError
@@ -343,6 +403,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/export/step-NNNNNNNN)")
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE),
                         help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
+    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast the weights (default: as saved)")
     return parser.parse_args(argv)
 
 
@@ -350,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry: 0 on success, 2 with one line on stderr for a user error."""
     args = parse_args(argv)
     try:
-        out = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size))
+        dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
+        out = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size), dtype)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -256,11 +256,24 @@ def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: Checkpoint
     """Restore the newest valid checkpoint of this run (or checkpoint.resume's), if any; last in setup (RNG)."""
     path, load_only = find_source(cfg.checkpoint, run_dir, checkpoints)
     if path is None:
+        if cfg.checkpoint.init_from:
+            init_from_hf(cfg, model, world)
         return StartPoint()
     start = restore(checkpoints, path, load_only, model, optimizer, world.world_size)
     if start.resumed:
         print0(f"resumed from {path} at step {start.step} ({start.samples_seen} samples seen)", world.is_main)
     return start
+
+
+def init_from_hf(cfg: RunConfig, model: nn.Module, world: distributed.World) -> None:
+    """A fresh run starts from a Hugging Face Llama's weights (checkpoint.init_from); a resume never does."""
+    from trainctl.models.hf import HFWeightsError, load_hf_weights
+
+    try:
+        count = load_hf_weights(model, cfg.checkpoint.init_from, cfg.model)
+    except HFWeightsError as exc:
+        raise WorkerConfigError(str(exc)) from None
+    print0(f"initialized {count} tensors from {cfg.checkpoint.init_from}", world.is_main)
 
 
 def report_stop(job: Job, run_dir: Path, step: int) -> None:

@@ -1,0 +1,54 @@
+"""Under torchrun: a Hugging Face Llama folder loaded into one parallel layout; rank 0 saves the logits.
+
+    torchrun --nproc_per_node=2 hf_layout_worker.py HF_DIR LAYOUT TOKENS_PT OUT_PT
+
+LAYOUT: ddp | fsdp | hsdp | tp | tp_fsdp. The model is built as the worker builds it (meta, parallelize,
+materialize with a random init), then `load_hf_weights` overwrites every local slice.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trainctl.config.hf_config import model_fields
+from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core.dims import ParallelDims
+from trainctl.models.hf import load_hf_weights
+from trainctl.models.llama import build_model
+from trainctl.train.distributed import build_mesh
+from trainctl.train.parallelize import parallelize
+
+LAYOUTS = {
+    "ddp": ShardingConfig(strategy="ddp", dp_replicate=2),
+    "fsdp": ShardingConfig(strategy="zero3", dp_shard=2),
+    "hsdp": ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=1),
+    "tp": ShardingConfig(strategy="none", tp=2),
+}
+
+
+def main() -> None:
+    hf_dir, layout, tokens_path, out_path = sys.argv[1:5]
+    dist.init_process_group("gloo")
+    torch.manual_seed(1234)  # a random init that the loaded weights must replace everywhere
+    cfg = ModelConfig(**model_fields(hf_dir))
+    sharding, device = LAYOUTS[layout], torch.device("cpu")
+    mesh = build_mesh(ParallelDims.from_config(sharding), device)
+    train = TrainConfig(seq_len=32, global_batch=2, micro_batch=1)
+    model = parallelize(build_model(cfg, "meta"), mesh, sharding, train, PrecisionConfig(), device)
+    loaded = load_hf_weights(model, hf_dir, cfg)
+    tokens = torch.load(tokens_path)
+    with torch.no_grad():
+        logits = model(tokens)
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    if dist.get_rank() == 0:
+        torch.save({"logits": logits, "loaded": loaded}, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Hugging Face Llama weights in and out, checked against the real `transformers` library.
+
+In: a random LlamaForCausalLM (grouped-query attention; and one with tied embeddings) saved by
+save_pretrained is loaded by trainctl under DDP, FSDP2, HSDP and tensor parallelism: its logits equal
+transformers' in fp32. Out: a run started from it (model=hf, checkpoint.init_from) trains a few steps,
+`trainctl export` writes a folder that AutoModelForCausalLM loads with no missing or unexpected keys,
+whose logits equal the trained checkpoint's in trainctl, and which generates.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from tests.helpers import REPO, run_torchrun
+
+transformers = pytest.importorskip("transformers")  # a dev dependency: installed by scripts/_setup.sh
+
+pytestmark = pytest.mark.dist
+TOL = 1e-4
+WORKER = str(Path(__file__).with_name("hf_layout_worker.py"))
+SHAPES = {
+    "gqa": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=500000.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tied": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
+                 intermediate_size=128, vocab_size=256, max_position_embeddings=64, rope_theta=10000.0,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+
+
+def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    with torch.no_grad():  # norms start at 1: make them random too, so a misplaced one shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, **save)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def hf_llama(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"hf-{request.param}")
+    # The GQA model is saved in shards: the loader must follow the index.
+    save = {"max_shard_size": "100KB"} if request.param == "gqa" else {}
+    model = save_random_llama(folder, SHAPES[request.param], **save)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    return request.param, folder, tokens, expected
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp", "tp"])
+def test_imported_logits_equal_transformers_in_every_layout(hf_llama, layout, tmp_path):
+    name, folder, tokens, expected = hf_llama
+    if name == "gqa":
+        assert (folder / "model.safetensors.index.json").is_file()
+    torch.save(tokens, tmp_path / "tokens.pt")
+    proc = run_torchrun(2, WORKER, str(folder), layout, str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["loaded"] > 0
+    diff = (got["logits"] - expected).abs().max().item()
+    assert diff <= TOL, f"{name}/{layout}: max |logits - transformers'| = {diff:.3g}"
+
+
+def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env_cmd = [sys.executable, "-m", "trainctl.cli", *args]
+    return subprocess.run(env_cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+                               "PYTHONPATH": str(REPO)})
+
+
+def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's model tensors by trainctl name, read with DCP (not through the export)."""
+    from trainctl.core import checkpoints
+    from trainctl.models.llama import build_model
+
+    ckpt = checkpoints.newest_valid(run_dir).path
+    names = [n for n in build_model(cfg, "meta").state_dict() if not (cfg.tie_embeddings and n == "output.weight")]
+    shapes = dict(build_model(cfg, "meta").state_dict())
+    state = {"model": {n: torch.empty(shapes[n].shape) for n in names}}
+    dcp_load(state, checkpoint_id=str(ckpt), no_dist=True)
+    return state["model"]
+
+
+@pytest.mark.slow
+def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
+    source = tmp_path / "source"
+    save_random_llama(source, SHAPES["gqa"], seed=3)
+    launch = trainctl("launch", "model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
+                      "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2", "train.steps=3",
+                      "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
+                      "schedule.warmup_steps=1", "logging.progress=false", "--name", "rt", cwd=tmp_path)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    assert "initialized" in launch.stdout + launch.stderr
+    run_dir = tmp_path / "runs" / "rt"
+    out = tmp_path / "exported"
+    exported = trainctl("export", str(run_dir), "--out", str(out), "--max-shard-size", "200KB", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert (out / "model.safetensors.index.json").is_file()
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    from trainctl.config.schema import load_run_config
+    from trainctl.models.llama import build_model
+
+    cfg = load_run_config(run_dir).model
+    ours = build_model(cfg, "cpu")
+    ours.load_state_dict(trained_weights(run_dir, cfg), strict=not cfg.tie_embeddings)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model.eval()(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= TOL, f"exported logits differ from the checkpoint's by {diff:.3g}"
+    # Training moved the weights off the source's: the export is the trained model, not a copy.
+    source_model = transformers.AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        assert (source_model(tokens).logits - model(tokens).logits).abs().max().item() > 1e-3
+    generated = model.generate(tokens[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 11)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2

@@ -1,0 +1,113 @@
+"""Hugging Face folders on the launcher side: model=hf's shape, checkpoint.init_from's checks, the name mapping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainctl.config.compose import compose
+from trainctl.config.errors import ConfigError
+from trainctl.config.hf_config import model_fields
+from trainctl.config.schema import ModelConfig
+from trainctl.config.validate import resolve
+from trainctl.models.hf import from_hf, from_hf_name, from_hf_rows, to_hf, to_hf_name, to_hf_rows
+from trainctl.models.llama import build_model
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 300, "max_position_embeddings": 128,
+         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+
+
+def hf_folder(root, config: dict, weights: bool = True):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    if weights:
+        (root / "model.safetensors").write_bytes(b"")  # only its presence is checked before launch
+    return root
+
+
+def test_model_hf_takes_the_shape_from_config_json(tmp_path):
+    folder = hf_folder(tmp_path / "llama", LLAMA)
+    cfg = resolve(compose(["model=hf", f"model.path={folder}", "data=synthetic", "train.seq_len=64"]))
+    m = cfg.model
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) == (64, 2, 4, 2, 176, 300)
+    assert (m.max_seq_len, m.norm_eps, m.rope_theta, m.tie_embeddings) == (128, 1e-5, 500000.0, False)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"head_dim": 32}, "head_dim=32"),
+    ({"model_type": "mistral"}, "only Llama"),
+])
+def test_configs_trainctl_cannot_reproduce_are_refused_in_one_line(tmp_path, change, words):
+    folder = hf_folder(tmp_path / "x", {**LLAMA, **change})
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(["model=hf", f"model.path={folder}"]))
+    (line,) = err.value.problems
+    assert line.startswith(f"model.path={folder}") and words in line
+
+
+def test_model_hf_without_a_path_or_with_a_bad_one_is_one_line(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(["model=hf"]))
+    assert len(err.value.problems) == 1 and "model.path" in err.value.problems[0]
+    for bad in (tmp_path / "missing", hf_folder(tmp_path / "empty", LLAMA).parent):
+        with pytest.raises(ConfigError) as err:
+            resolve(compose(["model=hf", f"model.path={bad}"]))
+        assert len(err.value.problems) == 1
+
+
+def test_init_from_checks_weights_and_shape_before_launch(tmp_path):
+    folder = hf_folder(tmp_path / "llama", LLAMA)
+    ok = resolve(compose(["model=hf", f"model.path={folder}", f"checkpoint.init_from={folder}", "data=synthetic",
+                          "train.seq_len=64"]))
+    assert ok.checkpoint.init_from == str(folder)
+    with pytest.raises(ConfigError) as err:  # the shipped tiny model is not that shape
+        resolve(compose([f"checkpoint.init_from={folder}"]))
+    (line,) = err.value.problems
+    assert "dim=64 (model.dim=256)" in line and "model=hf" in line
+    no_weights = hf_folder(tmp_path / "bare", LLAMA, weights=False)
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(["model=hf", f"model.path={no_weights}", f"checkpoint.init_from={no_weights}"]))
+    assert "model.safetensors" in err.value.problems[0]
+
+
+def test_rope_parameters_of_newer_transformers_are_read(tmp_path):
+    config = {k: v for k, v in LLAMA.items() if k != "rope_theta"}
+    folder = hf_folder(tmp_path / "v5", {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
+    assert model_fields(folder)["rope_theta"] == 7.0
+
+
+def test_every_tensor_name_maps_both_ways():
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128)
+    names = list(build_model(cfg, "meta").state_dict())
+    theirs = [to_hf_name(n) for n in names]
+    assert len(set(theirs)) == len(names) and "model.layers.1.self_attn.k_proj.weight" in theirs
+    assert [from_hf_name(n) for n in theirs] == names
+    assert from_hf_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_rotary_row_orders_are_inverse_and_move_pairs_to_halves(heads):
+    head_dim, dim = 8, 16
+    w = torch.arange(heads * head_dim * dim, dtype=torch.float32).reshape(heads * head_dim, dim)
+    assert torch.equal(from_hf_rows(to_hf_rows(w, heads), heads), w)
+    moved = to_hf_rows(w, heads)
+    # Interleaved pair (2i, 2i+1) of head h lands at rows (i, i + head_dim/2) of that head.
+    for h in range(heads):
+        for i in range(head_dim // 2):
+            assert torch.equal(moved[h * head_dim + i], w[h * head_dim + 2 * i])
+            assert torch.equal(moved[h * head_dim + head_dim // 2 + i], w[h * head_dim + 2 * i + 1])
+
+
+def test_only_q_and_k_are_reordered():
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+    for name, shape in (("layers.0.attention.wv.weight", (16, 32)), ("layers.0.attention.wk.weight", (16, 32))):
+        w = torch.randn(shape)
+        hf_name, moved = to_hf(name, w, cfg)
+        assert torch.equal(moved, w) == name.endswith("wv.weight")
+        assert torch.equal(from_hf(hf_name, moved, cfg)[1], w)
