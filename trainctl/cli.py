@@ -34,6 +34,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect config groups and the resolved config.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+data_app = typer.Typer(help="Turn your own text into a token dataset.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 out = Console()
 err = Console(stderr=True)
@@ -398,6 +400,50 @@ def export(
         if value is not None:
             args += [flag, str(value)]
     raise typer.Exit(subprocess.run(args).returncode)
+
+
+@data_app.command("prepare")
+def data_prepare(
+    inputs: list[str] = typer.Argument(..., help="Text files, folders or glob patterns (.txt .md .jsonl .parquet).",
+                                       show_default=False),
+    out_dir: Path = typer.Option(..., "--out", help="The dataset folder to create.", show_default=False),
+    tokenizer: str = typer.Option("bytes", "--tokenizer", help="bytes, or a Hugging Face tokenizer.json."),
+    train_tokenizer: bool = typer.Option(False, "--train-tokenizer", help="Train a byte-level BPE on the inputs."),
+    vocab_size: int = typer.Option(None, "--vocab-size", help="With --train-tokenizer.", show_default=False),
+    eos_token: str = typer.Option(None, "--eos-token", help="The end-of-document token (default: found).",
+                                  show_default=False),
+    text_field: str = typer.Option("text", "--text-field", help="The text field of .jsonl / .parquet records."),
+    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of documents held out for eval."),
+    shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
+    workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
+) -> None:
+    """Tokenize text into a token dataset (data.datasets=[DIR]).  Example: trainctl data prepare docs/ --out tok"""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from trainctl.data.format import DatasetError
+    from trainctl.data.prepare import prepare
+
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("tokenizing", total=None)
+            meta = prepare(inputs, out_dir, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+                           vocab_size=vocab_size, eos_token=eos_token, text_field=text_field,
+                           val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except DatasetError as exc:
+        raise UserError([str(exc)]) from None
+    except KeyboardInterrupt:
+        err.print(f"interrupted: run the same command again to continue where it stopped ({out_dir})",
+                  markup=False, highlight=False)
+        raise typer.Exit(130) from None
+    train, val = meta.splits["train"], meta.splits["val"]
+    out.print(f"{meta.root}: {train.tokens:,} train tokens ({train.documents:,} documents, {len(train.shards)} "
+              f"shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
+              f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
+    out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]", markup=False, highlight=False,
+              soft_wrap=True)
 
 
 def _report(problems: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""Smoke tests of scripts/bench_loop.py, bench_checkpoint.py, gpu_proof.sh and gpu_wheels.sh: tiny shapes, CPU.
+"""Smoke tests of scripts/bench_loop.py, bench_checkpoint.py, bench_prepare.py, gpu_proof.sh, gpu_wheels.sh.
 
 Each runs the script as a user would (a fresh interpreter: a gloo world of one, or torchrun for --nproc 2)
 and checks that it reports every figure it promises; the figures themselves are measurements, not asserted.
@@ -89,3 +89,12 @@ def test_gpu_wheels_names_what_the_gpu_box_lacks():
     assert proc.returncode == 0, proc.stderr
     for package in ("hydra-core==", "omegaconf==", "PyYAML==", "torchao==", "antlr4-python3-runtime==4.9.3"):
         assert package in proc.stdout, package
+
+
+def test_bench_prepare_compares_data_prepare_with_tokenizers_alone():
+    proc = run_script("bench_prepare.py", "--generate-mb", "0.3", "--workers", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout)
+    # Both arms tokenized the same text into the same number of tokens (prepare adds one EOS per document).
+    assert figures["tokens"] == figures["tokens_alone"] > 0
+    assert figures["prepare_mb_s"] > 0 and figures["tokenizers_alone_mb_s"] > 0 and figures["documents"] > 10

@@ -1,4 +1,5 @@
-"""Packages depend one way: core <- data <- config <- plan <- launch <- render <- cli; the worker (train, models) on the left.
+"""Packages depend one way: core <- data <- config <- plan <- launch <- render <- cli; the worker (train, models)
+on the left.
 
 Read from the source with ast (nothing is imported), lazy imports inside functions included: a package-level
 import cycle, or an import against the direction, fails with the module and the line that makes it.
@@ -15,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # The launcher side, lowest first: a package imports only its own layer and those before it.
 LAUNCHER = ("core", "data", "config", "plan", "launch", "render", "cli")
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
-WORKER = {"train": ("core", "data", "config", "plan", "models", "train"), "models": ("core", "data", "config", "models")}
+WORKER = {"train": ("core", "data", "config", "plan", "models", "train"),
+          "models": ("core", "data", "config", "models")}
 
 
 def module_name(path: Path) -> str:

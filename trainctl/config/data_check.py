@@ -13,7 +13,8 @@ import functools
 from array import array
 from pathlib import Path
 
-from trainctl.config.schema import DataConfig
+from trainctl.config.schema import DataConfig, TrainConfig
+from trainctl.data import format as dataset
 
 SAMPLE_BYTES = 1 << 20  # per sampled window: three windows, at most 3 MiB read per file
 # array typecodes of the token dtypes; their sizes are checked below (they are platform-defined).
@@ -102,3 +103,37 @@ def _tokens(chunk: bytes, dtype: str) -> array:
     tokens.frombytes(chunk)
     return tokens
 
+
+
+def datasets_problems(d: DataConfig, model_vocab: int, train: TrainConfig) -> list[str]:
+    """data.datasets (prepared by `trainctl data prepare`): every problem, one line each; stat and meta.json only.
+
+    Checked at compose time, so `config show`, `plan` and `launch` refuse in one line before any run directory.
+    """
+    if not d.datasets:
+        if d.weights:
+            return [f"data.weights={list(d.weights)}: blend weights need data.datasets=[DIR,...]"]
+        return []
+    problems = []
+    if d.kind != "memmap":
+        problems.append(f"data.datasets: read by data=memmap only (data.kind={d.kind}); add data=memmap")
+    if d.weights and (len(d.weights) != len(d.datasets) or any(w <= 0 for w in d.weights)):
+        problems.append(f"data.weights={list(d.weights)}: one positive weight per dataset "
+                        f"({len(d.datasets)}), or [] to blend by their sizes")
+    vocab = d.vocab_size or model_vocab
+    for path in d.datasets:
+        problems += dataset.dataset_problems(path, "train", vocab, train.seq_len)
+        if train.eval_every > 0:  # evaluation reads the val split
+            problems += dataset.dataset_problems(path, "val", vocab, train.seq_len)
+    return list(dict.fromkeys(problems))
+
+
+def epochs_of(d: DataConfig, train: TrainConfig) -> float | None:
+    """How many passes over data.datasets' train tokens the run makes (None when unknown or unreadable)."""
+    if not d.datasets or train.global_batch < 1:
+        return None
+    try:
+        tokens = sum(dataset.read_meta(path).splits["train"].tokens for path in d.datasets)
+    except dataset.DatasetError:
+        return None
+    return train.steps * train.global_batch * (train.seq_len + 1) / max(tokens, 1)

@@ -13,6 +13,7 @@ import math
 import re
 
 from trainctl.config import hf_config, schema
+from trainctl.config.data_check import datasets_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.slurm import check_slurm
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
@@ -41,6 +42,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += batch_problems
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
         problems += check_context_parallel(dims, cfg.cluster, train)
+        problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
     problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:
         raise ConfigError(problems)
@@ -250,7 +252,7 @@ def _divisors(n: int) -> str:
 def check_data(d: schema.DataConfig, m: schema.ModelConfig) -> list[str]:
     problems = _at_least("data.vocab_size", d.vocab_size, 0, "0 means the model's vocab_size")
     problems += _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
-    if d.kind == "memmap":
+    if d.kind == "memmap" and not d.datasets:
         for key in ("train_path", "val_path"):
             if not getattr(d, key):
                 problems.append(f"data.{key}: required for data.kind=memmap; pass data.{key}=/path/to/tokens.bin")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainctl.config.data_check import data_file_problems
+from trainctl.config.data_check import data_file_problems, epochs_of
 from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims, UnresolvedDims
 from trainctl.core.errors import UserError
@@ -181,6 +181,15 @@ def refusal(plan: RunPlan) -> str | None:
             f"{hint}; see `trainctl plan` for the breakdown, or pass --force")
 
 
+def epochs_warning(cfg: RunConfig) -> str | None:
+    """More than one pass over data.datasets: the same tokens come back (said, not refused)."""
+    epochs = epochs_of(cfg.data, cfg.train)
+    if epochs is None or epochs <= 1:
+        return None
+    return (f"data.datasets: {cfg.train.steps} steps read about {epochs:.1f} epochs of the training tokens; "
+            "add data or lower train.steps for a single pass")
+
+
 def build(cfg: RunConfig, with_advice: bool = True) -> RunPlan:
     """The plan of a resolved config (the launch command is launch's: launch.command.plan_record)."""
     world = world_size(cfg.cluster)
@@ -193,6 +202,7 @@ def build(cfg: RunConfig, with_advice: bool = True) -> RunPlan:
                 fit_warning(a, cfg.cluster.gpu)]
     # The token files, by size and a bounded sample (launch refuses what this warns about).
     warnings += data_file_problems(cfg.data, cfg.data.vocab_size or cfg.model.vocab_size, cfg.train.seq_len)
+    warnings.append(epochs_warning(cfg))
     return RunPlan(
         world_size=world,
         nodes=cfg.cluster.nodes,

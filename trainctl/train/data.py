@@ -67,7 +67,7 @@ def _check_config(cfg: DataConfig) -> None:
         if cfg.vocab_size < STDLIB_VOCAB:
             raise DataError(f"data.vocab_size={cfg.vocab_size} is below the stdlib corpus's {STDLIB_VOCAB} byte "
                             "tokens; use 256")
-    if cfg.kind == "memmap":
+    if cfg.kind == "memmap" and not cfg.datasets:
         if cfg.token_dtype not in TOKEN_DTYPES:
             raise DataError(f"data.token_dtype={cfg.token_dtype!r} is unknown; use one of {', '.join(TOKEN_DTYPES)}")
         dtype_limit = np.iinfo(cfg.token_dtype).max + 1
@@ -217,19 +217,21 @@ def _open_token_file(path: Path, dtype: str, key: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _open_split(cfg: DataConfig, split: str) -> tuple[np.ndarray, str]:
-    """The token array of a split and the config key to blame for it."""
+def _open_split(cfg: DataConfig, split: str) -> tuple[TokenSource, str]:
+    """The tokens of a split and the config key to blame for them."""
+    if cfg.kind == "memmap" and cfg.datasets:
+        return BlendedTokens.open(cfg.datasets, cfg.weights, split), "data.datasets"
     if cfg.kind == "memmap":
         key = f"data.{split}_path"
         path = cfg.train_path if split == "train" else cfg.val_path
         if not path:
             raise DataError(f"{key} is empty; data.kind=memmap needs a pre-tokenized token file")
-        return _open_token_file(Path(path).expanduser(), cfg.token_dtype, key), key
+        return FlatTokens(_open_token_file(Path(path).expanduser(), cfg.token_dtype, key)), key
     cache = stdlib_cache_dir(cfg)
     if not _stdlib_cache_is_complete(cache, _read_meta(cache)):
         raise DataError(f"data.cache_dir={cfg.cache_dir!r}: no complete stdlib token cache at {cache}; "
                         "run prepare_data first")
-    return _open_token_file(cache / f"{split}.bin", "uint16", "data.cache_dir"), "data.cache_dir"
+    return FlatTokens(_open_token_file(cache / f"{split}.bin", "uint16", "data.cache_dir")), "data.cache_dir"
 
 
 def prepare_data(data_cfg: DataConfig) -> None:
@@ -265,10 +267,105 @@ def check_vocab(data_cfg: DataConfig, model_vocab: int) -> None:
         return
     for split in _SPLITS:
         tokens, key = _open_split(data_cfg, split)
-        largest = _sampled_max(tokens)
+        largest = max(_sampled_max(array) for array in tokens.arrays())
         if largest >= data_cfg.vocab_size:
             raise DataError(f"{key}: token id {largest} >= data.vocab_size={data_cfg.vocab_size}; "
                             f"set data.vocab_size (and model.vocab_size) to > {largest}")
+
+
+# ---------------------------------------------------------------- token sources
+
+
+class FlatTokens:
+    """One flat token array (a user's file or the stdlib cache): starts are offsets into it."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens, self.size = tokens, int(tokens.size)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.tokens]
+
+    def num_starts(self, length: int) -> int:
+        # A sample reads `length` tokens, so the last valid start is size - length.
+        return self.size - length + 1
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        return self.tokens[start : start + length]
+
+
+class ShardedTokens(FlatTokens):
+    """The shards of one prepared dataset's split, read as one stream (a window may span two shards)."""
+
+    def __init__(self, shards: list[np.ndarray]):
+        self.shards = [s for s in shards if s.size]
+        self.ends = np.cumsum([s.size for s in self.shards])
+        self.size = int(self.ends[-1]) if self.shards else 0
+
+    def arrays(self) -> list[np.ndarray]:
+        return self.shards
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        index = int(np.searchsorted(self.ends, start, side="right"))
+        begin = start - (int(self.ends[index - 1]) if index else 0)
+        piece = self.shards[index][begin : begin + length]
+        if piece.size == length:
+            return piece
+        pieces = [piece]
+        while sum(p.size for p in pieces) < length:
+            index += 1
+            pieces.append(self.shards[index][: length - sum(p.size for p in pieces)])
+        return np.concatenate(pieces)
+
+
+class BlendedTokens:
+    """Several prepared datasets, each drawn with its weight (default: its share of the tokens).
+
+    Starts live in one virtual range: dataset d owns a stretch proportional to its weight, and a start
+    inside it maps linearly onto d's own valid starts. With weights equal to the token counts this is
+    plain uniform sampling over all the data; the mapping depends only on the datasets and weights,
+    so a resume reads exactly the samples the interrupted run would have read.
+    """
+
+    def __init__(self, parts: list[ShardedTokens], weights: list[float]):
+        self.parts, self.weights = parts, weights
+        self.size = sum(p.size for p in parts)
+
+    @classmethod
+    def open(cls, paths: list[str], weights: list[float], split: str) -> BlendedTokens:
+        from trainctl.data import format as dataset
+
+        parts = []
+        for path in paths:
+            try:
+                meta = dataset.read_meta(path)
+            except dataset.DatasetError as exc:
+                raise DataError(f"data.datasets: {exc}") from None
+            parts.append(ShardedTokens([_open_token_file(p, meta.token_dtype, f"data.datasets ({path})")
+                                        for p in meta.shard_paths(split)]))
+        return cls(parts, list(weights) or [float(p.size) for p in parts])
+
+    def arrays(self) -> list[np.ndarray]:
+        return [a for p in self.parts for a in p.arrays()]
+
+    def _stretches(self, length: int) -> np.ndarray:
+        starts = [max(p.num_starts(length), 0) for p in self.parts]
+        total = sum(starts)
+        share = np.asarray([w if n > 0 else 0.0 for w, n in zip(self.weights, starts, strict=True)])
+        return np.maximum(np.round(share / share.sum() * total), (share > 0).astype(np.int64)).astype(np.int64)
+
+    def num_starts(self, length: int) -> int:
+        return int(self._stretches(length).sum())
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        stretches = self._stretches(length)
+        ends = np.cumsum(stretches)
+        d = int(np.searchsorted(ends, start, side="right"))
+        local = start - (int(ends[d - 1]) if d else 0)
+        own = self.parts[d].num_starts(length)
+        return self.parts[d].window(local * own // int(stretches[d]), length)
+
+
+TokenSource = FlatTokens | BlendedTokens
 
 
 # ---------------------------------------------------------------- batches
@@ -296,7 +393,7 @@ class TokenBatches:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._base_step = self._base_sample = 0  # see resume_at
         self.vocab_size = STDLIB_VOCAB if data_cfg.kind == "stdlib" else data_cfg.vocab_size
-        self._tokens: np.ndarray | None = None  # None: synthetic
+        self._tokens: TokenSource | None = None  # None: synthetic
         if data_cfg.kind != "synthetic":
             self._tokens, self._key = _open_split(data_cfg, split)
             if self._tokens.size < seq_len + 1:
@@ -357,8 +454,7 @@ class TokenBatches:
         return out
 
     def _num_starts(self) -> int:
-        # A sample reads seq_len+1 tokens, so the last valid start is size - seq_len - 1.
-        return self._tokens.size - self.seq_len
+        return self._tokens.num_starts(self.seq_len + 1)
 
     def _sample_starts(self, first: int, count: int) -> np.ndarray | None:
         """Start offsets of stream samples [first, first + count): blocks of draws seeded by (seed, block)."""
@@ -374,7 +470,7 @@ class TokenBatches:
         return int(((j + 1) * _INV_PHI) % 1.0 * self._num_starts())
 
     def _window(self, start: int) -> np.ndarray:
-        return self._tokens[start : start + self.seq_len + 1]
+        return self._tokens.window(start, self.seq_len + 1)
 
     def _synthetic_sample(self, seed_words: list[int]) -> np.ndarray:
         # Seeded per sample so a rank generates only its own rows, whatever the global batch.

@@ -1,0 +1,82 @@
+"""A user's own text end to end: `data prepare` (a BPE trained on it), a launch that trains on it, an export
+that transformers loads with its tokenizer; bad data refused by `plan` in one line, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+WORDS = ["river", "stone", "light", "garden", "window", "paper", "signal", "orange", "market", "silver"]
+
+
+def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    (root / "notes").mkdir()
+    for i in range(12):
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(12)) + "." for _ in range(60)]
+        (root / "notes" / f"{i:02d}.txt").write_text("\n".join(sentences))
+    with (root / "more.jsonl").open("w") as f:
+        for i in range(50):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(40))}) + "\n")
+    return root
+
+
+def test_own_text_trains_and_exports_with_its_tokenizer(corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    prepared = trainctl("data", "prepare", str(corpus / "notes"), str(corpus / "*.jsonl"), "--out", "tokens",
+                        "--train-tokenizer", "--vocab-size", "320", "--val-fraction", "0.1", cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    meta = json.loads((tmp_path / "tokens" / "meta.json").read_text())
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["splits"]["val"]["documents"] > 0
+    launch = trainctl("launch", "recipe=tiny_cpu", "model.vocab_size=320", "data=memmap",
+                      f"data.datasets=[{tmp_path / 'tokens'}]", "train.steps=6", "train.eval_every=3",
+                      "train.eval_batches=2", "schedule.warmup_steps=1", "logging.progress=false", "--name", "own",
+                      cwd=tmp_path)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    result = json.loads((tmp_path / "runs" / "own" / "result.json").read_text())
+    assert result["final_val_loss"] < result["initial_val_loss"]
+
+    exported = trainctl("export", str(tmp_path / "runs" / "own"), "--out", "hf", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert tokenizer.eos_token == "<|endoftext|>"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+    prompt = tokenizer("river stone", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert tokenizer.decode(out[0]).startswith("river stone")
+
+
+@pytest.mark.parametrize("case", ["missing", "unfinished", "vocabulary"])
+def test_bad_data_is_refused_by_plan_in_one_line(corpus, tmp_path, case):
+    if case == "missing":
+        overrides = [f"data.datasets=[{tmp_path / 'nowhere'}]"]
+    else:
+        made = trainctl("data", "prepare", str(corpus / "notes"), "--out", "tok", cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+        if case == "unfinished":
+            (tmp_path / "tok" / "meta.json").unlink()
+        overrides = [f"data.datasets=[{tmp_path / 'tok'}]"] + (["model.vocab_size=200"] if case == "vocabulary" else [])
+    for command in ("plan", "launch"):
+        proc = trainctl(command, "recipe=tiny_cpu", "data=memmap", *overrides, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: data.datasets"), lines
+        assert not (tmp_path / "runs").exists()

@@ -1,0 +1,1 @@
+"""Data preparation (tokenizers, the token-dataset format); torch-free."""

@@ -1,0 +1,138 @@
+"""The prepared token dataset on disk, read without torch or numpy (the launcher checks it on a login node).
+
+A prepared dataset is a folder written by `trainctl data prepare`:
+
+    meta.json                     written last: its presence means the folder is complete
+    train-00000.bin, ...          flat token ids (uint16 when the vocabulary fits, else uint32), native order
+    val-00000.bin, ...
+    tokenizer.json                when the tokenizer is a Hugging Face one (given or trained)
+
+Every document is followed by the tokenizer's EOS id. meta.json records the tokenizer, the token width,
+each shard's tokens and documents, the train/val split and the source files (size, sha256).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+META_FILE = "meta.json"
+FORMAT = "trainctl-tokens"
+VERSION = 1
+ITEMSIZE = {"uint16": 2, "uint32": 4}
+SPLITS = ("train", "val")
+
+
+class DatasetError(Exception):
+    """A problem with the user's data or options; the message is one line naming it and what would work."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    file: str
+    tokens: int
+    documents: int
+
+
+@dataclass(frozen=True)
+class Split:
+    tokens: int
+    documents: int
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    kind: str  # bytes | hf | bpe (trained here)
+    file: str | None  # tokenizer.json inside the dataset folder
+    source: str | None  # what the user named
+    vocab_size: int
+    eos_id: int
+
+
+@dataclass(frozen=True)
+class DatasetMeta:
+    root: Path
+    tokenizer: TokenizerInfo
+    token_dtype: str
+    splits: dict[str, Split]
+    sources: tuple[dict, ...]
+    val_fraction: float
+
+    def shard_paths(self, split: str) -> list[Path]:
+        return [self.root / shard.file for shard in self.splits[split].shards]
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The narrowest token width that holds every id below `vocab_size`."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path).expanduser() / META_FILE).is_file()
+
+
+def read_meta(path: str | Path) -> DatasetMeta:
+    """The dataset's meta.json, checked; a DatasetError (one line) when it is not a complete prepared dataset."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"{path}: no such folder; make a dataset with `trainctl data prepare TEXT... --out DIR`")
+    if not (root / META_FILE).is_file():
+        raise DatasetError(f"{path}: not a prepared dataset (no {META_FILE}); make one with `trainctl data prepare`"
+                           " (a folder without it is an unfinished one: run the same command again to finish it)")
+    try:
+        data = json.loads((root / META_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{root / META_FILE}: unreadable ({exc}); prepare the dataset again") from None
+    try:
+        return _parse(root.resolve(), data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DatasetError(f"{root / META_FILE}: not a {FORMAT} v{VERSION} file ({type(exc).__name__}: {exc}); "
+                           "prepare the dataset again") from None
+
+
+def _parse(root: Path, data: dict) -> DatasetMeta:
+    if data["format"] != FORMAT or data["version"] != VERSION:
+        raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}")
+    if data["token_dtype"] not in ITEMSIZE:
+        raise ValueError(f"token_dtype {data['token_dtype']!r}")
+    tok = data["tokenizer"]
+    tokenizer = TokenizerInfo(str(tok["kind"]), tok.get("file"), tok.get("source"), int(tok["vocab_size"]),
+                              int(tok["eos_id"]))
+    splits = {}
+    for name in SPLITS:
+        item = data["splits"][name]
+        shards = tuple(Shard(str(s["file"]), int(s["tokens"]), int(s["documents"])) for s in item["shards"])
+        splits[name] = Split(int(item["tokens"]), int(item["documents"]), shards)
+    return DatasetMeta(root, tokenizer, data["token_dtype"], splits, tuple(data.get("sources", ())),
+                       float(data.get("val_fraction", 0.0)))
+
+
+def dataset_problems(path: str | Path, split: str, vocab_size: int, seq_len: int,
+                     key: str = "data.datasets") -> list[str]:
+    """Every problem of a split of a prepared dataset, one line each; sizes only (instant on any size)."""
+    head = f"{key}: {path}"
+    try:
+        meta = read_meta(path)
+    except DatasetError as exc:
+        return [f"{key}: {exc}"]
+    problems = []
+    if meta.tokenizer.vocab_size > vocab_size:
+        problems.append(f"{head}: its tokenizer's vocabulary {meta.tokenizer.vocab_size} exceeds model.vocab_size "
+                        f"{vocab_size}; use a model with vocab_size >= {meta.tokenizer.vocab_size}")
+    itemsize = ITEMSIZE[meta.token_dtype]
+    for shard in meta.splits[split].shards:
+        where = meta.root / shard.file
+        try:
+            size = where.stat().st_size
+        except OSError:
+            problems.append(f"{head}: shard {shard.file} is missing; prepare the dataset again")
+            continue
+        if size != shard.tokens * itemsize:
+            problems.append(f"{head}: shard {shard.file} is {size} bytes, meta.json says {shard.tokens} "
+                            f"{meta.token_dtype} tokens ({shard.tokens * itemsize} bytes); prepare it again")
+    if meta.splits[split].tokens < seq_len + 1:
+        problems.append(f"{head}: its {split} split has {meta.splits[split].tokens} tokens, fewer than "
+                        f"train.seq_len+1={seq_len + 1}; add text or lower train.seq_len")
+    return problems

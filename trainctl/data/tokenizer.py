@@ -1,0 +1,111 @@
+"""Tokenizers behind one small interface: raw bytes, a Hugging Face tokenizer.json, or a BPE trained here.
+
+The `tokenizers` library (what every Llama on the Hub ships a tokenizer.json for) is imported only
+when a Hugging Face tokenizer is used or trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from trainctl.data.format import DatasetError
+
+BYTES_VOCAB = 256
+BYTES_EOS = 0  # NUL: removed from the text, so it appears only between documents
+# End-of-document tokens of common tokenizers, tried in order when --eos-token is not given.
+EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<|eot_id|>", "<eos>", "<|im_end|>")
+TRAINED_EOS = "<|endoftext|>"
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise DatasetError("this tokenizer needs the `tokenizers` library: pip install tokenizers "
+                           "(or pip install 'trainctl[data]')") from None
+    return tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255 (the demo's tokenizer); NUL is the end-of-document id."""
+
+    kind, vocab_size, eos_id, file = "bytes", BYTES_VOCAB, BYTES_EOS, None
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.replace("\0", "").encode("utf-8", "replace"), dtype=np.uint8) for t in texts]
+
+    def spec(self) -> dict:
+        return {"kind": self.kind}
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (the `tokenizers` library); encodes without adding special tokens."""
+
+    def __init__(self, path: str | Path, kind: str = "hf", eos_token: str | None = None):
+        self.kind, self.file = kind, str(Path(path).expanduser().resolve())
+        if not Path(self.file).is_file():
+            raise DatasetError(f"--tokenizer {path}: no such file; pass a Hugging Face tokenizer.json")
+        try:
+            self._tok = _tokenizers().Tokenizer.from_file(self.file)
+        except Exception as exc:  # the library raises plain Exceptions for a bad file
+            raise DatasetError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token, self.eos_id = self._find_eos(eos_token, path)
+
+    def _find_eos(self, eos_token: str | None, path) -> tuple[str, int]:
+        for candidate in [eos_token] if eos_token else EOS_CANDIDATES:
+            token_id = self._tok.token_to_id(candidate)
+            if token_id is not None:
+                return candidate, token_id
+        if eos_token:
+            raise DatasetError(f"--eos-token {eos_token}: not a token of {path}")
+        raise DatasetError(f"--tokenizer {path}: no end-of-document token among {', '.join(EOS_CANDIDATES)}; "
+                           "name it with --eos-token TOKEN")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, "file": self.file, "eos_token": self.eos_token}
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_file: Path) -> HFTokenizer:
+    """A byte-level BPE tokenizer trained on `texts`, saved as `out_file` (tokenizer.json)."""
+    if vocab_size < BYTES_VOCAB + 1:
+        raise DatasetError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least {BYTES_VOCAB + 1} "
+                           "(256 bytes and the end-of-text token)")
+    tk = _tokenizers()
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS], show_progress=False,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, out_file)
+    return HFTokenizer(out_file, kind="bpe", eos_token=TRAINED_EOS)
+
+
+def from_spec(spec: dict):
+    """Rebuild a tokenizer in a worker process (from what `spec()` returned)."""
+    if spec["kind"] == "bytes":
+        return ByteTokenizer()
+    return HFTokenizer(spec["file"], kind=spec["kind"], eos_token=spec["eos_token"])
+
+
+def token_string(tokenizer_file: str | Path, token_id: int) -> str | None:
+    """The text of a special token of a tokenizer.json (for tokenizer_config.json), or None."""
+    try:
+        data = json.loads(Path(tokenizer_file).read_text())
+    except (OSError, ValueError):
+        return None
+    return next((t.get("content") for t in data.get("added_tokens", []) if t.get("id") == token_id), None)
