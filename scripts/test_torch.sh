@@ -34,7 +34,7 @@ if ! have_torch; then
   "$PYTHON" -m venv "$VENV"
   "$PY" -m pip install --quiet --disable-pip-version-check --no-index -f "$CACHE" "torch==$VERSION" numpy
 fi
-if ! "$PY" -c "import trainctl, hydra, pytest, torchao" >/dev/null 2>&1 \
+if ! "$PY" -c "import trainctl, hydra, pytest, torchao, transformers, tokenizers" >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$VENV/.trainctl-installed" ]; then
   echo "[torch $VERSION] installing trainctl (editable) with dev and fp8 extras"
   "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev,fp8]"
@@ -46,9 +46,10 @@ export PATH="$PWD/$VENV/bin:$PATH"
 "$PY" -c "import torch; print(f'[torch {torch.__version__}] worker tests under', torch.__file__)"
 if [ $# -eq 0 ]; then
   # The worker's machinery: pipeline schedules, FSDP2 units and ZeRO stages, tensor parallel, distributed
-  # checkpoints and exact resume, mixed precision. The launcher, CLI and Slurm tests do not touch torch.
+  # checkpoints and exact resume, mixed precision, Hugging Face weights in every layout and out.
+  # The launcher, CLI and Slurm tests do not touch torch.
   set -- tests/dist/test_pipeline.py tests/dist/test_fsdp_units.py tests/dist/test_zero.py \
     tests/dist/test_tensor_parallel.py tests/dist/test_checkpoint_store_dist.py tests/dist/test_resume.py \
-    tests/dist/test_precision.py tests/dist/test_parity.py tests/dist/test_parity_3d.py
+    tests/dist/test_precision.py tests/dist/test_parity.py tests/dist/test_parity_3d.py tests/dist/test_hf.py
 fi
 "$PY" -m pytest -q -ra -p no:cacheprovider "$@"

@@ -47,6 +47,7 @@ def main() -> None:
         logits = logits.full_tensor()
     if dist.get_rank() == 0:
         torch.save({"logits": logits, "loaded": loaded}, out_path)
+    dist.barrier()  # no rank tears the group down while another still uses it (gloo aborts then)
     dist.destroy_process_group()
 
 

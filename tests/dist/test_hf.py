@@ -128,3 +128,24 @@ def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
     assert generated.shape == (1, 11)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+
+
+def test_pipeline_stages_each_load_their_own_pieces(hf_llama):
+    """Each pipeline rank holds some blocks (the first the embedding, the last the head) in a ModuleList."""
+    from trainctl.config.hf_config import model_fields
+    from trainctl.config.schema import ModelConfig
+    from trainctl.models.hf import load_hf_weights
+    from trainctl.train.pipeline import build_stage_model
+
+    name, folder, tokens, expected = hf_llama
+    cfg = ModelConfig(**model_fields(folder))
+    cut = cfg.n_layers // 2
+    stages = []
+    for layers, first, last in ((range(0, cut), True, False), (range(cut, cfg.n_layers), False, True)):
+        part = build_stage_model(cfg, layers, first=first, last=last).to_empty(device="cpu")
+        part.init_weights()
+        assert load_hf_weights(torch.nn.ModuleList([part]), folder, cfg) == len(list(part.parameters()))
+        stages.append(part)
+    with torch.no_grad():
+        logits = stages[1](stages[0](tokens))
+    assert (logits - expected).abs().max().item() <= TOL, name

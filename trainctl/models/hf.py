@@ -132,6 +132,23 @@ def local_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {_clean(name, pipeline): p for name, p in model.named_parameters()}
 
 
+def _targets(ours: str | None, cfg: ModelConfig) -> list[str]:
+    """The parameters a tensor fills: with tied embeddings the embedding is also the head (a pipeline's last
+    stage holds the head without the embedding), and a saved lm_head is ignored."""
+    if ours is None or (cfg.tie_embeddings and ours == "output.weight"):
+        return []
+    if cfg.tie_embeddings and ours == "tok_embeddings.weight":
+        return [ours, "output.weight"]
+    return [ours]
+
+
+def _copy_into(param: nn.Parameter, tensor: torch.Tensor, key: str, ours: str, path) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise HFWeightsError(f"checkpoint.init_from={path}: {key} has shape {list(tensor.shape)}, "
+                             f"the model's {ours} is {list(param.shape)}")
+    _fill(param, lambda full: full.copy_(tensor))
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int:
     """Copy a Hugging Face Llama folder's weights into this rank's parameters; returns how many were set.
@@ -145,16 +162,14 @@ def load_hf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                ours = from_hf_name(key)
-                if ours is None or ours not in params or ours in done:
+                targets = _targets(from_hf_name(key), cfg)
+                targets = [t for t in targets if t in params and t not in done]
+                if not targets:
                     continue  # another stage's tensor, a tied lm_head saved anyway, or a rotary buffer
                 ours, tensor = from_hf(key, f.get_tensor(key), cfg)
-                param = params[ours]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise HFWeightsError(f"checkpoint.init_from={path}: {key} has shape {list(tensor.shape)}, "
-                                            f"the model's {ours} is {list(param.shape)}")
-                _fill(param, lambda full, t=tensor: full.copy_(t))
-                done.add(ours)
+                for target in targets:
+                    _copy_into(params[target], tensor, key, target, path)
+                    done.add(target)
     missing = sorted(set(params) - done)
     if missing:
         raise HFWeightsError(f"checkpoint.init_from={path}: no weights for {', '.join(missing[:3])}"
