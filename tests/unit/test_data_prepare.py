@@ -202,3 +202,18 @@ def test_read_meta_refuses_what_is_not_a_dataset_in_one_line(tmp_path, content, 
 
 def test_token_width_follows_the_vocabulary():
     assert (dtype_for_vocab(256), dtype_for_vocab(65536), dtype_for_vocab(65537)) == ("uint16", "uint16", "uint32")
+
+
+def test_a_second_prepare_into_the_same_folder_is_refused_while_the_first_writes(text_dir, tmp_path):
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with (out / prep.LOCK_FILE).open("a") as held:  # what a running `data prepare` holds
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(DatasetError, match="another `trainctl data prepare` is writing it"):
+            prepare([str(text_dir)], out, workers=1)
+        assert sorted(p.name for p in out.iterdir()) == [prep.LOCK_FILE]  # nothing of the second one
+    meta = prepare([str(text_dir)], out, workers=1)  # once it is gone, the folder is free
+    assert meta.splits["train"].documents + meta.splits["val"].documents == len(DOCS)
+    assert not (out / prep.LOCK_FILE).exists()

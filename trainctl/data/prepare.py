@@ -14,10 +14,12 @@ arguments are refused. meta.json is written last; an existing dataset is never o
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
 import os
+import shutil
 import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -30,6 +32,7 @@ from trainctl.data.format import FORMAT, META_FILE, SPLITS, VERSION, DatasetErro
 from trainctl.data.tokenizer import ByteTokenizer, HFTokenizer, from_spec, train_bpe
 
 STATE_FILE = ".prepare-state.json"
+LOCK_FILE = ".prepare.lock"  # flock-ed by the one `data prepare` writing the folder
 TOKENIZER_FILE = "tokenizer.json"
 SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")  # what a folder is searched for (a named file may be any)
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
@@ -216,7 +219,7 @@ def _check_out(out: Path, fingerprint: str) -> dict | None:
         raise DatasetError(f"--out {out}: already a prepared dataset; choose another --out or delete it first")
     if out.exists() and not out.is_dir():
         raise DatasetError(f"--out {out}: is a file; choose a folder")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or not any(p.name != LOCK_FILE for p in out.iterdir()):
         return None
     state_file = out / STATE_FILE
     if not state_file.is_file():
@@ -266,20 +269,48 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
                "train_tokenizer": train_tokenizer, "vocab_size": vocab_size, "eos_token": eos_token,
                "text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens, "seed": seed}
     fingerprint = _fingerprint(files, options)
-    state = _check_out(out, fingerprint)
+    _check_out(out, fingerprint)  # before anything is written
+    existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out)
+    try:
+        state = _check_out(out, fingerprint)  # again, now that no other `data prepare` can change it
+    except DatasetError:
+        lock.close()
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    with lock:
+        return _prepare_locked(out, state, fingerprint, files, options, inputs, workers, progress)
+
+
+def _lock(out: Path):
+    """This process's exclusive hold on `out`: a second `data prepare` into it is refused at once."""
+    handle = (out / LOCK_FILE).open("a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise DatasetError(f"--out {out}: another `trainctl data prepare` is writing it; wait for it, "
+                           "or choose another --out") from None
+    return handle
+
+
+def _prepare_locked(out: Path, state: dict | None, fingerprint: str, files: list[Path], options: dict,
+                    inputs: list[str], workers: int | None, progress):
     if state is None:
         state = {"fingerprint": fingerprint, "done": 0, "splits": {}, "last_train": 0}
         _write_json(out / STATE_FILE, state)
     tok = _tokenizer(out, files, options, resumed=state["done"] > 0)
     dtype = dtype_for_vocab(tok.vocab_size)
-    writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["splits"].get(s)) for s in SPLITS}
+    writers = {s: ShardWriter(out, s, dtype, options["shard_tokens"], state["splits"].get(s)) for s in SPLITS}
     sizes = [p.stat().st_size for p in files]
     _run(files, sizes, state, writers, tok, options, workers, out, progress)
     if not any(s["tokens"] for s in writers["train"].shards):
         raise DatasetError(f"{', '.join(inputs)}: no text to train on (every input is empty)")
     _write_meta(out, tok, dtype, writers, files, options)
     (out / STATE_FILE).unlink()
+    (out / LOCK_FILE).unlink()
     return read_meta(out)
 
 
