@@ -33,18 +33,31 @@ def corpus(tmp_path_factory) -> Path:
         sentences = [" ".join(rng.choice(WORDS) for _ in range(12)) + "." for _ in range(60)]
         (root / "notes" / f"{i:02d}.txt").write_text("\n".join(sentences))
     with (root / "more.jsonl").open("w") as f:
-        for i in range(50):
+        for _ in range(50):
             f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(40))}) + "\n")
     return root
 
 
-def test_own_text_trains_and_exports_with_its_tokenizer(corpus, tmp_path):
-    transformers = pytest.importorskip("transformers")
+def word_tokenizer(folder: Path) -> Path:
+    """A Hugging Face tokenizer.json (word level over WORDS, with `</s>`), as a user would bring one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS) + " ."], tokenizers.trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "</s>"]))
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize("kind", ["bytes", "hf", "bpe"])
+def test_each_tokenizer_kind_prepares_and_trains(corpus, tmp_path, kind):
+    options = {"bytes": [], "hf": ["--tokenizer", str(word_tokenizer(tmp_path))],
+               "bpe": ["--train-tokenizer", "--vocab-size", "320"]}[kind]
     prepared = trainctl("data", "prepare", str(corpus / "notes"), str(corpus / "*.jsonl"), "--out", "tokens",
-                        "--train-tokenizer", "--vocab-size", "320", "--val-fraction", "0.1", cwd=tmp_path)
+                        "--val-fraction", "0.1", *options, cwd=tmp_path)
     assert prepared.returncode == 0, prepared.stderr
     meta = json.loads((tmp_path / "tokens" / "meta.json").read_text())
-    assert meta["tokenizer"]["kind"] == "bpe" and meta["splits"]["val"]["documents"] > 0
+    assert meta["tokenizer"]["kind"] == kind and meta["splits"]["val"]["documents"] > 0
     launch = trainctl("launch", "recipe=tiny_cpu", "model.vocab_size=320", "data=memmap",
                       f"data.datasets=[{tmp_path / 'tokens'}]", "train.steps=6", "train.eval_every=3",
                       "train.eval_batches=2", "schedule.warmup_steps=1", "logging.progress=false", "--name", "own",
@@ -52,7 +65,13 @@ def test_own_text_trains_and_exports_with_its_tokenizer(corpus, tmp_path):
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
     result = json.loads((tmp_path / "runs" / "own" / "result.json").read_text())
     assert result["final_val_loss"] < result["initial_val_loss"]
+    if kind == "bpe":
+        exported_with_tokenizer(tmp_path)
 
+
+def exported_with_tokenizer(tmp_path: Path) -> None:
+    """The run's export loads in transformers with the tokenizer its data was prepared with, and generates."""
+    transformers = pytest.importorskip("transformers")
     exported = trainctl("export", str(tmp_path / "runs" / "own"), "--out", "hf", cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
