@@ -29,9 +29,27 @@ app = typer.Typer(
     help="Compose, plan and launch Llama training runs. "
     "Overrides use Hydra's grammar: key=value, group=option, +key=value, ~key.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode=None,  # help text is shown as written: `key=[a,b]` stays, no markup or emoji
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from trainctl import __version__
+
+        sys.stdout.write(f"trainctl {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Compose, plan and launch Llama training runs."""
 config_app = typer.Typer(help="Inspect config groups and the resolved config.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 data_app = typer.Typer(help="Turn your own text into a token dataset.", no_args_is_help=True)

@@ -27,6 +27,9 @@ def workdir(tmp_path):
 
 LIGHT_COMMANDS = [
     ["--help"],
+    ["-h"],
+    ["--version"],
+    ["plan", "-h"],
     ["recipes"],
     ["config", "groups"],
     ["config", "show", "recipe=llama7b_fsdp", "optim.lr=1e-4"],
