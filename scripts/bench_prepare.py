@@ -43,7 +43,7 @@ def generate(folder: Path, megabytes: float, seed: int = 0) -> list[Path]:
 
 
 def texts_of(files: list[Path]) -> list[str]:
-    from trainctl.data.prepare import documents
+    from trainctl.data.inputs import documents
 
     return [t for f in files for t in documents(f, "text")]
 
@@ -51,7 +51,8 @@ def texts_of(files: list[Path]) -> list[str]:
 def bench(inputs: list[Path], tokenizer: str | None, workers: int | None, work: Path) -> dict:
     from tokenizers import Tokenizer
 
-    from trainctl.data.prepare import expand_inputs, prepare
+    from trainctl.data.inputs import expand_inputs
+    from trainctl.data.prepare import prepare
     from trainctl.data.tokenizer import train_bpe
 
     files = expand_inputs([str(p) for p in inputs])

@@ -217,3 +217,27 @@ def test_a_second_prepare_into_the_same_folder_is_refused_while_the_first_writes
     meta = prepare([str(text_dir)], out, workers=1)  # once it is gone, the folder is free
     assert meta.splits["train"].documents + meta.splits["val"].documents == len(DOCS)
     assert not (out / prep.LOCK_FILE).exists()
+
+
+@pytest.mark.cli  # worker processes
+def test_one_big_jsonl_is_cut_into_pieces_that_workers_share(tmp_path):
+    from trainctl.data.inputs import plan_units
+
+    lines = [json.dumps({"text": f"record {i}: " + "words and more words " * (i % 7 + 1)}) for i in range(400)]
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(lines) + "\n")
+    units = plan_units([big], unit_bytes=4096)
+    assert len(units) > 10 and units[0].start == 0 and units[-1].end == big.stat().st_size
+    assert all(a.end == b.start for a, b in zip(units, units[1:], strict=False))
+    whole = prepare([str(big)], tmp_path / "whole", val_fraction=0.2, workers=1)
+    pieces = prepare([str(big)], tmp_path / "pieces", val_fraction=0.2, workers=2, unit_bytes=4096)
+    for split in ("train", "val"):
+        assert np.array_equal(tokens_of(pieces, split), tokens_of(whole, split))
+    assert pieces.splits["train"].documents + pieces.splits["val"].documents == 400
+
+
+def test_a_prepare_that_finds_no_text_leaves_nothing(tmp_path):
+    (tmp_path / "blank.txt").write_text("   \n")
+    with pytest.raises(DatasetError, match="no text to train on"):
+        prepare([str(tmp_path / "blank.txt")], tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()

@@ -1,12 +1,12 @@
 """`trainctl data prepare`: raw text in, a sharded token dataset out (data/format.py), resumable.
 
-Inputs are files, folders (searched for .txt, .md, .jsonl, .json, .parquet) and glob patterns. A text
-file is one document; a .jsonl line or a .parquet row is one document (its `--text-field`). Files are
-tokenized in parallel (one process per core) and written in input order, so the output does not depend
-on the number of workers. A document goes to the validation split when a hash of (seed, its text)
+Inputs are files, folders (searched for .txt, .md, .jsonl, .parquet) and glob patterns (data/inputs.py).
+A text file is one document; a .jsonl line or a .parquet row is one document (its `--text-field`). Pieces
+of the input are tokenized in parallel (one process per core) and written in input order, so the output
+does not depend on the number of workers. A document goes to the validation split when a hash of (seed, its text)
 falls below `val_fraction`.
 
-Resumable: after each input file the shards are flushed and `.prepare-state.json` records where every
+Resumable: after each piece the shards are flushed and `.prepare-state.json` records where every
 shard ends. A run stopped by Ctrl-C or a crash continues from there when given the same arguments (the
 shards are cut back to the recorded sizes first) and ends byte-identical to an uninterrupted run; other
 arguments are refused. meta.json is written last; an existing dataset is never overwritten.
@@ -15,13 +15,12 @@ arguments are refused. meta.json is written last; an existing dataset is never o
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import json
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,88 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from trainctl.data.format import FORMAT, META_FILE, SPLITS, VERSION, DatasetError, dtype_for_vocab, read_meta
+from trainctl.data.inputs import UNIT_BYTES, Unit, documents, expand_inputs, plan_units, sha256_of, unit_documents
 from trainctl.data.tokenizer import ByteTokenizer, HFTokenizer, from_spec, train_bpe
 
 STATE_FILE = ".prepare-state.json"
 LOCK_FILE = ".prepare.lock"  # flock-ed by the one `data prepare` writing the folder
 TOKENIZER_FILE = "tokenizer.json"
-SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")  # what a folder is searched for (a named file may be any)
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
 ENCODE_BATCH = 256  # documents per encode_batch call
 
 
-# ---------------------------------------------------------------- inputs
-
-
-def expand_inputs(inputs: list[str], out: Path | None = None) -> list[Path]:
-    """Files named, found in folders, or matched by globs: sorted, each once; a pattern matching nothing fails.
-
-    Nothing inside `out` (the dataset being written) is an input.
-    """
-    found: set[Path] = set()
-    for item in inputs:
-        path = Path(item).expanduser()
-        if path.is_file():
-            found.add(path.resolve())
-        elif path.is_dir():
-            found |= {p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES}
-        elif glob.has_magic(item):
-            found |= {Path(p).resolve() for p in glob.glob(os.path.expanduser(item), recursive=True)
-                      if Path(p).is_file()}
-        else:
-            raise DatasetError(f"{item}: no such file or folder; pass text files, folders or glob patterns")
-        if out is not None:
-            found = {p for p in found if not p.is_relative_to(out)}
-        if not found:
-            raise DatasetError(f"{item}: matches no input file ({', '.join(SUFFIXES)})")
-    return sorted(found)
-
-
-def documents(path: Path, text_field: str) -> Iterator[str]:
-    """The documents of one input file."""
-    if path.suffix == ".parquet":
-        yield from _parquet_documents(path, text_field)
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    yield _json_text(line, text_field, path, number)
-    else:
-        yield path.read_text(encoding="utf-8", errors="replace")
-
-
-def _json_text(line: str, field: str, path: Path, number: int) -> str:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        raise DatasetError(f"{path}:{number}: not a JSON object per line (.jsonl)") from None
-    if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise DatasetError(f"{path}:{number}: no text field {field!r}; name the field with --text-field")
-    return record[field]
-
-
-def _parquet_documents(path: Path, field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DatasetError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow") from None
-    table = pq.ParquetFile(path)
-    if field not in table.schema_arrow.names:
-        raise DatasetError(f"{path}: no column {field!r} (columns: {', '.join(table.schema_arrow.names)}); "
-                           "name it with --text-field")
-    for batch in table.iter_batches(columns=[field]):
-        yield from (text for text in batch.column(0).to_pylist() if text)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# ---------------------------------------------------------------- one file, in a worker process
+# ---------------------------------------------------------------- one piece, in a worker process
 
 
 def is_val(seed: int, text: str, val_fraction: float) -> bool:
@@ -129,8 +57,8 @@ def _init_worker(spec: dict) -> None:
     _WORKER_TOKENIZER = from_spec(spec)
 
 
-def tokenize_file(path: Path, text_field: str, seed: int, val_fraction: float, tokenizer=None) -> dict:
-    """One input file's train and val tokens (each document followed by EOS) and document counts."""
+def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, tokenizer=None) -> dict:
+    """One piece's train and val tokens (each document followed by EOS) and document counts."""
     tok = tokenizer or _WORKER_TOKENIZER
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
@@ -147,7 +75,7 @@ def tokenize_file(path: Path, text_field: str, seed: int, val_fraction: float, t
             count += 1
         batch.clear()
 
-    for text in documents(path, text_field):
+    for text in unit_documents(unit, text_field):
         if not text.strip():
             continue  # an empty document would be a lone EOS
         batch.append(text)
@@ -255,7 +183,7 @@ def _tokenizer(out: Path, files: list[Path], options: dict, resumed: bool):
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_tokenizer: bool = False,
             vocab_size: int | None = None, eos_token: str | None = None, text_field: str = "text",
             val_fraction: float = 0.01, shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
-            seed: int = 0, progress: Callable[[int, int], None] | None = None):
+            seed: int = 0, progress: Callable[[int, int], None] | None = None, unit_bytes: int = UNIT_BYTES):
     """Tokenize `inputs` into a prepared dataset at `out`; returns its DatasetMeta."""
     if not 0 <= val_fraction < 1:
         raise DatasetError(f"--val-fraction {val_fraction}: use a fraction in [0, 1)")
@@ -267,7 +195,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
     files = expand_inputs(inputs, out)
     options = {"tokenizer": tokenizer if tokenizer == "bytes" else str(Path(tokenizer).expanduser().resolve()),
                "train_tokenizer": train_tokenizer, "vocab_size": vocab_size, "eos_token": eos_token,
-               "text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens, "seed": seed}
+               "text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens, "seed": seed,
+               "unit_bytes": unit_bytes}
     fingerprint = _fingerprint(files, options)
     _check_out(out, fingerprint)  # before anything is written
     existed = out.exists()
@@ -304,9 +233,10 @@ def _prepare_locked(out: Path, state: dict | None, fingerprint: str, files: list
     tok = _tokenizer(out, files, options, resumed=state["done"] > 0)
     dtype = dtype_for_vocab(tok.vocab_size)
     writers = {s: ShardWriter(out, s, dtype, options["shard_tokens"], state["splits"].get(s)) for s in SPLITS}
-    sizes = [p.stat().st_size for p in files]
-    _run(files, sizes, state, writers, tok, options, workers, out, progress)
+    units = plan_units(files, options["unit_bytes"])
+    _run(units, state, writers, tok, options, workers, out, progress)
     if not any(s["tokens"] for s in writers["train"].shards):
+        shutil.rmtree(out, ignore_errors=True)  # nothing was made: leave no half-dataset behind
         raise DatasetError(f"{', '.join(inputs)}: no text to train on (every input is empty)")
     _write_meta(out, tok, dtype, writers, files, options)
     (out / STATE_FILE).unlink()
@@ -314,28 +244,44 @@ def _prepare_locked(out: Path, state: dict | None, fingerprint: str, files: list
     return read_meta(out)
 
 
-def _run(files, sizes, state, writers, tok, options, workers, out, progress) -> None:
+def _run(units: list[Unit], state, writers, tok, options, workers, out, progress) -> None:
     args = (options["text_field"], options["seed"], options["val_fraction"])
-    todo = list(range(state["done"], len(files)))
-    done_bytes = sum(sizes[: state["done"]])
-    if progress:
-        progress(done_bytes, sum(sizes))
+    todo = list(range(state["done"], len(units)))
+    total = sum(u.size for u in units)
+    tracker = _Tracker(units, state["done"], total, progress)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     if workers == 1:
-        results = (tokenize_file(files[i], *args, tokenizer=tok) for i in todo)
-        _consume(todo, results, files, sizes, state, writers, out, progress, done_bytes, options["val_fraction"])
+        results = (tokenize_unit(units[i], *args, tokenizer=tok) for i in todo)
+        _consume(todo, results, len(units), state, writers, out, tracker, options["val_fraction"])
         return
     with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(tok.spec(),)) as pool:
-        results = pool.map(tokenize_file, [files[i] for i in todo], *([a] * len(todo) for a in args))
-        _consume(todo, results, files, sizes, state, writers, out, progress, done_bytes, options["val_fraction"])
+        results = pool.map(tokenize_unit, [units[i] for i in todo], *([a] * len(todo) for a in args))
+        _consume(todo, results, len(units), state, writers, out, tracker, options["val_fraction"])
 
 
-def _consume(todo, results, files, sizes, state, writers, out, progress, done_bytes, val_fraction) -> None:
+class _Tracker:
+    """Bytes of input done, for the progress callback."""
+
+    def __init__(self, units: list[Unit], done: int, total: int, progress):
+        self.units, self.total, self.progress = units, total, progress
+        self.done_bytes = sum(u.size for u in units[:done])
+        self.report()
+
+    def finished(self, index: int) -> None:
+        self.done_bytes += self.units[index].size
+        self.report()
+
+    def report(self) -> None:
+        if self.progress:
+            self.progress(self.done_bytes, self.total)
+
+
+def _consume(todo, results, count: int, state, writers, out, tracker: _Tracker, val_fraction: float) -> None:
     # map keeps input order: the output does not depend on the number of workers.
     for i, result in zip(todo, results, strict=True):
         train, val, train_docs, val_docs = result["train"], result["val"], result["train_docs"], result["val_docs"]
         trained_before = sum(s["documents"] for s in writers["train"].shards)
-        if (i == len(files) - 1 and val_fraction > 0 and not val.size and _no_val(writers) and train_docs
+        if (i == count - 1 and val_fraction > 0 and not val.size and _no_val(writers) and train_docs
                 and trained_before + train_docs > 1):
             # Every document fell in train: the last one is held out, so eval has something to read.
             cut = train.size - result["last_train_tokens"]
@@ -344,9 +290,7 @@ def _consume(todo, results, files, sizes, state, writers, out, progress, done_by
         writers["val"].append(val, val_docs)
         state.update(done=i + 1, splits={s: w.state() for s, w in writers.items()})
         _write_json(out / STATE_FILE, state)
-        done_bytes += sizes[i]
-        if progress:
-            progress(done_bytes, sum(sizes))
+        tracker.finished(i)
 
 
 def _no_val(writers) -> bool:
