@@ -166,7 +166,9 @@ def _plan_compare(cfg: RunConfig, axis: str, as_json: bool) -> None:
     out.print(compare_table(axis, rows))
 
 
-RUNS_DIR = typer.Option(Path("runs"), "--runs-dir", help="Where the runs are (the config's runs_dir).")
+RUNS_DIR = typer.Option(Path("runs"), "--runs-dir", envvar="TRAINCTL_RUNS_DIR",
+                        help="Where the runs are (the config's runs_dir; default: $TRAINCTL_RUNS_DIR, else runs).")
+AS_JSON = typer.Option(False, "--json", help="Print JSON (for scripts).")
 RUN = typer.Argument(..., help="A run directory, or a run name under --runs-dir.", show_default=False)
 
 
@@ -176,40 +178,82 @@ def _step(state) -> str:
     return f"{state.step}/{state.steps}" if state.steps else str(state.step)
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _run_record(st, f, eta: float | None = None) -> dict:
+    """One run for --json: its state and its figures (None where not known)."""
+    return {"name": st.name, "path": str(Path(st.path).resolve()), "launcher": st.launcher, "job_id": st.job_id,
+            "state": st.state, "active": st.active, "detail": st.detail, "step": st.step, "steps": st.steps,
+            **f.as_dict(), **({"eta_s": eta} if eta is not None else {})}
+
+
+RUN_COLUMNS = ("run", "launcher", "job", "state", "step", "loss", "eval", "tok/s")
+
+
+def _run_cells(st, f) -> list[str]:
+    return [st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), _fmt(f.loss, ".4g"),
+            _fmt(f.val_loss, ".4g"), _fmt(f.tokens_per_s, ".0f")]
+
+
 @app.command("runs")
-def list_runs(runs_dir: Path = RUNS_DIR) -> None:
-    """List runs with their state (Slurm runs from squeue/sacct).  Example: trainctl runs"""
+def list_runs(runs_dir: Path = RUNS_DIR, as_json: bool = AS_JSON) -> None:
+    """List runs with their state, progress and latest losses (Slurm runs from squeue/sacct).  Example: trainctl runs"""
     from trainctl.launch import runs
     from trainctl.launch.figures import figures
 
     states = runs.run_states(runs.list_runs(runs_dir))
     measured = [figures(st.path) for st in states]
+    if as_json:
+        sys.stdout.write(json.dumps([_run_record(st, f) for st, f in zip(states, measured, strict=True)], indent=2)
+                         + "\n")
+        return
     # Measured figures next to the plan's, once some run has them: "38.2% (plan 40%)", "61.2 GiB (plan 60.3)".
     shown = any(f.mfu is not None or f.peak_bytes is not None for f in measured)
-    extra = (Column("mfu", no_wrap=True), Column("peak", no_wrap=True)) if shown else ()
-    table = Table("run", "launcher", "job", "state", "step", *extra, "detail", box=None, header_style="bold")
-    for st, f in zip(states, measured, strict=True):
-        cells = (f.mfu_text(), f.peak_text()) if extra else ()
-        table.add_row(st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), *cells, st.detail)
+    rows = [[*_run_cells(st, f), *((f.mfu_text(), f.peak_text()) if shown else ()), st.detail]
+            for st, f in zip(states, measured, strict=True)]
+    header = [*RUN_COLUMNS, *(("mfu", "peak") if shown else ()), "detail"]
+    if not out.is_terminal:  # for grep, cut and awk: whole values, tab-separated, never cut
+        sys.stdout.write("".join("\t".join(row) + "\n" for row in [header, *rows]))
+        return
+    table = Table(*(Column(h, no_wrap=h != "detail") for h in header), box=None, header_style="bold")
+    for row in rows:
+        table.add_row(*map(escape, row))
     out.print(table)
 
 
 @app.command()
-def status(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
-    """Show one run's state, progress and log.  Example: trainctl status tiny_cpu-20250101-120000"""
+def status(run: str = RUN, runs_dir: Path = RUNS_DIR, as_json: bool = AS_JSON) -> None:
+    """Show one run's state, progress, losses, speed and ETA.  Example: trainctl status tiny_cpu-20250101-120000"""
     from trainctl.launch import runs
-    from trainctl.launch.figures import figures
+    from trainctl.launch.figures import figures, sparkline
 
     run_dir = runs.find_run(run, runs_dir)
     st = runs.run_state(run_dir)
     f = figures(run_dir)
+    eta = f.eta_s(st.step, st.steps) if st.active else None
+    if as_json:
+        record = {**_run_record(st, f, eta), "log": str(runs.log_path(run_dir, None))}
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        return
     peak = f.peak_text() + (f", by {f.peak_source}" if f.peak_source else "")
     rows = [("run", str(run_dir)), ("launcher", st.launcher or "- (not launched)"), ("job", st.job_id),
-            ("state", st.state), ("detail", st.detail), ("step", _step(st)), ("mfu", f.mfu_text()), ("peak", peak),
-            ("log", str(runs.log_path(run_dir, None)))]
+            ("state", st.state), ("detail", st.detail), ("step", _step(st)),
+            ("loss", f"{_fmt(f.loss, '.4f')}  {sparkline(f.losses)}".strip() if f.loss is not None else ""),
+            ("eval", _fmt(f.val_loss, ".4f") if f.val_loss is not None else ""),
+            ("speed", f"{f.tokens_per_s:,.0f} tokens/s" if f.tokens_per_s is not None else ""),
+            ("eta", _duration(eta) if eta is not None else ""),
+            ("mfu", f.mfu_text()), ("peak", peak), ("log", str(runs.log_path(run_dir, None)))]
     for key, value in rows:
         if value:
-            out.print(f"{key:9}{value}", highlight=False, soft_wrap=True)
+            out.print(f"{key:9}{value}", highlight=False, soft_wrap=True, markup=False)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 @app.command()

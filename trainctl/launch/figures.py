@@ -18,6 +18,9 @@ from trainctl.core import rundir
 HEAD_BYTES = 256 * 1024  # the memory record comes after a few steps' records
 TAIL_BYTES = 64 * 1024
 GIB = 2**30
+RECENT = 5  # train records whose median is "the recent pace"
+SPARK = 24  # losses in a sparkline
+BARS = "▁▂▃▄▅▆▇█"
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,22 @@ class Figures:
     peak_bytes: int | None = None  # measured: the busiest rank's step peak
     plan_peak_bytes: int | None = None  # predicted for the busiest rank
     peak_source: str = ""  # cuda_max_memory_allocated | cpu_tracked_tensors
+    loss: float | None = None  # the last train record's
+    val_loss: float | None = None  # the last eval record's
+    tokens_per_s: float | None = None  # median of the recent train records
+    step_time_s: float | None = None  # median of the recent train records
+    losses: tuple[float, ...] = ()  # the recent train losses, oldest first (for a sparkline)
+
+    def eta_s(self, step: int | None, steps: int | None) -> float | None:
+        """Seconds left at the recent pace, or None."""
+        if step is None or not steps or self.step_time_s is None:
+            return None
+        return max(steps - step, 0) * self.step_time_s
+
+    def as_dict(self) -> dict:
+        return {"loss": self.loss, "val_loss": self.val_loss, "tokens_per_s": self.tokens_per_s,
+                "step_time_s": self.step_time_s, "mfu": self.mfu, "plan_mfu": self.plan_mfu,
+                "peak_bytes": self.peak_bytes, "plan_peak_bytes": self.plan_peak_bytes}
 
     def mfu_text(self) -> str:
         """'38.2% (plan 40%)', '- (plan 40%)', or '-'."""
@@ -69,7 +88,9 @@ def figures(run_dir: Path) -> Figures:
     head = _records(path, 0, HEAD_BYTES)
     tail = _records(path, max(0, size - TAIL_BYTES), TAIL_BYTES) if size > HEAD_BYTES else head
     memory = next((r for r in head if r.get("kind") == "memory"), {})
-    mfus = [m for r in tail if r.get("kind") == "train" and (m := rundir.as_float(r.get("mfu"))) is not None]
+    trains = [r for r in tail if r.get("kind") == "train"]
+    evals = [r for r in tail if r.get("kind") == "eval"]
+    mfus = [m for r in trains if (m := rundir.as_float(r.get("mfu"))) is not None]
     plan_mfu = rundir.as_float(plan.get("assumed_mfu")) if plan.get("device") == "cuda" else None
     plan_memory = plan.get("memory") if isinstance(plan.get("memory"), dict) else {}
     return Figures(
@@ -78,4 +99,24 @@ def figures(run_dir: Path) -> Figures:
         peak_bytes=rundir.as_int(memory.get("peak_bytes")),
         plan_peak_bytes=rundir.as_int(plan_memory.get("peak_bytes")),
         peak_source=rundir.as_str(memory.get("peak_source")),
+        loss=rundir.as_float(trains[-1].get("loss")) if trains else None,
+        val_loss=rundir.as_float(evals[-1].get("val_loss")) if evals else None,
+        tokens_per_s=_median(trains[-RECENT:], "tokens_per_s"),
+        step_time_s=_median(trains[-RECENT:], "step_time_s"),
+        losses=tuple(x for r in trains[-SPARK:] if (x := rundir.as_float(r.get("loss"))) is not None),
     )
+
+
+def _median(records: list[dict], key: str) -> float | None:
+    values = [v for r in records if (v := rundir.as_float(r.get(key))) is not None]
+    return statistics.median(values) if values else None
+
+
+def sparkline(values: tuple[float, ...]) -> str:
+    """'▇▆▄▃▂▂▁' for a falling loss; '' when there is nothing to draw."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if len(finite) < 2:
+        return ""
+    low, high = min(finite), max(finite)
+    span = (high - low) or 1.0
+    return "".join(BARS[min(int((v - low) / span * len(BARS)), len(BARS) - 1)] for v in finite)
