@@ -38,9 +38,9 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from trainctl import __version__
+        import trainctl
 
-        sys.stdout.write(f"trainctl {__version__}\n")
+        sys.stdout.write(f"trainctl {trainctl.__version__}\n")
         raise typer.Exit()
 
 

@@ -80,3 +80,14 @@ def test_figures_give_an_eta_and_a_sparkline(runs_dir):
     assert f.losses == (4.0, 3.0, 2.5)
     assert sparkline(f.losses) == "█▃▁"
     assert sparkline((1.0,)) == "" and sparkline((float("nan"), 2.0, 1.0)) == "█▁"
+
+
+@pytest.mark.unit
+def test_launches_follow_trainctl_runs_dir_too(monkeypatch):
+    from trainctl.config.compose import compose
+
+    monkeypatch.delenv("TRAINCTL_RUNS_DIR", raising=False)
+    assert compose([]).runs_dir == "runs"
+    monkeypatch.setenv("TRAINCTL_RUNS_DIR", "/scratch/me/runs")
+    assert compose([]).runs_dir == "/scratch/me/runs"
+    assert compose(["runs_dir=here"]).runs_dir == "here"  # the command line still wins
