@@ -229,6 +229,7 @@ class WandbConfig:
 class LoggingConfig:
     log_every: int = 10
     progress: bool = True
+    tensorboard: bool = True  # event files under RUN_DIR/tensorboard when the tensorboard package is installed
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

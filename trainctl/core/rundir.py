@@ -48,6 +48,7 @@ STOPPED = "stopped.json"
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
 WANDB_ID = "wandb_id"
+TENSORBOARD = "tensorboard"  # TensorBoard event files (rank 0)
 ATTEMPTS = "slurm-attempts.jsonl"
 LOGS = "logs"
 TORCHRUN_LOGS = "logs/torchrun"

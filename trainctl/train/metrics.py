@@ -21,6 +21,7 @@ from trainctl.config.schema import LoggingConfig, PrecisionConfig
 from trainctl.core import rundir
 from trainctl.core.gpus import match_gpu, peak_flops
 from trainctl.train.peak_memory import read_prediction, with_prediction
+from trainctl.train.scalars import TensorBoard, scalars, tensorboard_available
 
 log = logging.getLogger("trainctl.train")
 
@@ -88,6 +89,7 @@ class MetricsLogger:
         self.is_main = is_main
         self._jsonl = None
         self._wandb = None
+        self._tensorboard: TensorBoard | None = None
         self._progress = None
         self.wandb_id: str | None = None
         self._run_dir = run_dir
@@ -100,6 +102,8 @@ class MetricsLogger:
         if cfg.wandb.mode != "disabled":
             self._wandb = _start_wandb(run_dir, cfg, config)
             self.wandb_id = self._wandb.id
+        if cfg.tensorboard and tensorboard_available():
+            self._tensorboard = TensorBoard(run_dir)
 
     def train(self, step: int, values: dict) -> None:
         self._emit({"kind": "train", "step": step, **values}, step)
@@ -122,6 +126,8 @@ class MetricsLogger:
         and only the steps past that are sent to it (W&B would drop lower steps anyway, with a warning each).
         """
         if self.is_main:
+            if self._tensorboard is not None:
+                self._tensorboard.resumed(step)
             dropped_through = self._drop_records_after(step)
             self._wandb_logged_through = max(dropped_through, step)
             if dropped_through > step and self._wandb is not None:
@@ -181,8 +187,11 @@ class MetricsLogger:
         if not self.is_main:
             return
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._wandb is not None and step > self._wandb_logged_through:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        values = scalars(record)
+        if self._tensorboard is not None and values and record["kind"] != "final":
+            self._tensorboard.log(values, step)
+        if self._wandb is not None and step > self._wandb_logged_through and values:
+            self._wandb.log(values, step=step)
         if self._progress is None:
             print(line, flush=True)
             return
@@ -192,6 +201,8 @@ class MetricsLogger:
             self._progress.print(line)
 
     def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if self._progress is not None:
             self._progress.close()
         if self._jsonl is not None:
