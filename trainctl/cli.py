@@ -257,6 +257,22 @@ def _duration(seconds: float) -> str:
 
 
 @app.command()
+def plot(
+    run: list[str] = typer.Argument(..., help="Run directories or names under --runs-dir.", show_default=False),
+    out_file: Path = typer.Option(None, "--out", help="The PNG to write (default: RUN/plot.png, or plot.png for "
+                                  "several runs).", show_default=False),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
+    """Plot train/eval loss, learning rate, tokens/s and grad norm, runs overlaid.  Example: trainctl plot a b"""
+    from trainctl.launch import runs
+    from trainctl.launch.plot import plot as draw
+
+    run_dirs = [runs.find_run(r, runs_dir) for r in run]
+    target = out_file or (run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
+    out.print(f"wrote {draw(run_dirs, target)}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
 def logs(
     run: str = RUN,
     follow: bool = typer.Option(
