@@ -14,8 +14,12 @@ The process's peak resident set size (RSS: the interpreter, libraries, data) is 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,6 +59,20 @@ def largest_rise(events: list[tuple[int, int]]) -> int:
     return peak
 
 
+@contextlib.contextmanager
+def stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 goes to /dev/null for the block: C++ code writing to it (not sys.stderr) is muted."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class PeakMeter:
     """Measures one step's peak: `start()` before the forward, `stop()` after the optimizer step."""
 
@@ -72,7 +90,8 @@ class PeakMeter:
         from torch.profiler import ProfilerActivity, profile
 
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.__enter__()
+        with stderr_silenced():  # Kineto prints "USDT: ... profiler_start" (and _stop) on the process's stderr
+            self._profiler.__enter__()
 
     def stop(self) -> dict:
         """{peak_bytes, peak_source, and on CPU: rss_peak_bytes} of the step."""
@@ -80,7 +99,8 @@ class PeakMeter:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             return {"peak_bytes": peak, "peak_source": "cuda_max_memory_allocated"}
-        self._profiler.__exit__(None, None, None)
+        with stderr_silenced():
+            self._profiler.__exit__(None, None, None)
         rise = largest_rise(_allocation_events(self._profiler))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         return {"peak_bytes": self._baseline + rise, "peak_source": "cpu_tracked_tensors", "rss_peak_bytes": rss}
