@@ -82,5 +82,6 @@ def test_a_short_launch_of_the_cpu_demo(installed, empty_dir):
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
     result = json.loads((empty_dir / "runs" / "w" / "result.json").read_text())
     assert result["steps"] == 4 and result["final_train_loss"] > 0
+    assert json.loads((empty_dir / "runs" / "w" / "progress.json").read_text()) == {"step": 4}
     # The CPU peak-memory probe (step 3) runs torch's profiler, whose Kineto start/stop lines are muted.
     assert "USDT" not in launch.stdout + launch.stderr and "kind=memory step=3" in launch.stdout

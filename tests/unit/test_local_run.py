@@ -199,7 +199,7 @@ def test_torchruns_own_traceback_stays_off_the_console_but_in_the_launcher_log(t
     sink = io.BytesIO()
     assert local.run(run_dir, out=sink) == 1
     shown = sink.getvalue().decode()
-    assert shown == "[default0]:step 1 loss 2.0\n"
+    assert shown == "step 1 loss 2.0\n"  # the one rank shown needs no prefix (the log keeps it)
     logged = (run_dir / "logs" / "launcher.log").read_text()
     assert "Traceback" in logged and "Root Cause" in logged and "[default0]:step 1" in logged
     assert "rank 1 failed first" in capsys.readouterr().err

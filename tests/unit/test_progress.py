@@ -47,3 +47,23 @@ def test_a_bad_line_never_stops_the_output_and_a_rewritten_file_is_followed(tmp_
     assert sink.step == 5
     sink.close()
     assert "after the bad lines" in screen.getvalue() and "resumed" in screen.getvalue()
+
+
+def test_the_bar_moves_every_step_from_progress_json(tmp_path):
+    import time
+
+    from trainctl.core import rundir
+
+    screen = io.StringIO()
+    sink = ProgressSink(tmp_path, total_steps=40, console=Console(file=screen, force_terminal=True, width=100),
+                        poll_s=0.01)
+    rundir.write_json_atomic(tmp_path / rundir.PROGRESS, {"step": 3})  # no train record yet (log_every=10)
+    deadline = time.monotonic() + 5
+    while sink.step != 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.step == 3
+    rundir.write_json_atomic(tmp_path / rundir.PROGRESS, {"step": 4})
+    while sink.step != 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sink.close()
+    assert sink.step == 4 and "4/40" in screen.getvalue()

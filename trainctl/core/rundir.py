@@ -49,6 +49,7 @@ METRICS = "metrics.jsonl"
 RESULT = "result.json"
 WANDB_ID = "wandb_id"
 TENSORBOARD = "tensorboard"  # TensorBoard event files (rank 0)
+PROGRESS = "progress.json"  # rank 0's latest finished step, rewritten at most twice a second (the live bar)
 ATTEMPTS = "slurm-attempts.jsonl"
 LOGS = "logs"
 TORCHRUN_LOGS = "logs/torchrun"
@@ -139,6 +140,11 @@ def latest_per_step(records: list[dict], kind: str) -> list[dict]:
 
 def metrics(run_dir: Path, tail_bytes: int | None = None) -> list[dict]:
     return read_jsonl(Path(run_dir) / METRICS, tail_bytes)
+
+
+def progress_step(run_dir: Path) -> int | None:
+    """The latest finished step that rank 0 reported in progress.json (None: none yet, or unreadable)."""
+    return as_int(read_json(Path(run_dir) / PROGRESS).get("step"))
 
 
 def last_train_record(run_dir: Path) -> dict:

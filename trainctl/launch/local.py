@@ -116,6 +116,9 @@ def forwarding_signals(proc: subprocess.Popen) -> Iterator[None]:
 # lines), and its error-level log lines. The console gets one line naming the first failing rank instead; the whole
 # output stays in RUN_DIR/logs/launcher.log.
 _TORCHRUN_TRACEBACK = b"Traceback (most recent call last):"
+# The console shows local rank 0 only (--local-ranks-filter=0): torchrun's tee prefix says nothing there. The
+# log files keep it.
+_ONLY_RANK_SHOWN = b"[default0]:"
 _TORCHRUN_ERROR_LINE = re.compile(rb"^E\d{4} \d\d:\d\d:\d\d")
 
 
@@ -123,6 +126,7 @@ def stream_output(source: BinaryIO, sink: BinaryIO, log: BinaryIO | None = None)
     """Copy the child's output to `sink` line by line as it comes (all of it to `log`); returns the tail.
 
     From torchrun's own traceback on, nothing more reaches `sink`: the launcher reports the failure in one line.
+    The sink gets rank 0's lines without torchrun's `[default0]:` prefix (the only rank it shows).
     """
     tail, pending, quiet = b"", b"", False
     fd = source.fileno()
@@ -135,7 +139,7 @@ def stream_output(source: BinaryIO, sink: BinaryIO, log: BinaryIO | None = None)
         for line in (complete + newline).splitlines(keepends=True):
             quiet = quiet or line.startswith(_TORCHRUN_TRACEBACK)
             if not quiet and not _TORCHRUN_ERROR_LINE.match(line):
-                sink.write(line)
+                sink.write(line.removeprefix(_ONLY_RANK_SHOWN))
         sink.flush()
     if pending and not quiet:
         sink.write(pending)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 from rich.console import Console
@@ -17,11 +18,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from trainctl.core import rundir
 
+POLL_S = 0.25
+
 
 class ProgressSink:
     """A binary sink for `stream_output` that prints lines above a live progress bar."""
 
-    def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None):
+    def __init__(self, run_dir: Path, total_steps: int, console: Console | None = None,
+                 poll_s: float = POLL_S):
+        self._run_dir = run_dir
         self._metrics = run_dir / rundir.METRICS
         self._offset = 0
         self._inode = None
@@ -40,6 +45,18 @@ class ProgressSink:
         self._task = self._progress.add_task("", total=total_steps)
         self.step = 0
         self._progress.start()
+        # The bar moves every step: rank 0 rewrites progress.json as steps finish (train records come every
+        # log_every steps only).
+        self._stopped = threading.Event()
+        self._poller = threading.Thread(target=self._poll_progress, args=(poll_s,), daemon=True)
+        self._poller.start()
+
+    def _poll_progress(self, every: float) -> None:
+        while not self._stopped.wait(every):
+            step = rundir.progress_step(self._run_dir)
+            if step is not None and step > self.step:
+                self.step = step
+                self._progress.update(self._task, completed=step)
 
     def write(self, chunk: bytes) -> None:
         lines = (self._pending + chunk).split(b"\n")
@@ -53,6 +70,8 @@ class ProgressSink:
         pass
 
     def close(self) -> None:
+        self._stopped.set()
+        self._poller.join()
         if self._pending:
             self.write(b"\n")
         self._poll_metrics()
@@ -65,7 +84,7 @@ class ProgressSink:
                 identity = os.fstat(f.fileno()).st_ino
                 if identity != self._inode or os.fstat(f.fileno()).st_size < self._offset:
                     # A resume rewrote the file (dropping records past its step): read the new one from its start.
-                    self._inode, self._offset = identity, 0
+                    self._inode, self._offset, self.step = identity, 0, 0
                 f.seek(self._offset)
                 data = f.read()
         except OSError:
@@ -80,6 +99,7 @@ class ProgressSink:
             step = rundir.as_int(record.get("step")) if isinstance(record, dict) else None
             if step is None or record.get("kind") != "train":
                 continue  # a damaged or foreign line must not stop the output
-            self.step = step
+            self.step = max(self.step, step)  # progress.json may already be ahead
             loss = rundir.as_float(record.get("loss"))
-            self._progress.update(self._task, completed=step, description="" if loss is None else f"loss {loss:.4f}")
+            self._progress.update(self._task, completed=self.step,
+                                  description="" if loss is None else f"loss {loss:.4f}")

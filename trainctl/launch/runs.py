@@ -67,8 +67,13 @@ def list_runs(runs_dir: Path) -> list[Path]:
 
 
 def last_step(run_dir: Path) -> int | None:
-    """The step of the last training record in metrics.jsonl (each step once, after resumes too)."""
-    return rundir.as_int(rundir.last_train_record(run_dir).get("step"))
+    """The latest finished step: progress.json (every step) when it is ahead of the last training record
+    in metrics.jsonl (every log_every steps; each step once, after resumes too)."""
+    logged = rundir.as_int(rundir.last_train_record(run_dir).get("step"))
+    live = rundir.progress_step(run_dir)
+    if live is None or (logged is not None and live < logged):
+        return logged
+    return live
 
 
 def configured_steps(run_dir: Path) -> int | None:

@@ -7,6 +7,7 @@ imported only when `logging.wandb.mode` is not disabled: it is slow to import.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from trainctl.train.peak_memory import read_prediction, with_prediction
 from trainctl.train.scalars import TensorBoard, scalars, tensorboard_available
 
 log = logging.getLogger("trainctl.train")
+PROGRESS_INTERVAL_S = 0.5
 
 
 def print0(message: str, is_main: bool) -> None:
@@ -94,6 +96,7 @@ class MetricsLogger:
         self.wandb_id: str | None = None
         self._run_dir = run_dir
         self._wandb_logged_through = 0  # W&B keeps the steps an earlier attempt logged; see resumed()
+        self._progress_written = 0.0
         if not is_main:
             return
         self._jsonl = self._open_jsonl()
@@ -104,6 +107,15 @@ class MetricsLogger:
             self.wandb_id = self._wandb.id
         if cfg.tensorboard and tensorboard_available():
             self._tensorboard = TensorBoard(run_dir)
+
+    def step_done(self, step: int, last: bool = False) -> None:
+        """Rank 0: the launcher's progress bar follows every step (progress.json, at most twice a second)."""
+        now = time.monotonic()
+        if not self.is_main or (now - self._progress_written < PROGRESS_INTERVAL_S and not last):
+            return
+        self._progress_written = now
+        with contextlib.suppress(OSError):  # a full disk must not stop training over a progress bar
+            rundir.write_json_atomic(self._run_dir / rundir.PROGRESS, {"step": step})
 
     def train(self, step: int, values: dict) -> None:
         self._emit({"kind": "train", "step": step, **values}, step)
@@ -126,6 +138,7 @@ class MetricsLogger:
         and only the steps past that are sent to it (W&B would drop lower steps anyway, with a warning each).
         """
         if self.is_main:
+            self.step_done(step, last=True)  # an earlier attempt's progress.json may be past the checkpoint
             if self._tensorboard is not None:
                 self._tensorboard.resumed(step)
             dropped_through = self._drop_records_after(step)

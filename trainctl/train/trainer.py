@@ -97,6 +97,7 @@ def after_step(job: Job, result: StepResult, timer: StepTimer, val_loss: float) 
     """Log, evaluate when due, commit finished async saves, save when due; returns the latest val loss."""
     done, train, steps = result.step, job.cfg.train, job.cfg.train.steps
     job.progress.advance(done, result.loss, result.grad_norm, job.train_data.first_sample(done))
+    job.metrics.step_done(done, last=done == steps or result.stop)
     if result.memory is not None:
         job.metrics.memory(done, result.memory)
     if done % job.cfg.logging.log_every == 0 or done == steps or result.stop:
