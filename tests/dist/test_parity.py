@@ -89,7 +89,7 @@ def test_run_dir_is_complete(runs):
     run_dir = runs["ddp"]
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
-        assert f"rank{rank} INFO" in log and "kind=final" in log
+        assert f"rank{rank} INFO" in log and "final step" in log
     train = records(run_dir, "train")
     assert [r["step"] for r in train] == list(range(1, 31))
     for record in train:

@@ -86,7 +86,7 @@ def test_one_node_job_completes_with_its_logs_and_records(tmp_path):
     assert state.state == "COMPLETED", failure_report(run_dir)
     assert json.loads((run_dir / "result.json").read_text())["steps"] == 4
     assert f"trainctl: job {job_id} attempt 0" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    assert "kind=final" in (run_dir / "logs" / f"slurm-{job_id}.0.out").read_text()
+    assert "final step" in (run_dir / "logs" / f"slurm-{job_id}.0.out").read_text()
     records = [json.loads(line) for line in (run_dir / "slurm-attempts.jsonl").read_text().splitlines()]
     assert [(r["event"], r["exit_code"]) for r in records] == [("start", None), ("end", 0)]
 
@@ -114,7 +114,7 @@ def test_status_logs_and_cancel_a_running_job(tmp_path):
 
     status = trainctl("status", "long", cwd=tmp_path)
     assert status.returncode == 0 and "RUNNING" in status.stdout and "node[1-2]" in status.stdout
-    assert "kind=train step=1 " in trainctl("logs", "long", cwd=tmp_path).stdout
+    assert "step 1/" in trainctl("logs", "long", cwd=tmp_path).stdout
     assert "rank1" in trainctl("logs", "long", "--rank", "1", cwd=tmp_path).stdout
     follower = subprocess.Popen([sys.executable, "-m", "trainctl.cli", "logs", "long", "--follow"], cwd=tmp_path,
                                 stdout=subprocess.PIPE, text=True)
@@ -127,7 +127,7 @@ def test_status_logs_and_cancel_a_running_job(tmp_path):
     except subprocess.TimeoutExpired:
         follower.kill()
         raise AssertionError(f"logs --follow kept going after the job ended\n{cluster_report(run_dir)}") from None
-    assert follower.returncode == 0 and "kind=train step=2 " in followed
+    assert follower.returncode == 0 and "step 2/" in followed
     listing = trainctl("runs", cwd=tmp_path).stdout
     assert any(line.split()[:1] == ["long"] and "CANCELLED" in line for line in listing.splitlines()), listing
     again = trainctl("cancel", "long", cwd=tmp_path)

@@ -21,6 +21,7 @@ import torch
 from trainctl.config.schema import LoggingConfig, PrecisionConfig
 from trainctl.core import rundir
 from trainctl.core.gpus import match_gpu, peak_flops
+from trainctl.train.console import console_line
 from trainctl.train.peak_memory import read_prediction, with_prediction
 from trainctl.train.scalars import TensorBoard, scalars, tensorboard_available
 
@@ -42,16 +43,6 @@ def device_peak_flops(device: torch.device, precision: PrecisionConfig) -> float
         return None
     gpu = match_gpu(torch.cuda.get_device_name(device))
     return None if gpu is None else peak_flops(gpu, precision.compute_dtype, precision.fp8)
-
-
-def _format(values: dict) -> str:
-    """One console line of scalars; lists (e.g. per-rank figures) stay in metrics.jsonl only."""
-    parts = []
-    for key, value in values.items():
-        if isinstance(value, (list, dict)):
-            continue
-        parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
-    return " ".join(parts)
 
 
 class _Progress:
@@ -89,6 +80,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, is_main: bool, config: dict):
         self.is_main = is_main
+        self._total_steps = total_steps
         self._jsonl = None
         self._wandb = None
         self._tensorboard: TensorBoard | None = None
@@ -195,7 +187,7 @@ class MetricsLogger:
         return highest
 
     def _emit(self, record: dict, step: int) -> None:
-        line = _format(record)
+        line = console_line(record, self._total_steps)
         log.info(line)
         if not self.is_main:
             return
