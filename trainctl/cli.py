@@ -79,6 +79,11 @@ def _search(config_dirs: list[Path] | None) -> sources.SearchPath:
 
 
 def _resolved(overrides: list[str] | None, config_dirs: list[Path] | None = None) -> RunConfig:
+    from trainctl.launch.sweep import is_sweep
+
+    if swept := is_sweep(list(overrides or [])):
+        raise UserError([f"{item}: several values (a sweep); `trainctl launch -m ...` runs one run per point"
+                         for item in swept])
     return resolve(composer.compose(list(overrides or []), _search(config_dirs)))
 
 
@@ -198,10 +203,19 @@ def _run_cells(st, f) -> list[str]:
 
 
 @app.command("runs")
-def list_runs(runs_dir: Path = RUNS_DIR, as_json: bool = AS_JSON) -> None:
+def list_runs(
+    runs_dir: Path = RUNS_DIR,
+    as_json: bool = AS_JSON,
+    sweep_name: str = typer.Option(None, "--sweep", help="A sweep's points with their overrides, best first.",
+                                   show_default=False),
+) -> None:
     """List runs with their state, progress and latest losses (Slurm runs from squeue/sacct).  Example: trainctl runs"""
     from trainctl.launch import runs
     from trainctl.launch.figures import figures
+
+    if sweep_name is not None:
+        _list_sweep(runs_dir, sweep_name, as_json)
+        return
 
     states = runs.run_states(runs.list_runs(runs_dir))
     measured = [figures(st.path) for st in states]
@@ -219,6 +233,30 @@ def list_runs(runs_dir: Path = RUNS_DIR, as_json: bool = AS_JSON) -> None:
         return
     table = Table(*(Column(h, no_wrap=h != "detail") for h in header), box=None, header_style="bold")
     for row in rows:
+        table.add_row(*map(escape, row))
+    out.print(table)
+
+
+def _list_sweep(runs_dir: Path, name: str, as_json: bool) -> None:
+    """A sweep's points ranked by final loss (eval loss when there is one), with their state and overrides."""
+    from trainctl.launch import runs, sweep
+
+    rows = sweep.ranked(sweep.read(runs_dir, name))
+    states = {st.path.resolve(): st for st in runs.run_states([Path(r["run_dir"]) for r in rows])}
+    for row in rows:
+        st = states.get(Path(row["run_dir"]).resolve())
+        row["state"] = st.state if st else "UNKNOWN"
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    header = ["rank", "run", "state", "loss", "swept"]
+    cells = [[str(i + 1), r["run"], r["state"], _fmt(r["loss"], ".4f"), " ".join(r["swept"])]
+             for i, r in enumerate(rows)]
+    if not out.is_terminal:
+        sys.stdout.write("".join("\t".join(row) + "\n" for row in [header, *cells]))
+        return
+    table = Table(*header, box=None, header_style="bold")
+    for row in cells:
         table.add_row(*map(escape, row))
     out.print(table)
 
@@ -258,7 +296,8 @@ def _duration(seconds: float) -> str:
 
 @app.command()
 def plot(
-    run: list[str] = typer.Argument(..., help="Run directories or names under --runs-dir.", show_default=False),
+    run: list[str] = typer.Argument(None, help="Run directories or names under --runs-dir.", show_default=False),
+    sweep_name: str = typer.Option(None, "--sweep", help="Every point of a sweep, overlaid.", show_default=False),
     out_file: Path = typer.Option(None, "--out", help="The PNG to write (default: RUN/plot.png, or plot.png for "
                                   "several runs).", show_default=False),
     runs_dir: Path = RUNS_DIR,
@@ -267,8 +306,16 @@ def plot(
     from trainctl.launch import runs
     from trainctl.launch.plot import plot as draw
 
-    run_dirs = [runs.find_run(r, runs_dir) for r in run]
-    target = out_file or (run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
+    run_dirs = [runs.find_run(r, runs_dir) for r in run or []]
+    if sweep_name is not None:
+        from trainctl.launch import sweep
+
+        run_dirs += sweep.point_run_dirs(sweep.read(runs_dir, sweep_name))
+    if not run_dirs:
+        raise UserError(["plot: name runs (trainctl plot RUN [RUN...]) or a sweep (--sweep NAME)"])
+    default = sweep.sweep_dir(runs_dir, sweep_name) / "plot.png" if sweep_name else (
+        run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
+    target = out_file or default
     out.print(f"wrote {draw(run_dirs, target)}", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -309,34 +356,46 @@ def cancel(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     out.print(f"cancelled {what} of run {st.name} (it was {st.state})")
 
 
+def _launch_problems(cfg: RunConfig, run_plan, dry_run: bool, force: bool) -> list[str]:
+    """Everything that stops a launch of this config, one line each (none for --dry-run's lighter checks)."""
+    from trainctl.core.support import unsupported
+    from trainctl.launch.preflight import launch_problems
+    from trainctl.plan import refusal
+
+    problems = [] if dry_run else unsupported(cfg.sharding, cfg.precision)
+    too_big = refusal(run_plan)
+    if too_big and not (dry_run or force):
+        problems.append(too_big)
+    if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
+        problems.append("cluster.launcher=slurm: sbatch was not found on PATH; "
+                        "run on a Slurm login node, use cluster=local, or pass --dry-run")
+    # cluster.setup syntax, W&B credentials, token files
+    return problems + launch_problems(cfg, dry_run=dry_run)
+
+
 @app.command()
 def launch(
     overrides: list[str] = OVERRIDES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run directory and stop; start nothing."),
-    name: str = typer.Option("", "--name", help="Run directory name (default: recipe or model, then a timestamp)."),
+    name: str = typer.Option("", "--name", help="Run directory name (default: recipe or model, then a timestamp); "
+                             "with -m, the sweep's name."),
     force: bool = typer.Option(
         False, "--force", help="Launch even when the plan says a rank's memory does not fit its device."),
+    multirun: bool = typer.Option(
+        False, "-m", "--multirun", help="A sweep: one run per point of Hydra's sweep grammar (a=1,2 range() "
+        "choice()); locally one after another, on Slurm one job array."),
     config_dirs: list[Path] = CONFIG_DIRS,
 ) -> None:
     """Write a run directory and start the workers.  Example: trainctl launch recipe=tiny_cpu train.steps=50"""
-    from trainctl.core.support import unsupported
     from trainctl.launch import rundir
-    from trainctl.plan import build, refusal
+    from trainctl.plan import build
 
+    if multirun:
+        _launch_sweep(list(overrides or []), config_dirs, dry_run, force, name)
+        return
     cfg = _resolved(overrides, config_dirs)
     run_plan = build(cfg)
-    missing = unsupported(cfg.sharding, cfg.precision)
-    if missing and not dry_run:
-        raise UserError(missing)
-    too_big = refusal(run_plan)
-    if too_big and not (dry_run or force):
-        raise UserError([too_big])
-    if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
-        raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; "
-                         "run on a Slurm login node, use cluster=local, or pass --dry-run"])
-    from trainctl.launch.preflight import launch_problems
-
-    if problems := launch_problems(cfg, dry_run=dry_run):  # cluster.setup syntax, W&B credentials, token files
+    if problems := _launch_problems(cfg, run_plan, dry_run, force):
         raise UserError(problems)
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None,
                             overrides=list(overrides or []))
@@ -354,6 +413,66 @@ def launch(
 
     code = local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0)
     raise typer.Exit(code)
+
+
+def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run: bool, force: bool,
+                  name: str) -> None:
+    """Every point checked first (nothing starts if one is bad), then the run directories, then the runs."""
+    from trainctl.launch import rundir, sweep
+    from trainctl.launch.slurm import array_problems
+    from trainctl.plan import build
+
+    sp = _search(config_dirs)
+
+    def build_point(point: list[str]):
+        cfg = resolve(composer.compose(point, sp))
+        run_plan = build(cfg)
+        return cfg, run_plan, _launch_problems(cfg, run_plan, dry_run, force)
+
+    points = sweep.check_points(sweep.expand(overrides), build_point)
+    launchers = {p.cfg.cluster.launcher for p in points}
+    if len(launchers) > 1:
+        raise UserError(["-m: the points use different launchers (cluster=local and cluster=slurm); sweep one"])
+    slurm = launchers == {"slurm"}
+    if slurm and (problems := array_problems([p.cfg for p in points])):
+        raise UserError(problems)
+    sweep_name = name or sweep.default_name(points[0].cfg)
+    folder = sweep.create(points, sweep_name, overrides, lambda p, run_name: rundir.create(
+        p.cfg, p.plan, runs_dir=Path(p.cfg.runs_dir), name=run_name, overrides=p.overrides))
+    run_dirs = sweep.point_run_dirs(sweep.read(folder.parent.parent, sweep_name))
+    out.print(f"sweep {sweep_name}: {len(points)} points in {folder}", markup=False, highlight=False, soft_wrap=True)
+    for varied, run_dir in zip(sweep.swept([p.overrides for p in points]), run_dirs, strict=True):
+        out.print(f"  {run_dir.name}: {' '.join(varied)}", markup=False, highlight=False, soft_wrap=True)
+    if dry_run:
+        return
+    if slurm:
+        from trainctl.launch.slurm import submit_array
+
+        array_id = submit_array(points[0].cfg, sweep_name, folder, run_dirs)
+        out.print(f"submitted Slurm job array {array_id} ({len(points)} tasks); watch it with: "
+                  f"trainctl runs --sweep {sweep_name}", markup=False, highlight=False, soft_wrap=True)
+        return
+    raise typer.Exit(_run_points_locally(points, run_dirs, sweep_name))
+
+
+def _run_points_locally(points, run_dirs: list[Path], sweep_name: str) -> int:
+    """One point after another; a Ctrl-C (its checkpoint saved) ends the sweep. The first failure's code."""
+    from trainctl.core import rundir as layout
+    from trainctl.launch import local
+
+    codes = []
+    for point, run_dir in zip(points, run_dirs, strict=True):
+        out.print(f"sweep {sweep_name}: point {point.index + 1}/{len(points)}: {' '.join(point.overrides)}",
+                  markup=False, highlight=False, soft_wrap=True)
+        cfg = point.cfg
+        codes.append(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0))
+        if layout.stop_record(run_dir):
+            err.print(f"sweep {sweep_name} stopped at point {point.index}; resume its runs with `trainctl resume`",
+                      markup=False, highlight=False, soft_wrap=True)
+            break
+    out.print(f"sweep {sweep_name}: {sum(c == 0 for c in codes)} of {len(points)} points completed; "
+              f"rank them with: trainctl runs --sweep {sweep_name}", markup=False, highlight=False, soft_wrap=True)
+    return next((c for c in codes if c), 0)
 
 
 def _submit(run_dir: Path) -> None:

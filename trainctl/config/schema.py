@@ -152,6 +152,7 @@ class ClusterConfig:
     constraint: str = ""  # sbatch --constraint (node features)
     exclusive: bool = False  # whole nodes
     job_name: str = ""  # "": the run directory's name
+    array_parallelism: int = 0  # a sweep's job array runs at most this many points at once (--array=0-N%P); 0: all
     extra_directives: list[str] = field(default_factory=list)  # each becomes `#SBATCH <line>`, e.g. --reservation=x
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load, ...), verbatim
     env: dict[str, str] = field(default_factory=dict)  # exported in the job, values quoted

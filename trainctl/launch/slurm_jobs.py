@@ -87,7 +87,9 @@ def query_squeue(job_ids: list[str]) -> dict[str, JobInfo]:
     """Jobs the controller still holds, finished ones included (`--states=all`); raises SlurmUnavailable."""
     if not job_ids:
         return {}
-    done = _run(["squeue", "--noheader", "--states=all", f"--jobs={','.join(job_ids)}", "--format=%i|%T|%r|%N"])
+    # --array: one line per array task (a sweep's point is task JOB_I), also while the whole array is pending.
+    done = _run(["squeue", "--noheader", "--array", "--states=all", f"--jobs={','.join(job_ids)}",
+                 "--format=%i|%T|%r|%N"])
     if done is None:
         return {}
     if done.returncode != 0:
