@@ -55,8 +55,8 @@ app.add_typer(config_app, name="config")
 data_app = typer.Typer(help="Turn your own text into a token dataset.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-out = Console()
-err = Console(stderr=True)
+out = Console(emoji=False)  # user text stays as written: no :name: emoji codes
+err = Console(stderr=True, emoji=False)
 
 OVERRIDES = typer.Argument(
     None, help="Hydra overrides, e.g. recipe=tiny_cpu optim.lr=1e-4 model=llama2_7b", show_default=False

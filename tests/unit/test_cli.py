@@ -154,3 +154,12 @@ def test_launch_refuses_what_the_worker_cannot_run_yet(workdir):
     shown = trainctl("plan", *overrides, "--json", cwd=workdir)
     assert shown.returncode == 0
     assert any("is not implemented in the worker yet" in w for w in json.loads(shown.stdout)["warnings"])
+
+
+def test_user_text_is_printed_literally(workdir):
+    # rich would read [a,b] as markup and :warning: as an emoji code; an error must quote the user exactly.
+    proc = trainctl("plan", "recipe=tiny_cpu", "optim.lr=:warning:", cwd=workdir)
+    assert proc.returncode == 2
+    assert "Value ':warning:'" in proc.stderr and "⚠" not in proc.stderr
+    hint = trainctl("plan", "recipe=tiny_cpu", "optim.lr=[", cwd=workdir)
+    assert hint.returncode == 2 and "key=[a,b]" in hint.stderr
