@@ -307,16 +307,21 @@ def plot(
     from trainctl.launch.plot import plot as draw
 
     run_dirs = [runs.find_run(r, runs_dir) for r in run or []]
+    labels = [d.name for d in run_dirs]
     if sweep_name is not None:
         from trainctl.launch import sweep
 
-        run_dirs += sweep.point_run_dirs(sweep.read(runs_dir, sweep_name))
+        record = sweep.read(runs_dir, sweep_name)
+        run_dirs += sweep.point_run_dirs(record)
+        # A sweep's curves are told apart by what the sweep varies.
+        labels += [f"{p['run_dir'].rsplit('/', 1)[-1]}: {' '.join(varied)}" for p, varied in
+                   zip(record["points"], sweep.swept([p.get("overrides", []) for p in record["points"]]), strict=True)]
     if not run_dirs:
         raise UserError(["plot: name runs (trainctl plot RUN [RUN...]) or a sweep (--sweep NAME)"])
     default = sweep.sweep_dir(runs_dir, sweep_name) / "plot.png" if sweep_name else (
         run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
     target = out_file or default
-    out.print(f"wrote {draw(run_dirs, target)}", markup=False, highlight=False, soft_wrap=True)
+    out.print(f"wrote {draw(run_dirs, target, labels)}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
