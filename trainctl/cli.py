@@ -202,17 +202,35 @@ def _run_cells(st, f) -> list[str]:
             _fmt(f.val_loss, ".4g"), _fmt(f.tokens_per_s, ".0f")]
 
 
+def _runs_dir_of(runs_dir: Path | None, overrides: list[str] | None, config_dirs: list[Path] | None) -> Path:
+    """--runs-dir, else the runs_dir of the config the overrides compose (recipe=..., runs_dir=...), else
+    $TRAINCTL_RUNS_DIR, else runs/."""
+    import os
+
+    if runs_dir is not None:
+        return runs_dir
+    if overrides or config_dirs:
+        return Path(composer.compose(list(overrides or []), _search(config_dirs)).runs_dir)
+    return Path(os.environ.get("TRAINCTL_RUNS_DIR") or "runs")
+
+
 @app.command("runs")
 def list_runs(
-    runs_dir: Path = RUNS_DIR,
+    overrides: list[str] = typer.Argument(None, help="Overrides whose config says where the runs are, e.g. "
+                                          "recipe=NAME or runs_dir=/scratch/runs.", show_default=False),
+    runs_dir: Path = typer.Option(None, "--runs-dir", show_default=False,
+                                  help="Where the runs are (default: the config's runs_dir: $TRAINCTL_RUNS_DIR, "
+                                  "else runs)."),
     as_json: bool = AS_JSON,
     sweep_name: str = typer.Option(None, "--sweep", help="A sweep's points with their overrides, best first.",
                                    show_default=False),
+    config_dirs: list[Path] = CONFIG_DIRS,
 ) -> None:
     """List runs with their state, progress and latest losses (Slurm runs from squeue/sacct).  Example: trainctl runs"""
     from trainctl.launch import runs
     from trainctl.launch.figures import figures
 
+    runs_dir = _runs_dir_of(runs_dir, overrides, config_dirs)
     if sweep_name is not None:
         _list_sweep(runs_dir, sweep_name, as_json)
         return

@@ -91,3 +91,14 @@ def test_launches_follow_trainctl_runs_dir_too(monkeypatch):
     monkeypatch.setenv("TRAINCTL_RUNS_DIR", "/scratch/me/runs")
     assert compose([]).runs_dir == "/scratch/me/runs"
     assert compose(["runs_dir=here"]).runs_dir == "here"  # the command line still wins
+
+
+def test_runs_follows_the_runs_dir_a_config_sets(runs_dir, tmp_path):
+    names = {r["name"] for r in json.loads(run_cli("runs", f"runs_dir={runs_dir}", "--json", cwd=tmp_path).stdout)}
+    assert names == {LONG, "short"}
+    mine = tmp_path / "conf" / "recipes"
+    mine.mkdir(parents=True)
+    (mine / "far.yaml").write_text(f"# @package _global_\nruns_dir: {runs_dir}\n")
+    proc = run_cli("runs", "recipe=far", "--config-dir", str(tmp_path / "conf"), "--json", cwd=tmp_path)
+    assert {r["name"] for r in json.loads(proc.stdout)} == {LONG, "short"}
+    assert json.loads(run_cli("runs", "--json", cwd=tmp_path).stdout) == []  # runs/ here holds none
