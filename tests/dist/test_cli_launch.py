@@ -51,7 +51,7 @@ def test_launch_trains_and_exits_zero(fsdp_run):
 
 def test_rank0_output_streams_to_the_terminal(fsdp_run):
     _, proc = fsdp_run
-    assert "val_loss" in proc.stdout
+    assert "eval step 0  val loss" in proc.stdout and "step 30/30  loss" in proc.stdout
     assert "run directory:" in proc.stdout
 
 
