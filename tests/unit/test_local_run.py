@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -147,9 +148,11 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_stops_the_whole_child_group(tmp_path, sig):
     pid_file = tmp_path / "grandchild.pid"
-    # The launch script runs a grandchild (as torchrun runs workers); both must stop.
-    run_dir = make_run_dir(
-        tmp_path, f"echo $$ > {tmp_path}/child.pid\nsh -c 'echo $$ > {pid_file}; exec sleep 60'\necho not reached\n")
+    # As launch.sh execs torchrun, which runs workers: the script execs a Python parent of a grandchild; both must
+    # stop. (A bash parent instead would race: bash may see its child die first and carry on to exit 0.)
+    parent = (f"import os, subprocess; open({str(tmp_path / 'child.pid')!r}, 'w').write(str(os.getpid())); "
+              f"subprocess.Popen(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 60']).wait(); print('not reached')")
+    run_dir = make_run_dir(tmp_path, f"exec {shlex.quote(sys.executable)} -c {shlex.quote(parent)}\n")
     runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(run_dir)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     try:

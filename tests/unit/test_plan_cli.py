@@ -71,7 +71,9 @@ def test_compare_unknown_axis_is_one_line_and_exit_2(tmp_path):
 def test_launch_refuses_a_plan_that_does_not_fit(tmp_path):
     proc = trainctl("launch", "recipe=llama2_13b_pp", cwd=tmp_path)
     assert proc.returncode == 2
-    (line,) = proc.stderr.strip().splitlines()
+    # Every problem at once, one line each: the memory verdict first (the recipe's token files are absent here).
+    line, *others = proc.stderr.strip().splitlines()
+    assert all(other.startswith("error: data.") for other in others), others
     assert line.startswith("error: does not fit: pp rank 0 needs ") and "GiB of one h100" in line
     assert "; try " in line and "--force" in line and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing written, nothing submitted
