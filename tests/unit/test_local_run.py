@@ -150,8 +150,13 @@ def test_signal_stops_the_whole_child_group(tmp_path, sig):
     pid_file = tmp_path / "grandchild.pid"
     # As launch.sh execs torchrun, which runs workers: the script execs a Python parent of a grandchild; both must
     # stop. (A bash parent instead would race: bash may see its child die first and carry on to exit 0.)
-    parent = (f"import os, subprocess; open({str(tmp_path / 'child.pid')!r}, 'w').write(str(os.getpid())); "
-              f"subprocess.Popen(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 60']).wait(); print('not reached')")
+    # Both restore SIGINT's default action: a test run in the background inherits it ignored (as bash sets it
+    # for asynchronous commands), which torchrun and its workers would not be started with.
+    grandchild = (f"import os, signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
+    parent = (f"import os, signal, subprocess, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(os.getpid())); "
+              f"subprocess.Popen([sys.executable, '-c', {grandchild!r}]).wait(); print('not reached')")
     run_dir = make_run_dir(tmp_path, f"exec {shlex.quote(sys.executable)} -c {shlex.quote(parent)}\n")
     runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(run_dir)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
