@@ -274,14 +274,8 @@ def parse_job_id(sbatch_stdout: str) -> str:
     return job_id
 
 
-def submit(run_dir: Path) -> str:
-    """Submit RUN_DIR/launch.sh with sbatch; returns the job id and records it in RUN_DIR/launch.json."""
-    if shutil.which("sbatch") is None:
-        raise LaunchError("cluster.launcher=slurm but sbatch was not found on PATH; "
-                          "run on a Slurm login node or use cluster=local")
-    script = run_dir / rundir.SCRIPT
-    if not script.is_file():
-        raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
+def sbatch(script: Path) -> str:
+    """`sbatch --parsable SCRIPT`; the job id, or a LaunchError saying why Slurm refused or did not answer."""
     try:
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
                               timeout=SBATCH_TIMEOUT_S)
@@ -290,7 +284,18 @@ def submit(run_dir: Path) -> str:
     if done.returncode != 0:
         reason = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
         raise LaunchError(f"sbatch rejected {script}: {reason}")
-    job_id = parse_job_id(done.stdout)
+    return parse_job_id(done.stdout)
+
+
+def submit(run_dir: Path) -> str:
+    """Submit RUN_DIR/launch.sh with sbatch; returns the job id and records it in RUN_DIR/launch.json."""
+    if shutil.which("sbatch") is None:
+        raise LaunchError("cluster.launcher=slurm but sbatch was not found on PATH; "
+                          "run on a Slurm login node or use cluster=local")
+    script = run_dir / rundir.SCRIPT
+    if not script.is_file():
+        raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
+    job_id = sbatch(script)
     submitted = datetime.now().astimezone().isoformat(timespec="seconds")
     record = {"launcher": "slurm", "job_id": job_id, "submitted": submitted}
     rundir.write_json_atomic(run_dir / rundir.LAUNCH, record)
@@ -336,15 +341,7 @@ def submit_array(cfg: RunConfig, name: str, sweep_folder: Path, run_dirs: list[P
     (sweep_folder / "logs").mkdir(exist_ok=True)
     script = sweep_folder / "array.sh"
     script.write_text(render_array(cfg, name, sweep_folder, run_dirs))
-    try:
-        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
-                              timeout=SBATCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        raise LaunchError(f"sbatch did not answer within {SBATCH_TIMEOUT_S} s; is the Slurm controller up?") from e
-    if done.returncode != 0:
-        reason = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
-        raise LaunchError(f"sbatch rejected {script}: {reason}")
-    array_id = parse_job_id(done.stdout)
+    array_id = sbatch(script)
     submitted = datetime.now().astimezone().isoformat(timespec="seconds")
     for index, run_dir in enumerate(run_dirs):
         record = {"launcher": "slurm", "job_id": f"{array_id}_{index}", "array_job_id": array_id,

@@ -11,7 +11,6 @@ them with their overrides. Locally the points run one after another; on Slurm th
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,7 +154,3 @@ def ranked(record: dict) -> list[dict]:
         rows.append({"index": p.get("index"), "overrides": p.get("overrides", []), "swept": varied,
                      "run_dir": str(run_dir), "run": run_dir.name, "loss": final_loss(run_dir)})
     return sorted(rows, key=lambda r: (r["loss"] is None, r["loss"] if r["loss"] is not None else 0.0))
-
-
-def save_json(path: Path, value: dict) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")

@@ -308,6 +308,7 @@ def data_tokenizer(run_dir: Path) -> dict | None:
     if data.kind != "memmap" or not data.datasets:
         return None
     from trainctl.data import format as dataset
+    from trainctl.data.tokenizer import token_string
 
     try:
         meta = dataset.read_meta(data.datasets[0])
@@ -317,19 +318,8 @@ def data_tokenizer(run_dir: Path) -> dict | None:
     info = {"eos_id": tok.eos_id, "file": None, "eos_token": None}
     if tok.file:
         info["file"] = str(meta.root / tok.file)
-        info["eos_token"] = _token_string(info["file"], tok.eos_id)
+        info["eos_token"] = token_string(info["file"], tok.eos_id)
     return info
-
-
-def _token_string(tokenizer_file: str, token_id: int) -> str | None:
-    try:
-        vocab = json.loads(Path(tokenizer_file).read_text())
-    except (OSError, ValueError):
-        return None
-    for added in vocab.get("added_tokens", []):
-        if added.get("id") == token_id:
-            return added.get("content")
-    return None
 
 
 def default_out(run_dir: Path, ckpt: Path) -> Path:
