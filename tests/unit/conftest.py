@@ -28,6 +28,19 @@ def real_git_for_cli_tests(request, monkeypatch):
         monkeypatch.setattr(code_record, "record", REAL_CODE_RECORD)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def matplotlib_font_cache(request):
+    """matplotlib builds its font cache on first use by running `fc-list`: a subprocess, which a unit test may
+    not start. On a fresh machine (CI) the plotting tests would fail for it, so the cache is built once here,
+    before any test's process guard is in place, and only when plotting tests are selected."""
+    if any(item.path.name == "test_plot.py" for item in request.session.items):
+        try:
+            import matplotlib.font_manager  # noqa: F401 (imported for its cache-building side effect)
+        except ImportError:
+            pass
+    yield
+
+
 @pytest.fixture
 def slurm_bin(tmp_path, monkeypatch):
     """squeue/sacct that know no job and have no accounting (a fresh cluster); scancel records its arguments."""
