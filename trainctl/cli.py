@@ -20,7 +20,6 @@ from rich.table import Column, Table
 
 from trainctl.config import compose as composer
 from trainctl.config import sources
-from trainctl.config.errors import ConfigError
 from trainctl.config.schema import GROUPS, RunConfig, option_of, to_yaml
 from trainctl.config.validate import resolve
 from trainctl.core.errors import UserError
@@ -379,21 +378,30 @@ def cancel(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     out.print(f"cancelled {what} of run {st.name} (it was {st.state})")
 
 
-def _launch_problems(cfg: RunConfig, run_plan, dry_run: bool, force: bool) -> list[str]:
-    """Everything that stops a launch of this config, one line each (none for --dry-run's lighter checks)."""
+def _launch_problems(cfg: RunConfig, run_plan, dry_run: bool, force: bool, workdir: Path | None = None) -> list[str]:
+    """Everything that stops a launch of this config, one line each.
+
+    A dry run is checked the same way (it writes what a launch would start), except that sbatch need not be
+    on this machine: the script may be submitted from another one.
+    """
     from trainctl.core.support import unsupported
     from trainctl.launch.preflight import launch_problems
     from trainctl.plan import refusal
 
-    problems = [] if dry_run else unsupported(cfg.sharding, cfg.precision)
+    problems = unsupported(cfg.sharding, cfg.precision)
     too_big = refusal(run_plan)
-    if too_big and not (dry_run or force):
+    if too_big and not force:
         problems.append(too_big)
     if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
         problems.append("cluster.launcher=slurm: sbatch was not found on PATH; "
                         "run on a Slurm login node, use cluster=local, or pass --dry-run")
     # cluster.setup syntax, W&B credentials, token files
-    return problems + launch_problems(cfg, dry_run=dry_run)
+    return problems + launch_problems(cfg, workdir=workdir)
+
+
+def _start_command(cfg: RunConfig, script: Path) -> str:
+    """How to start what a dry run wrote: sbatch for a Slurm script, bash for a local one."""
+    return shlex.join(["sbatch" if cfg.cluster.launcher == "slurm" else "bash", str(script)])
 
 
 @app.command()
@@ -426,7 +434,7 @@ def launch(
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     out.print(f"run directory: [bold]{escape(str(run_dir))}[/]", highlight=False, soft_wrap=True)
     if dry_run:
-        out.print(f"dry run: start it with [bold]{escape(shlex.join(['bash', str(run_dir / 'launch.sh')]))}[/]",
+        out.print(f"dry run: start it with [bold]{escape(_start_command(cfg, run_dir / 'launch.sh'))}[/]",
                   highlight=False, soft_wrap=True)
         return
     if cfg.cluster.launcher == "slurm":
@@ -466,6 +474,13 @@ def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run:
     out.print(f"sweep {sweep_name}: {len(points)} points in {folder}", markup=False, highlight=False, soft_wrap=True)
     for varied, run_dir in zip(sweep.swept([p.overrides for p in points]), run_dirs, strict=True):
         out.print(f"  {run_dir.name}: {' '.join(varied)}", markup=False, highlight=False, soft_wrap=True)
+    if dry_run and slurm:
+        from trainctl.launch.slurm import write_array
+
+        script = write_array(points[0].cfg, sweep_name, folder, run_dirs)
+        out.print(f"dry run: submit the job array with {_start_command(points[0].cfg, script)}", markup=False,
+                  highlight=False, soft_wrap=True)
+        return
     if dry_run:
         return
     if slurm:
@@ -518,37 +533,52 @@ def _submit_new(run_dir: Path) -> None:
         raise
 
 
-def _load_run(run_dir: Path) -> RunConfig:
-    """A run directory's config, or one line saying why it does not load."""
-    from trainctl.config.schema import load_run_config
-
-    try:
-        return load_run_config(run_dir)
-    except ConfigError as exc:
-        raise UserError([f"{run_dir / 'config.yaml'}: {problem}" for problem in exc.problems]) from None
-    except Exception as exc:  # a damaged file: OmegaConf's and YAML's errors have no common base
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise UserError([f"{run_dir / 'config.yaml'} does not load ({first}); "
-                         "restore it from a copy or launch a new run"]) from None
-
-
 @app.command()
-def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
+def resume(
+    run: str = RUN,
+    overrides: list[str] = typer.Argument(None, help="Keys to change, checked like a launch, e.g. train.steps=2000 "
+                                          "(extends a finished run) or optim.lr=1e-4.", show_default=False),
+    force: bool = typer.Option(False, "--force", help="Resume even when the plan says a rank's memory does not fit."),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
     # One help line for typer, written as two literals to keep the source under 120 columns.
-    ("Relaunch a run from its directory with its own config; it continues from its newest valid checkpoint.  "
-     "Example: trainctl resume tiny_cpu-20250101-120000")
-    from trainctl.core import checkpoints
+    ("Relaunch a run from its newest valid checkpoint, with its own config or changed keys.  "
+     "Example: trainctl resume tiny_cpu-20250101-120000 train.steps=200")
     from trainctl.launch import local, runs
+    from trainctl.launch import resume as resumer
+    from trainctl.launch.command import plan_record
+    from trainctl.launch.rundir import script_workdir
+    from trainctl.plan import build
 
     run_dir = runs.find_run(run, runs_dir)
-    cfg = _resumable(run_dir)
+    _check_idle(run_dir)
+    res = resumer.check(run_dir, list(overrides or []))
+    cfg, workdir = res.resolved, script_workdir(run_dir)
+    run_plan = build(cfg)
+    if cfg.checkpoint.resume == "never":
+        raise UserError([f"run {run_dir.name} has checkpoint.resume=never: it would start over; "
+                         "launch a new run instead"])
+    if problems := _launch_problems(cfg, run_plan, dry_run=False, force=force, workdir=workdir):
+        raise UserError(problems)
+    for note in res.notes:
+        out.print(note, markup=False, highlight=False, soft_wrap=True)
+    for warning in res.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     # Locally, the lock first: a second resume started at the same moment is refused before it writes anything.
     held = local.lock(run_dir) if cfg.cluster.launcher == "local" else None
-    _rewrite_script(run_dir, cfg, held)
+    try:
+        record = plan_record(run_plan, res.cfg, run_dir)
+        record.update(workdir=str(workdir or Path.cwd()), notes=[*record["notes"], *res.notes],
+                      warnings=[*record["warnings"], *res.warnings])
+        resumer.apply(res, record)
+        _rewrite_script(run_dir, res.cfg, workdir)
+    except BaseException:
+        if held is not None:
+            held.release()  # nothing was launched: the next resume must not find the run locked
+        raise
     # Named, not verified here: hashing a large checkpoint on a login node would take long, and the workers
     # verify it anyway (sharing the work), falling back to an older one when it is damaged.
-    committed = checkpoints.list_committed(checkpoints.checkpoint_dir(run_dir))
-    where = committed[-1][1].name if committed else "the start (no checkpoint yet)"
+    where = f"step-{res.step:08d}" if res.step is not None else "the start (no checkpoint yet)"
     out.print(f"resuming {escape(str(run_dir))} from {escape(where)}", highlight=False, soft_wrap=True)
     if cfg.cluster.launcher == "slurm":
         _submit(run_dir)
@@ -556,11 +586,9 @@ def resume(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     raise typer.Exit(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0, held=held))
 
 
-def _resumable(run_dir: Path) -> RunConfig:
-    """The run's config, or a UserError saying why it cannot be resumed now (before anything is written)."""
-    from trainctl.core import rundir as layout
-    from trainctl.launch import rundir, runs
-    from trainctl.launch.preflight import launch_problems
+def _check_idle(run_dir: Path) -> None:
+    """A UserError when the run is active, or its state cannot be known now (before anything is written)."""
+    from trainctl.launch import runs
 
     state = runs.run_state(run_dir)
     if state.active:
@@ -569,30 +597,13 @@ def _resumable(run_dir: Path) -> RunConfig:
     if state.detail.startswith("Slurm controller unreachable"):
         raise UserError([f"run {state.name}: {state.detail}; its job may still be running, "
                          "so try again when Slurm answers"])
-    if layout.result(run_dir) is not None:
-        raise UserError([f"run {state.name} already finished (see {run_dir / layout.RESULT}); "
-                         "launch a new run to train further"])
-    cfg = _load_run(run_dir)
-    if cfg.checkpoint.resume == "never":
-        raise UserError([f"run {state.name} has checkpoint.resume=never: it would start over; "
-                         "launch a new run instead"])
-    if cfg.cluster.launcher == "slurm" and shutil.which("sbatch") is None:
-        raise UserError(["cluster.launcher=slurm: sbatch was not found on PATH; resume from a Slurm login node"])
-    if problems := launch_problems(cfg, workdir=rundir.script_workdir(run_dir)):  # W&B credentials, token files
-        raise UserError(problems)
-    return cfg
 
 
-def _rewrite_script(run_dir: Path, cfg: RunConfig, held) -> None:
+def _rewrite_script(run_dir: Path, cfg: RunConfig, workdir: Path | None) -> None:
     """The script for where the run is now (it may have been copied or moved), launched from where it was."""
     from trainctl.launch import rundir
 
-    try:
-        rundir.write_script(run_dir, cfg, run_dir, rundir.script_workdir(run_dir) or Path.cwd())
-    except BaseException:
-        if held is not None:
-            held.release()  # nothing was launched: the next resume must not find the run locked
-        raise
+    rundir.write_script(run_dir, cfg, run_dir, workdir or Path.cwd())
 
 
 @app.command()
@@ -671,10 +682,26 @@ def _report(problems: list[str]) -> None:
         err.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)  # user text: no markup
 
 
+def _cwd_problem() -> str | None:
+    """Every command resolves relative paths (runs/, data, configs) against the working directory; a deleted one
+    would fail deep inside Hydra or a launch. One line instead."""
+    import os
+
+    try:
+        os.getcwd()
+    except OSError as exc:
+        return (f"the working directory cannot be read ({exc.strerror or exc}; deleted?); "
+                "cd to an existing directory and run the command again")
+    return None
+
+
 def main() -> None:
     """Console-script entry: user errors print one line each and exit 2, never a traceback."""
     from trainctl.plan import PlanError
 
+    if problem := _cwd_problem():
+        _report([problem])
+        sys.exit(2)
     try:
         app()
     except UserError as exc:  # config, launch and export errors all derive from it

@@ -35,7 +35,7 @@ LIGHT_COMMANDS = [
     ["config", "show", "recipe=llama7b_fsdp", "optim.lr=1e-4"],
     ["plan", "recipe=llama7b_fsdp", "cluster.nodes=2"],
     ["plan", "recipe=llama70b_3d", "--json"],
-    ["launch", "recipe=llama7b_fsdp", "--dry-run"],
+    ["launch", "recipe=llama7b_fsdp", "data=synthetic", "--dry-run"],
     ["launch", "--help"],
 ]
 

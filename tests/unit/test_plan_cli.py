@@ -69,11 +69,12 @@ def test_compare_unknown_axis_is_one_line_and_exit_2(tmp_path):
 
 
 def test_launch_refuses_a_plan_that_does_not_fit(tmp_path):
-    proc = trainctl("launch", "recipe=llama2_13b_pp", cwd=tmp_path)
+    # PATH without sbatch, whether or not this machine has Slurm (the Slurm tests install it).
+    proc = trainctl_with_path("launch", "recipe=llama2_13b_pp", cwd=tmp_path, path=str(Path(sys.executable).parent))
     assert proc.returncode == 2
     # Every problem at once, one line each: the memory verdict first (the recipe's token files are absent here).
     line, *others = proc.stderr.strip().splitlines()
-    assert all(other.startswith("error: data.") for other in others), others
+    assert all(o.startswith(("error: data.", "error: cluster.launcher=slurm: sbatch")) for o in others), others
     assert line.startswith("error: does not fit: pp rank 0 needs ") and "GiB of one h100" in line
     assert "; try " in line and "--force" in line and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing written, nothing submitted
@@ -87,12 +88,17 @@ def test_launch_force_goes_past_the_memory_check(tmp_path):
     assert "sbatch was not found" in proc.stderr and "does not fit" not in proc.stderr
 
 
-def test_dry_run_of_a_plan_that_does_not_fit_writes_it_with_a_warning(tmp_path):
-    proc = trainctl("launch", "recipe=llama2_13b_pp", "--dry-run", "--name", "big", cwd=tmp_path)
+def test_dry_run_of_a_plan_that_does_not_fit_is_refused_unless_forced(tmp_path):
+    args = ("launch", "recipe=llama2_13b_pp", "data=synthetic", "--dry-run", "--name", "big")
+    refused = trainctl(*args, cwd=tmp_path)
+    assert refused.returncode == 2 and "does not fit" in refused.stderr and "--force" in refused.stderr
+    assert not (tmp_path / "runs").exists()
+    proc = trainctl(*args, "--force", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "does not fit" in proc.stderr
     plan = json.loads((tmp_path / "runs" / "big" / "plan.json").read_text())
     assert plan["memory"]["verdict"] == "does not fit" and plan["advice"]
+    assert f"sbatch {tmp_path / 'runs' / 'big' / 'launch.sh'}" in proc.stdout  # a Slurm script is submitted
 
 
 def trainctl_with_path(*args: str, cwd: Path, path: str):

@@ -223,11 +223,14 @@ def test_launch_refuses_online_wandb_without_credentials(workdir, monkeypatch, c
     assert runs_written(workdir) == []
 
 
-def test_a_dry_run_writes_and_warns_about_what_a_start_would_refuse(workdir, monkeypatch, capsys):
+def test_a_dry_run_refuses_what_a_start_would_refuse(workdir, monkeypatch, capsys):
+    # A dry run writes what a launch would start: it is checked the same, so it leaves nothing to fail later.
     code, _, err = run_cli(monkeypatch, capsys, "launch", "data=memmap", *SMALL, "data.train_path=/nope/train.bin",
                            "data.val_path=/nope/val.bin", "logging.wandb.mode=online", "--dry-run")
-    assert code == 0 and "file not found" in err
-    assert len(runs_written(workdir)) == 1
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 3 and "Traceback" not in err, err
+    assert "file not found" in lines[1] and "no W&B API key" in lines[0]
+    assert runs_written(workdir) == []
 
 
 def test_plan_warns_about_token_files(workdir, monkeypatch, capsys):

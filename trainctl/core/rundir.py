@@ -14,6 +14,7 @@
       result.json       the final summary: the run finished
       wandb_id          the W&B run id, kept across restarts
       slurm-attempts.jsonl  one line per Slurm attempt start and end
+      history/          what a `trainctl resume` with overrides replaced: earlier config.yaml, plan.json, result.json
       checkpoints/      step-NNNNNNNN (committed, see core.checkpoints); .tmp while being written
       logs/             rank{R}.log, torchrun/ (every rank's captured output and error files), slurm-*.out,
                         launcher.log (all a local launch printed, torchrun's own messages included)
@@ -55,6 +56,7 @@ LOGS = "logs"
 TORCHRUN_LOGS = "logs/torchrun"
 LAUNCHER_LOG = "logs/launcher.log"
 CHECKPOINTS = "checkpoints"
+HISTORY = "history"
 
 RUN_DIR_ENV = "TRAINCTL_RUN_DIR"  # set by launch.sh from its own location; the worker checks it against its argument
 TAIL_BYTES = 256 * 1024  # the end of metrics.jsonl that holds the recent steps
@@ -328,15 +330,29 @@ def lock_holder(run_dir: Path) -> dict | None:
 
 
 def main(argv: list[str]) -> int:
-    """For launch scripts: `hold RUN_DIR PID` records PID as the lock's holder; `refusal RUN_DIR` names the holder."""
+    """For launch scripts: `hold RUN_DIR PID` records PID as the lock's holder; `refusal RUN_DIR` names the holder;
+    `completed RUN_DIR` exits 0 (saying so) when the run already finished."""
     if len(argv) == 3 and argv[0] == "hold":
         write_json_atomic(Path(argv[1]) / HOLDER, identity(int(argv[2])))
         return 0
     if len(argv) == 2 and argv[0] == "refusal":
         print(f"trainctl: {refusal(Path(argv[1]))}", file=sys.stderr)
         return 2
-    print("usage: python -m trainctl.core.rundir hold RUN_DIR PID | refusal RUN_DIR", file=sys.stderr)
+    if len(argv) == 2 and argv[0] == "completed":
+        return 0 if said_completed(Path(argv[1])) else 1
+    print("usage: python -m trainctl.core.rundir hold RUN_DIR PID | refusal RUN_DIR | completed RUN_DIR",
+          file=sys.stderr)
     return 2
+
+
+def said_completed(run_dir: Path) -> bool:
+    """For launch scripts: a finished run (result.json) is not trained again, so its result is never rewritten;
+    says so on stderr. Extending it is `trainctl resume NAME train.steps=N`."""
+    if result(run_dir) is None:
+        return False
+    print(f"trainctl: run {run_dir.name} already finished (see {run_dir / RESULT}); nothing to train. "
+          f"To train further: trainctl resume {run_dir.name} train.steps=N", file=sys.stderr)
+    return True
 
 
 if __name__ == "__main__":

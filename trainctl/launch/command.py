@@ -58,6 +58,8 @@ def lock_lines(python: str, accept_inherited: bool) -> list[str]:
         # The holder on record is this shell, which execs torchrun: `trainctl cancel` signals torchrun itself,
         # so a launcher that died (kill -9) does not leave a run nobody can cancel.
         f'{python} -m trainctl.core.rundir hold "$RUN_DIR" "$$"',
+        # A finished run is not trained again (its result would be rewritten): `trainctl resume` extends it.
+        f'{python} -m trainctl.core.rundir completed "$RUN_DIR" && exit 0',
         "unset TRAINCTL_LOCK_FD",
     ]
 

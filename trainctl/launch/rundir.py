@@ -25,6 +25,7 @@ from trainctl.launch.errors import LaunchError
 from trainctl.plan import RunPlan
 
 MAX_SUFFIX = 10_000  # far more collisions than any real use; beyond it something is wrong
+WORKDIR_KEY = "workdir"  # plan.json: the directory the run was launched from (relative paths are taken from it)
 NAME_MAX = 255 - len("-9999") - len(".tmp")  # bytes of one path component, leaving room for a suffix
 
 
@@ -78,7 +79,8 @@ def write_contents(
     """Write every file of the run into `target`; paths inside them refer to the final `run_dir`."""
     (target / layout.CONFIG).write_text(to_yaml(cfg))
     # The launch command is launch's, computed here for the final run directory; readers find it in plan.json.
-    (target / layout.PLAN).write_text(json.dumps(plan_record(plan, cfg, run_dir), indent=2) + "\n")
+    record = {**plan_record(plan, cfg, run_dir), WORKDIR_KEY: str(workdir)}
+    (target / layout.PLAN).write_text(json.dumps(record, indent=2) + "\n")
     write_script(target, cfg, run_dir, workdir)
     (target / layout.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
     code = code_record.record()
@@ -98,18 +100,27 @@ def write_script(target: Path, cfg: RunConfig, run_dir: Path, workdir: Path) -> 
 
 
 def script_workdir(run_dir: Path) -> Path | None:
-    """The directory an existing launch.sh `cd`s to (where the run was launched from), or None."""
+    """Where the run was launched from (its workers start there), or None when no record says.
+
+    Read from plan.json's record; a run written before that record existed has it only in its launch script,
+    where render_script wrote it as the line `cd <quoted path>`: that exact shape is matched, never a substring.
+    """
+    recorded = layout.as_str(layout.read_json(run_dir / layout.PLAN).get(WORKDIR_KEY))
+    if recorded:
+        return Path(recorded)
     try:
         lines = (run_dir / layout.SCRIPT).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return None
     for line in lines:
-        if line.startswith("cd ") and "RUN_DIR" not in line:
-            try:
-                words = shlex.split(line[3:])
-            except ValueError:
-                return None
-            return Path(words[0]) if len(words) == 1 else None
+        if not line.startswith("cd "):
+            continue
+        try:
+            words = shlex.split(line[3:])
+        except ValueError:
+            continue
+        if len(words) == 1 and line == f"cd {shlex.quote(words[0])}":
+            return Path(words[0])
     return None
 
 

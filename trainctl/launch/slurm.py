@@ -336,12 +336,20 @@ def render_array(cfg: RunConfig, name: str, sweep_folder: Path, run_dirs: list[P
     ])
 
 
+ARRAY_SCRIPT = "array.sh"
+
+
+def write_array(cfg: RunConfig, name: str, sweep_folder: Path, run_dirs: list[Path]) -> Path:
+    """SWEEP/array.sh (and its logs folder): the job array `submit_array` submits, or a dry run leaves to submit."""
+    (sweep_folder / "logs").mkdir(exist_ok=True)
+    script = sweep_folder / ARRAY_SCRIPT
+    script.write_text(render_array(cfg, name, sweep_folder, run_dirs))
+    return script
+
+
 def submit_array(cfg: RunConfig, name: str, sweep_folder: Path, run_dirs: list[Path]) -> str:
     """Submit the sweep as one job array; each point's launch.json gets its task's id (ARRAY_TASK)."""
-    (sweep_folder / "logs").mkdir(exist_ok=True)
-    script = sweep_folder / "array.sh"
-    script.write_text(render_array(cfg, name, sweep_folder, run_dirs))
-    array_id = sbatch(script)
+    array_id = sbatch(write_array(cfg, name, sweep_folder, run_dirs))
     submitted = datetime.now().astimezone().isoformat(timespec="seconds")
     for index, run_dir in enumerate(run_dirs):
         record = {"launcher": "slurm", "job_id": f"{array_id}_{index}", "array_job_id": array_id,

@@ -13,8 +13,6 @@ the (whole) parameter tensors, steps them, and broadcasts the updated ones to th
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,6 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from trainctl.config.schema import OptimConfig, ScheduleConfig
 from trainctl.core.wrapping import Wrapping
+from trainctl.plan.schedule import lr_at as schedule_lr_at
 from trainctl.train.errors import WorkerConfigError
 
 
@@ -67,37 +66,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _decay(kind: str, progress: float) -> float:
-    """Multiplier in [0, 1] going from 1 (progress 0) to 0 (progress 1)."""
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0 - progress  # linear and the wsd decay phase
-
-
 def lr_at(step: int, lr: float, schedule: ScheduleConfig, total_steps: int) -> float:
-    """Learning rate for 0-indexed optimizer step `step` of `total_steps`.
-
-    Linear warmup: step w (< warmup_steps) gets lr * (w + 1) / warmup_steps, so it starts
-    near zero and the last warmup step reaches lr. Then `constant` stays at lr; `linear`
-    and `cosine` decay from lr right after warmup to min_lr_ratio * lr at the last step;
-    `wsd` holds lr and decays linearly to the floor over the last decay_fraction of steps.
-    """
-    warmup = schedule.warmup_steps
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    if schedule.name == "constant":
-        return lr
-    floor = schedule.min_lr_ratio * lr
-    last = total_steps - 1
-    if schedule.name == "wsd":
-        decay_steps = max(1, round(schedule.decay_fraction * total_steps))
-        start = max(warmup, last - decay_steps)
-    elif schedule.name in ("linear", "cosine"):
-        start = warmup
-    else:
-        raise WorkerConfigError(f"schedule.name={schedule.name!r}: unknown schedule; "
-                                "use constant, linear, cosine or wsd")
-    if step <= start:
-        return lr
-    progress = min(1.0, (step - start) / max(1, last - start))
-    return floor + (lr - floor) * _decay(schedule.name, progress)
+    """Learning rate for 0-indexed optimizer step `step` of `total_steps` (trainctl.plan.schedule)."""
+    try:
+        return schedule_lr_at(step, lr, schedule, total_steps)
+    except ValueError as exc:
+        raise WorkerConfigError(str(exc)) from None

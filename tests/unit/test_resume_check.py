@@ -1,0 +1,185 @@
+"""`trainctl resume NAME [OVERRIDES]` before anything starts: the run's config checked again, overrides checked like a
+launch, the keys that would make it another run refused, a finished run extended, the schedule's continuation told."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from trainctl.config.compose import compose
+from trainctl.config.errors import ConfigError
+from trainctl.config.schema import ScheduleConfig, load_run_config
+from trainctl.config.validate import resolve
+from trainctl.core import rundir as layout
+from trainctl.launch import resume as resumer
+from trainctl.launch import rundir
+from trainctl.launch.errors import LaunchError
+from trainctl.plan import build
+from trainctl.plan.schedule import continuation, lr_at
+
+SMALL = ["recipe=tiny_cpu", "train.steps=10", "train.eval_every=5", "schedule.warmup_steps=2", "data=synthetic"]
+
+
+def make_run(tmp_path: Path, *overrides: str, step: int | None = 10, finished: bool = True,
+             workdir: Path | None = None) -> Path:
+    """A run directory as a launch writes it, with a committed checkpoint at `step` and, if finished, its result."""
+    cfg = resolve(compose([*SMALL, *overrides]))
+    run_dir = rundir.create(cfg, build(cfg), tmp_path / "runs", "r", [*SMALL, *overrides], workdir=workdir or tmp_path)
+    if step is not None:
+        ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "manifest.json").write_text("{}")
+    if finished:
+        (run_dir / layout.RESULT).write_text(json.dumps({"steps": cfg.train.steps, "final_train_loss": 2.0}))
+    return run_dir
+
+
+def problems(excinfo) -> list[str]:
+    return excinfo.value.problems
+
+
+def test_train_steps_extends_a_finished_run_and_tells_what_the_schedule_does(tmp_path):
+    run_dir = make_run(tmp_path)
+    before = (run_dir / layout.RESULT).read_bytes()
+    res = resumer.check(run_dir, ["train.steps=20"])
+    assert res.finished and res.step == 10 and res.cfg.train.steps == 20
+    assert any("re-stretched from 10 to 20 steps" in n for n in res.notes), res.notes
+    assert len(res.warnings) == 1 and "jumps from" in res.warnings[0]
+    resumer.apply(res, {"plan": "new"})
+    assert load_run_config(run_dir).train.steps == 20
+    assert not (run_dir / layout.RESULT).exists()  # the run is not finished any more
+    history = {p.name.split("-", 2)[-1]: p for p in (run_dir / layout.HISTORY).iterdir()}
+    assert history["result.json"].read_bytes() == before  # the earlier result is kept, not lost
+    assert load_run_config(history["config.yaml"]).train.steps == 10
+    assert (run_dir / layout.OVERRIDES).read_text().splitlines()[-1] == "train.steps=20"
+
+
+def test_a_finished_run_without_more_steps_is_refused_with_the_way_to_extend_it(tmp_path):
+    run_dir = make_run(tmp_path)
+    for overrides in ([], ["train.steps=10"], ["optim.lr=1e-4"]):
+        with pytest.raises(LaunchError) as info:
+            resumer.check(run_dir, overrides)
+        assert "already finished at step 10" in problems(info)[0] and "train.steps=N with N > 10" in problems(info)[0]
+
+
+def test_steps_below_the_newest_checkpoint_are_refused(tmp_path):
+    run_dir = make_run(tmp_path, "train.steps=30", step=12, finished=False)
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, ["train.steps=11"])
+    assert problems(info) == ["train.steps=11: the run's newest checkpoint is at step 12; use train.steps >= 12"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.dim=64", "model.dim"), ("train.seq_len=128", "train.seq_len"), ("train.seed=3", "train.seed"),
+    ("data.kind=stdlib", "data.kind"), ("sharding.strategy=fsdp", "sharding.strategy"),
+    ("cluster.procs_per_node=4", "cluster.procs_per_node"), ("train.global_batch=32", "train.global_batch"),
+    ("precision.compute_dtype=bf16", "precision.compute_dtype"),
+])
+def test_keys_that_would_make_it_another_run_are_refused(tmp_path, override, key):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, [override])
+    assert len(problems(info)) == 1 and f"a resume keeps {key}" in problems(info)[0]
+    assert "checkpoint.resume=" in problems(info)[0]  # what to do instead
+
+
+def test_a_new_split_of_the_same_global_batch_is_allowed_and_a_changed_kept_key_named(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    old = load_run_config(run_dir)
+    ok = resumer.check(run_dir, ["train.micro_batch=-1", "train.grad_accum=2"])
+    assert ok.resolved.train.global_batch == old.train.global_batch and ok.resolved.train.grad_accum == 2
+    # Whatever derives a kept key anew (the safety net behind the refusal by key) is named with both values.
+    changed = dataclasses.replace(old, train=dataclasses.replace(old.train, global_batch=32))
+    assert resumer.frozen_changes(old, changed) == [
+        "train.global_batch: 16 -> 32: a resume keeps it; " + resumer.NEW_RUN_HINT]
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model=llama2_7b", "a resume keeps the run's model"),
+    ("+train.foo=1", "existing keys only"),
+    ("~optim.lr", "existing keys only"),
+    ("optim.lr=1e-3,1e-4", "several values"),
+    ("optim.lr=abc", "optim.lr=abc: Value 'abc'"),
+    ("train.nope=1", "train.nope=1: Key 'nope' not in 'TrainConfig'"),
+    ("optim.lr=-1", "optim.lr=-1.0: must be > 0"),
+    ("train.steps=", "train.steps="),
+])
+def test_bad_overrides_are_one_line_each(tmp_path, override, says):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, [override])
+    assert len(problems(info)) == 1 and says in problems(info)[0], problems(info)
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"model": {"n_kv_heads": 3}}, "model.n_kv_heads=3: must divide"),
+    ({"train": {"steps": -5}}, "train.steps"),
+    ({"optim": {"lr": "fast"}}, "optim.lr"),
+])
+def test_a_hand_edited_config_is_checked_again_naming_the_file(tmp_path, edit, says):
+    import yaml
+
+    run_dir = make_run(tmp_path, finished=False, step=None)
+    data = yaml.safe_load((run_dir / layout.CONFIG).read_text())
+    for group, values in edit.items():
+        data[group].update(values)
+    (run_dir / layout.CONFIG).write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, [])
+    assert all(line.startswith(str(run_dir / layout.CONFIG)) for line in problems(info))
+    assert any(says in line for line in problems(info)), problems(info)
+
+
+def test_a_moved_hugging_face_source_does_not_stop_a_resume_from_a_checkpoint(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=None)
+    cfg = load_run_config(run_dir)
+    gone = tmp_path / "gone-hf"
+    moved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="hf", path=str(gone)),
+                                checkpoint=dataclasses.replace(cfg.checkpoint, init_from=str(gone)))
+    (run_dir / layout.CONFIG).write_text(__import__("trainctl.config.schema", fromlist=["to_yaml"]).to_yaml(moved))
+    with pytest.raises(ConfigError) as info:  # no checkpoint yet: the worker would read the folder
+        resumer.check(run_dir, [])
+    assert f"model.path={gone}" in problems(info)[0]
+    ckpt = run_dir / "checkpoints" / "step-00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text("{}")
+    res = resumer.check(run_dir, ["train.steps=12"])  # from its own checkpoint it never reads the folder again
+    assert res.cfg.model.path == str(gone) and res.cfg.checkpoint.init_from == str(gone)
+
+
+def test_the_working_directory_is_read_by_structure_never_by_substring(tmp_path):
+    workdir = tmp_path / "my RUN_DIR data"  # the text RUN_DIR in the path once made resume skip it
+    workdir.mkdir()
+    run_dir = make_run(tmp_path, finished=False, step=None, workdir=workdir)
+    assert rundir.script_workdir(run_dir) == workdir
+    plan = json.loads((run_dir / layout.PLAN).read_text())
+    del plan[rundir.WORKDIR_KEY]  # a run written before plan.json recorded it: read from the script's `cd` line
+    (run_dir / layout.PLAN).write_text(json.dumps(plan))
+    assert rundir.script_workdir(run_dir) == workdir
+
+
+WSD = ScheduleConfig(name="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1)
+COSINE = ScheduleConfig(name="cosine", warmup_steps=10, min_lr_ratio=0.1)
+
+
+def test_continuation_of_a_wsd_run_in_its_stable_phase_does_not_jump():
+    note, jump = continuation(50, (1e-3, WSD, 100), (1e-3, WSD, 200))
+    assert jump is None and "stable at 0.001 until step 160" in note
+
+
+def test_continuation_after_a_wsd_decay_warns_of_the_jump_back_to_the_peak():
+    note, jump = continuation(100, (1e-3, WSD, 100), (1e-3, WSD, 200))
+    assert jump is not None and "jumps from 0.0001" in jump and "to 0.001 " in jump and "wsd decay" in jump
+
+
+def test_continuation_of_a_stretched_cosine_warns_with_the_rates():
+    note, jump = continuation(100, (1e-3, COSINE, 100), (1e-3, COSINE, 200))
+    last, nxt = lr_at(99, 1e-3, COSINE, 100), lr_at(100, 1e-3, COSINE, 200)
+    assert f"{last:.3g}" in jump and f"{nxt:.3g}" in jump and "re-stretched" in note
+
+
+def test_an_unchanged_schedule_continues_without_a_warning():
+    assert continuation(37, (1e-3, COSINE, 100), (1e-3, COSINE, 100))[1] is None
