@@ -1,7 +1,8 @@
 """Test tiers by real cost (markers registered in pyproject.toml): `pytest -m unit` is the fast loop.
 
 A test's folder gives its tier unless the test names one itself: tests/unit -> unit, tests/dist -> dist,
-tests/slurm -> slurm. A test using a fixture that runs programs (stub Slurm clients, a tmpfs mount) is `cli`.
+tests/slurm -> slurm, tests/fuzz -> fuzz. A test using a fixture that runs programs (stub Slurm clients, a tmpfs
+mount) is `cli`.
 A `unit` test that starts a process or opens a torch process group fails, saying so.
 """
 
@@ -12,8 +13,8 @@ import sys
 
 import pytest
 
-TIERS = ("unit", "cli", "dist", "slurm")
-FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm"}
+TIERS = ("unit", "cli", "dist", "slurm", "fuzz")
+FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm", "fuzz": "fuzz"}
 # Fixtures that start programs: a test using one is not in-process.
 PROCESS_FIXTURES = {"slurm_bin": "cli", "small_fs": "cli"}  # small_fs: mount/umount a tmpfs (test_checkpoint_store)
 
