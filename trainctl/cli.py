@@ -626,7 +626,7 @@ def export(
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="Text files, folders or glob patterns (.txt .md .jsonl .parquet).",
                                        show_default=False),
-    out_dir: Path = typer.Option(..., "--out", help="The dataset folder to create.", show_default=False),
+    out_dir: str = typer.Option(..., "--out", help="The dataset folder to create.", show_default=False),
     tokenizer: str = typer.Option("bytes", "--tokenizer", help="bytes, or a Hugging Face tokenizer.json."),
     train_tokenizer: bool = typer.Option(False, "--train-tokenizer", help="Train a byte-level BPE on the inputs."),
     vocab_size: int = typer.Option(None, "--vocab-size", help="With --train-tokenizer.", show_default=False),
@@ -664,6 +664,9 @@ def data_prepare(
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
     out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]", markup=False, highlight=False,
               soft_wrap=True)
+    if not val.tokens:  # evaluation reads the val split: plan and launch refuse it unless eval is off
+        out.print("no val split: train with train.eval_every=0, or prepare again with --val-fraction 0.01 or more "
+                  "(and more than one piece of text)", markup=False, highlight=False, soft_wrap=True)
 
 
 def _report(problems: list[str]) -> None:
