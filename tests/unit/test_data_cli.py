@@ -77,9 +77,9 @@ def trainctl(*args, cwd, **kwargs):
 
 
 def units_done(out) -> int:
-    try:
-        return len(json.loads((out / ".prepare-state.json").read_text())["units"])
-    except (OSError, ValueError, KeyError):
+    try:  # JSON lines: a header, then one line per unit done
+        return max(len((out / ".prepare-state.json").read_text().splitlines()) - 1, 0)
+    except OSError:
         return 0
 
 

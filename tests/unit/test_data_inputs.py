@@ -176,7 +176,7 @@ def test_a_symlink_loop_in_an_input_folder_is_skipped(tmp_path):
     (folder / "a.txt").write_text("text")
     meta = prepare([str(folder)], tmp_path / "out", val_fraction=0.0, workers=1)
     assert train_text(meta) == b"text\0"
-    refused([str(folder / "self.txt")], tmp_path / "out2", "unreadable")
+    refused([str(folder / "self.txt")], tmp_path / "out2", "a symlink to nothing")
 
 
 def test_a_file_that_disappears_mid_way_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):

@@ -84,6 +84,26 @@ def test_a_damaged_shard_is_redone_and_the_result_is_byte_identical(text_dir, tm
     assert meta_of(out) == meta_of(clean)
 
 
+@pytest.mark.parametrize("tail", [b'{"train": [3, 1', b"\x00garbage\n", b'{"train": "x"}\n'])
+def test_a_torn_last_line_of_the_record_ends_it_there(text_dir, tmp_path, tail):
+    clean = tmp_path / "clean"
+    prepare([str(text_dir)], clean, **OPTIONS)
+    out = tmp_path / "out"
+    interrupted(text_dir, out, units=4)
+    with (out / prep.STATE_FILE).open("ab") as f:
+        f.write(tail)
+    prepare([str(text_dir)], out, **OPTIONS)
+    assert files_of(out) == files_of(clean) and meta_of(out) == meta_of(clean)
+
+
+def test_the_record_grows_by_one_line_per_unit(text_dir, tmp_path):
+    out = tmp_path / "out"
+    interrupted(text_dir, out, units=5)
+    header, *units = (out / prep.STATE_FILE).read_text().splitlines()
+    assert "fingerprint" in json.loads(header) and len(units) == 5
+    assert all(set(json.loads(u)) == {"train", "val", "pieces"} for u in units)
+
+
 def test_a_resume_redoes_only_what_does_not_read_back(text_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
     interrupted(text_dir, out, units=5)

@@ -58,6 +58,14 @@ def test_sparse_ids_set_the_width_and_vocabulary_by_the_largest_id(tmp_path, tex
     assert tokens.tolist() == [1, 2, 3, 1, 2, 3, 0, 70000]
 
 
+def test_a_model_folder_stands_for_its_tokenizer_json(tmp_path, text):
+    write_json(tmp_path / "llama" / "tokenizer.json", word_level({"<unk>": 0, "a": 1, "</s>": 2}))
+    meta = prepare([str(text)], tmp_path / "out", tokenizer=str(tmp_path / "llama"), val_fraction=0.0, workers=1)
+    assert (meta.tokenizer.kind, meta.tokenizer.source) == ("hf", str(tmp_path / "llama" / "tokenizer.json"))
+    trained = prepare([str(text)], tmp_path / "bpe", train_tokenizer=True, vocab_size=260, workers=1)
+    assert (trained.tokenizer.kind, trained.tokenizer.source) == ("bpe", None)
+
+
 def test_an_id_at_the_edge_of_uint16_keeps_uint16(tmp_path, text):
     tok = write_json(tmp_path / "tok.json", word_level({"<unk>": 0, "a": 1, "</s>": 65535}))
     meta = prepare([str(text)], tmp_path / "out", tokenizer=str(tok), val_fraction=0.0, workers=1)

@@ -97,7 +97,9 @@ def _not_out(item: str, path: Path, out: Path) -> None:
 def _kind_of(path: Path) -> str:
     try:
         mode = path.stat().st_mode
-    except OSError as exc:  # a dangling symlink, a symlink loop
+    except OSError as exc:
+        if path.is_symlink():
+            return "a symlink to nothing (a missing target, or a loop)"
         return f"unreadable ({exc.strerror or exc})"
     kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))

@@ -43,7 +43,7 @@ from trainctl.data.format import (
 )
 from trainctl.data.inputs import UNIT_BYTES, Unit, documents, expand_inputs, plan_units, sha256_of, unit_documents
 from trainctl.data.outdir import LOCK_FILE, STATE_FILE, TOKENIZER_FILE, OutFolder, out_path
-from trainctl.data.shards import SplitWriter, intact_units, shard_table
+from trainctl.data.shards import SplitWriter, append_unit, intact_units, load_state, save_state, shard_table
 from trainctl.data.split import stretches
 from trainctl.data.tokenizer import TRAINED_EOS, ByteTokenizer, HFTokenizer, from_spec, train_bpe
 
@@ -110,10 +110,8 @@ def _check_out(out: Path, fingerprint: str) -> dict | None:
         raise DatasetError(f"--out {out}: a non-empty folder that is not an unfinished `data prepare`; "
                            "choose an empty or new folder")
     try:
-        state = json.loads(state_file.read_text())
-        if not isinstance(state.get("units"), list):
-            raise ValueError("no units")
-    except (OSError, ValueError, AttributeError):
+        state = load_state(state_file)
+    except (OSError, ValueError):
         raise DatasetError(f"{state_file}: damaged; delete {out} and prepare again") from None
     if state.get("fingerprint") != fingerprint:
         raise DatasetError(f"--out {out}: an unfinished `data prepare` with other inputs or options; rerun it "
@@ -167,7 +165,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
     _check_options(tokenizer, train_tokenizer, vocab_size, eos_token, val_fraction, shard_tokens, workers)
     out = out_path(out)
     files = expand_inputs(inputs, out)
-    given = None if tokenizer == "bytes" else Path(tokenizer).expanduser().resolve()
+    given = _given_tokenizer(tokenizer)
     options = {"tokenizer": str(given or tokenizer), "train_tokenizer": train_tokenizer, "vocab_size": vocab_size,
                "eos_token": eos_token, "text_field": text_field, "val_fraction": val_fraction,
                "shard_tokens": shard_tokens, "seed": seed, "unit_bytes": unit_bytes,
@@ -181,7 +179,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
     try:
         state = _check_out(out, fingerprint)  # again, now that no other `data prepare` can change it
         job = _Job(out, files, listing, options, workers, progress)
-        return job.run(state or {"fingerprint": fingerprint, "units": []})
+        return job.run(state or {"fingerprint": fingerprint, "tokenizer_sha256": None, "units": []})
     except DatasetError:
         if state is None:  # a fresh prepare refused: leave nothing behind
             folder.undo()
@@ -194,6 +192,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
                            "command again to continue") from None
     finally:
         folder.close()
+
+
+def _given_tokenizer(tokenizer: str) -> Path | None:
+    """--tokenizer as a file: a Hugging Face model folder stands for its tokenizer.json."""
+    if tokenizer == "bytes":
+        return None
+    given = Path(tokenizer).expanduser().resolve()
+    return given / TOKENIZER_FILE if (given / TOKENIZER_FILE).is_file() else given
 
 
 def _given_tokenizer_sha256(given: Path | None, tokenizer: str) -> str | None:
@@ -213,6 +219,9 @@ class _Job:
 
     def run(self, state: dict) -> object:
         self.state = state
+        for stray in self.out.glob(".*.tmp*"):  # half-written files of a run that died (a tokenizer, the record)
+            stray.unlink()
+        self._save()  # first: a folder with a record is an unfinished prepare that the same command finishes
         self.tok = self._tokenizer()
         try:
             dtype = dtype_for_vocab(self.tok.vocab_size)
@@ -252,7 +261,7 @@ class _Job:
         return HFTokenizer(options["tokenizer"], eos_token=options["eos_token"])
 
     def _save(self) -> None:
-        _write_json(self.out / STATE_FILE, self.state)
+        save_state(self.out / STATE_FILE, self.state)
 
     def _keep(self, count: int) -> None:
         """The first `count` units stay; the splits are cut back to where they ended and the state says so."""
@@ -295,8 +304,9 @@ class _Job:
 
     def _add(self, result: dict) -> None:
         record = {split: self.writers[split].append(result[split], result[f"{split}_docs"]) for split in SPLITS}
-        self.state["units"].append({**record, "pieces": result["pieces"]})
-        self._save()
+        unit = {**record, "pieces": result["pieces"]}
+        self.state["units"].append(unit)
+        append_unit(self.out / STATE_FILE, unit)
 
     def _rebalance(self, units: list[Unit]) -> None:
         """A split that the hashes left empty gets the last piece: train always (a one-piece corpus), val when
@@ -330,7 +340,7 @@ class _Job:
         meta = {
             "format": FORMAT, "version": VERSION,
             "tokenizer": {"kind": tok.kind, "file": tokenizer_file,
-                          "source": None if tok.kind == "bytes" else options["tokenizer"],
+                          "source": options["tokenizer"] if tok.kind == "hf" else None,
                           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "fingerprint": fingerprint},
             "token_dtype": dtype, "val_fraction": options["val_fraction"], "seed": options["seed"],
             "splits": splits,

@@ -6,11 +6,17 @@ appends one segment to each split and records it: its tokens, its documents and 
 A resume re-reads the recorded segments in order and keeps the units whose segments all read back
 intact; the first one that does not (a shard truncated, deleted, extended or changed) and everything after
 it is cut away and done again, so the result is byte-identical to an uninterrupted run.
+
+The record (`.prepare-state.json`) is JSON lines: a header (the arguments' fingerprint, the trained
+tokenizer's sha256), then one line per unit, appended and fsync-ed after the unit's shards are: writing it
+costs the same for the ten-thousandth unit as for the first. A torn last line (a crash while appending)
+ends the record there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +25,52 @@ import numpy as np
 from trainctl.data.format import DatasetError
 
 READ_BLOCK = 8 << 20
+
+
+def load_state(path: Path) -> dict:
+    """The header with its "units"; ValueError when even the header is unreadable."""
+    lines = path.read_bytes().split(b"\n")
+    state = json.loads(lines[0])
+    if not isinstance(state, dict):
+        raise ValueError("the header is not an object")
+    units = []
+    for line in lines[1:]:
+        try:
+            unit = json.loads(line)
+        except ValueError:
+            break  # a torn line: the record ends before it
+        if not _is_unit(unit):
+            break
+        units.append(unit)
+    return {**state, "units": units}
+
+
+def _is_unit(unit) -> bool:
+    def segment(seg) -> bool:
+        return (isinstance(seg, list) and len(seg) == 3 and all(isinstance(n, int) and n >= 0 for n in seg[:2])
+                and isinstance(seg[2], str))
+
+    return isinstance(unit, dict) and all(segment(unit.get(s)) for s in ("train", "val")) and \
+        isinstance(unit.get("pieces"), int)
+
+
+def save_state(path: Path, state: dict) -> None:
+    """The whole record, replaced at once (at the start, after a tokenizer is trained, after a cut-back)."""
+    header = {k: v for k, v in state.items() if k != "units"}
+    text = "".join(json.dumps(line) + "\n" for line in [header, *state["units"]])
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_unit(path: Path, unit: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(unit) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def shard_name(split: str, index: int) -> str:
