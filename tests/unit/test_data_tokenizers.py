@@ -113,6 +113,14 @@ def test_the_fingerprint_follows_what_decides_the_ids(tmp_path):
     assert fp.startswith("sha256:") and len(fp) == len("sha256:") + 64
 
 
+def test_a_fingerprint_never_reads_a_fifo(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="not a regular file"):
+        tokenizer_fingerprint(tmp_path / "tokenizer.json")  # a plain read would block forever
+
+
 def test_merges_written_by_old_and_new_tokenizers_versions_are_the_same(tmp_path):
     model = {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}
     new = {"model": model, "added_tokens": []}

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +86,11 @@ def tokenizer_fingerprint(path: str | Path) -> str:
     with their ids, its normalizer and pre-tokenizer. Read with json only (the launcher side has no
     `tokenizers`); the same tokenizer saved by another library version gives the same fingerprint.
 
-    Raises OSError or ValueError for a file that is missing or not a tokenizer.json.
+    Raises OSError or ValueError for a file that is missing or not a tokenizer.json (never blocks on a FIFO).
     """
     st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file")
     return _fingerprint_of(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 

@@ -111,8 +111,7 @@ def open_regular(path: Path):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        raise DatasetError(f"{path}: cannot read it ({exc.strerror or exc}); it was there when `data prepare` "
-                           "started: restore it, or leave it out") from None
+        raise DatasetError(f"{path}: cannot read it ({exc.strerror or exc}); restore it, or leave it out") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise DatasetError(f"{path}: {_kind_of(path)}, not a regular file; pass text files")
@@ -149,7 +148,8 @@ def plan_units(files: list[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Every file's pieces, in input order."""
     units: list[Unit] = []
     for path in files:
-        size = path.stat().st_size
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
         if path.suffix == ".parquet":
             with _parquet(path) as pf:
                 groups = pf.metadata.num_row_groups
@@ -164,7 +164,7 @@ def plan_units(files: list[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
 
 def _line_pieces(path: Path, size: int, unit_bytes: int) -> list[Unit]:
     pieces, start = [], 0
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         while start < size:
             end = min(start + unit_bytes, size)
             if end < size:

@@ -206,8 +206,12 @@ def _given_tokenizer_sha256(given: Path | None, tokenizer: str) -> str | None:
     if given is None:
         return None
     if not given.is_file():
-        raise DatasetError(f"--tokenizer {tokenizer}: no such file; pass a Hugging Face tokenizer.json, or bytes")
-    return sha256_of(given)
+        what = "not a regular file" if given.exists() else "no such file"
+        raise DatasetError(f"--tokenizer {tokenizer}: {what}; pass a Hugging Face tokenizer.json, or bytes")
+    try:
+        return sha256_of(given)
+    except DatasetError as exc:
+        raise DatasetError(f"--tokenizer {exc}") from None
 
 
 class _Job:
@@ -235,9 +239,12 @@ class _Job:
         self._rebalance(units)
         if not self._tokens("train"):
             raise DatasetError(f"{', '.join(str(f) for f in self.files)}: no text to train on (every input is empty)")
-        if _listing(self.files) != self.listing:
-            raise DatasetError(f"{', '.join(str(f) for f in self.files)}: changed while `data prepare` read them; "
-                               "run it again once they stay put")
+        changed = [name for (name, *was), (_, *now) in zip(self.listing, _listing(self.files), strict=True)
+                   if was != now]
+        if changed:
+            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+            raise DatasetError(f"{changed[0]}{more}: changed while `data prepare` read it; run it again once the "
+                               "inputs stay put")
         self._write_meta(dtype)
         (self.out / STATE_FILE).unlink()
         (self.out / LOCK_FILE).unlink()
