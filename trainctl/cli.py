@@ -634,15 +634,14 @@ def data_prepare(
     eos_token: str = typer.Option(None, "--eos-token", help="The end-of-document token (default: found).",
                                   show_default=False),
     text_field: str = typer.Option("text", "--text-field", help="The text field of .jsonl / .parquet records."),
-    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of documents held out for eval."),
+    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
     workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
 ) -> None:
     """Tokenize text into a token dataset (data.datasets=[DIR]).  Example: trainctl data prepare docs/ --out tok"""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from trainctl.data.format import DatasetError
-    from trainctl.data.prepare import prepare
+    from trainctl.data.prepare import DatasetError, prepare
 
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -663,11 +662,10 @@ def data_prepare(
     out.print(f"{meta.root}: {train.tokens:,} train tokens ({train.documents:,} documents, {len(train.shards)} "
               f"shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
-    out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]", markup=False, highlight=False,
+    # Evaluation reads the val split: plan and launch refuse an empty one unless eval is off.
+    note = "" if val.tokens else "\nno val split: train with train.eval_every=0, or prepare with --val-fraction 0.01"
+    out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]{note}", markup=False, highlight=False,
               soft_wrap=True)
-    if not val.tokens:  # evaluation reads the val split: plan and launch refuse it unless eval is off
-        out.print("no val split: train with train.eval_every=0, or prepare again with --val-fraction 0.01 or more "
-                  "(and more than one piece of text)", markup=False, highlight=False, soft_wrap=True)
 
 
 def _report(problems: list[str]) -> None:

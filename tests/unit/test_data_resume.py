@@ -152,3 +152,23 @@ def test_a_damaged_state_file_is_one_line_and_the_folder_is_kept(text_dir, tmp_p
         prepare([str(text_dir)], out, **OPTIONS)
     assert "damaged; delete" in str(err.value) and "\n" not in str(err.value)
     assert any(out.glob("train-*.bin"))
+
+
+def test_a_prepare_killed_while_training_its_tokenizer_is_finished_by_the_same_command(text_dir, tmp_path,
+                                                                                       monkeypatch):
+    pytest.importorskip("tokenizers")
+    options = dict(train_tokenizer=True, vocab_size=280)
+    clean = tmp_path / "clean"
+    prepare([str(text_dir)], clean, **OPTIONS, **options)
+    out = tmp_path / "out"
+
+    def dies_half_way(texts, vocab_size, out_file):
+        out_file.with_name(f".{out_file.name}.tmp-12345").write_text("{half a tokenizer")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prep, "train_bpe", dies_half_way)
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(text_dir)], out, **OPTIONS, **options)
+    prepare([str(text_dir)], out, **OPTIONS, **options)
+    assert files_of(out) == files_of(clean) and meta_of(out) == meta_of(clean)

@@ -103,8 +103,8 @@ def _check_out(out: Path, fingerprint: str) -> dict | None:
     """The saved state of an unfinished run with these arguments, or None for a fresh folder; else refused."""
     if (out / META_FILE).exists():
         raise DatasetError(f"--out {out}: already a prepared dataset; choose another --out or delete it first")
-    if not out.exists() or not any(p.name != LOCK_FILE for p in out.iterdir()):
-        return None
+    if not out.exists() or all(p.name == LOCK_FILE or _is_temporary(p.name) for p in out.iterdir()):
+        return None  # new, empty, or left by a prepare that died before it wrote its record
     state_file = out / STATE_FILE
     if not state_file.is_file():
         raise DatasetError(f"--out {out}: a non-empty folder that is not an unfinished `data prepare`; "
@@ -117,6 +117,14 @@ def _check_out(out: Path, fingerprint: str) -> dict | None:
         raise DatasetError(f"--out {out}: an unfinished `data prepare` with other inputs or options; rerun it "
                            "with its own arguments, delete it to start over, or choose another --out")
     return state
+
+
+def _is_temporary(name: str) -> bool:
+    return name.startswith(".") and ".tmp" in name
+
+
+def _named(files: list[Path]) -> str:
+    return f"{files[0]} (and {len(files) - 1} more)" if len(files) > 1 else str(files[0])
 
 
 def _listing(files: list[Path]) -> list:
@@ -223,8 +231,9 @@ class _Job:
 
     def run(self, state: dict) -> object:
         self.state = state
-        for stray in self.out.glob(".*.tmp*"):  # half-written files of a run that died (a tokenizer, the record)
-            stray.unlink()
+        for stray in self.out.iterdir():  # half-written files of a run that died (a tokenizer, the record)
+            if _is_temporary(stray.name):
+                stray.unlink()
         self._save()  # first: a folder with a record is an unfinished prepare that the same command finishes
         self.tok = self._tokenizer()
         try:
@@ -238,12 +247,11 @@ class _Job:
         self._run(units, len(state["units"]))
         self._rebalance(units)
         if not self._tokens("train"):
-            raise DatasetError(f"{', '.join(str(f) for f in self.files)}: no text to train on (every input is empty)")
-        changed = [name for (name, *was), (_, *now) in zip(self.listing, _listing(self.files), strict=True)
+            raise DatasetError(f"{_named(self.files)}: no text to train on (every input is empty)")
+        changed = [Path(name) for (name, *was), (_, *now) in zip(self.listing, _listing(self.files), strict=True)
                    if was != now]
         if changed:
-            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-            raise DatasetError(f"{changed[0]}{more}: changed while `data prepare` read it; run it again once the "
+            raise DatasetError(f"{_named(changed)}: changed while `data prepare` read it; run it again once the "
                                "inputs stay put")
         self._write_meta(dtype)
         (self.out / STATE_FILE).unlink()
