@@ -119,6 +119,9 @@ def test_a_fingerprint_never_reads_a_fifo(tmp_path):
     os.mkfifo(tmp_path / "tokenizer.json")
     with pytest.raises(ValueError, match="not a regular file"):
         tokenizer_fingerprint(tmp_path / "tokenizer.json")  # a plain read would block forever
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        tokenizer_fingerprint(tmp_path / "deep.json")
 
 
 def test_merges_written_by_old_and_new_tokenizers_versions_are_the_same(tmp_path):

@@ -171,7 +171,7 @@ def model_tokenizer_problems(d: DataConfig, hf_dir: str) -> list[str]:
         return []  # no tokenizer.json to compare with (a sentencepiece-only folder, or none)
     try:
         fingerprint = dataset.tokenizer_fingerprint(theirs)
-    except (OSError, ValueError, RecursionError) as exc:
+    except (OSError, ValueError) as exc:
         return [f"{hf_dir}: its tokenizer.json is unreadable ({type(exc).__name__}); fix or remove it"]
     problems = []
     for path, tok in _tokenizers_of(d).items():

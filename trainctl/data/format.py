@@ -96,7 +96,10 @@ def tokenizer_fingerprint(path: str | Path) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _fingerprint_of(path: str, size: int, mtime_ns: int) -> str:
-    data = json.loads(Path(path).read_bytes())
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except RecursionError:
+        raise ValueError("nested too deeply: not a Hugging Face tokenizer.json") from None
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise ValueError("no model section: not a Hugging Face tokenizer.json")
     model = dict(data["model"])
@@ -157,7 +160,7 @@ def _stored_fingerprint(root: Path, tok: dict) -> str | None:
         return None
     try:
         return tokenizer_fingerprint(root / str(tok["file"]))
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError):
         return None
 
 
