@@ -637,22 +637,22 @@ def export(
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="Text files, folders or glob patterns (.txt .md .jsonl .parquet).",
                                        show_default=False),
-    out_dir: Path = typer.Option(..., "--out", help="The dataset folder to create.", show_default=False),
-    tokenizer: str = typer.Option("bytes", "--tokenizer", help="bytes, or a Hugging Face tokenizer.json."),
+    out_dir: str = typer.Option(..., "--out", help="The dataset folder to create.", show_default=False),
+    tokenizer: str = typer.Option("bytes", "--tokenizer",
+                                  help="bytes, or a Hugging Face tokenizer.json (or its model folder)."),
     train_tokenizer: bool = typer.Option(False, "--train-tokenizer", help="Train a byte-level BPE on the inputs."),
     vocab_size: int = typer.Option(None, "--vocab-size", help="With --train-tokenizer.", show_default=False),
     eos_token: str = typer.Option(None, "--eos-token", help="The end-of-document token (default: found).",
                                   show_default=False),
     text_field: str = typer.Option("text", "--text-field", help="The text field of .jsonl / .parquet records."),
-    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of documents held out for eval."),
+    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
     workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
 ) -> None:
     """Tokenize text into a token dataset (data.datasets=[DIR]).  Example: trainctl data prepare docs/ --out tok"""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from trainctl.data.format import DatasetError
-    from trainctl.data.prepare import prepare
+    from trainctl.data.prepare import DatasetError, prepare
 
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -673,7 +673,9 @@ def data_prepare(
     out.print(f"{meta.root}: {train.tokens:,} train tokens ({train.documents:,} documents, {len(train.shards)} "
               f"shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
-    out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]", markup=False, highlight=False,
+    # Evaluation reads the val split: plan and launch refuse an empty one unless eval is off.
+    note = "" if val.tokens else "\nno val split: train with train.eval_every=0, or prepare with --val-fraction 0.01"
+    out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]{note}", markup=False, highlight=False,
               soft_wrap=True)
 
 

@@ -125,7 +125,63 @@ def datasets_problems(d: DataConfig, model_vocab: int, train: TrainConfig) -> li
         problems += dataset.dataset_problems(path, "train", vocab, train.seq_len)
         if train.eval_every > 0:  # evaluation reads the val split
             problems += dataset.dataset_problems(path, "val", vocab, train.seq_len)
+    problems += blend_problems(d)
     return list(dict.fromkeys(problems))
+
+
+def _tokenizers_of(d: DataConfig) -> dict[str, dataset.TokenizerInfo]:
+    """Each readable dataset's tokenizer (an unreadable one is reported by dataset_problems)."""
+    found = {}
+    for path in d.datasets:
+        try:
+            found[path] = dataset.read_meta(path).tokenizer
+        except dataset.DatasetError:
+            continue
+    return found
+
+
+def blend_problems(d: DataConfig) -> list[str]:
+    """Blended datasets must share one tokenizer: the same id would otherwise mean another token in each."""
+    tokenizers = _tokenizers_of(d)
+    if len(tokenizers) < 2:
+        return []
+    (first, tok), *others = tokenizers.items()
+    problems = []
+    for path, other in others:
+        if other.fingerprint is None or tok.fingerprint is None:
+            unknown = path if other.fingerprint is None else first
+            problems.append(f"data.datasets: {unknown}: its tokenizer cannot be told (no tokenizer.json), so it "
+                            "cannot be blended; prepare it again")
+        elif other.fingerprint != tok.fingerprint:
+            problems.append(f"data.datasets: {path} was prepared with another tokenizer ({other.kind}) than {first} "
+                            f"({tok.kind}); blend datasets prepared with the same tokenizer")
+        elif other.eos_id != tok.eos_id:
+            problems.append(f"data.datasets: {path} ends documents with token {other.eos_id}, {first} with "
+                            f"{tok.eos_id}; prepare them with the same --eos-token")
+    return problems
+
+
+def model_tokenizer_problems(d: DataConfig, hf_dir: str) -> list[str]:
+    """Prepared datasets must use the tokenizer of the Hugging Face folder the model comes from (model.path, or
+    checkpoint.init_from): other ids would train the pretrained embeddings on other tokens."""
+    if not d.datasets or not hf_dir:
+        return []
+    theirs = Path(hf_dir).expanduser() / "tokenizer.json"
+    if not theirs.is_file():
+        return []  # no tokenizer.json to compare with (a sentencepiece-only folder, or none)
+    try:
+        fingerprint = dataset.tokenizer_fingerprint(theirs)
+    except (OSError, ValueError) as exc:
+        return [f"{hf_dir}: its tokenizer.json is unreadable ({type(exc).__name__}); fix or remove it"]
+    problems = []
+    for path, tok in _tokenizers_of(d).items():
+        if tok.kind == "bytes":
+            problems.append(f"data.datasets: {path} holds byte tokens, but the model from {hf_dir} has its own "
+                            f"tokenizer; prepare the data with --tokenizer {theirs}")
+        elif tok.fingerprint != fingerprint:
+            problems.append(f"data.datasets: {path} was prepared with another tokenizer than the model's "
+                            f"({theirs}); prepare the data with --tokenizer {theirs}")
+    return problems
 
 
 def epochs_of(d: DataConfig, train: TrainConfig) -> float | None:

@@ -13,7 +13,7 @@ import math
 import re
 
 from trainctl.config import hf_config, schema
-from trainctl.config.data_check import datasets_problems
+from trainctl.config.data_check import datasets_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.slurm import check_slurm
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
@@ -43,6 +43,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
         problems += check_context_parallel(dims, cfg.cluster, train)
         problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
+        problems += model_tokenizer_problems(cfg.data, cfg.checkpoint.init_from or cfg.model.path)
     problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:
         raise ConfigError(problems)

@@ -7,13 +7,18 @@ A prepared dataset is a folder written by `trainctl data prepare`:
     val-00000.bin, ...
     tokenizer.json                when the tokenizer is a Hugging Face one (given or trained)
 
-Every document is followed by the tokenizer's EOS id. meta.json records the tokenizer, the token width,
-each shard's tokens and documents, the train/val split and the source files (size, sha256).
+Every document is followed by the tokenizer's EOS id (a long document cut for the split: each stretch of it
+that a split holds). meta.json records the tokenizer (with a fingerprint of what decides its ids), the token
+width, each shard's tokens and documents, the train/val split and the source files (size, sha256).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +27,9 @@ FORMAT = "trainctl-tokens"
 VERSION = 1
 ITEMSIZE = {"uint16": 2, "uint32": 4}
 SPLITS = ("train", "val")
+MAX_VOCAB = 1 << 32  # ids 0 .. 2**32-1: what the widest token width (uint32) holds
+# The byte tokenizer has no tokenizer.json: its ids are UTF-8 bytes and 0 ends a document, always.
+BYTES_FINGERPRINT = "bytes:utf-8,eos=0"
 
 
 class DatasetError(Exception):
@@ -47,8 +55,9 @@ class TokenizerInfo:
     kind: str  # bytes | hf | bpe (trained here)
     file: str | None  # tokenizer.json inside the dataset folder
     source: str | None  # what the user named
-    vocab_size: int
+    vocab_size: int  # largest id + 1
     eos_id: int
+    fingerprint: str | None = None  # tokenizer_fingerprint(); None when it cannot be known (no tokenizer.json)
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,42 @@ class DatasetMeta:
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
-    """The narrowest token width that holds every id below `vocab_size`."""
+    """The narrowest token width that holds every id below `vocab_size` (the largest id + 1)."""
+    if vocab_size > MAX_VOCAB:
+        raise DatasetError(f"token id {vocab_size - 1} does not fit the widest token width (uint32, ids below "
+                           f"{MAX_VOCAB}); use a tokenizer whose ids are below {MAX_VOCAB}")
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """sha256 over what decides a tokenizer.json's ids: its model (type, vocab, merges, ...), its added tokens
+    with their ids, its normalizer and pre-tokenizer. Read with json only (the launcher side has no
+    `tokenizers`); the same tokenizer saved by another library version gives the same fingerprint.
+
+    Raises OSError or ValueError for a file that is missing or not a tokenizer.json (never blocks on a FIFO).
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file")
+    return _fingerprint_of(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint_of(path: str, size: int, mtime_ns: int) -> str:
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except RecursionError:
+        raise ValueError("nested too deeply: not a Hugging Face tokenizer.json") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise ValueError("no model section: not a Hugging Face tokenizer.json")
+    model = dict(data["model"])
+    if isinstance(model.get("merges"), list):  # "a b" (older files) and ["a", "b"] (newer) are the same merge
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+    added = sorted((t for t in data.get("added_tokens") or [] if isinstance(t, dict)), key=lambda t: str(t.get("id")))
+    decisive = {"model": model, "added_tokens": added, "normalizer": data.get("normalizer"),
+                "pre_tokenizer": data.get("pre_tokenizer")}
+    text = json.dumps(decisive, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def is_prepared(path: str | Path) -> bool:
@@ -99,7 +142,7 @@ def _parse(root: Path, data: dict) -> DatasetMeta:
         raise ValueError(f"token_dtype {data['token_dtype']!r}")
     tok = data["tokenizer"]
     tokenizer = TokenizerInfo(str(tok["kind"]), tok.get("file"), tok.get("source"), int(tok["vocab_size"]),
-                              int(tok["eos_id"]))
+                              int(tok["eos_id"]), tok.get("fingerprint") or _stored_fingerprint(root, tok))
     splits = {}
     for name in SPLITS:
         item = data["splits"][name]
@@ -107,6 +150,18 @@ def _parse(root: Path, data: dict) -> DatasetMeta:
         splits[name] = Split(int(item["tokens"]), int(item["documents"]), shards)
     return DatasetMeta(root, tokenizer, data["token_dtype"], splits, tuple(data.get("sources", ())),
                        float(data.get("val_fraction", 0.0)))
+
+
+def _stored_fingerprint(root: Path, tok: dict) -> str | None:
+    """The fingerprint of a dataset written before meta.json recorded it: from its own tokenizer.json."""
+    if tok["kind"] == "bytes":
+        return BYTES_FINGERPRINT
+    if not tok.get("file"):
+        return None
+    try:
+        return tokenizer_fingerprint(root / str(tok["file"]))
+    except (OSError, ValueError):
+        return None
 
 
 def dataset_problems(path: str | Path, split: str, vocab_size: int, seq_len: int,
@@ -132,7 +187,19 @@ def dataset_problems(path: str | Path, split: str, vocab_size: int, seq_len: int
         if size != shard.tokens * itemsize:
             problems.append(f"{head}: shard {shard.file} is {size} bytes, meta.json says {shard.tokens} "
                             f"{meta.token_dtype} tokens ({shard.tokens * itemsize} bytes); prepare it again")
-    if meta.splits[split].tokens < seq_len + 1:
-        problems.append(f"{head}: its {split} split has {meta.splits[split].tokens} tokens, fewer than "
-                        f"train.seq_len+1={seq_len + 1}; add text or lower train.seq_len")
+    problems += _split_size_problems(head, meta, split, seq_len)
     return problems
+
+
+def _split_size_problems(head: str, meta: DatasetMeta, split: str, seq_len: int) -> list[str]:
+    tokens = meta.splits[split].tokens
+    if tokens == 0 and split == "val":
+        return [f"{head}: its val split is empty (prepared with --val-fraction {meta.val_fraction:g}), and evaluation "
+                "reads it; prepare it again with --val-fraction 0.01 (or more), or set train.eval_every=0"]
+    if tokens == 0:
+        return [f"{head}: its train split is empty; prepare it again with more text"]
+    if tokens < seq_len + 1:
+        more = "raise --val-fraction, set train.eval_every=0, " if split == "val" else "add text "
+        return [f"{head}: its {split} split has {tokens} tokens, fewer than train.seq_len+1={seq_len + 1}; "
+                f"{more}or lower train.seq_len"]
+    return []

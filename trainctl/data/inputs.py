@@ -4,14 +4,21 @@ A large .jsonl file is cut into pieces of about `UNIT_BYTES` at line ends and a 
 row groups, so one big file keeps every core busy and no worker holds more than a piece in memory; a
 text file is one document, so it is one piece. Pieces are numbered in input order, and the output is
 written in that order whatever the number of workers.
+
+Only regular files are read (a FIFO or a device named as an input is refused, never opened for reading, so
+nothing can hang on it), and only text: compressed, archived or binary files and text that is not UTF-8 are
+refused in one line naming the file, as are .jsonl / .parquet records whose text field is not a string.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import glob
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +28,13 @@ from trainctl.data.format import DatasetError
 SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")  # what a folder is searched for (a named file may be any)
 JSON_LINES = (".jsonl", ".json")
 UNIT_BYTES = 32 << 20
+SNIFF_BYTES = 8192  # read from the start of every input before anything is written
+# Formats refused by their first bytes: tokenizing them as text would train on noise.
+MAGIC = ((b"\x1f\x8b", "gzip-compressed", "gunzip -k"), (b"BZh", "bzip2-compressed", "bunzip2 -k"),
+         (b"\xfd7zXZ\x00", "xz-compressed", "unxz -k"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "unzstd"),
+         (b"PK\x03\x04", "a zip archive", "unzip"), (b"PK\x05\x06", "a zip archive", "unzip"),
+         (b"%PDF-", "a PDF", "pdftotext"))
+BOM = codecs.BOM_UTF8
 
 
 @dataclass(frozen=True)
@@ -40,11 +54,14 @@ class Unit:
 def expand_inputs(inputs: list[str], out: Path | None = None) -> list[Path]:
     """Files named, found in folders, or matched by globs: sorted, each once; a pattern matching nothing fails.
 
-    Nothing inside `out` (the dataset being written) is an input.
+    Nothing inside `out` (the dataset being written) is an input, and no input is `out` or holds it.
+    Every file is checked to be text (its first bytes) before anything is written.
     """
     found: set[Path] = set()
     for item in inputs:
         path = Path(item).expanduser()
+        if out is not None:
+            _not_out(item, path, out)
         if path.is_file():
             found.add(path.resolve())
         elif path.is_dir():
@@ -52,22 +69,90 @@ def expand_inputs(inputs: list[str], out: Path | None = None) -> list[Path]:
         elif glob.has_magic(item):
             found |= {Path(p).resolve() for p in glob.glob(os.path.expanduser(item), recursive=True)
                       if Path(p).is_file()}
+        elif os.path.lexists(path):
+            raise DatasetError(f"{item}: {_kind_of(path)}, not a regular file or folder; pass text files, folders "
+                               "or glob patterns")
         else:
             raise DatasetError(f"{item}: no such file or folder; pass text files, folders or glob patterns")
         if out is not None:
             found = {p for p in found if not p.is_relative_to(out)}
         if not found:
             raise DatasetError(f"{item}: matches no input file ({', '.join(SUFFIXES)})")
-    return sorted(found)
+    files = sorted(found)
+    for file in files:
+        check_text(file)
+    return files
+
+
+def _not_out(item: str, path: Path, out: Path) -> None:
+    """An input folder that is --out, or lies inside it, would read the dataset being written as text."""
+    try:
+        where = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: reported as not found below
+        return
+    if where == out or where.is_relative_to(out):
+        raise DatasetError(f"--out {out}: is the input {item} or holds it; choose an --out outside the inputs")
+
+
+def _kind_of(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if path.is_symlink():
+            return "a symlink to nothing (a missing target, or a loop)"
+        return f"unreadable ({exc.strerror or exc})"
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def open_regular(path: Path):
+    """`path` opened for reading in binary, only if it is a regular file (a FIFO put there later never blocks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read it ({exc.strerror or exc}); restore it, or leave it out") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DatasetError(f"{path}: {_kind_of(path)}, not a regular file; pass text files")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def check_text(path: Path) -> None:
+    """Refuse a compressed, archived or binary file, or one that does not start as UTF-8, from its first bytes."""
+    with open_regular(path) as f:
+        head = f.read(SNIFF_BYTES)
+    if path.suffix == ".parquet":
+        return  # binary by design; read by pyarrow
+    for magic, what, tool in MAGIC:
+        if head.startswith(magic):
+            raise DatasetError(f"{path}: {what}, not text; decompress or convert it first ({tool}) and pass the "
+                               "text")
+    if head.count(0) * 100 > len(head):  # text has no NULs; UTF-16 text and binaries are full of them
+        raise DatasetError(f"{path}: binary (or UTF-16) data, not UTF-8 text; convert it to UTF-8 text, or leave "
+                           "it out")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3 or len(head) < SNIFF_BYTES:  # not a character cut at the sniff's end
+            raise _not_utf8(path, exc.start) from None
+
+
+def _not_utf8(path: Path, offset: int) -> DatasetError:
+    return DatasetError(f"{path}: byte {offset}: not UTF-8 text; convert it to UTF-8 "
+                        "(e.g. iconv -f latin1 -t utf-8), or leave it out")
 
 
 def plan_units(files: list[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Every file's pieces, in input order."""
     units: list[Unit] = []
     for path in files:
-        size = path.stat().st_size
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
         if path.suffix == ".parquet":
-            groups = _parquet(path).metadata.num_row_groups
+            with _parquet(path) as pf:
+                groups = pf.metadata.num_row_groups
             edges = [size * g // max(groups, 1) for g in range(groups + 1)]  # for progress only
             units += [Unit(path, edges[g], edges[g + 1], row_group=g) for g in range(groups)]
         elif path.suffix in JSON_LINES:
@@ -79,7 +164,7 @@ def plan_units(files: list[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
 
 def _line_pieces(path: Path, size: int, unit_bytes: int) -> list[Unit]:
     pieces, start = [], 0
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         while start < size:
             end = min(start + unit_bytes, size)
             if end < size:
@@ -92,21 +177,32 @@ def _line_pieces(path: Path, size: int, unit_bytes: int) -> list[Unit]:
 
 
 def unit_documents(unit: Unit, text_field: str) -> Iterator[str]:
-    """The documents of one piece."""
+    """The documents of one piece (records whose text is null or empty are skipped)."""
     if unit.row_group is not None:
-        table = _parquet(unit.path).read_row_group(unit.row_group, columns=[_column(unit.path, text_field)])
-        yield from (text for text in table.column(0).to_pylist() if text)
-    elif unit.path.suffix in JSON_LINES:
-        with unit.path.open("rb") as f:
-            f.seek(unit.start)
-            data = f.read(unit.size)
-        offset = unit.start
-        for line in data.split(b"\n"):
-            if line.strip():
-                yield _json_text(line, text_field, unit.path, offset)
-            offset += len(line) + 1
-    else:
-        yield unit.path.read_text(encoding="utf-8", errors="replace")
+        yield from _parquet_texts(unit, text_field)
+        return
+    with open_regular(unit.path) as f:
+        f.seek(unit.start)
+        data = f.read(unit.size)
+    offset = unit.start
+    if offset == 0 and data.startswith(BOM):  # a byte-order mark is not text
+        data, offset = data[len(BOM):], len(BOM)
+    if unit.path.suffix not in JSON_LINES:
+        yield _decoded(data, unit.path, offset)
+        return
+    for line in data.split(b"\n"):
+        if line.strip():
+            text = _json_text(line, text_field, unit.path, offset)
+            if text:
+                yield text
+        offset += len(line) + 1
+
+
+def _decoded(data: bytes, path: Path, offset: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, offset + exc.start) from None
 
 
 def documents(path: Path, text_field: str) -> Iterator[str]:
@@ -115,29 +211,69 @@ def documents(path: Path, text_field: str) -> Iterator[str]:
         yield from unit_documents(unit, text_field)
 
 
-def _json_text(line: bytes, field: str, path: Path, offset: int) -> str:
+def _json_text(line: bytes, field: str, path: Path, offset: int) -> str | None:
+    text = _decoded(line, path, offset)
     try:
-        record = json.loads(line)
+        record = json.loads(text)
     except ValueError:
         raise DatasetError(f"{path}: byte {offset}: not a JSON object per line (.jsonl)") from None
-    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+    if not isinstance(record, dict) or field not in record:
         raise DatasetError(f"{path}: byte {offset}: no text field {field!r}; name the field with --text-field")
-    return record[field]
+    value = record[field]
+    if value is not None and not isinstance(value, str):
+        raise DatasetError(f"{path}: byte {offset}: field {field!r} is a {type(value).__name__}, not a string; "
+                           "name a text field with --text-field")
+    if value and "\\u" in text and _has_lone_surrogate(value):
+        raise DatasetError(f"{path}: byte {offset}: field {field!r} holds an unpaired \\uD800-\\uDFFF escape, "
+                           "not text; fix the record")
+    return value
 
 
-def _parquet(path: Path):
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _parquet_texts(unit: Unit, field: str) -> Iterator[str]:
+    """A row group's texts; a column of another type is refused naming its first non-null row."""
+    import pyarrow as pa
+
+    with _parquet(unit.path) as pf:
+        values = pf.read_row_group(unit.row_group, columns=[_column(pf, unit.path, field)]).column(0)
+        rows_before = sum(pf.metadata.row_group(g).num_rows for g in range(unit.row_group))
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+            or pa.types.is_null(values.type)):
+        first = next((i for i, v in enumerate(values.is_valid().to_pylist()) if v), None)
+        if first is not None:
+            row = rows_before + first
+            raise DatasetError(f"{unit.path}: column {field!r} row {row}: a {values.type} value, not a string; "
+                               "name a text column with --text-field")
+        return
+    yield from (text for text in values.to_pylist() if text)
+
+
+@contextlib.contextmanager
+def _parquet(path: Path) -> Iterator:
+    """A pyarrow ParquetFile of `path`, closed after use."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise DatasetError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow") from None
-    try:
-        return pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises its own ArrowInvalid (a ValueError) and OSErrors
-        raise DatasetError(f"{path}: not a readable parquet file ({exc})") from None
+    with open_regular(path) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as exc:  # pyarrow raises its own ArrowInvalid (a ValueError) and OSErrors
+            raise DatasetError(f"{path}: not a readable parquet file ({exc})") from None
+        yield pf
 
 
-def _column(path: Path, field: str) -> str:
-    names = _parquet(path).schema_arrow.names
+def _column(pf, path: Path, field: str) -> str:
+    names = pf.schema_arrow.names
     if field not in names:
         raise DatasetError(f"{path}: no column {field!r} (columns: {', '.join(names)}); name it with --text-field")
     return field
@@ -145,7 +281,7 @@ def _column(path: Path, field: str) -> str:
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -2,50 +2,57 @@
 
 Inputs are files, folders (searched for .txt, .md, .jsonl, .parquet) and glob patterns (data/inputs.py).
 A text file is one document; a .jsonl line or a .parquet row is one document (its `--text-field`). Pieces
-of the input are tokenized in parallel (one process per core) and written in input order, so the output
-does not depend on the number of workers. A document goes to the validation split when a hash of (seed, its text)
-falls below `val_fraction`.
+of the input (units) are tokenized in parallel (one process per core) and written in input order, so the
+output does not depend on the number of workers. Long documents are cut into pieces and each piece goes
+to train or val by a hash of its text (data/split.py); when every piece fell in train, the last one is
+held out, so a one-file corpus still gets a val split.
 
-Resumable: after each piece the shards are flushed and `.prepare-state.json` records where every
-shard ends. A run stopped by Ctrl-C or a crash continues from there when given the same arguments (the
-shards are cut back to the recorded sizes first) and ends byte-identical to an uninterrupted run; other
-arguments are refused. meta.json is written last; an existing dataset is never overwritten.
+Resumable: after each unit the shards are flushed and `.prepare-state.json` records what each split got
+(tokens, documents, sha256; data/shards.py). A run stopped by Ctrl-C or a crash continues from there when
+given the same arguments: what reads back intact is kept, the rest is done again, and it ends
+byte-identical to an uninterrupted run; other arguments are refused. meta.json is written last; an
+existing dataset is never overwritten, and a refused prepare leaves nothing behind (data/outdir.py).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import shutil
-import struct
+import signal
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from trainctl.data.format import FORMAT, META_FILE, SPLITS, VERSION, DatasetError, dtype_for_vocab, read_meta
+from trainctl.data.format import (
+    BYTES_FINGERPRINT,
+    FORMAT,
+    MAX_VOCAB,
+    META_FILE,
+    SPLITS,
+    VERSION,
+    DatasetError,
+    dtype_for_vocab,
+    read_meta,
+    tokenizer_fingerprint,
+)
 from trainctl.data.inputs import UNIT_BYTES, Unit, documents, expand_inputs, plan_units, sha256_of, unit_documents
-from trainctl.data.tokenizer import ByteTokenizer, HFTokenizer, from_spec, train_bpe
+from trainctl.data.outdir import LOCK_FILE, STATE_FILE, TOKENIZER_FILE, OutFolder, out_path
+from trainctl.data.shards import SplitWriter, append_unit, intact_units, load_state, save_state, shard_table
+from trainctl.data.split import stretches
+from trainctl.data.tokenizer import TRAINED_EOS, ByteTokenizer, HFTokenizer, from_spec, train_bpe
 
-STATE_FILE = ".prepare-state.json"
-LOCK_FILE = ".prepare.lock"  # flock-ed by the one `data prepare` writing the folder
-TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
-ENCODE_BATCH = 256  # documents per encode_batch call
+MAX_SHARD_TOKENS = 1 << 40  # a shard file of at most 4 TiB
+ENCODE_BATCH = 256  # stretches of text per encode_batch call
 
 
-# ---------------------------------------------------------------- one piece, in a worker process
-
-
-def is_val(seed: int, text: str, val_fraction: float) -> bool:
-    """A document's split from a hash of its text: the same wherever the files lie, and a duplicated
-    document never lands on both sides."""
-    digest = hashlib.blake2b(f"{seed}\0{text}".encode(), digest_size=8).digest()
-    return struct.unpack("<Q", digest)[0] / 2**64 < val_fraction
+# ---------------------------------------------------------------- one unit, in a worker process
 
 
 _WORKER_TOKENIZER = None
@@ -54,82 +61,33 @@ _WORKER_TOKENIZER = None
 def _init_worker(spec: dict) -> None:
     global _WORKER_TOKENIZER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallel over processes, not threads inside each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (and to stop us)
     _WORKER_TOKENIZER = from_spec(spec)
 
 
-def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, tokenizer=None) -> dict:
-    """One piece's train and val tokens (each document followed by EOS) and document counts."""
+def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, tokenizer=None,
+                  last_to: str | None = None) -> dict:
+    """One unit's train and val tokens (each stretch of text followed by EOS), stretch and piece counts."""
     tok = tokenizer or _WORKER_TOKENIZER
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    count, last_train = 0, 0
-    batch: list[str] = []
+    batch: list[tuple[str, str]] = []
+    pieces = 0
 
     def flush() -> None:
-        nonlocal count, last_train
-        for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
-            split = "val" if is_val(seed, text, val_fraction) else "train"
-            parts[split] += [ids.astype(np.uint32), eos]
-            if split == "train":
-                last_train = len(ids) + 1
-            count += 1
+        for (split, _), ids in zip(batch, tok.encode_batch([text for _, text in batch]), strict=True):
+            parts[split] += [ids.astype(np.uint32, copy=False), eos]
         batch.clear()
 
-    for text in unit_documents(unit, text_field):
-        if not text.strip():
-            continue  # an empty document would be a lone EOS
-        batch.append(text)
+    texts = (text for text in unit_documents(unit, text_field) if text.strip())  # no lone EOS for blank text
+    for split, text, count in stretches(texts, seed, val_fraction, last_to):
+        pieces += count
+        batch.append((split, text))
         if len(batch) >= ENCODE_BATCH:
             flush()
     flush()
-    joined = {s: np.concatenate(p) if p else np.zeros(0, np.uint32) for s, p in parts.items()}
-    val_docs = len(parts["val"]) // 2
-    return {"train": joined["train"], "val": joined["val"], "train_docs": count - val_docs, "val_docs": val_docs,
-            "last_train_tokens": last_train}
-
-
-# ---------------------------------------------------------------- shard writing
-
-
-class ShardWriter:
-    """Appends tokens to `PREFIX-NNNNN.bin` files of at most `limit` tokens; its state resumes it exactly."""
-
-    def __init__(self, root: Path, split: str, dtype: str, limit: int, state: dict | None = None):
-        self.root, self.split, self.dtype, self.limit = root, split, np.dtype(dtype), limit
-        self.shards: list[dict] = [dict(s) for s in (state or {}).get("shards", [])]
-        self._cut_back()
-
-    def _name(self, index: int) -> str:
-        return f"{self.split}-{index:05d}.bin"
-
-    def _cut_back(self) -> None:
-        """Shards as the state recorded them: later bytes (a write that died) and later files removed."""
-        for shard in self.shards:
-            with (self.root / shard["file"]).open("r+b") as f:
-                f.truncate(shard["tokens"] * self.dtype.itemsize)
-        for stray in self.root.glob(f"{self.split}-*.bin"):
-            if stray.name not in {s["file"] for s in self.shards}:
-                stray.unlink()
-
-    def append(self, tokens: np.ndarray, documents: int) -> None:
-        data = tokens.astype(self.dtype)
-        while data.size:
-            if not self.shards or self.shards[-1]["tokens"] >= self.limit:
-                self.shards.append({"file": self._name(len(self.shards)), "tokens": 0, "documents": 0})
-                (self.root / self.shards[-1]["file"]).touch()
-            shard = self.shards[-1]
-            room = self.limit - shard["tokens"]
-            with (self.root / shard["file"]).open("ab") as f:
-                f.write(data[:room].tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-            shard["tokens"] += min(room, data.size)
-            data = data[room:]
-        if self.shards:
-            self.shards[-1]["documents"] += documents  # counted where the document ends
-
-    def state(self) -> dict:
-        return {"shards": [dict(s) for s in self.shards]}
+    result = {s: np.concatenate(p) if p else np.zeros(0, np.uint32) for s, p in parts.items()}
+    return {**result, "train_docs": len(parts["train"]) // 2, "val_docs": len(parts["val"]) // 2, "pieces": pieces}
 
 
 # ---------------------------------------------------------------- the whole job
@@ -145,39 +103,66 @@ def _check_out(out: Path, fingerprint: str) -> dict | None:
     """The saved state of an unfinished run with these arguments, or None for a fresh folder; else refused."""
     if (out / META_FILE).exists():
         raise DatasetError(f"--out {out}: already a prepared dataset; choose another --out or delete it first")
-    if out.exists() and not out.is_dir():
-        raise DatasetError(f"--out {out}: is a file; choose a folder")
-    if not out.exists() or not any(p.name != LOCK_FILE for p in out.iterdir()):
-        return None
+    if not out.exists() or all(p.name == LOCK_FILE or _is_temporary(p.name) for p in out.iterdir()):
+        return None  # new, empty, or left by a prepare that died before it wrote its record
     state_file = out / STATE_FILE
     if not state_file.is_file():
         raise DatasetError(f"--out {out}: a non-empty folder that is not an unfinished `data prepare`; "
                            "choose an empty or new folder")
     try:
-        state = json.loads(state_file.read_text())
+        state = load_state(state_file)
     except (OSError, ValueError):
         raise DatasetError(f"{state_file}: damaged; delete {out} and prepare again") from None
     if state.get("fingerprint") != fingerprint:
-        raise DatasetError(f"--out {out}: an unfinished `data prepare` with other inputs or options; "
-                           "rerun it with its own arguments, or choose another --out")
+        raise DatasetError(f"--out {out}: an unfinished `data prepare` with other inputs or options; rerun it "
+                           "with its own arguments, delete it to start over, or choose another --out")
     return state
 
 
-def _fingerprint(files: list[Path], options: dict) -> str:
-    listing = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+def _is_temporary(name: str) -> bool:
+    return name.startswith(".") and ".tmp" in name
+
+
+def _named(files: list[Path]) -> str:
+    return f"{files[0]} (and {len(files) - 1} more)" if len(files) > 1 else str(files[0])
+
+
+def _listing(files: list[Path]) -> list:
+    return [(str(p), *_size_and_time(p)) for p in files]
+
+
+def _size_and_time(path: Path) -> tuple[int, int] | tuple[None, None]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None, None
+    return st.st_size, st.st_mtime_ns
+
+
+def _fingerprint(listing: list, options: dict) -> str:
     return hashlib.sha256(json.dumps([listing, options], sort_keys=True).encode()).hexdigest()
 
 
-def _tokenizer(out: Path, files: list[Path], options: dict, resumed: bool):
-    if options["train_tokenizer"]:
-        trained = out / TOKENIZER_FILE
-        if resumed and trained.is_file():
-            return HFTokenizer(trained, kind="bpe", eos_token=options["eos_token"] or "<|endoftext|>")
-        texts = (text for path in files for text in documents(path, options["text_field"]))
-        return train_bpe(texts, options["vocab_size"], trained)
-    if options["tokenizer"] == "bytes":
-        return ByteTokenizer()
-    return HFTokenizer(options["tokenizer"], eos_token=options["eos_token"])
+def _check_options(tokenizer: str, train_tokenizer: bool, vocab_size: int | None, eos_token: str | None,
+                   val_fraction: float, shard_tokens: int, workers: int | None) -> None:
+    if not 0 <= val_fraction < 1:  # NaN fails too
+        raise DatasetError(f"--val-fraction {val_fraction}: use a fraction in [0, 1), e.g. 0.01")
+    if not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
+        raise DatasetError(f"--shard-tokens {shard_tokens}: use a number of tokens from 1 to {MAX_SHARD_TOKENS}")
+    if workers is not None and workers < 1:
+        raise DatasetError(f"--workers {workers}: use a positive number of processes (default: one per core)")
+    if train_tokenizer:
+        if tokenizer != "bytes":
+            raise DatasetError(f"--tokenizer {tokenizer} and --train-tokenizer: choose one")
+        if not vocab_size:
+            raise DatasetError("--train-tokenizer needs --vocab-size N (e.g. 32000)")
+        if not vocab_size <= MAX_VOCAB:
+            raise DatasetError(f"--vocab-size {vocab_size}: at most {MAX_VOCAB} (ids must fit uint32 tokens)")
+        if eos_token not in (None, TRAINED_EOS):
+            raise DatasetError(f"--eos-token {eos_token}: a trained tokenizer's end token is {TRAINED_EOS}; "
+                               "leave --eos-token out")
+    elif vocab_size is not None:
+        raise DatasetError(f"--vocab-size {vocab_size}: only with --train-tokenizer (a given tokenizer has its own)")
 
 
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_tokenizer: bool = False,
@@ -185,85 +170,219 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
             val_fraction: float = 0.01, shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
             seed: int = 0, progress: Callable[[int, int], None] | None = None, unit_bytes: int = UNIT_BYTES):
     """Tokenize `inputs` into a prepared dataset at `out`; returns its DatasetMeta."""
-    if not 0 <= val_fraction < 1:
-        raise DatasetError(f"--val-fraction {val_fraction}: use a fraction in [0, 1)")
-    if shard_tokens < 1:
-        raise DatasetError(f"--shard-tokens {shard_tokens}: use a positive number of tokens")
-    if train_tokenizer and not vocab_size:
-        raise DatasetError("--train-tokenizer needs --vocab-size N (e.g. 32000)")
-    out = Path(out).expanduser().resolve()
+    _check_options(tokenizer, train_tokenizer, vocab_size, eos_token, val_fraction, shard_tokens, workers)
+    out = out_path(out)
     files = expand_inputs(inputs, out)
-    options = {"tokenizer": tokenizer if tokenizer == "bytes" else str(Path(tokenizer).expanduser().resolve()),
-               "train_tokenizer": train_tokenizer, "vocab_size": vocab_size, "eos_token": eos_token,
-               "text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens, "seed": seed,
-               "unit_bytes": unit_bytes}
-    fingerprint = _fingerprint(files, options)
+    given = _given_tokenizer(tokenizer)
+    options = {"tokenizer": str(given or tokenizer), "train_tokenizer": train_tokenizer, "vocab_size": vocab_size,
+               "eos_token": eos_token, "text_field": text_field, "val_fraction": val_fraction,
+               "shard_tokens": shard_tokens, "seed": seed, "unit_bytes": unit_bytes,
+               "tokenizer_sha256": _given_tokenizer_sha256(given, tokenizer)}
+    listing = _listing(files)
+    fingerprint = _fingerprint(listing, options)
     _check_out(out, fingerprint)  # before anything is written
-    existed = out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    lock = _lock(out)
+    folder = OutFolder(out)
+    folder.open()
+    state = None
     try:
         state = _check_out(out, fingerprint)  # again, now that no other `data prepare` can change it
+        job = _Job(out, files, listing, options, workers, progress)
+        return job.run(state or {"fingerprint": fingerprint, "tokenizer_sha256": None, "units": []})
     except DatasetError:
-        lock.close()
-        if not existed:
-            shutil.rmtree(out, ignore_errors=True)
+        if state is None:  # a fresh prepare refused: leave nothing behind
+            folder.undo()
         raise
-    with lock:
-        return _prepare_locked(out, state, fingerprint, files, options, inputs, workers, progress)
+    except BrokenProcessPool:
+        raise DatasetError(f"--out {out}: a tokenizing process died (out of memory?); run the same command again "
+                           "to continue, with fewer --workers") from None
+    except OSError as exc:  # a full disk, a folder removed under us: what was done is kept for a resume
+        raise DatasetError(f"--out {out}: {exc.strerror or exc} ({exc.filename or out}); fix it and run the same "
+                           "command again to continue") from None
+    finally:
+        folder.close()
 
 
-def _lock(out: Path):
-    """This process's exclusive hold on `out`: a second `data prepare` into it is refused at once."""
-    handle = (out / LOCK_FILE).open("a")
+def _given_tokenizer(tokenizer: str) -> Path | None:
+    """--tokenizer as a file: a Hugging Face model folder stands for its tokenizer.json."""
+    if tokenizer == "bytes":
+        return None
+    given = Path(tokenizer).expanduser().resolve()
+    return given / TOKENIZER_FILE if (given / TOKENIZER_FILE).is_file() else given
+
+
+def _given_tokenizer_sha256(given: Path | None, tokenizer: str) -> str | None:
+    if given is None:
+        return None
+    if not given.is_file():
+        what = "not a regular file" if given.exists() else "no such file"
+        raise DatasetError(f"--tokenizer {tokenizer}: {what}; pass a Hugging Face tokenizer.json, or bytes")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise DatasetError(f"--out {out}: another `trainctl data prepare` is writing it; wait for it, "
-                           "or choose another --out") from None
-    return handle
+        return sha256_of(given)
+    except DatasetError as exc:
+        raise DatasetError(f"--tokenizer {exc}") from None
 
 
-def _prepare_locked(out: Path, state: dict | None, fingerprint: str, files: list[Path], options: dict,
-                    inputs: list[str], workers: int | None, progress):
-    if state is None:
-        state = {"fingerprint": fingerprint, "done": 0, "splits": {}, "last_train": 0}
-        _write_json(out / STATE_FILE, state)
-    tok = _tokenizer(out, files, options, resumed=state["done"] > 0)
-    dtype = dtype_for_vocab(tok.vocab_size)
-    writers = {s: ShardWriter(out, s, dtype, options["shard_tokens"], state["splits"].get(s)) for s in SPLITS}
-    units = plan_units(files, options["unit_bytes"])
-    _run(units, state, writers, tok, options, workers, out, progress)
-    if not any(s["tokens"] for s in writers["train"].shards):
-        shutil.rmtree(out, ignore_errors=True)  # nothing was made: leave no half-dataset behind
-        raise DatasetError(f"{', '.join(inputs)}: no text to train on (every input is empty)")
-    _write_meta(out, tok, dtype, writers, files, options)
-    (out / STATE_FILE).unlink()
-    (out / LOCK_FILE).unlink()
-    return read_meta(out)
+class _Job:
+    """One prepare into a locked --out, from a fresh or a saved state."""
+
+    def __init__(self, out: Path, files: list[Path], listing: list, options: dict, workers: int | None, progress):
+        self.out, self.files, self.listing, self.options = out, files, listing, options
+        self.workers, self.progress = workers, progress
+
+    def run(self, state: dict) -> object:
+        self.state = state
+        for stray in self.out.iterdir():  # half-written files of a run that died (a tokenizer, the record)
+            if _is_temporary(stray.name):
+                stray.unlink()
+        self._save()  # first: a folder with a record is an unfinished prepare that the same command finishes
+        self.tok = self._tokenizer()
+        try:
+            dtype = dtype_for_vocab(self.tok.vocab_size)
+        except DatasetError as exc:
+            raise DatasetError(f"--tokenizer {self.options['tokenizer']}: {exc}") from None
+        limit = self.options["shard_tokens"]
+        self.writers = {s: SplitWriter(self.out, s, dtype, limit, self.tok.vocab_size) for s in SPLITS}
+        units = plan_units(self.files, self.options["unit_bytes"])
+        self._keep(min(intact_units(self.out, state["units"], dtype, limit), len(units)))
+        self._run(units, len(state["units"]))
+        self._rebalance(units)
+        if not self._tokens("train"):
+            raise DatasetError(f"{_named(self.files)}: no text to train on (every input is empty)")
+        changed = [Path(name) for (name, *was), (_, *now) in zip(self.listing, _listing(self.files), strict=True)
+                   if was != now]
+        if changed:
+            raise DatasetError(f"{_named(changed)}: changed while `data prepare` read it; run it again once the "
+                               "inputs stay put")
+        self._write_meta(dtype)
+        (self.out / STATE_FILE).unlink()
+        (self.out / LOCK_FILE).unlink()
+        return read_meta(self.out)
+
+    def _tokenizer(self):
+        options = self.options
+        if options["train_tokenizer"]:
+            trained = self.out / TOKENIZER_FILE
+            recorded = self.state.get("tokenizer_sha256")
+            if recorded and trained.is_file() and sha256_of(trained) == recorded:
+                return HFTokenizer(trained, kind="bpe", eos_token=TRAINED_EOS)
+            self.state["units"] = []  # tokens made with a tokenizer that is gone are made again
+            texts = (text for path in self.files for text in documents(path, options["text_field"]))
+            tok = train_bpe(texts, options["vocab_size"], trained)
+            self.state["tokenizer_sha256"] = sha256_of(trained)
+            self._save()
+            return tok
+        if options["tokenizer"] == "bytes":
+            return ByteTokenizer()
+        return HFTokenizer(options["tokenizer"], eos_token=options["eos_token"])
+
+    def _save(self) -> None:
+        save_state(self.out / STATE_FILE, self.state)
+
+    def _keep(self, count: int) -> None:
+        """The first `count` units stay; the splits are cut back to where they ended and the state says so."""
+        units = self.state["units"][:count]
+        for split, writer in self.writers.items():
+            writer.cut_back(sum(u[split][0] for u in units))
+        self.state["units"] = units
+        self._save()
+
+    def _tokens(self, split: str) -> int:
+        return sum(u[split][0] for u in self.state["units"])
+
+    def _run(self, units: list[Unit], start: int, last_to: tuple[int, str] | None = None) -> None:
+        options = self.options
+        args = (options["text_field"], options["seed"], options["val_fraction"])
+        todo = list(range(start, len(units)))
+        tracker = _Tracker(units, start, self.progress)
+        workers = max(1, min(self.workers or os.cpu_count() or 1, len(todo) or 1))
+        if workers == 1 or last_to is not None:
+            for i in todo:
+                forced = last_to[1] if last_to and last_to[0] == i else None
+                self._add(tokenize_unit(units[i], *args, tokenizer=self.tok, last_to=forced))
+                tracker.finished(i)
+            return
+        pool = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(self.tok.spec(),))
+        try:
+            # A window of 2 units per worker: results are written in input order and memory stays bounded.
+            window = 2 * workers
+            waiting = deque(pool.submit(tokenize_unit, units[i], *args) for i in todo[:window])
+            for n, i in enumerate(todo):
+                result = waiting.popleft().result()
+                if n + window < len(todo):
+                    waiting.append(pool.submit(tokenize_unit, units[todo[n + window]], *args))
+                self._add(result)
+                tracker.finished(i)
+        except BaseException:
+            _stop(pool)  # Ctrl-C or a refusal: the units still running are not waited for
+            raise
+        pool.shutdown()
+
+    def _add(self, result: dict) -> None:
+        record = {split: self.writers[split].append(result[split], result[f"{split}_docs"]) for split in SPLITS}
+        unit = {**record, "pieces": result["pieces"]}
+        self.state["units"].append(unit)
+        append_unit(self.out / STATE_FILE, unit)
+
+    def _rebalance(self, units: list[Unit]) -> None:
+        """A split that the hashes left empty gets the last piece: train always (a one-piece corpus), val when
+        evaluation may read it and there are two pieces or more (a one-file corpus whose pieces all fell in
+        train)."""
+        done = self.state["units"]
+        pieces = sum(u["pieces"] for u in done)
+        if not self._tokens("train") and pieces:
+            split = "train"
+        elif self.options["val_fraction"] > 0 and not self._tokens("val") and pieces >= 2:
+            split = "val"
+        else:
+            return
+        last = max(i for i, u in enumerate(done) if u["pieces"])
+        self._keep(last)
+        self._run(units, last, last_to=(last, split))
+
+    def _write_meta(self, dtype: str) -> None:
+        tok, options = self.tok, self.options
+        tokenizer_file = None
+        if tok.kind != "bytes":
+            tokenizer_file = TOKENIZER_FILE
+            if Path(tok.file) != self.out / TOKENIZER_FILE:
+                (self.out / TOKENIZER_FILE).write_bytes(Path(tok.file).read_bytes())
+        fingerprint = BYTES_FINGERPRINT if tok.kind == "bytes" else tokenizer_fingerprint(self.out / TOKENIZER_FILE)
+        splits = {}
+        for split in SPLITS:
+            shards = shard_table(split, [u[split] for u in self.state["units"]], options["shard_tokens"])
+            splits[split] = {"tokens": sum(s["tokens"] for s in shards),
+                             "documents": sum(s["documents"] for s in shards), "shards": shards}
+        meta = {
+            "format": FORMAT, "version": VERSION,
+            "tokenizer": {"kind": tok.kind, "file": tokenizer_file,
+                          "source": options["tokenizer"] if tok.kind == "hf" else None,
+                          "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "fingerprint": fingerprint},
+            "token_dtype": dtype, "val_fraction": options["val_fraction"], "seed": options["seed"],
+            "splits": splits,
+            "sources": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in self.files],
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        _write_json(self.out / META_FILE, meta)
 
 
-def _run(units: list[Unit], state, writers, tok, options, workers, out, progress) -> None:
-    args = (options["text_field"], options["seed"], options["val_fraction"])
-    todo = list(range(state["done"], len(units)))
-    total = sum(u.size for u in units)
-    tracker = _Tracker(units, state["done"], total, progress)
-    workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
-    if workers == 1:
-        results = (tokenize_unit(units[i], *args, tokenizer=tok) for i in todo)
-        _consume(todo, results, len(units), state, writers, out, tracker, options["val_fraction"])
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the worker processes now (they ignore SIGINT)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if terminate is not None:
+        terminate()
         return
-    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(tok.spec(),)) as pool:
-        results = pool.map(tokenize_unit, [units[i] for i in todo], *([a] * len(todo) for a in args))
-        _consume(todo, results, len(units), state, writers, out, tracker, options["val_fraction"])
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.join(timeout=10)
 
 
 class _Tracker:
     """Bytes of input done, for the progress callback."""
 
-    def __init__(self, units: list[Unit], done: int, total: int, progress):
-        self.units, self.total, self.progress = units, total, progress
+    def __init__(self, units: list[Unit], done: int, progress):
+        self.units, self.total, self.progress = units, sum(u.size for u in units), progress
         self.done_bytes = sum(u.size for u in units[:done])
         self.report()
 
@@ -274,48 +393,3 @@ class _Tracker:
     def report(self) -> None:
         if self.progress:
             self.progress(self.done_bytes, self.total)
-
-
-def _consume(todo, results, count: int, state, writers, out, tracker: _Tracker, val_fraction: float) -> None:
-    # map keeps input order: the output does not depend on the number of workers.
-    for i, result in zip(todo, results, strict=True):
-        train, val, train_docs, val_docs = result["train"], result["val"], result["train_docs"], result["val_docs"]
-        trained_before = sum(s["documents"] for s in writers["train"].shards)
-        if (i == count - 1 and val_fraction > 0 and not val.size and _no_val(writers) and train_docs
-                and trained_before + train_docs > 1):
-            # Every document fell in train: the last one is held out, so eval has something to read.
-            cut = train.size - result["last_train_tokens"]
-            train, val, train_docs, val_docs = train[:cut], train[cut:], train_docs - 1, 1
-        writers["train"].append(train, train_docs)
-        writers["val"].append(val, val_docs)
-        state.update(done=i + 1, splits={s: w.state() for s, w in writers.items()})
-        _write_json(out / STATE_FILE, state)
-        tracker.finished(i)
-
-
-def _no_val(writers) -> bool:
-    return not any(s["tokens"] for s in writers["val"].shards)
-
-
-def _write_meta(out: Path, tok, dtype: str, writers: dict, files: list[Path], options: dict) -> None:
-    tokenizer_file = None
-    if tok.kind != "bytes":
-        tokenizer_file = TOKENIZER_FILE
-        if Path(tok.file) != out / TOKENIZER_FILE:
-            (out / TOKENIZER_FILE).write_bytes(Path(tok.file).read_bytes())
-    splits = {}
-    for name, writer in writers.items():
-        shards = writer.state()["shards"]
-        splits[name] = {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
-                        "shards": shards}
-    meta = {
-        "format": FORMAT, "version": VERSION,
-        "tokenizer": {"kind": tok.kind, "file": tokenizer_file,
-                      "source": None if tok.kind == "bytes" else options["tokenizer"],
-                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
-        "token_dtype": dtype, "val_fraction": options["val_fraction"], "seed": options["seed"],
-        "splits": splits,
-        "sources": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files],
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    _write_json(out / META_FILE, meta)

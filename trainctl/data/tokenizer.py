@@ -54,7 +54,10 @@ class HFTokenizer:
             self._tok = _tokenizers().Tokenizer.from_file(self.file)
         except Exception as exc:  # the library raises plain Exceptions for a bad file
             raise DatasetError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The largest id + 1, not the number of tokens: ids may be sparse (a token at 70000 among five).
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        if self.vocab_size < 1:
+            raise DatasetError(f"--tokenizer {path}: a tokenizer.json without tokens; pass a complete one")
         self.eos_token, self.eos_id = self._find_eos(eos_token, path)
 
     def _find_eos(self, eos_token: str | None, path) -> tuple[str, int]:
