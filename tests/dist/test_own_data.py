@@ -99,3 +99,18 @@ def test_bad_data_is_refused_by_plan_in_one_line(corpus, tmp_path, case):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: data.datasets"), lines
         assert not (tmp_path / "runs").exists()
+
+
+def test_a_dataset_without_a_val_split_trains_with_evaluation_off(corpus, tmp_path):
+    # --val-fraction 0 leaves the val split empty: with evaluation on the plan refuses it (one line, the fix named);
+    # with train.eval_every=0 the run trains without evaluating, never dying in the worker.
+    made = trainctl("data", "prepare", str(corpus / "notes"), "--out", "tok", "--val-fraction", "0", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    common = ["recipe=tiny_cpu", "data=memmap", f"data.datasets=[{tmp_path / 'tok'}]", "train.steps=4",
+              "schedule.warmup_steps=1", "logging.progress=false"]
+    refused = trainctl("plan", *common, "train.eval_every=2", cwd=tmp_path)
+    assert refused.returncode == 2 and "train.eval_every=0" in refused.stderr, refused.stderr
+    launch = trainctl("launch", *common, "train.eval_every=0", "--name", "noval", cwd=tmp_path)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    result = json.loads((tmp_path / "runs" / "noval" / "result.json").read_text())
+    assert result["steps"] == 4 and result["final_val_loss"] is None and result["final_train_loss"] > 0

@@ -267,7 +267,7 @@ def check_vocab(data_cfg: DataConfig, model_vocab: int) -> None:
         return
     for split in _SPLITS:
         tokens, key = _open_split(data_cfg, split)
-        largest = max(_sampled_max(array) for array in tokens.arrays())
+        largest = max((_sampled_max(array) for array in tokens.arrays() if array.size), default=-1)
         if largest >= data_cfg.vocab_size:
             raise DataError(f"{key}: token id {largest} >= data.vocab_size={data_cfg.vocab_size}; "
                             f"set data.vocab_size (and model.vocab_size) to > {largest}")

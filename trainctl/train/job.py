@@ -33,7 +33,7 @@ class Job:
     pipeline: Pipeline | None  # pp > 1: this rank's stages and their schedule
     contexts: MicroBatchContext  # what every micro-batch runs under, both paths
     train_data: TokenBatches
-    val_data: TokenBatches
+    val_data: TokenBatches | None  # None: no val split and evaluation off (train.eval_every=0)
     scaler: NoLossScaling | DynamicLossScaler  # fp16 loss scaling (a no-op otherwise)
     guard: StepGuard
     progress: TrainProgress

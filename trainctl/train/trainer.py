@@ -27,7 +27,7 @@ from trainctl.train import distributed
 from trainctl.train import state as checkpoint_state
 from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir, step_name
 from trainctl.train.context_parallel import check_cp_device, cp_mesh_of
-from trainctl.train.data import TokenBatches, check_vocab, prepare_data
+from trainctl.train.data import DataError, TokenBatches, check_vocab, prepare_data
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.float8 import register_float8_scale_precompute
 from trainctl.train.gc_schedule import collect_every
@@ -111,7 +111,10 @@ def after_step(job: Job, result: StepResult, timer: StepTimer, val_loss: float) 
     return val_loss
 
 
-def evaluate_and_log(job: Job, step: int) -> float:
+def evaluate_and_log(job: Job, step: int) -> float | None:
+    """The held-out loss, logged; None (nothing logged) for a run without a val split."""
+    if job.val_data is None:
+        return None
     val_loss = evaluate(job)
     job.metrics.eval(step, val_loss)
     return val_loss
@@ -195,8 +198,12 @@ def step_metrics(job: Job, result: StepResult, lap: tuple[float, int]) -> dict:
     return values
 
 
-def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBatches, TokenBatches]:
-    """Train and val batches for this rank's data-parallel coordinates; rank 0 builds caches first."""
+def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBatches, TokenBatches | None]:
+    """Train and val batches for this rank's data-parallel coordinates; rank 0 builds caches first.
+
+    Val is None when the data has no usable val split and `train.eval_every=0` asked for no evaluation
+    (the plan refuses such data when evaluation is on): the run trains without evaluating.
+    """
     if world.is_main:
         prepare_data(cfg.data)
         check_vocab(cfg.data, cfg.model.vocab_size)
@@ -205,7 +212,14 @@ def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBat
     train = cfg.train
     common = dict(seq_len=train.seq_len, global_batch=train.global_batch, micro_batch=train.micro_batch,
                   grad_accum=train.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=train.seed)
-    return TokenBatches(cfg.data, "train", **common), TokenBatches(cfg.data, "val", **common)
+    try:
+        val = TokenBatches(cfg.data, "val", **common)
+    except DataError as exc:
+        if train.eval_every > 0:
+            raise
+        print0(f"no evaluation: {exc}", world.is_main)
+        val = None
+    return TokenBatches(cfg.data, "train", **common), val
 
 
 def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> tuple[nn.Module, Pipeline | None]:
