@@ -1,5 +1,5 @@
-"""Generated Hugging Face config.json files, run records and data-prepare inputs: a user error or an answer, never a
-traceback or a hang; a refused prepare leaves nothing behind; an accepted one holds exactly the text it was given."""
+"""Generated Hugging Face config.json files, run records and sweep records: an answer or a user error in one line,
+never a traceback or a hang (data prepare's inputs: test_fuzz_prepare.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,12 @@ import json
 import math
 import os
 
-import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fuzz.guard import BOUNDED, USER_ERRORS, deadline
 from trainctl.config import hf_config
 from trainctl.core import rundir as layout
-from trainctl.data.format import DatasetError, read_meta
-from trainctl.data.prepare import prepare
 from trainctl.launch import figures, runs, sweep
 
 LLAMA = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -97,45 +94,3 @@ def test_any_sweep_record_ranks_or_is_refused(tmp_path_factory, record):
             sweep.ranked(sweep.read(root, "sw"))
         except USER_ERRORS:
             pass
-
-
-DOC_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200)
-
-
-@st.composite
-def inputs(draw):
-    """Input files: text files, .jsonl lines (some not JSON, some without the field), raw bytes."""
-    files = {}
-    for i in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["txt", "jsonl", "bytes"]))
-        if kind == "txt":
-            files[f"f{i}.txt"] = draw(DOC_TEXT).encode("utf-8", "surrogatepass")
-        elif kind == "jsonl":
-            lines = draw(st.lists(st.one_of(DOC_TEXT.map(lambda t: json.dumps({"text": t})),
-                                            JSON_ANY.map(json.dumps), st.text(max_size=10)), max_size=5))
-            files[f"f{i}.jsonl"] = "\n".join(lines).encode("utf-8", "surrogatepass")
-        else:
-            files[f"f{i}.txt"] = draw(st.binary(max_size=200))
-    return files
-
-
-@BOUNDED
-@given(inputs(), st.floats(0, 0.5))
-def test_any_prepare_input_gives_a_dataset_of_its_text_or_a_clean_refusal(tmp_path_factory, files, val_fraction):
-    root = tmp_path_factory.mktemp("prep")
-    (root / "in").mkdir()
-    for name, content in files.items():
-        (root / "in" / name).write_bytes(content)
-    out = root / "out"
-    with deadline(60):
-        try:
-            prepare([str(root / "in")], out, val_fraction=val_fraction, workers=1)
-        except DatasetError as exc:
-            assert "\n" not in str(exc)
-            assert not out.exists(), "a refused prepare left its folder behind"
-            return
-    meta = read_meta(out)
-    ids = [np.fromfile(p, dtype=meta.token_dtype) for s in ("train", "val") for p in meta.shard_paths(s)]
-    total = int(sum(len(x) for x in ids))
-    assert total == meta.splits["train"].tokens + meta.splits["val"].tokens
-    assert all(int(x.max(initial=0)) < meta.tokenizer.vocab_size for x in ids)  # never a wrapped or foreign id

@@ -7,6 +7,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from trainctl.data.format import DatasetError, dataset_problems, read_meta
@@ -66,3 +67,5 @@ def test_prepare_makes_a_whole_dataset_or_refuses_in_one_line_leaving_nothing(fi
         assert read_meta(out).splits == meta.splits and meta.splits["train"].tokens > 0
         assert dataset_problems(out, "train", vocab_size=256, seq_len=1) == []
         assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".bin")) == ["meta.json"]
+        ids = [np.fromfile(p, dtype=meta.token_dtype) for s in ("train", "val") for p in meta.shard_paths(s)]
+        assert all(int(x.max(initial=0)) < meta.tokenizer.vocab_size for x in ids)  # never a wrapped id
