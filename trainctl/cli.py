@@ -7,6 +7,7 @@ every command except a real launch answers in well under a second on a login nod
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import shutil
 import sys
@@ -170,7 +171,14 @@ def _plan_compare(cfg: RunConfig, axis: str, as_json: bool) -> None:
     out.print(compare_table(axis, rows))
 
 
-RUNS_DIR = typer.Option(Path("runs"), "--runs-dir", envvar="TRAINCTL_RUNS_DIR",
+def _env_runs_dir() -> Path:
+    """$TRAINCTL_RUNS_DIR, else runs/: an empty or blank variable counts as unset (as the config reads it)."""
+    import os
+
+    return Path(os.environ.get("TRAINCTL_RUNS_DIR", "").strip() or "runs")
+
+
+RUNS_DIR = typer.Option(None, "--runs-dir", show_default=False, callback=lambda v: v or _env_runs_dir(),
                         help="Where the runs are (the config's runs_dir; default: $TRAINCTL_RUNS_DIR, else runs).")
 AS_JSON = typer.Option(False, "--json", help="Print JSON (for scripts).")
 RUN = typer.Argument(..., help="A run directory, or a run name under --runs-dir.", show_default=False)
@@ -204,13 +212,11 @@ def _run_cells(st, f) -> list[str]:
 def _runs_dir_of(runs_dir: Path | None, overrides: list[str] | None, config_dirs: list[Path] | None) -> Path:
     """--runs-dir, else the runs_dir of the config the overrides compose (recipe=..., runs_dir=...), else
     $TRAINCTL_RUNS_DIR, else runs/."""
-    import os
-
     if runs_dir is not None:
         return runs_dir
     if overrides or config_dirs:
-        return Path(composer.compose(list(overrides or []), _search(config_dirs)).runs_dir)
-    return Path(os.environ.get("TRAINCTL_RUNS_DIR") or "runs")
+        return Path(composer.compose(list(overrides or []), _search(config_dirs)).runs_dir.strip() or "runs")
+    return _env_runs_dir()
 
 
 @app.command("runs")
@@ -237,8 +243,8 @@ def list_runs(
     states = runs.run_states(runs.list_runs(runs_dir))
     measured = [figures(st.path) for st in states]
     if as_json:
-        sys.stdout.write(json.dumps([_run_record(st, f) for st, f in zip(states, measured, strict=True)], indent=2)
-                         + "\n")
+        records = [_run_record(st, f) for st, f in zip(states, measured, strict=True)]
+        sys.stdout.write(json.dumps(_finite_json(records), indent=2) + "\n")
         return
     # Measured figures next to the plan's, once some run has them: "38.2% (plan 40%)", "61.2 GiB (plan 60.3)".
     shown = any(f.mfu is not None or f.peak_bytes is not None for f in measured)
@@ -255,27 +261,41 @@ def list_runs(
 
 
 def _list_sweep(runs_dir: Path, name: str, as_json: bool) -> None:
-    """A sweep's points ranked by final loss (eval loss when there is one), with their state and overrides."""
+    """A sweep's points ranked by one metric (the final eval loss when every finished point has one, else the train
+    loss), finished points first; unfinished ones last, marked, with their state."""
     from trainctl.launch import runs, sweep
 
-    rows = sweep.ranked(sweep.read(runs_dir, name))
-    states = {st.path.resolve(): st for st in runs.run_states([Path(r["run_dir"]) for r in rows])}
-    for row in rows:
-        st = states.get(Path(row["run_dir"]).resolve())
-        row["state"] = st.state if st else "UNKNOWN"
+    record = sweep.read(runs_dir, name)
+    dirs = sweep.point_run_dirs(record)
+    states = {str(d): st.state for d, st in zip(dirs, runs.run_states(dirs), strict=True)}
+    metric, rows = sweep.ranked(record, states)
     if as_json:
-        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        sys.stdout.write(json.dumps(_finite_json(rows), indent=2) + "\n")
         return
-    header = ["rank", "run", "state", "loss", "swept"]
-    cells = [[str(i + 1), r["run"], r["state"], _fmt(r["loss"], ".4f"), " ".join(r["swept"])]
+    ranked_by = "eval loss" if metric == "val_loss" else "train loss"
+    header = ["rank", "run", "state", "train loss", "eval loss", "swept"]
+    cells = [[str(i + 1) if r["finished"] else "-", r["run"], r["state"] + ("" if r["finished"] else " (unfinished)"),
+              _fmt(r["train_loss"], ".4f"), _fmt(r["val_loss"], ".4f"), " ".join(r["swept"])]
              for i, r in enumerate(rows)]
     if not out.is_terminal:
         sys.stdout.write("".join("\t".join(row) + "\n" for row in [header, *cells]))
         return
+    out.print(f"sweep {name}: ranked by final {ranked_by}; unfinished points last", markup=False, highlight=False)
     table = Table(*header, box=None, header_style="bold")
     for row in cells:
         table.add_row(*map(escape, row))
     out.print(table)
+
+
+def _finite_json(value):
+    """Strict JSON for scripts: NaN and infinities (a diverged loss) become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return value
 
 
 @app.command()
@@ -290,7 +310,7 @@ def status(run: str = RUN, runs_dir: Path = RUNS_DIR, as_json: bool = AS_JSON) -
     eta = f.eta_s(st.step, st.steps) if st.active else None
     if as_json:
         record = {**_run_record(st, f, eta), "log": str(runs.log_path(run_dir, None))}
-        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        sys.stdout.write(json.dumps(_finite_json(record), indent=2) + "\n")
         return
     peak = f.peak_text() + (f", by {f.peak_source}" if f.peak_source else "")
     rows = [("run", str(run_dir)), ("launcher", st.launcher or "- (not launched)"), ("job", st.job_id),
@@ -322,6 +342,7 @@ def plot(
     """Plot train/eval loss, learning rate, tokens/s and grad norm, runs overlaid.  Example: trainctl plot a b"""
     from trainctl.launch import runs
     from trainctl.launch.plot import plot as draw
+    from trainctl.launch.plot import target_path
 
     run_dirs = [runs.find_run(r, runs_dir) for r in run or []]
     labels = [d.name for d in run_dirs]
@@ -337,7 +358,7 @@ def plot(
         raise UserError(["plot: name runs (trainctl plot RUN [RUN...]) or a sweep (--sweep NAME)"])
     default = sweep.sweep_dir(runs_dir, sweep_name) / "plot.png" if sweep_name else (
         run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("plot.png"))
-    target = out_file or default
+    target = target_path(out_file or default)  # checked before matplotlib is imported or anything drawn
     out.print(f"wrote {draw(run_dirs, target, labels)}", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -352,20 +373,40 @@ def logs(
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """Print a run's log.  Example: trainctl logs tiny_cpu-20250101-120000 --follow"""
+    from trainctl.core import rundir as layout
     from trainctl.launch import runs
 
     run_dir = runs.find_run(run, runs_dir)
-    if not follow:
-        path = runs.log_path(run_dir, rank)
-        if not path.is_file():
-            raise UserError([f"{path} does not exist yet (state {runs.run_state(run_dir).state}); "
-                             "try again later or use --follow"])
-        sys.stdout.buffer.write(path.read_bytes())
+    if rank is not None and rank < 0:
+        raise UserError([f"--rank {rank}: ranks count from 0"])
+    state = runs.run_state(run_dir)
+    path = runs.log_path(run_dir, rank)
+    if not follow or not state.active:
+        # A run that is not active will write no log: say what there is instead of waiting or printing nothing.
+        f = layout.open_regular(path)
+        if f is None:
+            raise UserError([_no_log(path, rank, state.state, run_dir)])
+        with f:
+            while chunk := f.read(runs.FOLLOW_CHUNK):
+                sys.stdout.buffer.write(chunk)
         return
     try:
-        runs.follow(lambda: runs.log_path(run_dir, rank), lambda: runs.run_state(run_dir).active, sys.stdout.buffer)
+        found = runs.follow(lambda: runs.log_path(run_dir, rank), lambda: runs.run_state(run_dir).active,
+                            sys.stdout.buffer)
     except KeyboardInterrupt:
-        pass
+        return
+    if not found:
+        raise UserError([_no_log(path, rank, runs.run_state(run_dir).state, run_dir)])
+
+
+def _no_log(path: Path, rank: int | None, state: str, run_dir: Path) -> str:
+    if path.exists() and not path.is_file():
+        return f"{path} is not a regular file (something else was put there); it is not read"
+    if rank is not None:
+        ranks = sorted(p.name for p in (run_dir / "logs").glob("rank*.log"))
+        have = f"; logs there: {', '.join(ranks)}" if ranks else ""
+        return f"--rank {rank}: {path} does not exist (run state {state}){have}"
+    return f"{path} does not exist (run state {state}); a run writes it once its workers start"
 
 
 @app.command()
@@ -461,6 +502,8 @@ def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run:
         return cfg, run_plan, _launch_problems(cfg, run_plan, dry_run, force)
 
     points = sweep.check_points(sweep.expand(overrides), build_point)
+    if problems := sweep.duplicate_problems(points):
+        raise UserError(problems)
     launchers = {p.cfg.cluster.launcher for p in points}
     if len(launchers) > 1:
         raise UserError(["-m: the points use different launchers (cluster=local and cluster=slurm); sweep one"])

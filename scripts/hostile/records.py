@@ -167,7 +167,7 @@ def _(p: Probe) -> None:
         refused(r, "pics")
         return
     written = [line.split("wrote ", 1)[1].strip() for line in r.out.splitlines() if line.startswith("wrote ")]
-    expect(len(written) == 1 and Path(written[0]).is_file(), "wrong", f"said {written}, which is not a file")
+    expect(len(written) == 1 and (p.tmp / written[0]).is_file(), "wrong", f"said {written}, which is not a file")
 
 
 @case("records", "plot of a run without metrics")

@@ -26,7 +26,8 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     model, hf_problems = resolve_hf_model(cfg.model)
     if hf_problems:
         raise ConfigError(hf_problems)
-    cfg = dataclasses.replace(cfg, model=model)
+    # A blank runs_dir (an empty or blank $TRAINCTL_RUNS_DIR) means the default, as `runs` reads it.
+    cfg = dataclasses.replace(cfg, model=model, runs_dir=cfg.runs_dir.strip() or "runs")
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster)

@@ -31,10 +31,13 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 CONFIG = "config.yaml"
 PLAN = "plan.json"
@@ -71,34 +74,92 @@ def is_run_dir(path: Path) -> bool:
 
 # ---------------------------------------------------------------- tolerant readers
 
+MAX_JSON_BYTES = 16 << 20  # a record larger than this is not one trainctl wrote: it reads as absent
+MAX_LINE_BYTES = 1 << 20  # a metrics line longer than this is skipped, never held whole
+MAX_CONFIG_BYTES = 4 << 20
+
+
+def open_regular(path: Path) -> BinaryIO | None:
+    """`path` opened for reading when it is a regular file, else None (missing, a FIFO, a device, a folder).
+
+    A runs folder is shared: a FIFO planted in a run directory would block every reader that opens it (open
+    waits for a writer). O_NONBLOCK opens without waiting, and fstat of the opened descriptor decides, so a FIFO
+    swapped in after a stat() cannot slip through.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def read_bytes(path: Path, limit: int) -> bytes | None:
+    """The bytes of a regular file of at most `limit` bytes; None when it is absent, not regular, or larger."""
+    f = open_regular(path)
+    if f is None:
+        return None
+    try:
+        with f:
+            data = f.read(limit + 1)
+    except OSError:
+        return None
+    return data if len(data) <= limit else None
+
 
 def read_json(path: Path) -> dict:
-    """A JSON object file as a dict; {} when it is missing, unreadable, not JSON, or not an object."""
+    """A JSON object file as a dict; {} when it is missing, unreadable, not regular, too large, not JSON, or not an
+    object."""
+    data = read_bytes(Path(path), MAX_JSON_BYTES)
+    if data is None:
+        return {}
     try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        value = json.loads(data)
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
 
+def _lines(f: BinaryIO, limit: int) -> Iterator[bytes]:
+    """The lines of a file, each read with a bound: a longer one is skipped (read past in pieces, never whole)."""
+    while line := f.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := f.readline(limit + 1)) and not rest.endswith(b"\n"):
+            pass  # the rest of an over-long line
+
+
 def read_jsonl(path: Path, tail_bytes: int | None = None) -> list[dict]:
-    """The JSON objects of a JSON-lines file (its last `tail_bytes` only, when given); bad lines are skipped."""
+    """The JSON objects of a JSON-lines file (its last `tail_bytes` only, when given); bad or over-long lines are
+    skipped; a file that is not regular reads as empty."""
+    f = open_regular(Path(path))
+    if f is None:
+        return []
+    records = []
     try:
-        with open(path, "rb") as f:
+        with f:
             if tail_bytes is not None:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - tail_bytes))
-            data = f.read()
+            for line in _lines(f, MAX_LINE_BYTES):
+                if len(line) > MAX_LINE_BYTES:
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue  # a tail's first line may be cut, the last one half-written
+                if isinstance(record, dict):
+                    records.append(record)
     except OSError:
-        return []
-    records = []
-    for line in data.decode(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a tail's first line may be cut, the last one half-written
-        if isinstance(record, dict):
-            records.append(record)
+        return records
     return records
 
 
@@ -166,7 +227,7 @@ def result(run_dir: Path) -> dict | None:
             return None
     except OSError:
         return None
-    return read_json(path)
+    return read_json(path)  # a regular file: a FIFO put there is not a result
 
 
 def stop_record(run_dir: Path) -> dict:
@@ -178,10 +239,12 @@ def configured_steps(run_dir: Path) -> int | None:
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    data = read_bytes(Path(run_dir) / CONFIG, MAX_CONFIG_BYTES)
+    if data is None:
+        return None
     try:
-        with open(Path(run_dir) / CONFIG, "rb") as f:
-            config = yaml.load(f, Loader=loader)  # noqa: S506 (a safe loader)
-    except (OSError, yaml.YAMLError, ValueError):
+        config = yaml.load(data, Loader=loader)  # noqa: S506 (a safe loader; aliases are shared, not expanded)
+    except (yaml.YAMLError, ValueError, RecursionError):
         return None
     train = config.get("train") if isinstance(config, dict) else None
     return as_int(train.get("steps")) if isinstance(train, dict) else None
@@ -300,7 +363,11 @@ def acquire(run_dir: Path, inheritable: bool = False) -> TrainerLock:
     a script exec'd from the holder (launch.sh -> torchrun) keeps holding it.
     """
     run_dir = Path(run_dir)
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LockHeld(f"{run_dir / LOCK} is not a regular file (something else was put there); remove it")
+    os.set_blocking(fd, True)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -317,10 +384,12 @@ def lock_holder(run_dir: Path) -> dict | None:
     """Who trains in this run directory now (its trainer.json, possibly {}), or None when nobody holds the lock."""
     run_dir = Path(run_dir)
     try:
-        fd = os.open(run_dir / LOCK, os.O_RDONLY)
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there must not block
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
         return read_json(run_dir / HOLDER)

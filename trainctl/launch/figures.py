@@ -60,8 +60,11 @@ class Figures:
 
 def _records(path: Path, start: int, size: int) -> list[dict]:
     """Whole JSON objects within [start, start + size) of a JSON-lines file (a cut first or last line is skipped)."""
+    f = rundir.open_regular(path)  # never a FIFO planted in a shared runs folder
+    if f is None:
+        return []
     try:
-        with path.open("rb") as f:
+        with f:
             f.seek(start)
             lines = f.read(size).decode(errors="replace").splitlines()
     except OSError:

@@ -23,6 +23,28 @@ def series(run_dir: Path, kind: str, key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
+FORMATS = (".png", ".svg", ".pdf")  # what matplotlib's Agg backend writes and an image viewer opens
+
+
+def target_path(out: Path) -> Path:
+    """Where `--out` writes: the file itself, or plot.png inside an existing folder; LaunchError (one line) for a
+    format matplotlib would not write or a place no file can be (under a regular file)."""
+    out = Path(out)
+    if str(out).strip() in ("", "."):
+        out = Path(".")
+    if out.is_dir():
+        out = out / "plot.png"
+    if out.suffix.lower() not in FORMATS:
+        raise LaunchError(f"--out {out}: not an image file name; end it in {', '.join(FORMATS)} "
+                          "(or name an existing folder to write plot.png there)")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise LaunchError(f"--out {out}: {parent} is a file, not a folder; choose another path")
+    if out.exists() and not out.is_file():
+        raise LaunchError(f"--out {out}: exists and is not a regular file; choose another path")
+    return out
+
+
 def plot(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Path:
     """Draw the runs into `out` (PNG); a LaunchError when none has a training record yet."""
     import matplotlib
@@ -50,7 +72,11 @@ def plot(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Pa
         ax.set_xlabel("step")
     axes.flat[0].legend(fontsize="small")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    except OSError as exc:
+        raise LaunchError(f"--out {out}: cannot write it ({exc.strerror or exc}); choose another path") from None
+    finally:
+        plt.close(fig)
     return out

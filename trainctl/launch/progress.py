@@ -79,8 +79,11 @@ class ProgressSink:
 
     def _poll_metrics(self) -> None:
         """Advance the bar to the newest complete train record."""
+        f = rundir.open_regular(self._metrics)
+        if f is None:
+            return  # not there yet: the bar waits, the output keeps streaming
         try:
-            with self._metrics.open("rb") as f:
+            with f:
                 identity = os.fstat(f.fileno()).st_ino
                 if identity != self._inode or os.fstat(f.fileno()).st_size < self._offset:
                     # A resume rewrote the file (dropping records past its step): read the new one from its start.

@@ -25,6 +25,8 @@ from trainctl.launch.errors import LaunchError
 from trainctl.plan import RunPlan
 
 MAX_SUFFIX = 10_000  # far more collisions than any real use; beyond it something is wrong
+SWEEPS_FOLDER = "sweeps"  # RUNS_DIR/sweeps/NAME/sweep.json: the sweep records (launch/sweep.py)
+RESERVED = (SWEEPS_FOLDER,)  # names of the runs folder's own entries: never a run's name
 WORKDIR_KEY = "workdir"  # plan.json: the directory the run was launched from (relative paths are taken from it)
 NAME_MAX = 255 - len("-9999") - len(".tmp")  # bytes of one path component, leaving room for a suffix
 
@@ -42,6 +44,8 @@ def check_name(name: str) -> None:
     if not name or not plain or name.startswith("."):
         raise LaunchError(f"run name {name!r} is not a plain directory name; use letters, digits, '-', '_' (no '/', no "
                           "spaces, not starting with '.')")
+    if name in RESERVED:
+        raise LaunchError(f"run name {name!r} is reserved: runs_dir/{name} holds the sweep records; choose another")
     if len(name.encode()) > NAME_MAX:
         raise LaunchError(f"run name {name[:40]!r}... is {len(name.encode())} bytes; "
                           f"use at most {NAME_MAX} (one directory name)")

@@ -201,29 +201,35 @@ def log_path(run_dir: Path, rank: int | None) -> Path:
     return attempt_log if attempt_log.exists() or not batch_log.exists() else batch_log
 
 
-def follow(path_of: Callable[[], Path], still_active: Callable[[], bool], out: BinaryIO, poll_s: float = 0.5) -> None:
-    """Copy a growing log to `out` until the run ends; switches files when a new attempt starts."""
+FOLLOW_CHUNK = 1 << 20  # bytes copied per read: a huge log streams, it is never held whole
+
+
+def follow(path_of: Callable[[], Path], still_active: Callable[[], bool], out: BinaryIO, poll_s: float = 0.5) -> bool:
+    """Copy a growing log to `out` until the run ends; switches files when a new attempt starts.
+
+    Returns whether a log was found at all. Only regular files are read (a FIFO there would block).
+    """
     current, offset, quiet_polls = None, 0, 0
     while True:
         path = path_of()
-        if path != current and path.exists():
+        if path != current and path.is_file():
             if current is not None:
                 out.write(f"\n==> {path} <==\n".encode())
             current, offset = path, 0
         grew = False
-        if current is not None:
-            with current.open("rb") as f:
+        f = rundir.open_regular(current) if current is not None else None
+        if f is not None:
+            with f:
                 f.seek(offset)
-                chunk = f.read()
-            if chunk:
-                out.write(chunk)
-                out.flush()
-                offset += len(chunk)
-                grew = True
+                while chunk := f.read(FOLLOW_CHUNK):
+                    out.write(chunk)
+                    offset += len(chunk)
+                    grew = True
+            out.flush()
         quiet_polls = 0 if grew else quiet_polls + 1
         # The state query costs a squeue call: ask only after a few quiet polls.
         if quiet_polls >= 4 and not still_active():
-            return
+            return current is not None
         time.sleep(poll_s)
 
 
