@@ -250,12 +250,13 @@ def _(p: Probe) -> None:
     refused(p.cli("data", "prepare", "text", "--out", "ds2", "--shard-tokens", "0"), "shard-tokens")
 
 
-@case("data", "text with invalid UTF-8 and NUL bytes")
+@case("data", "text with invalid UTF-8 and NUL bytes is refused, not decoded with replacements")
 def _(p: Probe) -> None:
+    # Decoding with replacement characters would change the text silently: trainctl refuses it, naming the file
+    # and the fix (iconv), and writes nothing.
     (p.tmp / "bad.txt").write_bytes(b"caf\xe9 \xff\xfe ok \x00 nul " * 200)
-    succeeded(p.cli("data", "prepare", "bad.txt", "--out", "ds"))
-    meta = json.loads((p.tmp / "ds" / "meta.json").read_text())
-    expect(meta["splits"]["train"]["tokens"] > 0, "wrong", "no tokens")
+    refused(p.cli("data", "prepare", "bad.txt", "--out", "ds"), "bad.txt")
+    expect(not (p.tmp / "ds").exists(), "wrong", "a refused prepare left ds/ behind")
 
 
 @case("data", "a .jsonl with a UTF-8 byte-order mark")
