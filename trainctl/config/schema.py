@@ -349,8 +349,19 @@ def _drop_retired_keys(data: DictConfig) -> DictConfig:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read a run directory's `config.yaml` (or the file itself) into a RunConfig."""
+    """Read a run directory's `config.yaml` (or the file itself) into a RunConfig.
+
+    Read with yaml_files' bounds (a regular file, its size, its aliases): a damaged or hostile file is a
+    ConfigFileError naming it, never a hang. Wrong keys and types raise OmegaConf's errors, as before.
+    """
+    from trainctl.config import yaml_files
+    from trainctl.config.errors import ConfigFileError
+
     path = Path(path)
     if path.is_dir():
         path = path / "config.yaml"
-    return from_dict(_drop_retired_keys(OmegaConf.load(path)))
+    data = yaml_files.load(path)
+    if not isinstance(data, dict):
+        raise ConfigFileError([f"{path}: not a mapping of config keys (it holds {type(data).__name__}); "
+                               "a run's config.yaml is written by trainctl: restore it or launch a new run"])
+    return from_dict(_drop_retired_keys(OmegaConf.create(data)))
