@@ -269,6 +269,49 @@ def test_an_unreadable_option_is_one_line(tmp_path):
     assert "cannot be read" in refused(["recipe=r"], search_path([str(mine)], environ={}))
 
 
+def interpolation_laughs(levels: int = 40) -> list[tuple[str, str]]:
+    """cluster.env keys each referring twice to the one before: 2^levels resolutions if resolved."""
+    return [("a0", "lol")] + [(f"a{i}", f"${{cluster.env.a{i - 1}}}${{cluster.env.a{i - 1}}}")
+                              for i in range(1, levels + 1)]
+
+
+def test_interpolations_that_expand_without_end_are_refused_in_a_recipe_and_on_the_command_line(tmp_path):
+    body = "".join(f"    {key}: '{value}'\n" for key, value in interpolation_laughs())
+    mine = write(tmp_path / "mine", {"recipes/r.yaml": f"# @package _global_\ncluster:\n  env:\n{body}"})
+    line = refused(["recipe=r"], search_path([str(mine)], environ={}))
+    assert line.startswith("cluster.env.a40: its ${...} references expand to ") and "write the value out" in line
+    overrides = [f"+cluster.env.{key}='{value}'" for key, value in interpolation_laughs()]
+    assert refused(overrides).startswith("cluster.env.a40: its ${...} references expand to ")
+
+
+def test_interpolations_that_expand_without_end_in_a_runs_config_yaml_are_refused(tmp_path):
+    env = "".join(f"    {key}: '{value}'\n" for key, value in interpolation_laughs())
+    text = to_yaml(compose([])).replace("  env: {}\n", f"  env:\n{env}")
+    assert "a40" in text
+    (tmp_path / "config.yaml").write_text(text)
+    with deadline(20), pytest.raises(ValueError) as err:
+        load_run_config(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}: cluster.env.a40: its ${{...}} references")
+
+
+def test_ordinary_interpolations_still_resolve():
+    cfg = compose(["+cluster.env.STEPS=${train.steps}", "description=${cluster.env.STEPS}-${.name}x-\\${kept}",
+                   "train.eval_every=${oc.select:train.steps,1}"])
+    assert (cfg.cluster.env["STEPS"], cfg.description, cfg.train.eval_every) == ("100", "100-x-${kept}", 100)
+
+
+@pytest.mark.parametrize("override", ["+recipe=tiny_cpu", "++recipe=tiny_cpu", "+model=tiny"])
+def test_adding_a_group_the_config_has_says_how_to_choose_it(override):
+    group, name = override.lstrip("+").split("=")
+    assert refused([override]) == f"{override}: {group} is a group the config already has; choose its option with " \
+                                  f"{group}={name}"
+
+
+@pytest.mark.parametrize("override", ["description=café", "recipe=réglage", "name=日本"])
+def test_an_unquoted_value_the_grammar_cannot_read_says_to_quote_it(override):
+    assert refused([override]).startswith(f"{override}: an unquoted value holds a character")
+
+
 # ---------------------------------------------------------------- 4. overrides Hydra's parser cannot answer
 
 

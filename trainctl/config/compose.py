@@ -25,7 +25,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from trainctl.config import yaml_files
+from trainctl.config import interpolations, yaml_files
 from trainctl.config.errors import ConfigError
 from trainctl.config.hydra_source import SCHEMA_NAME, config_file, include_cycle, initialize_catalog
 from trainctl.config.schema import GROUPS, RunConfig, escape_interpolations, from_dict, structured_schema
@@ -109,6 +109,7 @@ def compose(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> RunConfig:
     with `+key=value` are checked too; `~key` resets a key to its schema default.
     """
     cfg = compose_dictconfig(overrides, sp)
+    interpolations.check(OmegaConf.to_container(cfg, resolve=False))
     try:
         # Resolved here, against the composed tree; what is left of `${` is literal text and stays so.
         return from_dict(escape_interpolations(OmegaConf.to_container(cfg, resolve=True)))
@@ -245,11 +246,14 @@ def _override_problem(item: str, sp: SearchPath) -> str | None:
     names = [] if value is None else value if isinstance(value, list) else [value]
     for name in names:
         if not isinstance(name, str) or not is_plain_name(name):
-            return (f"{item}: not a {key} name "
-                    f"({key} options load only from config folders: add one with --config-dir DIR); "
+            return (f"{item}: not a {key} name (a file name without .yaml, of letters, digits, _ . -; "
+                    f"{key} options load only from config folders: add one with --config-dir DIR); "
                     f"choose one of: {_choices(options)}")
         if name not in options:
             return f"{key}={name}: unknown {key}; choose one of: {_choices(options)}"
+    if (override.is_add() or override.is_force_add()) and override.package is None and names:
+        # Hydra's own answer is "Multiple values for recipe. To override a value use 'override recipe: x'".
+        return f"{item}: {key} is a group the config already has; choose its option with {key}={names[0]}"
     return None
 
 
@@ -299,6 +303,10 @@ def _one_line(exc: BaseException) -> str:
     if full_key:
         return f"{full_key}: {head}"
     if isinstance(inner, OverrideParseException):
+        if head.startswith("LexerNoViableAltException: "):  # a character the grammar has no rule for
+            item = head.partition(": ")[2].removesuffix(" (^)")
+            return (f"{item}: an unquoted value holds a character Hydra's override grammar does not take (spaces, "
+                    "non-ASCII letters, ...); quote the value: key='value'")
         detail = f" ({lines[1]})" if len(lines) > 1 else ""
         return f"{head}{detail}; overrides look like key=value, group=option, +key=value, ~key, key=[a,b]"
     return head

@@ -354,8 +354,8 @@ def load_run_config(path: str | Path) -> RunConfig:
     Read with yaml_files' bounds (a regular file, its size, its aliases): a damaged or hostile file is a
     ConfigFileError naming it, never a hang. Wrong keys and types raise OmegaConf's errors, as before.
     """
-    from trainctl.config import yaml_files
-    from trainctl.config.errors import ConfigFileError
+    from trainctl.config import interpolations, yaml_files
+    from trainctl.config.errors import ConfigError, ConfigFileError
 
     path = Path(path)
     if path.is_dir():
@@ -364,4 +364,8 @@ def load_run_config(path: str | Path) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigFileError([f"{path}: not a mapping of config keys (it holds {type(data).__name__}); "
                                "a run's config.yaml is written by trainctl: restore it or launch a new run"])
+    try:
+        interpolations.check(data)
+    except ConfigError as exc:
+        raise ConfigFileError([f"{path}: {line}" for line in exc.problems]) from None
     return from_dict(_drop_retired_keys(OmegaConf.create(data)))
