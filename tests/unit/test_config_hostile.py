@@ -233,6 +233,15 @@ def test_a_recipe_that_includes_itself_is_one_line(tmp_path, files, start):
     assert line.startswith(f"{mine / 'recipes' / 'r.yaml'}: its defaults include it again ({start})")
 
 
+def test_an_option_that_includes_its_own_group_is_one_line(tmp_path):
+    mine = write(tmp_path / "mine", {"model/nest.yaml": "defaults:\n  - /model@_here_: tiny\n  - _self_\nname: nest\n",
+                                     "recipes/r.yaml": recipe("override /model: nest")})
+    sp = search_path([str(mine)], environ={})
+    for overrides in (["model=nest"], ["recipe=r"]):
+        line = refused(overrides, sp)
+        assert line.startswith(f"{mine / 'model' / 'nest.yaml'}: its defaults name an option of its own group model")
+
+
 def test_a_fifo_or_a_folder_is_never_opened(tmp_path):
     path = tmp_path / "pipe.yaml"
     os.mkfifo(path)
@@ -323,17 +332,23 @@ def test_an_unquoted_value_the_grammar_cannot_read_says_to_quote_it(override):
     ("~" + "c" * 300, "a key longer than"),
     ("train.steps=" + "9" * 5000, "the value cannot be read"),
     ("description=a\x00b", "control character"),
-    ("description=a\nb", "control character"),
+    ("description='a\x1b[31mred'", "control character"),  # a terminal escape, printed by config show
     ("train.ste\nps=1", "control character"),
+    ("description=a\nb", "an unquoted value holds a character"),
 ])
 def test_overrides_of_absurd_shape_are_one_line(override, fragment):
     line = refused([override])
     assert fragment in line and len(line) < 400
 
 
-def test_a_quoted_value_may_hold_brackets_and_long_text():
+def test_a_quoted_value_may_hold_brackets_long_text_and_newlines():
     cfg = compose(["description='" + "[" * 100 + "'", "name=" + "n" * 150])
     assert cfg.description == "[" * 100
+    assert compose(["description='two\nlines\tand a tab'"]).description == "two\nlines\tand a tab"
+
+
+def test_what_a_user_wrote_is_quoted_escaped_so_a_problem_stays_one_line():
+    assert ConfigError(["name='a\nb\x00': bad", "x"]).problems == ["name='a\\nb\\x00': bad", "x"]
 
 
 @pytest.mark.parametrize("seed", [-1, MAX_SEED + 1, 2**63, 10**23])
@@ -391,3 +406,10 @@ def test_a_composition_ended_by_a_signal_leaves_nothing_in_tmpdir(tmp_path, sig)
         proc.kill()
         proc.wait()
     assert sorted(p.name for p in tmp.iterdir()) == []
+
+
+def test_two_recipe_files_are_one_line_not_an_unknown_recipe(tmp_path):
+    first = write(tmp_path, {"a.yaml": "# @package _global_\n"}) / "a.yaml"
+    second = write(tmp_path, {"b.yaml": "# @package _global_\n"}) / "b.yaml"
+    assert refused([f"recipe={first}", f"recipe={second}"]).startswith(f"recipe={second}: a second recipe file")
+    assert compose([f"recipe={first}", f"recipe={first}"]) == compose([f"recipe={first}"])

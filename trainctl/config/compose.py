@@ -27,7 +27,13 @@ from omegaconf.errors import (
 
 from trainctl.config import interpolations, yaml_files
 from trainctl.config.errors import ConfigError
-from trainctl.config.hydra_source import SCHEMA_NAME, config_file, include_cycle, initialize_catalog
+from trainctl.config.hydra_source import (
+    SCHEMA_NAME,
+    config_file,
+    include_cycle,
+    initialize_catalog,
+    own_group_includer,
+)
 from trainctl.config.schema import GROUPS, RunConfig, escape_interpolations, from_dict, structured_schema
 from trainctl.config.sources import (
     ENV_VAR,
@@ -136,6 +142,9 @@ def _take_recipe_file(overrides: list[str], sp: SearchPath) -> tuple[list[str], 
             if problem:
                 raise ConfigError([problem])
             path = Path(value).expanduser().resolve()
+            if sp.recipe_file is not None and sp.recipe_file != path:
+                raise ConfigError([f"{item}: a second recipe file (after recipe={sp.recipe_file}); one run takes one "
+                                   "recipe: name one file, and set the rest as key=value overrides"])
             sp = sp.with_recipe_file(path)
             item = f"recipe={path.stem}"
         result.append(item)
@@ -152,7 +161,9 @@ def _parse(item: str):
 # Bounds on an override's shape, so that Hydra's parser (recursive, and int() on digits) answers in one line.
 MAX_KEY_CHARS = 200  # the longest schema key is ~35 characters; a file name is at most 255 bytes
 MAX_NESTING = 32  # levels of [ ] and { } in one value
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # none in a key
+# None in a value but the whitespace a quoted value may hold (a newline is for each key's own check to judge).
+_CONTROL_IN_VALUE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def _check_shapes(overrides: list[str]) -> None:
@@ -168,16 +179,20 @@ def _shape_problem(item: str) -> str | None:
     key = item.partition("=")[0]
     shown = _CONTROL.sub(lambda m: repr(m.group())[1:-1], key if len(key) <= 60 else key[:40])
     shown += "" if len(key) <= 60 else f"...({len(key)} characters)"
-    if control := _CONTROL.search(item):
+    control = _CONTROL.search(key) or _CONTROL_IN_VALUE.search(item, len(key))
+    if control:
         return (f"{shown}: the override holds a control character ({control.group()!r}); "
-                "write it on one line, without NUL, newline or escape characters")
+                "write it without NUL, escape or other control characters")
     if len(key.lstrip("+~")) > MAX_KEY_CHARS:
         return f"{shown}: a key longer than {MAX_KEY_CHARS} characters; keys are dotted names such as train.steps"
     if _nesting(item[len(key) + 1:]) > MAX_NESTING:
         return f"{shown}: the value nests lists or mappings more than {MAX_NESTING} deep; no setting needs that"
     try:
         OverridesParser.create().parse_override(item)
-    except HydraException:
+    except HydraException as exc:
+        if str(exc).startswith(("token recognition error", "LexerNoViableAltException")):  # no rule for a character
+            return (f"{item}: an unquoted value holds a character Hydra's override grammar does not take "
+                    "(non-ASCII letters, a newline, ...); quote the value: key='value'")
         return None  # reported with Hydra's grammar hint when composing
     except (ValueError, RecursionError) as exc:
         return f"{shown}: the value cannot be read ({_first_line(exc)}); pass a shorter value"
@@ -303,10 +318,6 @@ def _one_line(exc: BaseException) -> str:
     if full_key:
         return f"{full_key}: {head}"
     if isinstance(inner, OverrideParseException):
-        if head.startswith("LexerNoViableAltException: "):  # a character the grammar has no rule for
-            item = head.partition(": ")[2].removesuffix(" (^)")
-            return (f"{item}: an unquoted value holds a character Hydra's override grammar does not take (spaces, "
-                    "non-ASCII letters, ...); quote the value: key='value'")
         detail = f" ({lines[1]})" if len(lines) > 1 else ""
         return f"{head}{detail}; overrides look like key=value, group=option, +key=value, ~key, key=[a,b]"
     return head
@@ -327,6 +338,10 @@ def _endless_defaults(overrides: list[str], sp: SearchPath) -> str:
               and o.key_or_group in config_groups() and isinstance(o.value(), str)]
     loop = include_cycle(cat, [PRIMARY, *chosen])
     if loop is None:
+        own = own_group_includer(cat, [PRIMARY, *chosen])
+        if own is not None:
+            return (f"{config_file(cat, own)}: its defaults name an option of its own group "
+                    f"{own.partition('/')[0]}, which Hydra includes again without end; remove that entry")
         return ("the defaults lists include each other without end (a config that includes its own group or "
                 "itself); check the defaults: entries of your recipes and options")
     return (f"{config_file(cat, loop[0])}: its defaults include it again ({' -> '.join(loop)}); "

@@ -236,6 +236,24 @@ def include_cycle(cat: Catalog, starts: list[str]) -> list[str] | None:
     return None
 
 
+def own_group_includer(cat: Catalog, starts: list[str]) -> str | None:
+    """A config reachable from `starts` whose defaults name an option of its own group (Hydra then includes
+    that group again from inside it, without end when the same choice applies there)."""
+    seen: set[str] = set()
+    todo = list(starts)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        targets = _includes(cat, node)
+        group = node.partition("/")[0] if "/" in node else ""
+        if group and any(t.partition("/")[0] == group for t in targets):
+            return node
+        todo += targets
+    return None
+
+
 def config_file(cat: Catalog, config_path: str) -> Path | None:
     if config_path == PRIMARY_NAME:
         return cat.primary
