@@ -160,7 +160,9 @@ def test_nested_aliases_in_a_runs_config_yaml_are_refused_not_expanded(tmp_path)
     (tmp_path / "config.yaml").write_text(to_yaml(compose([])) + laughs())
     with deadline(20), pytest.raises(ValueError) as err:  # ConfigFileError: readers that catch ValueError see it
         load_run_config(tmp_path)
-    assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}:") and isinstance(err.value, ConfigError)
+    # The line leaves the file to the reader that names it (resume, export, the worker): where in it, and why.
+    assert isinstance(err.value, ConfigError) and "\n" not in str(err.value)
+    assert str(err.value).startswith("line ") and "aliases expand to more than" in str(err.value)
 
 
 def test_a_few_aliases_are_fine(tmp_path):
@@ -300,7 +302,7 @@ def test_interpolations_that_expand_without_end_in_a_runs_config_yaml_are_refuse
     (tmp_path / "config.yaml").write_text(text)
     with deadline(20), pytest.raises(ValueError) as err:
         load_run_config(tmp_path)
-    assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}: cluster.env.a40: its ${{...}} references")
+    assert str(err.value).startswith("cluster.env.a40: its ${...} references")
 
 
 def test_ordinary_interpolations_still_resolve():

@@ -27,17 +27,23 @@ MAX_NODES = 100_000  # the schema has about 150 keys
 MAX_DEPTH = 32
 
 
-def read_text(path: Path, max_bytes: int = MAX_BYTES) -> str:
-    """The text of a regular file, at most `max_bytes`; ConfigError (one line naming it) otherwise."""
+def read_text(path: Path, max_bytes: int = MAX_BYTES, name: str | None = None, syntax_errors: bool = True) -> str:
+    """The text of a regular file, at most `max_bytes`; ConfigFileError (one line) otherwise.
+
+    `name` starts each line (default: the path; "" for none, when the caller names the file itself).
+    With syntax_errors=False a file that is not UTF-8 raises the UnicodeDecodeError itself.
+    """
+    name = str(path) if name is None else name
     try:
         # O_NONBLOCK: opening a FIFO for reading must not wait for a writer; it is refused just below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         why = exc.strerror or str(exc)
-        raise ConfigFileError([f"{path}: cannot be read ({why}); check that it exists and is readable"]) from None
+        raise ConfigFileError([_line(name, f"cannot be read ({why}); check that it exists and is readable")]) \
+            from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigFileError([f"{path}: not a regular file; a config is a .yaml file"])
+            raise ConfigFileError([_line(name, "not a regular file; a config is a .yaml file")])
         data = b""
         while len(data) <= max_bytes:
             chunk = os.read(fd, max_bytes + 1 - len(data))
@@ -45,26 +51,32 @@ def read_text(path: Path, max_bytes: int = MAX_BYTES) -> str:
                 break
             data += chunk
     except OSError as exc:
-        raise ConfigFileError([f"{path}: cannot be read ({exc.strerror or exc})"]) from None
+        raise ConfigFileError([_line(name, f"cannot be read ({exc.strerror or exc})")]) from None
     finally:
         os.close(fd)
     if len(data) > max_bytes:
-        raise ConfigFileError([f"{path}: larger than {max_bytes // 1024} KiB; a config file is a few KiB of YAML"])
+        raise ConfigFileError([_line(name, f"larger than {max_bytes // 1024} KiB; a config file is a few KiB of YAML")])
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        byte = data[exc.start]
-        raise ConfigFileError([f"{path}:{line}: not UTF-8 text (byte {byte:#04x}); save it as UTF-8"]) from None
+        if not syntax_errors:
+            raise
+        where = _at(name, data[: exc.start].count(b"\n") + 1)
+        raise ConfigFileError([f"{where}: not UTF-8 text (byte {data[exc.start]:#04x}); save it as UTF-8"]) from None
 
 
-def load(path: Path, max_bytes: int = MAX_BYTES):
-    """The plain data (dict, list, scalar or None) of a YAML file, read with the bounds of the module doc."""
-    return parse(read_text(path, max_bytes), str(path))
+def load(path: Path, max_bytes: int = MAX_BYTES, name: str | None = None, syntax_errors: bool = True):
+    """The plain data (dict, list, scalar or None) of a YAML file, read with the bounds of the module doc.
+
+    With syntax_errors=False a YAML syntax error raises PyYAML's own error (readers that report those);
+    the bounds are ConfigFileError lines either way.
+    """
+    name = str(path) if name is None else name
+    return parse(read_text(path, max_bytes, name, syntax_errors), name, syntax_errors)
 
 
-def parse(text: str, name: str):
-    """The plain data of YAML `text`; `name` (the file) starts every error line."""
+def parse(text: str, name: str, syntax_errors: bool = True):
+    """The plain data of YAML `text`; `name` (the file, or "") starts every error line."""
     loader = None
     try:
         loader = get_yaml_loader()(text)  # its reader already refuses a NUL or other control character
@@ -74,13 +86,26 @@ def parse(text: str, name: str):
         _check_tree(node, name)
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
+        if not syntax_errors:
+            raise
         raise ConfigFileError([_yaml_error_line(exc, name, text)]) from None
     except RecursionError:
-        raise ConfigFileError([f"{name}: nested more than {MAX_DEPTH} levels deep; a config is a few levels deep"]) \
-            from None
+        raise ConfigFileError([_line(name, f"nested more than {MAX_DEPTH} levels deep; a config is a few levels "
+                                           "deep")]) from None
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def _line(name: str, text: str) -> str:
+    return f"{name}: {text}" if name else text
+
+
+def _at(name: str, line: int, column: int | None = None) -> str:
+    """Where in the file: `FILE:LINE:COLUMN`, or `line L, column C` when the caller names the file."""
+    if name:
+        return f"{name}:{line}" + ("" if column is None else f":{column}")
+    return f"line {line}" + ("" if column is None else f", column {column}")
 
 
 def _check_tree(root: yaml.Node, name: str) -> None:
@@ -115,18 +140,17 @@ def _check_tree(root: yaml.Node, name: str) -> None:
 
 
 def _where(node: yaml.Node, name: str) -> str:
-    mark = node.start_mark
-    return f"{name}:{mark.line + 1}:{mark.column + 1}"
+    return _at(name, node.start_mark.line + 1, node.start_mark.column + 1)
 
 
 def _yaml_error_line(exc: yaml.YAMLError, name: str, text: str) -> str:
     """PyYAML's error as one line: the file, line and column of the problem, what it is."""
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    where = name if mark is None else f"{name}:{mark.line + 1}:{mark.column + 1}"
+    where = (name or "the file") if mark is None else _at(name, mark.line + 1, mark.column + 1)
     if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not accept (a NUL, a control character)
         before = text[: exc.position]
-        where = f"{name}:{before.count(chr(10)) + 1}:{len(before) - before.rfind(chr(10))}"
+        where = _at(name, before.count("\n") + 1, len(before) - before.rfind("\n"))
         char = exc.character if isinstance(exc.character, int) else ord(exc.character)
         problem = f"unacceptable character #x{char:04x}"
     context = getattr(exc, "context", None)
