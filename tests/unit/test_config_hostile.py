@@ -332,7 +332,7 @@ def test_an_unquoted_value_the_grammar_cannot_read_says_to_quote_it(override):
     ("a" * 5000 + "=1", "a key longer than"),
     ("+" + "b" * 5000 + "=1", "a key longer than"),
     ("~" + "c" * 300, "a key longer than"),
-    ("train.steps=" + "9" * 5000, "the value cannot be read"),
+    ("train.steps=" + "9" * 5000, "a number of more digits than can be read"),
     ("description=a\x00b", "control character"),
     ("description='a\x1b[31mred'", "control character"),  # a terminal escape, printed by config show
     ("train.ste\nps=1", "control character"),

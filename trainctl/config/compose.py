@@ -86,7 +86,7 @@ def _register_schema() -> None:
 
 def compose_dictconfig(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> DictConfig:
     """Hydra composition of the primary config with `overrides`; raises ConfigError."""
-    _check_shapes(overrides)
+    check_override_shapes(overrides)
     overrides, sp = _take_recipe_file(list(overrides), sp)
     _check_group_choices(overrides, sp)
     _register_schema()
@@ -155,7 +155,7 @@ def _parse(item: str):
     try:
         return OverridesParser.create().parse_override(item)
     except (HydraException, ValueError, RecursionError):
-        return None  # Hydra reports it (_check_shapes caught what it would not report in one line)
+        return None  # Hydra reports it (check_override_shapes caught what it would not report in one line)
 
 
 # Bounds on an override's shape, so that Hydra's parser (recursive, and int() on digits) answers in one line.
@@ -166,7 +166,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # none in a key
 _CONTROL_IN_VALUE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
-def _check_shapes(overrides: list[str]) -> None:
+def check_override_shapes(overrides: list[str]) -> None:
+    """Refuse, one line each, overrides Hydra's parser cannot answer in one line (too deep, too long, control
+    characters, unreadable numbers); callers that parse overrides before composing (sweeps) call it first."""
     problems = [p for item in overrides if (p := _shape_problem(item))]
     if problems:
         raise ConfigError(problems)
@@ -195,6 +197,8 @@ def _shape_problem(item: str) -> str | None:
                     "(non-ASCII letters, a newline, ...); quote the value: key='value'")
         return None  # reported with Hydra's grammar hint when composing
     except (ValueError, RecursionError) as exc:
+        if "digits" in str(exc):  # int() refuses more than sys.get_int_max_str_digits() digits
+            return f"{shown}: a number of more digits than can be read; an int key holds at most 19 digits"
         return f"{shown}: the value cannot be read ({_first_line(exc)}); pass a shorter value"
     return None
 
