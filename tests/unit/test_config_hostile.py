@@ -175,12 +175,18 @@ def test_a_few_aliases_are_fine(tmp_path):
 @pytest.mark.parametrize(("text", "fragment"), [
     ("train: &x\n  steps: *x\n", "an alias refers to a node that contains it"),
     ("train:\n  steps: " + "[" * 40 + "]" * 40 + "\n", "nested more than"),
-    ("train:\n  steps: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than"),
+    ("train:\n  steps: " + "[" * 2000 + "]" * 2000 + "\n", "nested more than"),
     ("train:\n  steps: 'open\n", ":4:1: not valid YAML: while scanning a quoted scalar"),
     ("train:\n  steps: 3\n   seq_len: 4\n", ":4:11: not valid YAML: mapping values are not allowed here"),
     ("train: !!python/object/apply:os.system [echo]\n", ":2:8: not valid YAML: could not determine a constructor"),
     ("train:\n  steps: 1\ntrain:\n  steps: 2\n", ":4:1: not valid YAML: while constructing a mapping: found duplicate"),
     ("train:\n  steps: 3\x00\n", ":3:11: not valid YAML: unacceptable character #x0000"),
+    ("train:\n\tsteps: 3\n", ":3:1: not valid YAML: while scanning for the next token"),
+    ("a: 1\n---\nb: 2\n", ":3:1: not valid YAML: expected a single document"),
+    ("? [a, b]\n: x\n", "not valid YAML: while constructing a mapping: found unhashable key"),
+    ("train:\n  steps: " + "9" * 5000 + "\n", "a value cannot be read (Exceeds the limit"),
+    ("null: 3\n", "the key None is not a name"),
+    ("train:\n  3: 4\n", "the key 3 is not a name"),
     ("- a\n- b\n", "holds a list; a config file is a mapping"),
     ("hello\n", "holds the single value 'hello'"),
     ("hydra:\n  job:\n    chdir: true\n", "hydra: Hydra's own settings cannot be set"),
@@ -218,10 +224,12 @@ def test_a_file_in_another_encoding_names_its_line(tmp_path):
 
 
 def test_an_empty_recipe_and_one_without_a_header_are_global(tmp_path):
-    mine = write(tmp_path / "mine", {"recipes/empty.yaml": "", "recipes/bare.yaml": "train:\n  steps: 9\n"})
+    mine = write(tmp_path / "mine", {"recipes/empty.yaml": "", "recipes/bare.yaml": "train:\n  steps: 9\n",
+                                     "recipes/bom.yaml": "\ufeff# @package _global_\ntrain:\n  steps: 8\n"})
     sp = search_path([str(mine)], environ={})
     assert compose(["recipe=empty"], sp) == compose([], sp)
     assert compose(["recipe=bare"], sp).train.steps == 9
+    assert compose(["recipe=bom"], sp).train.steps == 8  # a byte-order mark from an editor
 
 
 @pytest.mark.parametrize(("files", "start"), [

@@ -93,10 +93,14 @@ class initialize_catalog:  # noqa: N801 (a context manager used like Hydra's ini
     def __init__(self, catalog: Catalog) -> None:
         self.token = str(next(_tokens))
         _catalogs[self.token] = catalog
-        version.setbase("1.3")
-        # What initialize_config_dir does, with this source instead of a folder.
-        Hydra.create_main_hydra2(task_name="trainctl",
-                                 config_search_path=create_config_search_path(f"{SCHEME}://{self.token}"))
+        try:
+            version.setbase("1.3")
+            # What initialize_config_dir does, with this source instead of a folder.
+            Hydra.create_main_hydra2(task_name="trainctl",
+                                     config_search_path=create_config_search_path(f"{SCHEME}://{self.token}"))
+        except BaseException:
+            _catalogs.pop(self.token, None)
+            raise
 
     def __enter__(self) -> initialize_catalog:
         return self
@@ -129,12 +133,24 @@ def file_problems(path: Path, group: str, data) -> list[str]:
         return [f"{path}: holds {kind}; a config file is a mapping of keys to values (key: value lines)"]
     if group and "hydra" in data:
         return [f"{path}: hydra: Hydra's own settings cannot be set in a config file; remove the hydra: key"]
+    if odd := _odd_keys(data):
+        return [f"{path}: the key {odd[0]!r} is not a name; keys are names such as train or steps"]
     if "defaults" not in data:
         return []
     defaults = data["defaults"]
     if not isinstance(defaults, list):
         return [f"{path}: defaults: must be a list of entries (- override /model: NAME)"]
     return defaults_problems(path, group, defaults)
+
+
+def _odd_keys(node) -> list:
+    """The mapping keys anywhere in `node` that are not strings (null, numbers, true), first found first."""
+    if isinstance(node, dict):
+        found = [key for key in node if not isinstance(key, str)]
+        return found or [k for value in node.values() for k in _odd_keys(value)][:1]
+    if isinstance(node, list):
+        return [k for item in node for k in _odd_keys(item)][:1]
+    return []
 
 
 def defaults_problems(path: Path, group: str, entries: list) -> list[str]:

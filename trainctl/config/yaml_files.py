@@ -57,7 +57,7 @@ def read_text(path: Path, max_bytes: int = MAX_BYTES, name: str | None = None, s
     if len(data) > max_bytes:
         raise ConfigFileError([_line(name, f"larger than {max_bytes // 1024} KiB; a config file is a few KiB of YAML")])
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark some editors write is not part of the text
     except UnicodeDecodeError as exc:
         if not syntax_errors:
             raise
@@ -92,6 +92,12 @@ def parse(text: str, name: str, syntax_errors: bool = True):
     except RecursionError:
         raise ConfigFileError([_line(name, f"nested more than {MAX_DEPTH} levels deep; a config is a few levels "
                                            "deep")]) from None
+    except ConfigFileError:
+        raise  # _check_tree's own line (a ValueError too)
+    except ValueError as exc:  # a constructor's int() or float() (an integer of more than 4300 digits)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigFileError([_line(name, f"a value cannot be read ({first[:120]}); write a shorter one")]) \
+            from None
     finally:
         if loader is not None:
             loader.dispose()
