@@ -12,6 +12,7 @@ import pytest
 from tests.helpers import LLAMA2_7B
 from trainctl.config.schema import ClusterConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.launch.command import command_record, default_run_dir, launch_argv, plan_record
+from trainctl.plan import fit
 from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal
 
 P_7B = 6_738_415_616  # published; see test_memory for the arithmetic
@@ -20,6 +21,10 @@ BLOCK_7B = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
 
 def plain_flops_per_token() -> float:
     return 6 * 6_607_077_376 + 12 * 32 * 4096 * 4096  # see test_params_and_flops_of_llama2_7b
+
+
+# The machine the local 8-GPU configs below are planned for (the plan compares a local launch with it).
+EIGHT_H100 = fit.Machine(("NVIDIA H100 80GB HBM3",) * 8)
 
 
 def llama7b_zero3_h100(**train) -> RunConfig:
@@ -94,7 +99,7 @@ def test_full_checkpointing_adds_a_forward_of_the_blocks():
 
 
 def test_memory_of_zero3_on_8_ranks_fits_without_warning():
-    plan = build(llama7b_zero3_h100())  # as the llama7b_fsdp recipe
+    plan = build(llama7b_zero3_h100(), machine=EIGHT_H100)  # as the llama7b_fsdp recipe
     assert plan.memory.params + plan.memory.grads == 8 * P_7B // 8
     assert plan.fit.verdict == "fits" and plan.fit.headroom_bytes > 0.1 * plan.fit.capacity_bytes
     assert plan.warnings == () and plan.advice == ()
@@ -117,7 +122,7 @@ def test_tensor_parallel_splits_params_per_rank():
 
 def test_ddp_7b_on_h100_does_not_fit_and_says_what_would():
     cfg = replace(llama7b_zero3_h100(), sharding={"strategy": "ddp", "dp_shard": 1, "dp_replicate": 8})
-    plan = build(cfg)
+    plan = build(cfg, machine=EIGHT_H100)
     (warning,) = plan.warnings
     assert "does not fit" in warning and "h100" in warning
     assert plan.fit.verdict == "does not fit" and plan.fit.headroom_bytes < 0
@@ -128,7 +133,7 @@ def test_ddp_7b_on_h100_does_not_fit_and_says_what_would():
 
 
 def test_batch_mismatch_is_warned():
-    (warning,) = build(llama7b_zero3_h100(global_batch=60)).warnings
+    (warning,) = build(llama7b_zero3_h100(global_batch=60), machine=EIGHT_H100).warnings
     assert "train.global_batch=60" in warning and "64" in warning
 
 

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -26,20 +25,29 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from trainctl.config import interpolations, yaml_files
 from trainctl.config.errors import ConfigError
+from trainctl.config.hydra_source import (
+    SCHEMA_NAME,
+    config_file,
+    include_cycle,
+    initialize_catalog,
+    own_group_includer,
+)
 from trainctl.config.schema import GROUPS, RunConfig, escape_interpolations, from_dict, structured_schema
 from trainctl.config.sources import (
     ENV_VAR,
+    PRIMARY_NAME,
     SearchPath,
+    catalog,
     is_path_like,
+    is_plain_name,
     options,
-    overlay,
     recipe_file_problem,
     shipped_dir,
 )
 
-SCHEMA_NAME = "trainctl_schema"
-PRIMARY = "config"
+PRIMARY = PRIMARY_NAME
 DEFAULT_PATH = SearchPath()
 
 
@@ -59,8 +67,11 @@ def list_options(group: str, sp: SearchPath = DEFAULT_PATH) -> list[str]:
 
 
 def recipe_description(name: str, sp: SearchPath = DEFAULT_PATH) -> str:
-    """The recipe's one-line summary: its `description:` key, else its first comment."""
-    text = options("recipe", sp)[name].path.read_text()
+    """The recipe's one-line summary: its `description:` key, else its first comment (or why it cannot be read)."""
+    try:
+        text = yaml_files.read_text(options("recipe", sp)[name].path)
+    except ConfigError as exc:
+        return f"({exc.problems[0]})"
     match = re.search(r"^description:\s*(.+)$", text, re.MULTILINE)
     if match:
         return match.group(1).strip().strip("\"'")
@@ -75,13 +86,18 @@ def _register_schema() -> None:
 
 def compose_dictconfig(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> DictConfig:
     """Hydra composition of the primary config with `overrides`; raises ConfigError."""
+    check_override_shapes(overrides)
     overrides, sp = _take_recipe_file(list(overrides), sp)
     _check_group_choices(overrides, sp)
     _register_schema()
     GlobalHydra.instance().clear()
     try:
-        with overlay(sp) as root, initialize_config_dir(config_dir=str(root), version_base="1.3"):
+        with initialize_catalog(catalog(sp)):
             return hydra_compose(config_name=PRIMARY, overrides=overrides)
+    except ConfigError:
+        raise  # a file's own problems, already lines naming it (hydra_source, yaml_files)
+    except RecursionError:
+        raise ConfigError([_endless_defaults(overrides, sp)]) from None
     except MissingConfigException as exc:
         raise ConfigError([_missing_option_message(exc, sp)]) from None
     except (HydraException, OmegaConfBaseException) as exc:
@@ -99,6 +115,7 @@ def compose(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> RunConfig:
     with `+key=value` are checked too; `~key` resets a key to its schema default.
     """
     cfg = compose_dictconfig(overrides, sp)
+    interpolations.check(OmegaConf.to_container(cfg, resolve=False))
     try:
         # Resolved here, against the composed tree; what is left of `${` is literal text and stays so.
         return from_dict(escape_interpolations(OmegaConf.to_container(cfg, resolve=True)))
@@ -111,8 +128,6 @@ def config_groups() -> tuple[str, ...]:
     return (*GROUPS, "recipe")
 
 
-# An option is a file name in its group's folder, without `.yaml`: no separators, no `..`.
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _GROUPS_HINT = "see `trainctl recipes` and `trainctl config groups`"
 
 
@@ -127,6 +142,9 @@ def _take_recipe_file(overrides: list[str], sp: SearchPath) -> tuple[list[str], 
             if problem:
                 raise ConfigError([problem])
             path = Path(value).expanduser().resolve()
+            if sp.recipe_file is not None and sp.recipe_file != path:
+                raise ConfigError([f"{item}: a second recipe file (after recipe={sp.recipe_file}); one run takes one "
+                                   "recipe: name one file, and set the rest as key=value overrides"])
             sp = sp.with_recipe_file(path)
             item = f"recipe={path.stem}"
         result.append(item)
@@ -136,8 +154,81 @@ def _take_recipe_file(overrides: list[str], sp: SearchPath) -> tuple[list[str], 
 def _parse(item: str):
     try:
         return OverridesParser.create().parse_override(item)
-    except HydraException:
-        return None
+    except (HydraException, ValueError, RecursionError):
+        return None  # Hydra reports it (check_override_shapes caught what it would not report in one line)
+
+
+# Bounds on an override's shape, so that Hydra's parser (recursive, and int() on digits) answers in one line.
+MAX_KEY_CHARS = 200  # the longest schema key is ~35 characters; a file name is at most 255 bytes
+MAX_NESTING = 32  # levels of [ ] and { } in one value
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # none in a key
+# None in a value but the whitespace a quoted value may hold (a newline is for each key's own check to judge).
+_CONTROL_IN_VALUE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def check_override_shapes(overrides: list[str]) -> None:
+    """Refuse, one line each, overrides Hydra's parser cannot answer in one line (too deep, too long, control
+    characters, unreadable numbers); callers that parse overrides before composing (sweeps) call it first."""
+    problems = [p for item in overrides if (p := _shape_problem(item))]
+    if problems:
+        raise ConfigError(problems)
+
+
+def _shape_problem(item: str) -> str | None:
+    """Why an override cannot be a key=value at all (one line), or None."""
+    if not isinstance(item, str):
+        return f"{item!r}: an override is text, key=value"
+    key = item.partition("=")[0]
+    shown = _CONTROL.sub(lambda m: repr(m.group())[1:-1], key if len(key) <= 60 else key[:40])
+    shown += "" if len(key) <= 60 else f"...({len(key)} characters)"
+    control = _CONTROL.search(key) or _CONTROL_IN_VALUE.search(item, len(key))
+    if control:
+        return (f"{shown}: the override holds a control character ({control.group()!r}); "
+                "write it without NUL, escape or other control characters")
+    if len(key.lstrip("+~")) > MAX_KEY_CHARS:
+        return f"{shown}: a key longer than {MAX_KEY_CHARS} characters; keys are dotted names such as train.steps"
+    if _nesting(item[len(key) + 1:]) > MAX_NESTING:
+        return f"{shown}: the value nests lists or mappings more than {MAX_NESTING} deep; no setting needs that"
+    try:
+        OverridesParser.create().parse_override(item)
+    except HydraException as exc:
+        if str(exc).startswith(("token recognition error", "LexerNoViableAltException")):  # no rule for a character
+            return (f"{item}: an unquoted value holds a character Hydra's override grammar does not take "
+                    "(non-ASCII letters, a newline, ...); quote the value: key='value'")
+        return None  # reported with Hydra's grammar hint when composing
+    except (ValueError, RecursionError) as exc:
+        if "digits" in str(exc):  # int() refuses more than sys.get_int_max_str_digits() digits
+            return f"{shown}: a number of more digits than can be read; an int key holds at most 19 digits"
+        return f"{shown}: the value cannot be read ({_first_line(exc)}); pass a shorter value"
+    return None
+
+
+def _nesting(value: str) -> int:
+    """How deep [ ] and { } nest in an override value, outside quoted strings."""
+    depth = deepest = 0
+    quote = None
+    escaped = False
+    for char in value:
+        if quote:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def _check_group_choices(overrides: list[str], sp: SearchPath) -> None:
@@ -166,20 +257,32 @@ def _override_problem(item: str, sp: SearchPath) -> str | None:
     if key not in config_groups():
         return None
     if override.is_sweep_override():
-        return f"{item}: one {key} per run; pass {key}=NAME (choose one of: {', '.join(list_options(key, sp))})"
+        return f"{item}: one {key} per run; pass {key}=NAME (choose one of: {_choices(list_options(key, sp))})"
     value = override.value()
     options = list_options(key, sp)
     if value is None and not override.is_delete():
-        return f"{item}: pass {key}=NAME, or ~{key} for the default; choose one of: {', '.join(options)}"
+        return f"{item}: pass {key}=NAME, or ~{key} for the default; choose one of: {_choices(options)}"
     names = [] if value is None else value if isinstance(value, list) else [value]
     for name in names:
-        if not isinstance(name, str) or not _PLAIN_NAME.match(name) or ".." in name:
-            return (f"{item}: not a {key} name "
-                    f"({key} options load only from config folders: add one with --config-dir DIR); "
-                    f"choose one of: {', '.join(options)}")
+        if not isinstance(name, str) or not is_plain_name(name):
+            return (f"{item}: not a {key} name (a file name without .yaml, of letters, digits, _ . -; "
+                    f"{key} options load only from config folders: add one with --config-dir DIR); "
+                    f"choose one of: {_choices(options)}")
         if name not in options:
-            return f"{key}={name}: unknown {key}; choose one of: {', '.join(options)}"
+            return f"{key}={name}: unknown {key}; choose one of: {_choices(options)}"
+    if (override.is_add() or override.is_force_add()) and override.package is None and names:
+        # Hydra's own answer is "Multiple values for recipe. To override a value use 'override recipe: x'".
+        return f"{item}: {key} is a group the config already has; choose its option with {key}={names[0]}"
     return None
+
+
+MAX_LISTED = 30  # a config folder may hold thousands of options: the line names the first ones
+
+
+def _choices(names: list[str]) -> str:
+    if len(names) <= MAX_LISTED:
+        return ", ".join(names)
+    return f"{', '.join(names[:MAX_LISTED])}, ... ({len(names) - MAX_LISTED} more: trainctl config groups)"
 
 
 def _with_user_file(line: str, sp: SearchPath) -> str:
@@ -197,7 +300,7 @@ def _missing_option_message(exc: MissingConfigException, sp: SearchPath) -> str:
     match = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if match and match.group(1) in (*GROUPS, "recipe"):
         group, option = match.groups()
-        return f"{group}={option}: unknown {group}; choose one of: {', '.join(list_options(group, sp))}"
+        return f"{group}={option}: unknown {group}; choose one of: {_choices(list_options(group, sp))}"
     return _one_line(exc)
 
 
@@ -230,3 +333,20 @@ def _valid_keys_hint(full_key: str) -> str:
     for part in filter(None, parent.split(".")):
         node = node[part]
     return f"valid keys of {parent or 'the root'}: {', '.join(str(k) for k in node)}"
+
+
+def _endless_defaults(overrides: list[str], sp: SearchPath) -> str:
+    """Hydra recursed without end: name the loop of defaults entries, and its first file."""
+    cat = catalog(sp)
+    chosen = [f"{o.key_or_group}/{o.value()}" for item in overrides if (o := _parse(item)) is not None
+              and o.key_or_group in config_groups() and isinstance(o.value(), str)]
+    loop = include_cycle(cat, [PRIMARY, *chosen])
+    if loop is None:
+        own = own_group_includer(cat, [PRIMARY, *chosen])
+        if own is not None:
+            return (f"{config_file(cat, own)}: its defaults name an option of its own group "
+                    f"{own.partition('/')[0]}, which Hydra includes again without end; remove that entry")
+        return ("the defaults lists include each other without end (a config that includes its own group or "
+                "itself); check the defaults: entries of your recipes and options")
+    return (f"{config_file(cat, loop[0])}: its defaults include it again ({' -> '.join(loop)}); "
+            "remove the entry that closes the loop")

@@ -349,8 +349,24 @@ def _drop_retired_keys(data: DictConfig) -> DictConfig:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read a run directory's `config.yaml` (or the file itself) into a RunConfig."""
+    """Read a run directory's `config.yaml` (or the file itself) into a RunConfig.
+
+    Read with yaml_files' bounds (a regular file, its size, its aliases and interpolations): past them, a
+    ConfigFileError (also a ValueError) whose one line leaves naming the file to the caller, never a hang.
+    Syntax errors and wrong keys or types raise PyYAML's and OmegaConf's own errors, as they always did.
+    """
+    from trainctl.config import interpolations, yaml_files
+    from trainctl.config.errors import ConfigError, ConfigFileError
+
     path = Path(path)
     if path.is_dir():
         path = path / "config.yaml"
-    return from_dict(_drop_retired_keys(OmegaConf.load(path)))
+    data = yaml_files.load(path, name="", syntax_errors=False)
+    if not isinstance(data, dict):
+        raise ConfigFileError([f"not a mapping of config keys (it holds {type(data).__name__}); a run's "
+                               "config.yaml is written by trainctl: restore it or launch a new run"])
+    try:
+        interpolations.check(data)
+    except ConfigError as exc:
+        raise ConfigFileError(exc.problems) from None
+    return from_dict(_drop_retired_keys(OmegaConf.create(data)))

@@ -10,18 +10,16 @@ configs; the first folder holding an option wins, and `shadowed()` names every u
 shipped one. Only the group folders and `recipes/` of the declared folders are read: a folder's own
 `config.yaml` or any other file never loads.
 
-Hydra composes from one overlay folder of symbolic links made for each composition (`overlay`): the
-winning file of every option, under its group's name. Hydra itself then searches one folder, and what
-it can reach is exactly what this module listed.
+Hydra composes from a `Catalog`: the primary config and the winning file of every option, by group and
+name. It reads them through `hydra_source`, which serves exactly what the catalog lists (no folder is
+searched, none is made), so what it can reach is exactly what this module listed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +28,18 @@ from trainctl.config.schema import GROUPS
 
 ENV_VAR = "TRAINCTL_CONFIG_PATH"
 PRIMARY_FILE = "config.yaml"
+PRIMARY_NAME = "config"
 RECIPE = "recipe"
 # The folder of a group inside a config directory: groups keep their own name; recipes live in recipes/.
 RECIPES_FOLDER = "recipes"
 SHIPPED = "shipped"
 YAML_SUFFIXES = (".yaml", ".yml")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def is_plain_name(name: str) -> bool:
+    """An option's name is a file name without `.yaml`: letters, digits, _ . -; no separator, no `..`."""
+    return bool(_PLAIN_NAME.match(name)) and ".." not in name
 
 
 def shipped_dir() -> Path:
@@ -99,8 +103,8 @@ def group_folder(root: Path, group: str) -> Path:
 def _files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.suffix in YAML_SUFFIXES and p.is_file()
-                  and _PLAIN_NAME.match(p.stem))
+    return sorted(p for p in folder.iterdir() if p.suffix in YAML_SUFFIXES and is_plain_name(p.stem)
+                  and p.is_file())
 
 
 def all_options(group: str, sp: SearchPath) -> list[Option]:
@@ -142,8 +146,10 @@ def recipe_file_problem(value: str) -> str | None:
     path = Path(value).expanduser()
     if path.suffix not in YAML_SUFFIXES:
         return f"recipe={value}: a recipe file must end in .yaml; or pass recipe=NAME"
-    if not path.is_file():
+    if not path.exists():
         return f"recipe={value}: no such file; pass an existing recipe .yaml, or recipe=NAME (see `trainctl recipes`)"
+    if not path.is_file():
+        return f"recipe={value}: not a regular file; pass a recipe .yaml file, or recipe=NAME (see `trainctl recipes`)"
     if not _PLAIN_NAME.match(path.stem):
         return f"recipe={value}: the file name must be letters, digits, _ . - (it becomes the recipe's name)"
     return None
@@ -153,15 +159,13 @@ def is_path_like(value: str) -> bool:
     return "/" in value or value.endswith(YAML_SUFFIXES) or value.startswith("~")
 
 
-@contextlib.contextmanager
-def overlay(sp: SearchPath) -> Iterator[Path]:
-    """A temporary folder Hydra can compose from: the primary config and every winning option, as links."""
-    with tempfile.TemporaryDirectory(prefix="trainctl-conf-") as tmp:
-        root = Path(tmp)
-        (root / PRIMARY_FILE).symlink_to(shipped_dir() / PRIMARY_FILE)
-        for group in (*GROUPS, RECIPE):
-            folder = root / group  # Hydra's group name: `recipe`, whatever the folder on disk is called
-            folder.mkdir()
-            for name, opt in options(group, sp).items():
-                (folder / f"{name}.yaml").symlink_to(opt.path.resolve())
-        yield root
+@dataclass(frozen=True)
+class Catalog:
+    """What one composition may load: the shipped primary config and each group's winning options by name."""
+
+    primary: Path
+    groups: dict[str, dict[str, Option]]
+
+
+def catalog(sp: SearchPath) -> Catalog:
+    return Catalog(shipped_dir() / PRIMARY_FILE, {group: options(group, sp) for group in (*GROUPS, RECIPE)})

@@ -174,13 +174,23 @@ def _within(key: str, value: float, low: float, high: float, *, open_low: bool =
     return [] if ok else [f"{key}={value}: must be in {bracket}{low}, {high}]"]
 
 
+# The worker seeds numpy's global generator with train.seed (np.random.seed takes 0 .. 2**32 - 1).
+MAX_SEED = 2**32 - 1
+
+
+def _seed_range(seed: int) -> list[str]:
+    if 0 <= seed <= MAX_SEED:
+        return []
+    return [f"train.seed={seed}: must be an integer in [0, {MAX_SEED}] (numpy's seed range); e.g. train.seed=1234"]
+
+
 def check_ranges(cfg: schema.RunConfig) -> list[str]:
     """Rates, counts and ratios: no zero or negative where it makes no sense."""
     t, o, sch, lg, c = cfg.train, cfg.optim, cfg.schedule, cfg.logging, cfg.cluster
     problems = (
         _positive("train.steps", t.steps)
         + _positive("train.seq_len", t.seq_len)
-        + _at_least("train.seed", t.seed, 0)
+        + _seed_range(t.seed)
         + _at_least("train.eval_every", t.eval_every, 0, "0 disables evaluation")
         + _at_least("train.gc_every", t.gc_every, 0, "0 leaves Python's garbage collector alone")
         + _at_least("train.ac_every", t.ac_every, 1)

@@ -2,7 +2,8 @@
 
 Validation (`config.validate`) judges the config alone. These checks look at the world the
 workers will meet: the sbatch script's shell syntax with the user's `cluster.setup`, W&B
-credentials for `logging.wandb.mode=online`, and the token files of `data.kind=memmap`.
+credentials for `logging.wandb.mode=online`, the token files of `data.kind=memmap`, and for a
+local launch the GPUs of this machine.
 Each problem is one line; the CLI raises them as a user error (exit 2) before `rundir.create`.
 Nothing here imports torch or wandb.
 """
@@ -19,20 +20,25 @@ from urllib.parse import urlsplit
 from trainctl.config.data_check import data_file_problems
 from trainctl.config.schema import ClusterConfig, RunConfig, WandbConfig
 from trainctl.launch.slurm import setup_problems
+from trainctl.plan.fit import Machine, local_device_problems, this_machine
 
 DEFAULT_WANDB_HOST = "https://api.wandb.ai"
 
 
-def launch_problems(cfg: RunConfig, *, dry_run: bool = False, workdir: Path | None = None) -> list[str]:
+def launch_problems(cfg: RunConfig, *, dry_run: bool = False, workdir: Path | None = None,
+                    machine: Machine | None = None) -> list[str]:
     """Every problem that would stop the run after it started; [] when it may go.
 
     A dry run starts nothing (and may be planned away from the cluster's files), so it is
     checked only for the script it writes. `workdir` is where the workers start (relative
     data paths are read from it): the current directory at launch, the recorded one on resume.
+    A local launch needs the devices it names on this machine (`machine`, default this one).
     """
     problems = setup_problems(cfg) if cfg.cluster.launcher == "slurm" else []
     if dry_run:
         return problems
+    if cfg.cluster.launcher == "local":
+        problems += local_device_problems(cfg.cluster, machine or this_machine())
     vocab = cfg.data.vocab_size or cfg.model.vocab_size
     problems += wandb_problems(cfg.logging.wandb, cfg.cluster, workdir=workdir)
     problems += data_file_problems(cfg.data, vocab, cfg.train.seq_len, workdir)

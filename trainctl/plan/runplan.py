@@ -153,7 +153,7 @@ def gpu_warning(cluster: ClusterConfig) -> str | None:
             "no memory check and no step-time estimate")
 
 
-def fit_warning(a: Assessment, gpu: str) -> str | None:
+def fit_warning(a: Assessment, device: str) -> str | None:
     """One line when the busiest rank does not fit (or is tight), naming the top advice."""
     f, mem = a.fit, a.memory
     if f.verdict not in ("does not fit", "tight") or f.capacity_bytes is None:
@@ -163,7 +163,7 @@ def fit_warning(a: Assessment, gpu: str) -> str | None:
     return (f"{where} needs {f.need_bytes / GIB:.1f} GiB (peak {f.peak_bytes / GIB:.1f} GiB at the {mem.peak_phase} "
             "phase + "
             f"{f.framework_bytes / GIB:.1f} GiB framework) of the {f.capacity_bytes / GIB:.1f} GiB of one "
-            f"{gpu or 'worker'}: {f.verdict}")
+            f"{device}: {f.verdict}")
 
 
 def refusal(plan: RunPlan) -> str | None:
@@ -177,7 +177,7 @@ def refusal(plan: RunPlan) -> str | None:
                                    + ("" if top.slowdown is None else f", {top.slowdown:+.0%} step time") + ")")
     return (f"does not fit: {where} needs {f.need_bytes / gib:.1f} GiB (peak {f.peak_bytes / gib:.1f} GiB + "
             f"{f.framework_bytes / gib:.1f} GiB framework) of the {f.capacity_bytes / gib:.1f} GiB of one "
-            f"{plan.gpu or plan.device}"
+            f"{fit.device_label(plan.device, plan.gpu)}"
             f"{hint}; see `trainctl plan` for the breakdown, or pass --force")
 
 
@@ -190,16 +190,21 @@ def epochs_warning(cfg: RunConfig) -> str | None:
             "add data or lower train.steps for a single pass")
 
 
-def build(cfg: RunConfig, with_advice: bool = True) -> RunPlan:
-    """The plan of a resolved config (the launch command is launch's: launch.command.plan_record)."""
+def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None = None) -> RunPlan:
+    """The plan of a resolved config (the launch command is launch's: launch.command.plan_record).
+
+    A local launch's devices are compared with `machine` (default: this one, fit.this_machine).
+    """
     world = world_size(cfg.cluster)
     dims = resolved_dims(cfg.sharding, world)
     batch = batch_math(cfg.train, dims.dp)
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)
     a = assess(cfg, dims)
     suggestions = advice.suggest(cfg, a) if with_advice and a.fit.verdict in ("does not fit", "tight") else []
-    warnings = [batch_warning(batch), gpu_warning(cfg.cluster), *unsupported(cfg.sharding, cfg.precision),
-                fit_warning(a, cfg.cluster.gpu)]
+    local = cfg.cluster.launcher == "local"
+    device = fit.device_warning(cfg.cluster, machine or fit.this_machine()) if local else None
+    warnings = [batch_warning(batch), gpu_warning(cfg.cluster), device, *unsupported(cfg.sharding, cfg.precision),
+                fit_warning(a, fit.device_label(cfg.cluster.device, cfg.cluster.gpu))]
     # The token files, by size and a bounded sample (launch refuses what this warns about).
     warnings += data_file_problems(cfg.data, cfg.data.vocab_size or cfg.model.vocab_size, cfg.train.seq_len)
     warnings.append(epochs_warning(cfg))
