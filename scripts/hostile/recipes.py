@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,21 +103,22 @@ def _(p: Probe) -> None:
     argv = [sys.executable, "-m", "trainctl.cli", "plan", "--config-dir", str(root), "recipe=r1"]
     proc = p.popen(argv, env={"TMPDIR": str(tmpdir)}, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(tmpdir.glob("trainctl-conf-*")) and proc.poll() is None:
-        time.sleep(0.01)
-    if proc.poll() is not None:
-        raise Verdict("wrong", "plan ended before it could be stopped (harness timing)")
-    os.kill(proc.pid, signal.SIGTERM)
+    # trainctl composes through a config source that writes no overlay folder now; whenever the signal lands,
+    # $TMPDIR must hold nothing of trainctl's afterwards.
+    time.sleep(0.2)  # mid-way through composing 3000 recipe files
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
     proc.wait(timeout=60)
-    left = list(tmpdir.glob("trainctl-conf-*"))
-    expect(not left, "wrong", f"left {left[0].name} in $TMPDIR")
+    left = list(tmpdir.glob("trainctl-*"))
+    expect(not left, "wrong", f"left {left[0].name} in $TMPDIR" if left else "")
 
 
 @case("recipes", "a YAML syntax error in a user recipe names the file, line and column")
 def _(p: Probe) -> None:
     root = conf(p, {"recipes/bad.yaml": "# @package _global_\nrecipe: bad\ntrain:\n  steps: [1, 2\n  seq_len: 3\n"})
-    refused(p.cli("plan", "--config-dir", root, "recipe=bad"), "bad.yaml", "line")
+    r = p.cli("plan", "--config-dir", root, "recipe=bad")
+    refused(r, "bad.yaml")
+    expect(re.search(r"bad\.yaml(:5:\d+|, line 5)", r.err) is not None, "wrong", f"no line 5 named: {r.err[:200]}")
 
 
 @case("recipes", "a !!python/object tag in a user recipe")
@@ -174,9 +176,10 @@ def _(p: Probe) -> None:
     refused(p.cli("plan", "recipe=tiny_cpu", "model=" + "c" * 5000), "model")
 
 
-@case("recipes", "an override value of 1 MB")
+@case("recipes", "an override value of 100 KB")
 def _(p: Probe) -> None:
-    r = p.cli("plan", "recipe=tiny_cpu", "logging.wandb.project=" + "p" * (1 << 20))
+    # 1 MB does not fit in one argv string on Linux (MAX_ARG_STRLEN is 128 KiB): the OS refuses before trainctl.
+    r = p.cli("plan", "recipe=tiny_cpu", "logging.wandb.project=" + "p" * 100_000)
     succeeded(r) if r.code == 0 else refused(r, "logging.wandb.project")
 
 

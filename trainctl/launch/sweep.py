@@ -25,6 +25,7 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from trainctl.config.compose import check_override_shapes
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import RunConfig
 from trainctl.core import rundir as layout
@@ -46,6 +47,7 @@ class Point:
 
 def is_sweep(overrides: list[str]) -> list[str]:
     """The overrides that ask for several values (a sweep), as given."""
+    check_override_shapes(list(overrides))  # too deep or too long for Hydra's parser: one line, not a RecursionError
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException:
@@ -56,12 +58,15 @@ def is_sweep(overrides: list[str]) -> list[str]:
 def expand(overrides: list[str]) -> list[list[str]]:
     """The sweep's points, each a list of plain overrides (the cross product, in the order given)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from omegaconf.errors import OmegaConfBaseException
 
+    check_override_shapes(list(overrides))
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         batches = BasicSweeper.split_arguments(parsed, None)
-    except HydraException as exc:
-        text = str(exc).splitlines()[0]
+    except (HydraException, OmegaConfBaseException) as exc:
+        # Hydra's own errors, and OmegaConf's when a swept value cannot be written back as text ({} in a list)
+        text = (str(exc).splitlines() or [type(exc).__name__])[0]
         if "does not support sweep type" in text:
             text = ("interval() needs a sampling sweeper (Optuna, Nevergrad); a grid sweep takes lists "
                     "(a=1,2,3), range(start,stop,step) or choice(a,b)")
