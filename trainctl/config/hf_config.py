@@ -9,7 +9,12 @@ activation, a head size other than dim / heads) is refused in one line, as are m
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 from pathlib import Path
+
+from trainctl.core.rundir import open_regular, read_bytes
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -29,64 +34,112 @@ class HFConfigError(ValueError):
     """One line: what is wrong with the directory and what would work."""
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few KB; a larger one is not a model's
+
+
 def read_config(path: str | Path) -> dict:
-    """DIR/config.json as a dict; an HFConfigError when it is missing or not JSON."""
+    """DIR/config.json as a dict; an HFConfigError when it is missing, not a regular file, too large, or not a
+    JSON object."""
     where = Path(path).expanduser()
     if not where.is_dir():
         raise HFConfigError(f"{path}: not a directory; point it at a Hugging Face Llama folder "
                             f"(config.json and *.safetensors)")
-    try:
-        data = json.loads((where / CONFIG_FILE).read_text())
-    except FileNotFoundError:
+    file = where / CONFIG_FILE
+    if not file.exists():
         raise HFConfigError(f"{path}: no {CONFIG_FILE}; a Hugging Face model folder holds config.json "
-                            "and model*.safetensors (save_pretrained writes both)") from None
-    except (OSError, ValueError) as exc:
-        raise HFConfigError(f"{where / CONFIG_FILE}: cannot be read as JSON ({exc})") from None
+                            "and model*.safetensors (save_pretrained writes both)")
+    raw = read_bytes(file, MAX_CONFIG_BYTES)  # never opens a FIFO or a device, never reads without a bound
+    if raw is None:
+        raise HFConfigError(f"{file}: not a regular file of at most {MAX_CONFIG_BYTES >> 20} MiB; "
+                            "save_pretrained writes a small JSON file")
+    try:
+        data = json.loads(raw)  # NaN and Infinity parse: the typed checks below name the key that holds one
+    except (ValueError, RecursionError) as exc:
+        raise HFConfigError(f"{file}: cannot be read as JSON ({str(exc).splitlines()[0] if str(exc) else exc!r})") \
+            from None
     if not isinstance(data, dict):
-        raise HFConfigError(f"{where / CONFIG_FILE}: not a JSON object")
+        raise HFConfigError(f"{file}: not a JSON object")
     return data
 
 
 def model_fields(path: str | Path) -> dict:
-    """ModelConfig fields for the Llama at `path`; HFConfigError when trainctl cannot run it exactly."""
+    """ModelConfig fields for the Llama at `path`; HFConfigError when trainctl cannot run it exactly.
+
+    Every field is checked for its type before use: a size is a positive integer (not a bool, a float or a
+    string), a float is finite and positive, a flag is a bool; nothing is coerced.
+    """
     data = read_config(path)
     where = Path(path).expanduser() / CONFIG_FILE
     if data.get("model_type") != "llama":
-        raise HFConfigError(f"{where}: model_type={data.get('model_type')!r}; only Llama (model_type: llama) "
+        raise HFConfigError(f"{where}: model_type={_shown(data.get('model_type'))}; only Llama (model_type: llama) "
                             "checkpoints load into trainctl's decoder")
-    missing = [key for key in FIELDS if not isinstance(data.get(key), int)]
-    if missing:
-        raise HFConfigError(f"{where}: no integer {', '.join(missing)}")
-    fields = {ours: data[theirs] for theirs, ours in FIELDS.items()}
-    fields["n_kv_heads"] = int(data.get("num_key_value_heads") or fields["n_heads"])
-    fields["norm_eps"] = float(data.get("rms_norm_eps", 1e-6))
-    fields["rope_theta"] = float(_rope_theta(data))
-    fields["tie_embeddings"] = bool(data.get("tie_word_embeddings", False))
-    problems = _unsupported(data, fields)
+    fields = {ours: _size(where, data, theirs) for theirs, ours in FIELDS.items()}
+    kv = data.get("num_key_value_heads")
+    fields["n_kv_heads"] = fields["n_heads"] if kv is None else _size(where, data, "num_key_value_heads")
+    if fields["n_heads"] % fields["n_kv_heads"]:
+        raise HFConfigError(f"{where}: num_key_value_heads={fields['n_kv_heads']} does not divide "
+                            f"num_attention_heads={fields['n_heads']}")
+    fields["norm_eps"] = _positive_float(where, "rms_norm_eps", data.get("rms_norm_eps", 1e-6))
+    params = _mapping(where, data, "rope_parameters")  # transformers >= 5 keeps theta there
+    theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
+    fields["rope_theta"] = _positive_float(where, "rope_theta", theta)
+    tie = data.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise HFConfigError(f"{where}: tie_word_embeddings={_shown(tie)}: must be true or false")
+    fields["tie_embeddings"] = tie
+    problems = _unsupported(where, data, fields)
     if problems:
         raise HFConfigError(f"{where}: {problems[0]}; trainctl's decoder cannot reproduce it")
     return fields
 
 
-def _rope_theta(data: dict) -> float:
-    params = data.get("rope_parameters") or {}  # transformers >= 5 keeps theta there
-    return params.get("rope_theta", data.get("rope_theta", 10000.0))
+def _shown(value) -> str:
+    text = repr(value) if isinstance(value, str | float) else json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _unsupported(data: dict, fields: dict) -> list[str]:
+def _size(where: Path, data: dict, key: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        what = "missing" if key not in data else f"{key}={_shown(value)}"
+        raise HFConfigError(f"{where}: {what}: {key} must be a positive integer")
+    return value
+
+
+def _positive_float(where: Path, key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise HFConfigError(f"{where}: {key}={_shown(value)}: must be a positive finite number")
+    return float(value)
+
+
+def _mapping(where: Path, data: dict, key: str) -> dict:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise HFConfigError(f"{where}: {key}={_shown(value)}: must be a JSON object or null")
+    return value
+
+
+def _unsupported(where: Path, data: dict, fields: dict) -> list[str]:
     problems = []
-    scaling = data.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type")) or (data.get("rope_parameters") or {}).get("rope_type")
+    scaling = _mapping(where, data, "rope_scaling")
+    kind = scaling.get("rope_type", scaling.get("type")) or _mapping(where, data, "rope_parameters").get("rope_type")
     if kind not in (None, "default"):
-        problems.append(f"rope scaling {kind!r} is not implemented (only plain RoPE)")
+        problems.append(f"rope scaling {_shown(kind)} is not implemented (only plain RoPE)")
     for key in ("attention_bias", "mlp_bias"):
-        if data.get(key):
-            problems.append(f"{key}=true (trainctl's linear layers have no bias)")
-    if data.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={data['hidden_act']!r} (trainctl's MLP is SwiGLU with silu)")
+        if data.get(key) not in (None, False):
+            problems.append(f"{key}={_shown(data[key])} (trainctl's linear layers have no bias)")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act={_shown(act)} (trainctl's MLP is SwiGLU with silu)")
+    if fields["dim"] % fields["n_heads"]:
+        problems.append(f"hidden_size={fields['dim']} is not a multiple of num_attention_heads={fields['n_heads']}")
     head_dim = data.get("head_dim")
-    if head_dim is not None and fields["n_heads"] and head_dim * fields["n_heads"] != fields["dim"]:
-        problems.append(f"head_dim={head_dim} is not hidden_size / num_attention_heads")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0):
+        problems.append(f"head_dim={_shown(head_dim)} must be a positive integer")
+    elif head_dim is not None and head_dim * fields["n_heads"] != fields["dim"]:
+        problems.append(f"head_dim={_shown(head_dim)} is not hidden_size / num_attention_heads")
     return problems
 
 
@@ -109,3 +162,47 @@ def weight_files(path: str | Path) -> list[Path]:
     if absent:
         raise HFConfigError(f"{path}: the index names {absent[0]}, which is missing")
     return files
+
+
+# safetensors dtypes the worker can load into a float model; integer ones are quantized or not weights at all
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def check_weight_headers(files: list[Path]) -> None:
+    """Read each safetensors file's header (bounded; never a FIFO) and refuse, in one line, a header that is not
+    safetensors, tensors stored as integers, or offsets past the end of the file (a truncated download)."""
+    for file in files:
+        f = open_regular(file)
+        if f is None:
+            raise HFConfigError(f"{file}: not a regular file")
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if length is None or length > min(MAX_HEADER_BYTES, size - 8):
+                raise HFConfigError(f"{file}: not a safetensors file (its header length {length} does not fit in "
+                                    f"its {size} bytes); download or save it again")
+            try:
+                header = json.loads(f.read(length))
+            except (ValueError, RecursionError):
+                raise HFConfigError(f"{file}: its safetensors header is not JSON; download or save it again") from None
+        _check_entries(file, header, size - 8 - length)
+
+
+def _check_entries(file: Path, header, data_bytes: int) -> None:
+    if not isinstance(header, dict):
+        raise HFConfigError(f"{file}: its safetensors header is not a JSON object; download or save it again")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("data_offsets"), list):
+            raise HFConfigError(f"{file}: tensor {name!r} has no data offsets; download or save it again")
+        dtype = entry.get("dtype")
+        if dtype not in FLOAT_DTYPES:
+            raise HFConfigError(f"{file}: tensor {name!r} is stored as {dtype!r}; trainctl trains float weights "
+                                "(F32, BF16, F16): use the unquantized checkpoint")
+        end = entry["data_offsets"][-1] if entry["data_offsets"] else None
+        if not isinstance(end, int) or end > data_bytes:
+            raise HFConfigError(f"{file}: tensor {name!r} ends at byte {end}, past the file's {data_bytes} data bytes "
+                                "(a truncated file?); download or save it again")

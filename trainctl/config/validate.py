@@ -74,7 +74,7 @@ def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[s
     key = f"checkpoint.init_from={c.init_from}"
     try:
         theirs = hf_config.model_fields(c.init_from)
-        hf_config.weight_files(c.init_from)
+        hf_config.check_weight_headers(hf_config.weight_files(c.init_from))
     except hf_config.HFConfigError as exc:
         return [f"{key}: {exc}"]
     ours = dataclasses.asdict(m)
