@@ -649,16 +649,21 @@ def _rewrite_script(run_dir: Path, cfg: RunConfig, workdir: Path | None) -> None
     rundir.write_script(run_dir, cfg, run_dir, workdir or Path.cwd())
 
 
+EXPORT_DTYPES = ("fp32", "bf16", "fp16")  # models/export.EXPORT_DTYPES' keys (that module imports torch)
+
+
 @app.command()
 def export(
     run: str = RUN,
     checkpoint: str = typer.Option(
         None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints; it must verify "
         "(default: the newest that verifies).", show_default=False),
-    out_dir: Path = typer.Option(
+    out_dir: str = typer.Option(
         None, "--out", help="Output folder (default: RUN/export/step-NNNNNNNN).", show_default=False),
     max_shard_size: str = typer.Option(
         None, "--max-shard-size", help="Bytes per file before sharding (e.g. 5000000000, 5GB).", show_default=False),
+    dtype: str = typer.Option(
+        None, "--dtype", help="Cast the weights: fp32, bf16 or fp16 (default: as saved).", show_default=False),
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """Write a verified checkpoint's model as safetensors.  Example: trainctl export tiny_cpu-20250101-120000"""
@@ -666,11 +671,17 @@ def export(
 
     from trainctl.launch import runs
 
+    if out_dir is not None and not out_dir.strip():
+        raise UserError(["--out '': empty; name a new folder, e.g. --out exports/mymodel"])
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise UserError([f"--dtype {dtype}: not an export dtype; use one of {', '.join(EXPORT_DTYPES)} "
+                         "(quantized formats are not written)"])
     run_dir = runs.find_run(run, runs_dir)
     # The exporter imports torch: a child process keeps this side of the wall torch-free. It prints its own
     # one-line errors (exit 2) and warnings; its exit code is this command's.
     args = [sys.executable, "-m", "trainctl.models.export", str(run_dir)]
-    for flag, value in (("--checkpoint", checkpoint), ("--out", out_dir), ("--max-shard-size", max_shard_size)):
+    for flag, value in (("--checkpoint", checkpoint), ("--out", out_dir), ("--max-shard-size", max_shard_size),
+                        ("--dtype", dtype)):
         if value is not None:
             args += [flag, str(value)]
     raise typer.Exit(subprocess.run(args).returncode)

@@ -60,6 +60,8 @@ TORCHRUN_LOGS = "logs/torchrun"
 LAUNCHER_LOG = "logs/launcher.log"
 CHECKPOINTS = "checkpoints"
 HISTORY = "history"
+TOKENIZER = "tokenizer"  # the tokenizer files the run trained with (copies), and their sha256 in record.json
+TOKENIZER_RECORD = "tokenizer/record.json"
 
 RUN_DIR_ENV = "TRAINCTL_RUN_DIR"  # set by launch.sh from its own location; the worker checks it against its argument
 TAIL_BYTES = 256 * 1024  # the end of metrics.jsonl that holds the recent steps

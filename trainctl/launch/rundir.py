@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainctl.config.schema import RunConfig, to_yaml
 from trainctl.core import rundir as layout
-from trainctl.launch import code_record, local, slurm
+from trainctl.launch import code_record, local, slurm, tokenizer_record
 from trainctl.launch.command import plan_record
 from trainctl.launch.errors import LaunchError
 from trainctl.plan import RunPlan
@@ -92,6 +92,7 @@ def write_contents(
     if code.diff:
         (target / layout.CODE_DIFF).write_text(code.diff)
     (target / layout.LOGS).mkdir()
+    tokenizer_record.write(target, cfg)
 
 
 def write_script(target: Path, cfg: RunConfig, run_dir: Path, workdir: Path) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import pickle
@@ -290,13 +291,52 @@ def write_config(cfg: ModelConfig, ckpt: Path, out: Path, dtype: torch.dtype, to
 
 
 def write_tokenizer(tokens: dict | None, cfg: ModelConfig, out: Path) -> None:
-    """The tokenizer the data was prepared with (a Hugging Face tokenizer.json), as AutoTokenizer loads it."""
+    """The tokenizer the run trained with (a Hugging Face tokenizer.json), as AutoTokenizer loads it: the run's
+    own copies when it recorded them (a tokenizer_config.json from a Hugging Face folder kept as it was), else
+    the dataset's file with a tokenizer_config.json written here."""
     if not tokens or not tokens.get("file"):
         return
-    shutil.copyfile(tokens["file"], out / "tokenizer.json")
+    for name, source in tokens.get("files", {"tokenizer.json": tokens["file"]}).items():
+        shutil.copyfile(source, out / name)
+    if (out / "tokenizer_config.json").exists():
+        return
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
                 "eos_token": tokens.get("eos_token"), "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def run_tokenizer(run_dir: Path) -> dict | None:
+    """The tokenizer the run recorded at its start (RUN/tokenizer/, each file's sha256 checked): {file, files,
+    eos_id, eos_token}; for a run made before trainctl kept that record, the dataset's (with a warning)."""
+    from trainctl.core import rundir as layout
+
+    record_path = run_dir / layout.TOKENIZER_RECORD
+    if not record_path.exists():
+        tokens = data_tokenizer(run_dir)
+        if tokens and tokens.get("file"):
+            print(f"warning: {run_dir} keeps no copy of its tokenizer (made before trainctl recorded it); "
+                  f"bundling {tokens['file']}, which may have changed since", file=sys.stderr)
+        return tokens
+    record = layout.read_json(record_path)
+    digests = record.get("files")
+    if not isinstance(digests, dict):
+        raise ExportError(f"{record_path}: damaged (no files); the run's tokenizer cannot be vouched for")
+    files = {}
+    for name, digest in digests.items():
+        path = run_dir / layout.TOKENIZER / str(name)
+        data = layout.read_bytes(path, 1 << 30)
+        if data is None or hashlib.sha256(data).hexdigest() != digest:
+            source = record.get("sources", {}).get(name, "its source")
+            raise ExportError(f"{path}: missing or changed since the run started (sha256 differs from "
+                              f"{record_path.name}); restore it from {source}")
+        files[str(name)] = path
+    if "tokenizer.json" not in files:
+        return {"eos_id": record.get("eos_id"), "file": None, "eos_token": None}
+    from trainctl.data.tokenizer import token_string
+
+    eos_id = record.get("eos_id")
+    eos_token = token_string(str(files["tokenizer.json"]), eos_id) if isinstance(eos_id, int) else None
+    return {"eos_id": eos_id, "file": str(files["tokenizer.json"]), "files": files, "eos_token": eos_token}
 
 
 def data_tokenizer(run_dir: Path) -> dict | None:
@@ -357,6 +397,9 @@ def export(
     entries = model_entries(ckpt)
     names = check_against_config(entries, cfg, ckpt)
     out = out or default_out(run_dir, ckpt)
+    if not out.absolute().name or out.absolute() == Path.cwd():
+        raise ExportError(f"--out {str(out) or repr('')}: the current folder or the filesystem root; name a new "
+                          "folder, e.g. --out exports/mymodel")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     created = missing_parents(tmp)
     done = False
@@ -365,7 +408,7 @@ def export(
         tmp.mkdir(parents=True)
         write_weights(ckpt, entries, names, tmp, max_shard_size, cfg, dtype)
         saved = dtype or entries[names[0]][1].properties.dtype
-        tokens = data_tokenizer(run_dir)
+        tokens = run_tokenizer(run_dir)
         write_config(cfg, ckpt, tmp, saved, tokens)
         write_tokenizer(tokens, cfg, tmp)
         tmp.rename(out)  # onto an empty folder or a free name; never a half-written folder at `out`
