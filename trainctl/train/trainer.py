@@ -20,6 +20,7 @@ from torch import nn
 from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
+from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.llama import attention_backends, build_model
 from trainctl.plan.flops import flops_per_token
@@ -260,10 +261,13 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     if start.resumed:
         meta.load_state_dict(start.meta)
         train_data.resume_at(progress.step, progress.samples_seen)
+    peak = device_peak_flops(world.device, cfg.precision)
+    if peak:
+        print0(f"mfu: {MFU_FORMULA}; peak {peak / 1e12:.0f} TFLOP/s per GPU ({cfg.precision.compute_dtype})",
+               world.is_main)
     return Job(cfg=cfg, world=world, model=model, optimizer=optimizer, pipeline=pipeline, contexts=contexts,
                train_data=train_data, val_data=val_data, scaler=scaler, guard=guard, progress=progress, meta=meta,
-               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop,
-               peak_flops=device_peak_flops(world.device, cfg.precision))
+               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak)
 
 
 def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager, model: nn.Module,
