@@ -164,3 +164,35 @@ def test_one_host_sync_per_training_step(tmp_path, data_cache, monkeypatch):
         job.metrics.close()
     finally:
         distributed.close_distributed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_op_checkpointing_keeps_float8_matmul_outputs():
+    """activation_checkpointing=op: backward re-runs no _scaled_mm (the forward's float8 matmul outputs are saved)."""
+    float8 = pytest.importorskip("torchao.float8")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainctl.train.activations import checkpoint_block
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func.overloadpacket.__name__ == "_scaled_mm"
+            return func(*args, **(kwargs or {}))
+
+    def calls(wrap: bool) -> int:
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(512, 1024, bias=False), torch.nn.SiLU(),
+                                  torch.nn.Linear(1024, 512, bias=False)).cuda().to(torch.bfloat16)
+        mlp = float8.convert_to_float8_training(mlp)
+        block = checkpoint_block(mlp, "op") if wrap else mlp
+        x = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        Count.calls = 0
+        with Count():
+            block(x).float().square().sum().backward()
+        return Count.calls
+
+    plain = calls(False)
+    assert plain > 0 and calls(True) == plain
