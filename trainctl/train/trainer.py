@@ -70,7 +70,7 @@ def train_loop(job: Job) -> dict:
                 break
     if begin == steps:  # a restart after the final checkpoint (a crash or preemption before result.json)
         val_loss = evaluate_and_log(job, steps)
-    job.checkpoints.wait()
+    job.checkpoints.close()  # commits what is pending, then frees the pinned staging buffers
     log_commit(job)
     summary = make_summary(job, begin, stopped, val_loss, time.perf_counter() - started)
     job.metrics.final(summary)
@@ -254,7 +254,8 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     guard, progress = StepGuard(cfg.guards), TrainProgress(seq_len=train.seq_len, wandb_id=metrics.wandb_id)
     layout = {"global_batch": train.global_batch, "sharding": asdict(sharding)}
     meta = CheckpointMeta(progress, scaler, guard, layout)
-    checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+    checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                    device=world.device.type)
     contexts = MicroBatchContext(model=model, precision=cfg.precision, wrap=wrap,
                                  device=world.device, offload=train.activation_offload, cp_mesh=cp_mesh_of(mesh))
     start = start_from_checkpoint(cfg, run_dir, checkpoints, model, optimizer, world)  # last: it sets the RNG
