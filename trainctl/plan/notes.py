@@ -7,6 +7,7 @@ behind them are in memory.py, activations.py, fit.py and throughput.py.
 from __future__ import annotations
 
 from trainctl.config.schema import RunConfig
+from trainctl.core.attention import predicted_kernel
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.loss_head import chunk_tokens, chunked_loss
@@ -105,6 +106,12 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
 
 
 def device_notes(cfg: RunConfig, dims: ParallelDims) -> list[str]:
+    kernel, why = predicted_kernel(cfg)
+    attention = f"attention kernel: {kernel} ({why}; train.attention=flash leaves cuDNN out)"
+    return [attention, *_framework_notes(cfg, dims)]
+
+
+def _framework_notes(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     if cfg.cluster.device != "cuda":
         return [f"framework: {fitting.CPU_PROCESS_BYTES / GIB:.1f} GiB per worker process (interpreter, libraries); "
                 "capacity: this machine's memory over procs_per_node for a local launch"]

@@ -323,7 +323,7 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
     job = None
     try:
         job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.preemption.signal))
-        with attention_backends():  # cuDNN, flash, efficient, math: set, not left to chance
+        with attention_backends(cfg.train.attention):  # cuDNN, flash, efficient, math: set, not left to chance
             summary = train_loop(job)
         if summary["stopped"]:
             report_stop(job, run_dir, summary["steps"])
