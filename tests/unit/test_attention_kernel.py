@@ -8,8 +8,8 @@ from torch.nn.attention import SDPBackend
 from trainctl.config import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
-from trainctl.core.attention import predicted_kernel
 from trainctl.models import llama
+from trainctl.plan.attention_kernel import predicted_kernel
 from trainctl.plan.runplan import build
 
 pytestmark = pytest.mark.unit

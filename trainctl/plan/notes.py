@@ -7,13 +7,13 @@ behind them are in memory.py, activations.py, fit.py and throughput.py.
 from __future__ import annotations
 
 from trainctl.config.schema import RunConfig
-from trainctl.core.attention import predicted_kernel
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.loss_head import chunk_tokens, chunked_loss
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import throughput as tp_model
+from trainctl.plan.attention_kernel import predicted_kernel
 from trainctl.plan.memory import GIB, RankMemory
 from trainctl.plan.throughput import DEFAULT_MFU
 
@@ -96,9 +96,7 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
                      "GPU measures it); MFU stays against the bf16 peak")
         notes.append("fp8: torchao's Float8Linear saves the bf16 input and weight and re-casts in backward, so "
                      "activations are counted as bf16; its transient fp8 copies (1 byte per element of one layer) are "
-                     "not, "
-                     "and FSDP's float8 all-gather (tensorwise: 1 byte per matmul weight) is counted as bf16 (errs "
-                     "high)")
+                     "not; FSDP's float8 all-gather (tensorwise) gathers 1 byte per block weight element")
     if t.compile:
         notes.append("compile: estimates follow the eager ops; inductor's fused kernels usually save less, so the "
                      "prediction errs high")
