@@ -131,3 +131,38 @@ def test_bench_memory_script_measures_against_the_plan(tmp_path, data_cache):
     assert result["peak_source"] == "cpu_tracked_tensors"
     assert result["measured_peak_bytes"] == pytest.approx(result["predicted_rank_peak_bytes"], rel=PEAK_TOLERANCE)
     assert "| op | 2 |" in (tmp_path / "b.md").read_text()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_blocks_saved_activations_match_the_plan(compiled):
+    """The bytes one block saves for backward (saved-tensor hooks, unique storages, weights and RoPE's table left
+    out; the block input counts: the first norm saves it) equal the plan's per-token count: eager (block_none) and torch.compile'd (block_compiled)."""
+    import torch
+
+    from trainctl.config.schema import ModelConfig
+    from trainctl.models.llama import build_model
+    from trainctl.plan import activations as act
+
+    m = ModelConfig(name="t", dim=256, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=256,
+                    max_seq_len=256)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(m, "cpu")
+    model.init_weights()
+    block = torch.compile(model.layers["0"], fullgraph=True) if compiled else model.layers["0"]
+    x = torch.randn(2, 256, m.dim, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip = params | {model.freqs.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, model.freqs[:256])
+    lay = act.ActLayout(compute_bytes=4, residual_bytes=4, compiled=compiled)
+    expected = act.block_compiled(m, lay) if compiled else act.block_none(m, lay)
+    assert sum(saved.values()) / x.shape[0] / x.shape[1] == expected

@@ -116,21 +116,33 @@ def test_the_plans_peak_matches_max_memory_allocated(tmp_path, data_cache, mode,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_attention_runs_a_cudnn_or_flash_kernel():
+@pytest.mark.parametrize("first", ["cudnn", "flash"])
+@pytest.mark.parametrize("n_kv_heads", [4, 8])
+def test_attention_runs_the_kernel_the_plan_predicts(first, n_kv_heads):
     from torch.profiler import ProfilerActivity, profile
 
+    from trainctl.config.schema import ClusterConfig, RunConfig, TrainConfig
     from trainctl.models.llama import attention_backends, build_model
+    from trainctl.plan.attention_kernel import predicted_kernel
 
+    model_cfg = replace(MODEL, n_kv_heads=n_kv_heads)
     torch.manual_seed(0)
-    model = build_model(MODEL, "cuda").to(torch.bfloat16)
+    model = build_model(model_cfg, "cuda").to(torch.bfloat16)
     model.init_weights()
     attention = model.layers["0"].attention
     x = torch.randn(4, 512, MODEL.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with attention_backends(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with attention_backends(first), profile(activities=[ProfilerActivity.CUDA]) as prof:
         attention(x, model.freqs).sum().backward()
         torch.cuda.synchronize()
     kernels = {e.name.lower() for e in prof.events() if e.device_type.name == "CUDA"}
-    assert any("flash" in k or "cudnn" in k for k in kernels), sorted(kernels)[:40]
+    ran = [name for name in ("cudnn", "flash") if any(name in k for k in kernels)]
+    cfg = RunConfig(model=model_cfg, precision=PrecisionConfig(compute_dtype="bf16"),
+                    train=replace(TrainConfig(), attention=first), cluster=replace(ClusterConfig(), device="cuda"))
+    predicted = predicted_kernel(cfg)[0].split(" or ")
+    print(f"attention first={first} n_kv_heads={n_kv_heads}: ran {ran}, plan predicted {predicted}")
+    assert ran and ran[0] in predicted, sorted(kernels)[:40]
+    if first == "flash":
+        assert "cudnn" not in ran
 
 
 @pytest.mark.gpu
@@ -164,3 +176,35 @@ def test_one_host_sync_per_training_step(tmp_path, data_cache, monkeypatch):
         job.metrics.close()
     finally:
         distributed.close_distributed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_op_checkpointing_keeps_float8_matmul_outputs():
+    """activation_checkpointing=op: backward re-runs no _scaled_mm (the forward's float8 matmul outputs are saved)."""
+    float8 = pytest.importorskip("torchao.float8")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainctl.train.activations import checkpoint_block
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func.overloadpacket.__name__ == "_scaled_mm"
+            return func(*args, **(kwargs or {}))
+
+    def calls(wrap: bool) -> int:
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(512, 1024, bias=False), torch.nn.SiLU(),
+                                  torch.nn.Linear(1024, 512, bias=False)).cuda().to(torch.bfloat16)
+        mlp = float8.convert_to_float8_training(mlp)
+        block = checkpoint_block(mlp, "op") if wrap else mlp
+        x = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        Count.calls = 0
+        with Count():
+            block(x).float().square().sum().backward()
+        return Count.calls
+
+    plain = calls(False)
+    assert plain > 0 and calls(True) == plain

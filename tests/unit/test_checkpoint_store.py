@@ -244,3 +244,33 @@ def test_commit_after_resuming_from_older_step_removes_the_abandoned_newer_ones(
         save_steps(manager, 15)
     assert names(manager) == ["step-00000010", "step-00000015"]
     assert "step-00000020, step-00000030" in caplog.text
+
+
+def test_an_async_save_of_cuda_state_waits_for_the_pinned_copy_only(tmp_path, monkeypatch):
+    """On CUDA, async saves stage through DCP's DefaultStager (pinned host buffers, reused): save() returns once
+    the device-to-host copy is done, while the write goes on (a CPU stand-in for the CUDA-only stager)."""
+    import threading
+    from concurrent.futures import Future
+
+    stager, seen = object(), {}
+    staged, uploaded = Future(), Future()
+    monkeypatch.setattr(ckpt, "pinned_stager", lambda: stager)
+
+    class Response:
+        staging_completion, upload_completion = staged, uploaded
+
+    def async_save(state, *, checkpoint_id, process_group, async_stager):
+        seen["stager"] = async_stager
+        staged.add_done_callback(lambda _: seen.setdefault("staged_before_return", True))
+        threading.Timer(0.2, lambda: staged.set_result(None)).start()
+        return Response()
+
+    monkeypatch.setattr(ckpt.dcp, "async_save", async_save)
+    manager = CheckpointManager(tmp_path, keep_last=2, async_save=True, device="cuda")
+    manager._stager = stager  # the fake has no close(): nothing is released here
+    manager.save(1, small_state(), {}, {})
+    assert seen == {"stager": stager, "staged_before_return": True}
+    assert not uploaded.done()  # the write itself is not waited for by save()
+    uploaded.set_result(None)
+    manager._stager = None
+    manager.wait()

@@ -202,3 +202,24 @@ def test_nan_fault_poisons_loss_and_gradients_at_that_step_only(monkeypatch):
     poisoned.backward()
     assert torch.isnan(weight.grad).all()
     assert torch.equal(TokenLoss(2)((weight * 2).expand(1, 2, 3), targets), clean)  # outside a step
+
+
+def test_agreed_step_copies_nothing_from_the_host():
+    """Every value is built on the loss's device: torch.tensor(python value, device=...) is a blocking
+    host-to-device copy on CUDA (lift_fresh + copy), which would add a host sync to every step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func) + ("(device)" if (kwargs or {}).get("device") is not None else ""))
+            return func(*args, **(kwargs or {}))
+
+    loss, norm = torch.tensor(1.5), torch.tensor(0.25)
+    with Ops() as ops:
+        assert agreed_step(loss, norm, stop=True) == (1.5, 0.25, True)
+    # lift_fresh is a tensor made from Python data; a copy given a device moves data between devices.
+    assert not [op for op in ops.seen if "lift_fresh" in op or ("copy" in op and "(device)" in op)], ops.seen

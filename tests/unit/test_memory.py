@@ -208,3 +208,25 @@ def test_peak_is_the_largest_phase_and_to_dict_reports_it():
     data = est.to_dict()
     assert data["peak_bytes"] == est.peak and data["params_bytes"] == P // 2
     assert data["states_bytes"] == est.params + est.grads + est.optimizer
+
+
+def test_cuda_rms_norm_keeps_its_input_and_rstd_only():
+    """The fused CUDA kernel saves the fp32 input and rstd; the CPU path also keeps x * rstd (4 dim bytes more)."""
+    from dataclasses import replace as dc_replace
+
+    m = ModelConfig(name="t", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=256)
+    cpu = act.ActLayout(compute_bytes=2, residual_bytes=4)
+    cuda = dc_replace(cpu, fused_norm=True)
+    assert act.block_none(m, cpu) - act.block_none(m, cuda) == 2 * 4 * m.dim  # two norms per block
+
+
+def test_a_compiled_block_keeps_matmul_inputs_and_outputs_not_the_norms_fp32_work():
+    from dataclasses import replace as dc_replace
+
+    m = ModelConfig(name="t", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=256)
+    lay = act.ActLayout(compute_bytes=4, residual_bytes=4)
+    compiled = dc_replace(lay, compiled=True)
+    # the CPU measurement (tests/dist/test_plan_memory.py): 15656 bytes per token against eager's 20520
+    assert act.block_compiled(m, lay) == 15656 and act.block_none(m, lay) == 20520
+    assert act.blocks_bytes(m, compiled, "none", 2, 2) == 2 * 15656
+    assert act.blocks_bytes(m, compiled, "full", 2, 2) == act.blocks_bytes(m, lay, "full", 2, 2)

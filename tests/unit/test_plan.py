@@ -107,10 +107,11 @@ def test_memory_of_zero3_on_8_ranks_fits_without_warning():
 
 
 def test_zero3_7b_without_checkpointing_does_not_fit_8k_tokens_per_h100():
-    # ~6.5 MB of bf16 activations per token over 32 blocks x 8192 tokens: ~50 GiB on top of the states.
+    # ~5.5 MB of bf16 activations per token over 32 blocks x 8192 tokens (CUDA's fused RMSNorm keeps its fp32
+    # input and rstd): ~42 GiB on top of the states.
     plan = build(llama7b_zero3_h100(activation_checkpointing="none"))
     assert plan.fit.verdict == "does not fit"
-    assert plan.memory.activations > 45 * 2**30
+    assert plan.memory.activations > 40 * 2**30
 
 
 def test_tensor_parallel_splits_params_per_rank():

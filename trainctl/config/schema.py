@@ -26,6 +26,7 @@ DEVICES = ("cpu", "cuda")
 DATA_KINDS = ("stdlib", "memmap", "synthetic")
 TOKEN_DTYPES = ("uint16", "uint32")
 AC_MODES = ("none", "full", "selective", "op")
+ATTENTION_KERNELS = ("cudnn", "flash")  # the SDPA kernel tried first on CUDA
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 WANDB_MODES = ("online", "offline", "disabled")
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -189,6 +190,7 @@ class TrainConfig:
     ac_every: int = 2  # selective: checkpoint every k-th block
     activation_offload: bool = False  # keep saved activations in CPU memory until backward
     compile: bool = False
+    attention: str = "cudnn"  # cudnn | flash: the SDPA kernel tried first on CUDA (flash: never cuDNN)
     eval_every: int = 50  # 0 disables
     eval_batches: int = 8
     gc_every: int = 50  # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes

@@ -144,6 +144,7 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("data.kind", cfg.data.kind, schema.DATA_KINDS)
         + _choice("data.token_dtype", cfg.data.token_dtype, schema.TOKEN_DTYPES)
         + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing, schema.AC_MODES)
+        + _choice("train.attention", cfg.train.attention, schema.ATTENTION_KERNELS)
         + _choice("sharding.pp_schedule", cfg.sharding.pp_schedule, schema.PP_SCHEDULES)
         + _choice("logging.wandb.mode", cfg.logging.wandb.mode, schema.WANDB_MODES)
         + _choice("checkpoint.load_only", cfg.checkpoint.load_only, schema.LOAD_ONLY)

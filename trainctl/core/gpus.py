@@ -75,19 +75,29 @@ def match_gpu(device_name: str) -> str | None:
     return None
 
 
-def peak_flops(gpu: str, compute_dtype: str, fp8: bool = False) -> float | None:
-    """Dense peak FLOP/s of one device for the dtype its matmuls run in; None if unknown.
+# What every MFU figure trainctl prints means (printed beside it): model FLOPs per token over the full,
+# not causally halved, sequence, against the compute dtype's dense peak. An fp8 run is measured against the
+# bf16 peak too, as torchtitan reports it: an fp8 speed-up then reads as a higher MFU, never as a regression.
+MFU_FORMULA = "MFU = tokens/s x (6N + 12*L*d*s, full attention) / (GPUs x bf16 dense peak)"
+MFU_TAG = "6N+12Lds/bf16 peak"
 
-    An fp8 run's MFU is against the fp8 peak, in the plan and in the worker alike: it is the tensor-core
-    rate that run asks of the device (its bf16-peak MFU would read twice as high). Attention and the
-    output layer stay bf16, so an fp8 run's MFU is lower than its bf16 twin's at the same speed-up.
-    """
+
+def peak_flops(gpu: str, compute_dtype: str) -> float | None:
+    """Dense peak FLOP/s of one device in the compute dtype (the MFU denominator, fp8 runs included); None if
+    unknown."""
     spec = GPUS.get(gpu)
     if spec is None:
         return None
-    key = "fp8" if fp8 else compute_dtype
-    tflops = spec.peak_tflops.get(key)
+    tflops = spec.peak_tflops.get(compute_dtype)
     return None if tflops is None else tflops * 1e12
+
+
+def fp8_speedup_bound(gpu: str, compute_dtype: str) -> float | None:
+    """The fp8 dense peak over the compute dtype's: what float8 matmuls could gain at most; None if unknown."""
+    spec = GPUS.get(gpu)
+    if spec is None or "fp8" not in spec.peak_tflops or compute_dtype not in spec.peak_tflops:
+        return None
+    return spec.peak_tflops["fp8"] / spec.peak_tflops[compute_dtype]
 
 
 def device_kinds() -> dict[str, GpuSpec]:

@@ -34,13 +34,15 @@ ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                       SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attention_backends() -> contextlib.AbstractContextManager:
-    """Entered once around the worker's training: SDPA tries ATTENTION_BACKENDS in that order.
+def attention_backends(first: str = "cudnn") -> contextlib.AbstractContextManager:
+    """Entered once around the worker's training: SDPA tries ATTENTION_BACKENDS in that order; `first`="flash"
+    (train.attention) leaves cuDNN out, the one-key fallback when a cuDNN kernel misbehaves.
 
     Once, not per call: the setting is global, and a per-block context would be traced into every
     compiled block.
     """
-    return sdpa_kernel(ATTENTION_BACKENDS, set_priority=True)
+    order = [b for b in ATTENTION_BACKENDS if first == "cudnn" or b != SDPBackend.CUDNN_ATTENTION]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def expands_kv(q: torch.Tensor) -> bool:

@@ -54,6 +54,8 @@ class ActLayout:
     cp: int = 1
     autocast: bool = False  # torch.autocast (none/ddp/zero1 under bf16/fp16): each matmul casts its own input
     chunked_loss: bool = False  # the output projection + cross-entropy run in chunks (core/loss_head.py)
+    compiled: bool = False  # train.compile: Inductor decides what a block saves (block_compiled)
+    fused_norm: bool = False  # CUDA: rms_norm's fused kernel saves its input and rstd, not x * rstd too
 
 
 def kv_dim(m: ModelConfig, cp: int) -> int:
@@ -69,7 +71,8 @@ def norm_bytes(m: ModelConfig, lay: ActLayout, feeds: int = 1) -> float:
     output projection (1). Without autocast the matmuls share one tensor.
     """
     copies = feeds if lay.autocast else 1
-    return (8 * m.dim + FP32) / lay.tp + lay.compute_bytes * m.dim * copies
+    fp32 = (4 if lay.fused_norm else 8) * m.dim + FP32
+    return fp32 / lay.tp + lay.compute_bytes * m.dim * copies
 
 
 def block_none(m: ModelConfig, lay: ActLayout) -> float:
@@ -78,6 +81,21 @@ def block_none(m: ModelConfig, lay: ActLayout) -> float:
     attention = a * (m.dim + 2 * kv) + FP32 * m.n_heads + a * m.dim
     mlp = 4 * a * m.ffn_dim
     return norm_bytes(m, lay, feeds=3) + norm_bytes(m, lay, feeds=2) + (attention + mlp) / lay.tp
+
+
+def block_compiled(m: ModelConfig, lay: ActLayout) -> float:
+    """Bytes per token a torch.compile'd block keeps without checkpointing (measured on CPU: Inductor's
+    partitioner keeps the matmuls' inputs and outputs and recomputes the pointwise work from them):
+
+    two rstd (fp32) and the two normed outputs the matmuls read (a d each, gathered under tp; the fp32 norm
+    inputs are not kept); one residual-stream tensor (r d: the block input); q, k, v (a(d + 2kv)), SDPA's output and wo's contiguous
+    input (2 a d) and its log-sum-exp (4H); w1's and w3's outputs and their SwiGLU product (3 a f; silu is
+    recomputed).
+    """
+    a, kv = lay.compute_bytes, kv_dim(m, lay.cp)
+    norms = 2 * (FP32 / lay.tp + a * m.dim)
+    attention = a * (m.dim + 2 * kv) + 2 * a * m.dim + FP32 * m.n_heads
+    return norms + (lay.residual_bytes * m.dim + attention + 3 * a * m.ffn_dim) / lay.tp
 
 
 def block_full(m: ModelConfig, lay: ActLayout) -> float:
@@ -106,7 +124,8 @@ def blocks_bytes(m: ModelConfig, lay: ActLayout, mode: str, n_blocks: int, every
     """Bytes per token the stage's blocks keep under a checkpointing mode."""
     wrapped = checkpointed_blocks(mode, n_blocks, every)
     kept = block_op(m, lay) if mode == "op" else block_full(m, lay)
-    return wrapped * kept + (n_blocks - wrapped) * block_none(m, lay)
+    plain = block_compiled(m, lay) if lay.compiled else block_none(m, lay)
+    return wrapped * kept + (n_blocks - wrapped) * plain
 
 
 def head_bytes(m: ModelConfig, lay: ActLayout) -> float:

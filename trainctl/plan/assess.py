@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trainctl.config.schema import RunConfig
 from trainctl.core.dims import ParallelDims
-from trainctl.core.gpus import GPUS, peak_flops
+from trainctl.core.gpus import GPUS, fp8_speedup_bound, peak_flops
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import memory
@@ -51,7 +51,7 @@ def dims_of(cfg: RunConfig) -> ParallelDims:
 def device_peak(cfg: RunConfig) -> float | None:
     if cfg.cluster.device != "cuda":
         return None
-    return peak_flops(cfg.cluster.gpu, cfg.precision.compute_dtype, cfg.precision.fp8)
+    return peak_flops(cfg.cluster.gpu, cfg.precision.compute_dtype)
 
 
 def assumed_mfu(cfg: RunConfig) -> float:
@@ -71,6 +71,10 @@ def step_time(
     compute = flops_per_token(m, t.seq_len) * tokens / rate
     wrapped = checkpointed_blocks(t.activation_checkpointing, m.n_layers, t.ac_every)
     recompute = tp_model.recompute_flops_per_token(m, t.seq_len, t.activation_checkpointing, wrapped) * tokens / rate
+    if cfg.precision.fp8:
+        factor = tp_model.fp8_time_factor(m, t.seq_len, cfg.precision.fp8_exclude,
+                                          fp8_speedup_bound(cfg.cluster.gpu, cfg.precision.compute_dtype))
+        compute, recompute = compute * factor, recompute * factor
     if t.activation_checkpointing == "op":
         recompute = tp_model.OP_RECOMPUTE_OVERHEAD * compute
     bubble_fraction = tp_model.bubble_fraction(s.pp_schedule, dims.pp, t.grad_accum, s.pp_stages_per_rank)

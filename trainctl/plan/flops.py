@@ -51,3 +51,27 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     counted: this is model FLOPs, the numerator of MFU.
     """
     return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.dim * seq_len
+
+
+FP8_ALIGNMENT = 16  # torchao float8 converts a Linear only when both of its dimensions are multiples of this
+
+
+def linear_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every weight matmul's (in, out) by its module name in one block (`attention.wq`, ...) and `output`."""
+    q, kv = m.n_heads * head_dim(m), m.n_kv_heads * head_dim(m)
+    return {"attention.wq": (m.dim, q), "attention.wk": (m.dim, kv), "attention.wv": (m.dim, kv),
+            "attention.wo": (q, m.dim), "feed_forward.w1": (m.dim, m.ffn_dim),
+            "feed_forward.w2": (m.ffn_dim, m.dim), "feed_forward.w3": (m.dim, m.ffn_dim),
+            "output": (m.dim, m.vocab_size)}
+
+
+def fp8_matmul_params(m: ModelConfig, exclude: list[str] | tuple[str, ...]) -> int:
+    """Matmul weights that run in float8 (the worker's rule, train/float8.wants_float8): not excluded by name
+    (`precision.fp8_exclude`, matched against `layers.N.<name>` and `output`), both dimensions 16-aligned."""
+    total = 0
+    for name, (n_in, n_out) in linear_shapes(m).items():
+        fqn = name if name == "output" else f"layers.0.{name}"
+        if any(part in fqn for part in exclude) or n_in % FP8_ALIGNMENT or n_out % FP8_ALIGNMENT:
+            continue
+        total += n_in * n_out * (1 if name == "output" else m.n_layers)
+    return total

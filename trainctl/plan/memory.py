@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.core.loss_head import chunked_loss
-from trainctl.core.wrapping import Wrapping, wrapping
+from trainctl.core.wrapping import Wrapping, float8_all_gather, wrapping
 from trainctl.plan import activations as act
 from trainctl.plan.shapes import (
     Tensor,
@@ -207,29 +207,32 @@ def fsdp_units(m: ModelConfig, stage: RankStages, tp: int) -> dict[str, int]:
     return {"embedding": embedding, "block": block, "head": head, "root": 0}
 
 
-def gathered(units: dict[str, int], n_blocks: int, reshard: bool, c: int, r: int) -> tuple[int, int, int]:
+def gathered(units: dict[str, int], n_blocks: int, reshard: bool, c: int, r: int,
+             g: int | None = None) -> tuple[int, int, int]:
     """(at the loss, during a block's backward, at the end of backward) bytes of FSDP2's gathered units.
 
-    A unit's backward holds its gathered weights, its unsharded gradient (compute dtype) and the
-    reduce-scatter input (reduce dtype): (2c + r) per element; a block's backward also has the
-    previous block prefetched (+c).
+    A unit's backward holds its gathered weights (g bytes per element: the compute dtype's c, or 1 for a
+    block's float8 all-gather), its unsharded gradient (compute dtype) and the reduce-scatter input (reduce
+    dtype): (g + c + r) per element; a block's backward also has the previous block prefetched (+g). A block's
+    norm weights gather in the compute dtype under float8 too (2 dim of about 12 dim^2: left out).
     """
-    block, root = units["block"], units["root"]
-    largest_end = max(units["embedding"], block)
-    at_end = c * root + (2 * c + r) * largest_end
+    g = c if g is None else g
+    block, root, embedding = units["block"], units["root"], units["embedding"]
+    at_end = c * root + max((2 * c + r) * embedding, (g + c + r) * block)
     if reshard:
-        return c * (units["head"] + root), c * root + (3 * c + r) * block, at_end
-    everything = units["embedding"] + n_blocks * block + units["head"] + root  # zero2: all kept until their backward
-    return c * everything, c * everything + (c + r) * block, at_end
+        return c * (units["head"] + root), c * root + (2 * g + c + r) * block, at_end
+    kept = c * (embedding + units["head"] + root) + g * n_blocks * block  # zero2: all kept until their backward
+    return kept, kept + (c + r) * block, at_end
 
 
 def activation_layout(precision: PrecisionConfig, wrap: Wrapping, dims: ParallelDims,
-                      chunked_loss: bool = False) -> act.ActLayout:
+                      chunked_loss: bool = False, compiled: bool = False, device: str = "cpu") -> act.ActLayout:
     c = DTYPE_BYTES[precision.compute_dtype]
     # Under FSDP mixed precision the weights (so the embedding's output) are in the compute dtype;
     # autocast leaves the embedding fp32 and the residual adds promote to fp32.
     residual = c if wrap.fsdp else FP32
-    return act.ActLayout(c, residual, dims.tp, dims.cp, wrap.autocast, chunked_loss)
+    return act.ActLayout(c, residual, dims.tp, dims.cp, wrap.autocast, chunked_loss, compiled,
+                         fused_norm=device == "cuda")
 
 
 @dataclass(frozen=True)
@@ -300,14 +303,16 @@ def end_parts(tensors: list[Tensor], stage: RankStages) -> tuple[list[Tensor], l
     return first_part, head_part
 
 
-def gathered_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: Wrapping, c: int, r: int):
+def gathered_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: Wrapping, c: int, r: int,
+                   precision: PrecisionConfig | None = None):
     """`gathered` for this wrapping's FSDP2 units; zeros without FSDP2."""
     if not wrap.fully_shard:
         return 0, 0, 0
     units = fsdp_units(m, stage, dims.tp)
     # FSDP2 as DDP (ddp over tp/pp) gathers and reduces fp32: it has no mixed precision.
     unit_c, unit_r = (c, r) if wrap.fsdp else (FP32, FP32)
-    return gathered(units, len(stage.layers), wrap.reshard_after_forward, unit_c, unit_r)
+    g = 1 if float8_all_gather(wrap.fsdp, precision) else unit_c
+    return gathered(units, len(stage.layers), wrap.reshard_after_forward, unit_c, unit_r, g)
 
 
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,
@@ -322,7 +327,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     params, grads = FP32 * stored, FP32 * stored
     optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
     tokens = train.micro_batch * train.seq_len // dims.cp
-    lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp))
+    lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp), train.compile,
+                            device)
     saved = activation_bytes(m, train, lay, stage, tokens)
     if train.activation_offload:
         saved = offloaded(saved, m, lay, train, stage, tokens)
@@ -330,7 +336,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
     casts = weight_cast_bytes(tensors, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
     first_part, head_part = end_parts(tensors, stage)
-    at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r)
+    at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r, precision)
     accumulating = train.grad_accum > 1
     unsharded = max(c, r) * local if fsdp and accumulating else 0
     step_temp = 0 if device == "cuda" and not sharding.cpu_offload else FP32 * stepped

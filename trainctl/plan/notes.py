@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from trainctl.config.schema import RunConfig
 from trainctl.core.dims import ParallelDims
+from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.loss_head import chunk_tokens, chunked_loss
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
+from trainctl.plan import throughput as tp_model
+from trainctl.plan.attention_kernel import predicted_kernel
 from trainctl.plan.memory import GIB, RankMemory
 from trainctl.plan.throughput import DEFAULT_MFU
 
@@ -86,11 +89,14 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
         notes.append("activation_offload: saved tensors live in host memory until backward (the op-level cache stays "
                      "on the device); one block's tensors come back at a time")
     if cfg.precision.fp8:
+        share = tp_model.fp8_share(cfg.model, t.seq_len, cfg.precision.fp8_exclude)
+        notes.append(f"fp8: float8 matmuls run {share:.0%} of the model FLOPs (the converted Linears); attention and "
+                     f"{', '.join(cfg.precision.fp8_exclude) or 'nothing else'} stay bf16; compute modelled at "
+                     f"{tp_model.FP8_GEMM_EFFICIENCY:g} x the fp8/bf16 peak ratio on that share (an assumption until a "
+                     "GPU measures it); MFU stays against the bf16 peak")
         notes.append("fp8: torchao's Float8Linear saves the bf16 input and weight and re-casts in backward, so "
                      "activations are counted as bf16; its transient fp8 copies (1 byte per element of one layer) are "
-                     "not, "
-                     "and FSDP's float8 all-gather (tensorwise: 1 byte per matmul weight) is counted as bf16 (errs "
-                     "high)")
+                     "not; FSDP's float8 all-gather (tensorwise) gathers 1 byte per block weight element")
     if t.compile:
         notes.append("compile: estimates follow the eager ops; inductor's fused kernels usually save less, so the "
                      "prediction errs high")
@@ -98,6 +104,12 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
 
 
 def device_notes(cfg: RunConfig, dims: ParallelDims) -> list[str]:
+    kernel, why = predicted_kernel(cfg)
+    attention = f"attention kernel: {kernel} ({why}; train.attention=flash leaves cuDNN out)"
+    return [attention, *_framework_notes(cfg, dims)]
+
+
+def _framework_notes(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     if cfg.cluster.device != "cuda":
         return [f"framework: {fitting.CPU_PROCESS_BYTES / GIB:.1f} GiB per worker process (interpreter, libraries); "
                 "capacity: this machine's memory over procs_per_node for a local launch"]
@@ -111,7 +123,8 @@ def device_notes(cfg: RunConfig, dims: ParallelDims) -> list[str]:
 def throughput_notes(cfg: RunConfig) -> list[str]:
     source = ("cluster.assumed_mfu" if cfg.cluster.assumed_mfu
               else "the default: no measured figure under benchmarks/ yet")
-    return [f"step time at MFU {cfg.cluster.assumed_mfu or DEFAULT_MFU:g} ({source}); recompute, pipeline bubble, "
+    return [f"step time at MFU {cfg.cluster.assumed_mfu or DEFAULT_MFU:g} ({source}; {MFU_FORMULA}); recompute, "
+            "pipeline bubble, "
             "exposed TP/FSDP "
             "traffic and offload transfers are added as trainctl/plan/throughput.py states (full checkpointing: one "
             "more "

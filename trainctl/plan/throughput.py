@@ -21,6 +21,10 @@ The time model, stated once (every term is per optimizer step, on the busiest ra
               tokens x dim in the compute dtype, x (tp-1)/tp) at the node's bus bandwidth, not hidden
     fsdp      zero3 gathers every unit twice per micro-batch (forward, backward), zero2 once; the
               gradients are reduce-scattered once per step; hidden behind compute up to its length
+    fp8       float8 matmuls run the converted Linears' share of the FLOPs (6 x their weights per token, over
+              the model FLOPs) FP8_GEMM_EFFICIENCY x (fp8 peak / bf16 peak) times faster; attention, the
+              excluded layers (the output head by default) and everything else stay at the bf16 rate
+              (Amdahl); the casts and amax reductions are inside the assumed MFU
     offload   cpu_offload: the parameter shard crosses PCIe (25 GB/s) at every gather, gradients once,
               and AdamW runs on the host at 1 G parameters/s per node, shared by its ranks
 """
@@ -32,13 +36,16 @@ from dataclasses import dataclass
 
 from trainctl.config.schema import ModelConfig
 from trainctl.core.wrapping import Wrapping
-from trainctl.plan.flops import layer_params
+from trainctl.plan.flops import flops_per_token, fp8_matmul_params, layer_params
 
 DEFAULT_MFU = 0.4
 FULL_SPEED_TOKENS = 8192
 HALVING_COST = 0.05
 OP_RECOMPUTE_OVERHEAD = 0.03
 PCIE_BYTES_PER_S = 25e9
+# The part of the fp8/bf16 peak ratio that float8 GEMMs reach at LLM shapes (scaled matmuls run below their
+# peak more than bf16 ones): an assumption until a GPU measures it (benchmarks/<gpu>/, issue 22).
+FP8_GEMM_EFFICIENCY = 0.8
 HOST_ADAMW_PARAMS_PER_S = 1e9  # per node (DeepSpeed's CPU Adam class of speed on a many-core host)
 
 
@@ -129,3 +136,18 @@ def offload_seconds(stored_params: int, wrap: Wrapping, micro_batches: int, rank
 
 def hours(seconds: float | None) -> float | None:
     return None if seconds is None else seconds / 3600
+
+
+def fp8_share(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...]) -> float:
+    """The share of the model FLOPs per token that float8 matmuls run."""
+    return 6.0 * fp8_matmul_params(m, exclude) / flops_per_token(m, seq_len)
+
+
+def fp8_time_factor(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...],
+                    peak_ratio: float | None) -> float:
+    """Compute time with float8 over the same run's bf16 time (module doc: fp8); 1.0 when the device's fp8 peak
+    is unknown."""
+    if not peak_ratio:
+        return 1.0
+    share = fp8_share(m, seq_len, exclude)
+    return (1.0 - share) + share / (FP8_GEMM_EFFICIENCY * peak_ratio)

@@ -32,10 +32,11 @@ def _aten_overloads(*names: str) -> frozenset:
     return frozenset(op.default for op in ops if op is not None)
 
 
-# Ops whose outputs the `op` mode keeps: matmuls (nn.Linear lowers to mm/addmm, batched ones to bmm)
-# and fused attention kernels. Recomputing them would redo most of the forward's FLOPs.
+# Ops whose outputs the `op` mode keeps: matmuls (nn.Linear lowers to mm/addmm, batched ones to bmm; a
+# float8 Linear to _scaled_mm) and fused attention kernels. Recomputing them would redo most of the forward's
+# FLOPs.
 SAVED_OPS = _aten_overloads(
-    "mm", "addmm", "bmm",
+    "mm", "addmm", "bmm", "_scaled_mm",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",

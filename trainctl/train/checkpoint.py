@@ -100,6 +100,17 @@ class _Pending:
     part: Future  # -> Part, once DCP's write is done and this rank's files are hashed
 
 
+def pinned_stager():
+    """DCP's stager for CUDA state: reused pinned host buffers, copies on a side stream (non-blocking); None on a
+    torch without it (the default stager then copies into pageable memory, blocking longer)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=True))
+
+
 class CheckpointManager:
     """Saves, commits, prunes, verifies and loads the checkpoints under one root directory.
 
@@ -107,13 +118,15 @@ class CheckpointManager:
     Construction is collective: every rank must create its manager at the same point.
     """
 
-    def __init__(self, root: Path, keep_last: int, async_save: bool = False, process_group=None):
+    def __init__(self, root: Path, keep_last: int, async_save: bool = False, process_group=None,
+                 device: str = "cpu"):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1")
         self.root, self.keep_last, self.async_save = Path(root), keep_last, async_save
         self.stats: SaveStats | None = None
         self._pending: _Pending | None = None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") if async_save else None
+        self._stager = pinned_stager() if async_save and device == "cuda" else None
         self._ctl = self._dcp_group = None
         self.rank, self.world_size, self._dcp_rank = 0, 1, 0
         if dist.is_available() and dist.is_initialized():
@@ -167,7 +180,13 @@ class CheckpointManager:
             self._commit(step, tmp, self._hash_own(tmp, part), started, 0.0, started)
             return
         try:
-            written = dcp.async_save(app_state, checkpoint_id=tmp, process_group=self._dcp_group)
+            written = dcp.async_save(app_state, checkpoint_id=tmp, process_group=self._dcp_group,
+                                     async_stager=self._stager)
+            # The loop waits for the device-to-host copy into the stager's pinned buffers only: after it, the
+            # next optimizer step may change the parameters while the write goes on in the background.
+            staged = getattr(written, "staging_completion", None)
+            if staged is not None:
+                staged.result()
         except SAVE_ERRORS as exc:
             # Staging failed on this rank only; the others' writers wait for it in DCP's collectives,
             # so end this process (torchrun stops the rest) rather than train on.
@@ -214,6 +233,17 @@ class CheckpointManager:
         """Commit a finished async save if every rank's part is done; a no-op otherwise (call at each step boundary)."""
         if self._pending is not None and self._everyone(self._pending.part.done()):
             self._commit_pending(time.perf_counter())
+
+    def close(self) -> None:
+        """Commit what is pending, then release the staging buffers and threads."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=True)
 
     def wait(self) -> None:
         """Block until a pending save is committed (raises CheckpointError if it failed); a no-op when none is."""

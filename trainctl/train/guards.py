@@ -148,7 +148,9 @@ def agreed_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool, group=N
         grad_norm = grad_norm.full_tensor()
     loss = torch.as_tensor(loss).detach()
     grad_norm = torch.as_tensor(grad_norm, device=loss.device).detach()
-    flag = torch.tensor(float(stop), dtype=torch.float64, device=loss.device)
+    # torch.full fills on the device from a kernel argument; torch.tensor(float(stop), device=cuda) would be a
+    # blocking host-to-device copy every step (a second host sync beside the .tolist() below).
+    flag = torch.full((), float(stop), dtype=torch.float64, device=loss.device)
     values = torch.stack([loss.double().reshape(()), grad_norm.double().reshape(()), flag])
     world = 1
     if dist.is_available() and dist.is_initialized():

@@ -37,12 +37,12 @@ def print0(message: str, is_main: bool) -> None:
 
 
 def device_peak_flops(device: torch.device, precision: PrecisionConfig) -> float | None:
-    """Dense peak FLOP/s of one device for MFU, the plan's (core.gpus.peak_flops: fp8 runs against the fp8
-    peak); None on CPU or an unknown GPU (MFU is then omitted)."""
+    """Dense peak FLOP/s of one device for MFU, the plan's (core.gpus.peak_flops: the compute dtype's, fp8 runs
+    included); None on CPU or an unknown GPU (MFU is then omitted)."""
     if device.type != "cuda":
         return None
     gpu = match_gpu(torch.cuda.get_device_name(device))
-    return None if gpu is None else peak_flops(gpu, precision.compute_dtype, precision.fp8)
+    return None if gpu is None else peak_flops(gpu, precision.compute_dtype)
 
 
 class _Progress:

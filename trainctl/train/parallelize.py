@@ -65,10 +65,14 @@ def check_compiler(env: dict | None = None) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block: same code per block, so one compiled graph is reused by all."""
+    """torch.compile each block: same code per block, so one compiled graph is reused by all.
+
+    fullgraph=True: a graph break fails loudly at the first step instead of silently splitting the block into
+    slower pieces.
+    """
     blocks = transformer_blocks(model)
     for name, block in list(blocks.items()):
-        blocks[name] = torch.compile(block)
+        blocks[name] = torch.compile(block, fullgraph=True)
 
 
 def dp_mesh_for(dp_dims: tuple[str, ...], mesh: DeviceMesh) -> DeviceMesh:

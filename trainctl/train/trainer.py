@@ -20,6 +20,7 @@ from torch import nn
 from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
+from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.llama import attention_backends, build_model
 from trainctl.plan.flops import flops_per_token
@@ -69,7 +70,7 @@ def train_loop(job: Job) -> dict:
                 break
     if begin == steps:  # a restart after the final checkpoint (a crash or preemption before result.json)
         val_loss = evaluate_and_log(job, steps)
-    job.checkpoints.wait()
+    job.checkpoints.close()  # commits what is pending, then frees the pinned staging buffers
     log_commit(job)
     summary = make_summary(job, begin, stopped, val_loss, time.perf_counter() - started)
     job.metrics.final(summary)
@@ -253,17 +254,21 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     guard, progress = StepGuard(cfg.guards), TrainProgress(seq_len=train.seq_len, wandb_id=metrics.wandb_id)
     layout = {"global_batch": train.global_batch, "sharding": asdict(sharding)}
     meta = CheckpointMeta(progress, scaler, guard, layout)
-    checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+    checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                    device=world.device.type)
     contexts = MicroBatchContext(model=model, precision=cfg.precision, wrap=wrap,
                                  device=world.device, offload=train.activation_offload, cp_mesh=cp_mesh_of(mesh))
     start = start_from_checkpoint(cfg, run_dir, checkpoints, model, optimizer, world)  # last: it sets the RNG
     if start.resumed:
         meta.load_state_dict(start.meta)
         train_data.resume_at(progress.step, progress.samples_seen)
+    peak = device_peak_flops(world.device, cfg.precision)
+    if peak:
+        print0(f"mfu: {MFU_FORMULA}; peak {peak / 1e12:.0f} TFLOP/s per GPU ({cfg.precision.compute_dtype})",
+               world.is_main)
     return Job(cfg=cfg, world=world, model=model, optimizer=optimizer, pipeline=pipeline, contexts=contexts,
                train_data=train_data, val_data=val_data, scaler=scaler, guard=guard, progress=progress, meta=meta,
-               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop,
-               peak_flops=device_peak_flops(world.device, cfg.precision))
+               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak)
 
 
 def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager, model: nn.Module,
@@ -318,7 +323,7 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
     job = None
     try:
         job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.preemption.signal))
-        with attention_backends():  # cuDNN, flash, efficient, math: set, not left to chance
+        with attention_backends(cfg.train.attention):  # cuDNN, flash, efficient, math: set, not left to chance
             summary = train_loop(job)
         if summary["stopped"]:
             report_stop(job, run_dir, summary["steps"])

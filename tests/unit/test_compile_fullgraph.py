@@ -1,0 +1,28 @@
+"""train.compile compiles each block with fullgraph=True: a graph break fails at the first step, loudly, instead of
+silently splitting the block into slower pieces (issue 22)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainctl.train.parallelize import apply_compile
+
+pytestmark = pytest.mark.unit
+
+
+class Breaks(nn.Module):
+    def forward(self, x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return x + 1
+
+
+def test_a_graph_break_in_a_compiled_block_fails_loudly():
+    torch._dynamo.reset()
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": Breaks()})
+    apply_compile(model)
+    with pytest.raises(Exception, match="(?i)graph.break|fullgraph"):
+        model.layers["0"](torch.ones(2))
