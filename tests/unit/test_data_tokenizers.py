@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -186,7 +187,8 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_
 
 def hf_model(folder, tokenizer=None):
     write_json(folder / "config.json", LLAMA)
-    (folder / "model.safetensors").write_bytes(b"")
+    # a valid safetensors header with no tensors: the plan reads headers (dtypes, sizes), not the weights
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     if tokenizer is not None:
         (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
     return folder

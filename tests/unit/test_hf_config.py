@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ def hf_folder(root, config: dict, weights: bool = True):
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config))
     if weights:
-        (root / "model.safetensors").write_bytes(b"")  # only its presence is checked before launch
+        # a valid safetensors header with no tensors: the plan reads headers (dtypes, sizes), not the weights
+        (root / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     return root
 
 

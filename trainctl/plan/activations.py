@@ -88,9 +88,9 @@ def block_compiled(m: ModelConfig, lay: ActLayout) -> float:
     partitioner keeps the matmuls' inputs and outputs and recomputes the pointwise work from them):
 
     two rstd (fp32) and the two normed outputs the matmuls read (a d each, gathered under tp; the fp32 norm
-    inputs are not kept); one residual-stream tensor (r d: the block input); q, k, v (a(d + 2kv)), SDPA's output and wo's contiguous
-    input (2 a d) and its log-sum-exp (4H); w1's and w3's outputs and their SwiGLU product (3 a f; silu is
-    recomputed).
+    inputs are not kept); one residual-stream tensor (r d: the block input); q, k, v (a(d + 2kv)), SDPA's
+    output and wo's contiguous input (2 a d) and its log-sum-exp (4H); w1's and w3's outputs and their SwiGLU
+    product (3 a f; silu is recomputed).
     """
     a, kv = lay.compute_bytes, kv_dim(m, lay.cp)
     norms = 2 * (FP32 / lay.tp + a * m.dim)
