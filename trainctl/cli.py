@@ -501,7 +501,7 @@ def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run:
         run_plan = build(cfg)
         return cfg, run_plan, _launch_problems(cfg, run_plan, dry_run, force)
 
-    points = sweep.check_points(sweep.expand(overrides), build_point)
+    points = sweep.check_points(sweep.expand(overrides, lambda group: list(sources.options(group, sp))), build_point)
     if problems := sweep.duplicate_problems(points):
         raise UserError(problems)
     launchers = {p.cfg.cluster.launcher for p in points}

@@ -30,6 +30,7 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import RunConfig
 from trainctl.core import rundir as layout
 from trainctl.launch.errors import LaunchError
+from trainctl.launch.grid import expand as expand  # callers ask sweep for its grid
 from trainctl.launch.rundir import SWEEPS_FOLDER, check_name
 from trainctl.plan.runplan import RunPlan
 
@@ -53,30 +54,6 @@ def is_sweep(overrides: list[str]) -> list[str]:
     except HydraException:
         return []  # not valid overrides at all: composing reports them
     return [o.input_line for o in parsed if o.is_sweep_override()]
-
-
-def expand(overrides: list[str]) -> list[list[str]]:
-    """The sweep's points, each a list of plain overrides (the cross product, in the order given)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from omegaconf.errors import OmegaConfBaseException
-
-    check_override_shapes(list(overrides))
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-        batches = BasicSweeper.split_arguments(parsed, None)
-    except (HydraException, OmegaConfBaseException) as exc:
-        # Hydra's own errors, and OmegaConf's when a swept value cannot be written back as text ({} in a list)
-        text = (str(exc).splitlines() or [type(exc).__name__])[0]
-        if "does not support sweep type" in text:
-            text = ("interval() needs a sampling sweeper (Optuna, Nevergrad); a grid sweep takes lists "
-                    "(a=1,2,3), range(start,stop,step) or choice(a,b)")
-        raise ConfigError([f"-m: {text}"]) from None
-    points = [list(point) for batch in batches for point in batch]
-    if not points:
-        empty = [o.input_line for o in parsed if o.is_sweep_override()] or overrides
-        raise ConfigError([f"-m: {' '.join(empty)}: the sweep has no points (an empty range() or list); "
-                           "give each swept key at least one value"])
-    return points
 
 
 def duplicate_problems(points: list[Point]) -> list[str]:
