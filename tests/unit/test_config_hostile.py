@@ -423,3 +423,10 @@ def test_two_recipe_files_are_one_line_not_an_unknown_recipe(tmp_path):
     second = write(tmp_path, {"b.yaml": "# @package _global_\n"}) / "b.yaml"
     assert refused([f"recipe={first}", f"recipe={second}"]).startswith(f"recipe={second}: a second recipe file")
     assert compose([f"recipe={first}", f"recipe={first}"]) == compose([f"recipe={first}"])
+
+
+def test_a_key_set_under_a_section_the_schema_does_not_know_is_one_line():
+    # `++zz.a=1 zz.b=2`: the hint for zz.b looked zz up in the schema and raised OmegaConf's KeyError (fuzz tier).
+    line = refused(["recipe=tiny_cpu", "++zz.a=1", "zz.b=2"])
+    assert line.startswith("zz.b: unknown key; valid keys of the root: name")
+    assert refused(["++train.zz.a=1", "train.zz.b=2"]).startswith("train.zz.b: unknown key; valid keys of train: steps")

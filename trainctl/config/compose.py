@@ -328,11 +328,14 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _valid_keys_hint(full_key: str) -> str:
-    parent = full_key.rpartition(".")[0]
-    node = structured_schema()
-    for part in filter(None, parent.split(".")):
-        node = node[part]
-    return f"valid keys of {parent or 'the root'}: {', '.join(str(k) for k in node)}"
+    """The keys of the deepest section of `full_key` the schema knows (`++zz.a=1 zz.b=2`: zz is not one)."""
+    node, known = structured_schema(), []
+    for part in full_key.split(".")[:-1]:
+        child = node.get(part) if part in node else None
+        if not isinstance(child, DictConfig):
+            break
+        node, known = child, [*known, part]
+    return f"valid keys of {'.'.join(known) or 'the root'}: {', '.join(str(k) for k in node) or '(none)'}"
 
 
 def _endless_defaults(overrides: list[str], sp: SearchPath) -> str:
