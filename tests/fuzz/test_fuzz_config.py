@@ -14,6 +14,7 @@ from trainctl.config import compose as composer
 from trainctl.config import sources
 from trainctl.config.schema import GROUPS, RunConfig
 from trainctl.config.validate import resolve
+from trainctl.launch.grid import MAX_POINTS
 from trainctl.launch.sweep import expand
 from trainctl.plan import build
 
@@ -78,6 +79,28 @@ def test_any_sweep_grid_expands_or_is_refused(grid):
             expand(grid)
         except USER_ERRORS:
             pass
+
+
+NUMBERS = st.one_of(st.integers(-(2**70), 2**70).map(str), st.floats().map(repr),
+                    st.sampled_from(["0", "-0", "1e300", "-1e300", "1e-300", "nan", "inf", "-inf", "{}", "[]", "x"]))
+SWEEP_CALLS = st.builds(lambda name, args: f"{name}({','.join(args)})",
+                        st.sampled_from(["range", "shuffle", "sort", "choice", "glob", "interval", "tag", "int",
+                                         "float", "str", "bool"]),
+                        st.lists(st.one_of(NUMBERS, st.sampled_from(["range(0,3)", "range(0,1e300)", "reverse=true",
+                                                                     "list=[1,{}]", "*"])), max_size=4))
+
+
+@BOUNDED
+@given(st.lists(st.builds(lambda k, vs: f"{k}={','.join(vs)}", st.sampled_from([*KEYS, "model", "recipe"]),
+                          st.lists(st.one_of(SWEEP_CALLS, SCALARS), min_size=1, max_size=3)), max_size=3))
+def test_any_sweep_function_expands_within_the_bound_or_is_refused(grid):
+    # range() of a huge, infinite or NaN extent, a zero step, sweeps inside lists, glob() on any key
+    with deadline(30):
+        try:
+            points = expand(grid, group_options=lambda group: ["tiny", "tinier", group])
+        except USER_ERRORS:
+            return
+    assert len(points) <= MAX_POINTS
 
 
 MARKER = "fuzz_outside_marker_17"
