@@ -190,7 +190,7 @@ def _shape_problem(item: str) -> str | None:
     if _nesting(item[len(key) + 1:]) > MAX_NESTING:
         return f"{shown}: the value nests lists or mappings more than {MAX_NESTING} deep; no setting needs that"
     try:
-        OverridesParser.create().parse_override(item)
+        parsed = OverridesParser.create().parse_override(item)
     except HydraException as exc:
         if str(exc).startswith(("token recognition error", "LexerNoViableAltException")):  # no rule for a character
             return (f"{item}: an unquoted value holds a character Hydra's override grammar does not take "
@@ -200,6 +200,9 @@ def _shape_problem(item: str) -> str | None:
         if "digits" in str(exc):  # int() refuses more than sys.get_int_max_str_digits() digits
             return f"{shown}: a number of more digits than can be read; an int key holds at most 19 digits"
         return f"{shown}: the value cannot be read ({_first_line(exc)}); pass a shorter value"
+    if not parsed.key_or_group:  # `+=[]` fails an assert inside Hydra; `=1`, `~`, `@pkg=1` get its internals
+        return (f"{item if len(item) <= 60 else item[:40] + '...'}: no key before '='; overrides look like "
+                "key=value, group=option, +key=value, ~key")
     return None
 
 
