@@ -301,6 +301,14 @@ def test_pipeline_layer_split_must_cover_the_model():
     resolve(compose(["recipe=tiny_3d_cpu", "sharding.pp_layers=[1,3]"]))  # a valid uneven split
 
 
+@pytest.mark.parametrize("split", ["[0]", "[1,3]", "[5]"])
+def test_a_layer_split_without_pipeline_parallelism_must_cover_the_model_too(split):
+    # sharding.pp=1 is one stage, and the plan and the worker still split by pp_layers: [0] failed an assert there.
+    problems = _problems(["recipe=tiny_cpu", f"sharding.pp_layers={split}"])
+    assert any(p.startswith("sharding.pp_layers=") and "needs 1 positive entries" in p for p in problems), problems
+    resolve(compose(["recipe=tiny_cpu", "sharding.pp_layers=[4]"]))  # the one stage holds every layer
+
+
 def test_fp16_with_pipeline_is_supported():
     from trainctl.core.support import unsupported
 

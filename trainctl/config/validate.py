@@ -355,7 +355,7 @@ def check_pipeline(
 ) -> list[str]:
     """Stages, layer split, schedule and chunking of a pipeline-parallel run."""
     if dims.pp == 1:
-        return []
+        return _pp_layers_problems(sh, 1, m)  # one stage: the plan and the worker still split by pp_layers
     problems = []
     if m.tie_embeddings:
         problems.append("model.tie_embeddings=true: the first and last pipeline stages would share the embedding; use "
@@ -372,13 +372,8 @@ def check_pipeline(
     if not interleaved and sh.pp_stages_per_rank != 1:
         problems.append(f"sharding.pp_stages_per_rank={sh.pp_stages_per_rank}: schedule {sh.pp_schedule} runs one "
                         "stage per rank; set it to 1 or use an interleaved schedule")
-    if sh.pp_layers:
-        if len(sh.pp_layers) != stages or sum(sh.pp_layers) != m.n_layers or min(sh.pp_layers) < 1:
-            problems.append(
-                f"sharding.pp_layers={list(sh.pp_layers)}: needs {stages} positive entries (pp x pp_stages_per_rank) "
-                f"summing to model.n_layers={m.n_layers}"
-            )
-    elif stages > m.n_layers:
+    problems += _pp_layers_problems(sh, stages, m)
+    if not sh.pp_layers and stages > m.n_layers:
         problems.append(f"sharding.pp={dims.pp} x pp_stages_per_rank={sh.pp_stages_per_rank}: {stages} stages for "
                         f"model.n_layers={m.n_layers}; use fewer stages")
     # Each of the step's grad_accum micro-batches is one pipeline microbatch.
@@ -390,6 +385,13 @@ def check_pipeline(
         problems.append(f"train.grad_accum={t.grad_accum}: interleaved schedules need a multiple of "
                         f"sharding.pp={dims.pp} microbatches per step")
     return problems
+
+
+def _pp_layers_problems(sh: schema.ShardingConfig, stages: int, m: schema.ModelConfig) -> list[str]:
+    if sh.pp_layers and (len(sh.pp_layers) != stages or sum(sh.pp_layers) != m.n_layers or min(sh.pp_layers) < 1):
+        return [f"sharding.pp_layers={list(sh.pp_layers)}: needs {stages} positive entries (pp x pp_stages_per_rank) "
+                f"summing to model.n_layers={m.n_layers}, or [] for an even split"]
+    return []
 
 
 def check_context_parallel(dims: ParallelDims, c: schema.ClusterConfig, t: schema.TrainConfig) -> list[str]:
