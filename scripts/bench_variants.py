@@ -161,7 +161,8 @@ def part_of(names: list[str], part: str | None) -> list[str]:
     return names[start:start + size + (index <= extra)]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 1 when a variant failed (its row says how), after every result is written."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="llama1b_bench")
     parser.add_argument("--base", nargs="*", default=[], help="overrides for every variant")
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         if not last:
             print(f"bench_variants: {name} done ({len(results)} of {len(names)}), written to {args.out}.json",
                   flush=True)
+    failed = [r["variant"] for r in results if "error" in r]
+    if failed:
+        print(f"bench_variants: failed: {' '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def run_meta(recipe: str, script: str, argv: list[str] | None = None) -> dict:
@@ -208,4 +213,4 @@ def write_results(out: Path, recipe: str, script: str, results: list[dict], titl
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -116,3 +116,16 @@ def test_a_part_beyond_the_variants_is_refused_before_any_launch(monkeypatch, tm
     monkeypatch.setattr(bench_variants, "run_variant", lambda *a: pytest.fail("launched"))
     with pytest.raises(SystemExit, match="selects none"):
         bench_variants.main(["--variants", "eager", "--part", "2/2", "--out", str(tmp_path / "v")])
+
+
+def test_a_failed_variant_fails_the_run_after_every_result_is_written(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_variants, "device_name", lambda: "cpu test")
+    outcomes = {"eager": {"error": ["CUDA out of memory"]}, "compile": {"tokens_per_s": 5.0, "mfu": 0.1,
+                "step_time_s": 1.0, "peak_mem_gib": 1.0, "peak_reserved_gib": 1.0, "final_loss": 3.0}}
+    monkeypatch.setattr(bench_variants, "run_variant", lambda recipe, base, extra, runs, name: {
+        "variant": name, "overrides": extra, "exit_code": 0, **outcomes[name]})
+    out = tmp_path / "v"
+    assert bench_variants.main(["--variants", "eager", "compile", "--out", str(out)]) == 1
+    assert [r["variant"] for r in json.loads(out.with_suffix(".json").read_text())["results"]] == ["eager", "compile"]
+    outcomes["eager"] = outcomes["compile"]
+    assert bench_variants.main(["--variants", "eager", "compile", "--out", str(out)]) == 0
