@@ -6,10 +6,14 @@ which include compilation and warmup). Results go to a JSON file and a Markdown 
 
 The default variants are the single-GPU checks of the parallelism/precision issue on the ~1B
 recipe: bf16 with compile off and on, activation checkpointing none / selective / full, and fp8.
+Benchmarks run without evaluation (its first pass at step 0 would compile a second graph) and without W&B.
+OUT.json and OUT.md are rewritten after every variant, so a call that runs out of time keeps what finished;
+`--part I/N` runs the I-th of N contiguous slices of the variants, to split them across calls.
 
     python scripts/bench_variants.py --out benchmarks/llama1b_h100   # on a GPU machine
     python scripts/bench_variants.py --recipe tiny_cpu --base sharding=none cluster.procs_per_node=1 \\
         train.steps=6 schedule.warmup_steps=2 logging.log_every=2 --variants eager --out /tmp/bench  # CPU smoke
+    python scripts/bench_variants.py --part 1/2 --out $OUT/variants-1of2 --runs-dir /tmp/runs  # first half
 """
 
 from __future__ import annotations
@@ -36,16 +40,21 @@ VARIANTS = {
     "fp8_rowwise": ["precision=fp8", "precision.fp8_recipe=rowwise"],
 }
 DEFAULT = ["eager", "compile", "ac_selective", "ac_full", "fp8", "fp8_rowwise"]
+# Every variant: no evaluation (the step-0 eval compiles a second graph and is not what is measured; the worker
+# still evaluates at step 0 and at the end with eval_every=0, so eval_batches=0 is what skips the model), no
+# checkpoints (five 1B variants would write ~69 GiB), no W&B (the GPU machine has neither wandb nor a network).
+BENCH_OVERRIDES = ["train.eval_every=0", "train.eval_batches=0", "checkpoint.save_final=false", "checkpoint.every=0",
+                   "logging.wandb.mode=disabled"]
 
 
 def run_variant(recipe: str, base: list[str], extra: list[str], runs_dir: Path, name: str) -> dict:
     """Launch one variant and summarize its train records (kept even when something after training failed).
 
-    No checkpoints (five 1B variants would write ~69 GiB), and the run directory is the one this launch
-    printed: the launcher suffixes `-1`, `-2` to a name that exists, and an older run's metrics must never
-    be read in its place.
+    BENCH_OVERRIDES come last so that no base override turns evaluation or checkpoints back on. The run
+    directory is the one this launch printed: the launcher suffixes `-1`, `-2` to a name that exists, and an
+    older run's metrics must never be read in its place.
     """
-    overrides = [*base, *extra, "checkpoint.save_final=false", "checkpoint.every=0"]
+    overrides = [*base, *extra, *BENCH_OVERRIDES]
     cmd = [sys.executable, "-m", "trainctl.cli", "launch", f"recipe={recipe}", f"runs_dir={runs_dir}",
            *overrides, "--name", name]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -139,30 +148,69 @@ def device_name() -> str:
     return proc.stdout.strip() or platform.processor()
 
 
-def main() -> None:
+def part_of(names: list[str], part: str | None) -> list[str]:
+    """The I-th of N contiguous, near-equal slices of `names` for `--part I/N` (all of them without it)."""
+    if part is None:
+        return names
+    match = re.fullmatch(r"([1-9][0-9]*)/([1-9][0-9]*)", part)
+    if not match or int(match[1]) > int(match[2]):
+        raise SystemExit(f"bench_variants: --part {part}: expected I/N with 1 <= I <= N, e.g. --part 1/2")
+    index, count = int(match[1]), int(match[2])
+    size, extra = divmod(len(names), count)
+    start = (index - 1) * size + min(index - 1, extra)
+    return names[start:start + size + (index <= extra)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 1 when a variant failed (its row says how), after every result is written."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="llama1b_bench")
     parser.add_argument("--base", nargs="*", default=[], help="overrides for every variant")
     parser.add_argument("--variants", nargs="*", default=DEFAULT, choices=sorted(VARIANTS))
+    parser.add_argument("--part", default=None, metavar="I/N", help="only the I-th of N slices of the variants")
     parser.add_argument("--out", type=Path, required=True, help="output stem: writes OUT.json and OUT.md")
-    args = parser.parse_args()
+    parser.add_argument("--runs-dir", type=Path, default=None, help="run directories (default: OUT-runs beside OUT)")
+    args = parser.parse_args(argv)
 
-    runs_dir = args.out.parent / f"{args.out.name}-runs"
-    results = [run_variant(args.recipe, args.base, VARIANTS[v], runs_dir, v) for v in args.variants]
-    write_results(args.out, args.recipe, "bench_variants.py", results, args.recipe, markdown)
+    names = part_of(args.variants, args.part)
+    if not names:
+        raise SystemExit(f"bench_variants: --part {args.part} of {len(args.variants)} variants selects none")
+    runs_dir = args.runs_dir or args.out.parent / f"{args.out.name}-runs"
+    meta = run_meta(args.recipe, "bench_variants.py", argv)
+    results = []
+    for index, name in enumerate(names):
+        results.append(run_variant(args.recipe, args.base, VARIANTS[name], runs_dir, name))
+        # After every variant: a call stopped at its time limit keeps the variants that finished.
+        last = index == len(names) - 1
+        write_results(args.out, args.recipe, "bench_variants.py", results, args.recipe, markdown, meta=meta,
+                      quiet=not last)
+        if not last:
+            print(f"bench_variants: {name} done ({len(results)} of {len(names)}), written to {args.out}.json",
+                  flush=True)
+    failed = [r["variant"] for r in results if "error" in r]
+    if failed:
+        print(f"bench_variants: failed: {' '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
-def write_results(out: Path, recipe: str, script: str, results: list[dict], title: str, to_markdown) -> None:
-    """OUT.json (device, date, command, results) and OUT.md (to_markdown's table under a header); prints the table."""
+def run_meta(recipe: str, script: str, argv: list[str] | None = None) -> dict:
+    """Recipe, device, date and command of a benchmark (the device probe starts an interpreter: once per run)."""
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    command = " ".join(["python", f"scripts/{script}", *sys.argv[1:]])
-    meta = {"recipe": recipe, "device": device_name(), "date": stamp, "command": command}
+    command = " ".join(["python", f"scripts/{script}", *(sys.argv[1:] if argv is None else argv)])
+    return {"recipe": recipe, "device": device_name(), "date": stamp, "command": command}
+
+
+def write_results(out: Path, recipe: str, script: str, results: list[dict], title: str, to_markdown,
+                  meta: dict | None = None, quiet: bool = False) -> None:
+    """OUT.json (device, date, command, results) and OUT.md (to_markdown's table under a header); prints the table."""
+    meta = meta or run_meta(recipe, script)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    table = to_markdown(results, f"# {title} on {meta['device']}\n\n{stamp}\n\n`{command}`")
+    table = to_markdown(results, f"# {title} on {meta['device']}\n\n{meta['date']}\n\n`{meta['command']}`")
     out.with_suffix(".md").write_text(table)
-    sys.stdout.write(table)
+    if not quiet:
+        sys.stdout.write(table)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

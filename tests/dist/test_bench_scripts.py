@@ -79,16 +79,25 @@ def test_gpu_proof_checks_the_box_and_refuses_unknown_stages(tmp_path):
         assert proc.returncode == 3 and "no NVIDIA GPU" in proc.stdout, proc.stdout + proc.stderr
     else:  # on a GPU box: the versions and the compiler verdict
         assert proc.returncode == 0 and "torch.compile" in proc.stdout, proc.stdout + proc.stderr
-    assert (tmp_path / "out" / "check.log").exists()
-    bad = run_shell("gpu_proof.sh", "benchmark-everything", env={"OUT": str(tmp_path / "out")})
-    assert bad.returncode == 2 and "unknown stage" in bad.stderr
+    # One log for every stage, with each stage's wall time; the $OUT listing is checked against the tool's limits.
+    assert "=== check: exit" in (tmp_path / "out" / "proof.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["proof.log"]
+    for bad in ("benchmark-everything", "variants:1/x"):
+        refused = run_shell("gpu_proof.sh", bad, env={"OUT": str(tmp_path / "bad")})
+        assert refused.returncode == 2 and "unknown stage" in refused.stderr and not (tmp_path / "bad").exists()
 
 
 def test_gpu_wheels_names_what_the_gpu_box_lacks():
+    # The names come from scripts/_gpu_common.sh, which gpu_proof.sh installs them by.
     proc = run_shell("gpu_wheels.sh", "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    for package in ("hydra-core==", "omegaconf==", "PyYAML==", "torchao==", "antlr4-python3-runtime==4.9.3"):
+    for package in ("hydra-core==", "omegaconf==", "torchao==", "antlr4-python3-runtime==4.9.3"):
         assert package in proc.stdout, package
+    # Only what the image lacks: PyYAML, pytest, safetensors are there (one PyYAML per Python stopped pip).
+    for present in ("PyYAML", "pytest", "safetensors", "wandb"):
+        assert present not in proc.stdout, present
+    assert "names:  hydra-core omegaconf antlr4-python3-runtime torchao" in proc.stdout
+    assert "for CPython 3.12" in proc.stdout
 
 
 def test_bench_prepare_compares_data_prepare_with_tokenizers_alone():

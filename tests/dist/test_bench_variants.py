@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.dist
 
 
 def test_bench_variants_reports_each_variant_from_its_metrics(tmp_path, data_cache):
-    base = ["sharding=none", "cluster.procs_per_node=1", "train.steps=6", "schedule.warmup_steps=2", "logging.log_every=2",
+    base = ["sharding=none", "cluster.procs_per_node=1", "train.steps=6", "schedule.warmup_steps=2",
+            "logging.log_every=2",
             "train.seq_len=64", f"data.cache_dir={data_cache}"]
     cmd = [sys.executable, str(SCRIPT), "--recipe", "tiny_cpu", "--base", *base,
            "--variants", "eager", "--out", str(tmp_path / "bench")]
@@ -37,3 +39,23 @@ def test_bench_variants_reports_each_variant_from_its_metrics(tmp_path, data_cac
     assert proc.returncode == 0, proc.stderr[-2000:]
     (again,) = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert Path(again["run_dir"]).name == "eager-1" and again["tokens_per_s"] > 0
+
+
+def test_a_part_runs_its_slice_without_evaluation_and_keeps_runs_out_of_the_results_folder(tmp_path, data_cache):
+    # tiny_cpu evaluates every 25 steps and at step 0; the benchmark must not (a second compiled graph on GPU).
+    base = ["sharding=none", "cluster.procs_per_node=1", "train.steps=4", "schedule.warmup_steps=1",
+            "logging.log_every=2",
+            "train.seq_len=64", "train.eval_every=2", f"data.cache_dir={data_cache}"]
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    cmd = [sys.executable, str(SCRIPT), "--recipe", "tiny_cpu", "--base", *base, "--variants", "eager", "ac_full",
+           "--part", "2/2", "--out", str(out / "variants-2of2"), "--runs-dir", str(runs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (result,) = json.loads((out / "variants-2of2.json").read_text())["results"]
+    assert result["variant"] == "ac_full" and result["exit_code"] == 0 and result["tokens_per_s"] > 0, result
+    records = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if r.get("kind") == "train"]
+    # No evaluation pass ran: an eval record, if any, carries no loss (eval_batches=0 skips the model).
+    assert all(not math.isfinite(r["val_loss"] or math.nan) for r in records if r.get("kind") == "eval"), records
+    assert sorted(p.name for p in out.iterdir()) == ["variants-2of2.json", "variants-2of2.md"]
+    assert Path(result["run_dir"]).parent == runs

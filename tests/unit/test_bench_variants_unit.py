@@ -59,3 +59,73 @@ def test_a_launch_that_printed_no_run_directory_is_an_error(monkeypatch, tmp_pat
     _launch(monkeypatch, 2, "", "recipe: no such option")
     result = bench_variants.run_variant("tiny_cpu", [], [], tmp_path, "eager")
     assert "tokens_per_s" not in result and result["error"] == ["recipe: no such option"]
+
+
+def test_every_launch_runs_without_evaluation_checkpoints_or_wandb_whatever_the_base_says(monkeypatch, tmp_path):
+    calls = _launch(monkeypatch, 2, "", "stopped")
+    base = ["train.eval_every=5", "checkpoint.every=10", "logging.wandb.mode=online"]
+    bench_variants.run_variant("tiny_cpu", base, [], tmp_path, "eager")
+    (cmd,) = calls
+    # Hydra applies overrides in order: the bench's own come after the user's, so they win.
+    assert cmd.index("train.eval_every=0") > cmd.index("train.eval_every=5") and "train.eval_batches=0" in cmd
+    assert cmd.index("checkpoint.every=0") > cmd.index("checkpoint.every=10")
+    assert cmd.index("logging.wandb.mode=disabled") > cmd.index("logging.wandb.mode=online")
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 6, 7])
+def test_the_parts_split_the_variants_into_contiguous_slices_that_cover_them_once(count):
+    names = [f"v{i}" for i in range(6)]
+    parts = [bench_variants.part_of(names, f"{i}/{count}") for i in range(1, count + 1)]
+    assert [name for part in parts for name in part] == names
+    sizes = [len(part) for part in parts]
+    assert max(sizes) - min(sizes) <= 1
+    assert bench_variants.part_of(names, None) == names
+
+
+@pytest.mark.parametrize("part", ["0/2", "3/2", "1", "a/b", "1/0", "-1/2"])
+def test_a_malformed_part_is_refused(part):
+    with pytest.raises(SystemExit, match="expected I/N"):
+        bench_variants.part_of(["eager", "compile"], part)
+
+
+def test_results_are_written_after_each_variant_so_a_killed_call_keeps_them(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench_variants, "device_name", lambda: "cpu test")
+    ran = []
+
+    def fake_variant(recipe, base, extra, runs_dir, name):
+        if ran:  # the second variant: the device call's time limit strikes
+            raise KeyboardInterrupt
+        ran.append(name)
+        return {"variant": name, "overrides": extra, "exit_code": 0, "tokens_per_s": 10.0, "mfu": 0.1,
+                "step_time_s": 1.0, "peak_mem_gib": 1.0, "peak_reserved_gib": 1.0, "final_loss": 3.0}
+
+    monkeypatch.setattr(bench_variants, "run_variant", fake_variant)
+    out = tmp_path / "out" / "variants-1of2"
+    runs = tmp_path / "runs"
+    with pytest.raises(KeyboardInterrupt):
+        bench_variants.main(["--recipe", "tiny_cpu", "--variants", "eager", "compile", "ac_full", "fp8",
+                             "--part", "1/2", "--out", str(out), "--runs-dir", str(runs)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [r["variant"] for r in report["results"]] == ["eager"] and report["device"] == "cpu test"
+    assert "| eager | 10 |" in out.with_suffix(".md").read_text()
+    assert "eager done (1 of 2)" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["variants-1of2.json", "variants-1of2.md"]
+
+
+def test_a_part_beyond_the_variants_is_refused_before_any_launch(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_variants, "run_variant", lambda *a: pytest.fail("launched"))
+    with pytest.raises(SystemExit, match="selects none"):
+        bench_variants.main(["--variants", "eager", "--part", "2/2", "--out", str(tmp_path / "v")])
+
+
+def test_a_failed_variant_fails_the_run_after_every_result_is_written(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_variants, "device_name", lambda: "cpu test")
+    outcomes = {"eager": {"error": ["CUDA out of memory"]}, "compile": {"tokens_per_s": 5.0, "mfu": 0.1,
+                "step_time_s": 1.0, "peak_mem_gib": 1.0, "peak_reserved_gib": 1.0, "final_loss": 3.0}}
+    monkeypatch.setattr(bench_variants, "run_variant", lambda recipe, base, extra, runs, name: {
+        "variant": name, "overrides": extra, "exit_code": 0, **outcomes[name]})
+    out = tmp_path / "v"
+    assert bench_variants.main(["--variants", "eager", "compile", "--out", str(out)]) == 1
+    assert [r["variant"] for r in json.loads(out.with_suffix(".json").read_text())["results"]] == ["eager", "compile"]
+    outcomes["eager"] = outcomes["compile"]
+    assert bench_variants.main(["--variants", "eager", "compile", "--out", str(out)]) == 0

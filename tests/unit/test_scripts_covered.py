@@ -29,6 +29,8 @@ COVERED = {
         "tests/slurm/test_slurm_cluster.py::test_one_node_job_completes_with_its_logs_and_records",
     "gpu_proof.sh": "tests/dist/test_bench_scripts.py::test_gpu_proof_checks_the_box_and_refuses_unknown_stages",
     "gpu_wheels.sh": "tests/dist/test_bench_scripts.py::test_gpu_wheels_names_what_the_gpu_box_lacks",
+    "_gpu_common.sh": "tests/dist/test_bench_scripts.py::test_gpu_wheels_names_what_the_gpu_box_lacks",  # sourced
+    "gpu_out_check.py": "tests/unit/test_gpu_out_check.py::test_the_proofs_own_layout_comes_back",
     "hostile_probe.py": "tests/dist/test_hostile_probe.py::test_every_hostile_case_is_ok",
     "bench_prepare.py":
         "tests/dist/test_bench_scripts.py::test_bench_prepare_compares_data_prepare_with_tokenizers_alone",
