@@ -45,8 +45,7 @@ def test_chunked_loss_and_gradients_equal_the_dense_ones_in_fp32(monkeypatch, ti
     targets[1, 4] = loss_head.IGNORE_INDEX
     dense = dense_loss_sum(model(tokens), targets)
     want = _grads(model, dense)
-    monkeypatch.setattr(loss_head, "CHUNK_BYTES", chunk * 4 * TINY.vocab_size)
-    assert chunk_tokens(TINY.vocab_size, loss_head.CHUNK_BYTES) == chunk
+    monkeypatch.setattr(loss_head, "chunk_tokens", lambda vocab, dim: chunk)  # odd sizes: the loop's edges
     seen = []
     monkeypatch.setattr(loss_head, "_chunk", lambda h, *rest: seen.append(h.shape[0]) or real_chunk(h, *rest))
     chunked = model(tokens, targets=targets)  # the model's own path: its head chunks
@@ -95,13 +94,13 @@ def test_bf16_autocast_projects_in_bf16_like_the_linear():
 def test_no_gradients_are_computed_under_no_grad(monkeypatch):
     calls = []
     real = loss_head._chunk
-    monkeypatch.setattr(loss_head, "_chunk", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(loss_head, "_chunk", lambda *a: calls.append(a[-2:]) or real(*a))
     hidden, weight = torch.randn(6, 4), torch.randn(9, 4)
     targets = torch.randint(0, 9, (6,))
     with torch.no_grad():
         loss = linear_cross_entropy(hidden, weight, targets, 4)
     torch.testing.assert_close(loss, dense_loss_sum(hidden @ weight.t(), targets), rtol=1e-6, atol=0)
-    assert calls == [False, False]
+    assert calls == [(None, None), (None, None)]  # no gradient buffers
 
 
 def test_tensor_parallel_heads_keep_the_dense_loss():
@@ -127,7 +126,7 @@ def _peak_rise(fn) -> int:
     return largest_rise(_allocation_events(prof))
 
 
-def test_measured_cpu_peak_of_a_large_vocabulary_micro_batch_drops_by_the_fp32_logits(monkeypatch):
+def test_measured_cpu_peak_of_a_large_vocabulary_micro_batch_drops_by_the_fp32_logits():
     config = replace(TINY, vocab_size=32_000, max_seq_len=256)
     torch.manual_seed(0)
     model = build_model(config, "cpu")
@@ -135,7 +134,7 @@ def test_measured_cpu_peak_of_a_large_vocabulary_micro_batch_drops_by_the_fp32_l
     tokens = torch.randint(0, config.vocab_size, (2, 256))
     targets = torch.randint(0, config.vocab_size, (2, 256))
     fp32_logits = tokens.numel() * config.vocab_size * 4  # 65.5 MB
-    monkeypatch.setattr(loss_head, "CHUNK_BYTES", fp32_logits // 16)  # 16 chunks of 32 tokens
+    assert chunk_tokens(config.vocab_size, config.dim) == 128  # 4 chunks
 
     def step(chunked: bool):
         model.zero_grad(set_to_none=True)

@@ -182,12 +182,13 @@ def test_dense_loss_buffers_are_two_fp32_vocab_gradients_per_token():
 
 def test_chunked_loss_buffers_hold_no_whole_fp32_logits():
     chunked = estimate("zero3", precision=BF16, dp_shard=8)
-    # The larger of: fp32 weight-gradient accumulator + one chunk (bf16 logits, fp32, bf16 gradient),
-    # and backward's scaled copies of the saved input (bf16 [tokens, dim]) and weight (bf16 [V, dim]) gradients.
-    chunk = 2**28 // (4 * 32000)
+    # The largest of: the fp32 weight-gradient accumulator + one chunk of 1024 tokens (a multiple of 128 whose
+    # fp32 logits are a quarter of the accumulator: bf16 logits, fp32, bf16 gradient); the accumulator and its
+    # bf16 cast at the end of forward; backward scales in place and adds nothing (no autocast here).
+    chunk = 1024
     forward = 4 * 32000 * 4096 + chunk * 32000 * (4 + 2 + 2)
-    backward = 2 * 4096 * 4096 + 2 * 32000 * 4096
-    assert chunked.loss_buffers == max(forward, backward)
+    cast = (4 + 2) * 32000 * 4096
+    assert chunked.loss_buffers == max(forward, cast)
     # Llama 3's 128k vocabulary at 8 x 2048 tokens: what the head keeps plus the loss's transients.
     llama3 = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
     tokens = 8 * 2048

@@ -32,6 +32,8 @@ COVERED = {
     "_gpu_common.sh": "tests/dist/test_bench_scripts.py::test_gpu_wheels_names_what_the_gpu_box_lacks",  # sourced
     "gpu_out_check.py": "tests/unit/test_gpu_out_check.py::test_the_proofs_own_layout_comes_back",
     "hostile_probe.py": "tests/dist/test_hostile_probe.py::test_every_hostile_case_is_ok",
+    "bench_loss_head.py":
+        "tests/dist/test_bench_loss_head.py::test_bench_loss_head_reports_time_and_peak_of_both_heads",
     "bench_prepare.py":
         "tests/dist/test_bench_scripts.py::test_bench_prepare_compares_data_prepare_with_tokenizers_alone",
 }

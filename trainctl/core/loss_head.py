@@ -10,13 +10,25 @@ config's model and precision sections (core imports no config module).
 
 from __future__ import annotations
 
-CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits at most
+CHUNK_ALIGN = 128  # tokens per chunk are a multiple of this: matmul tiles stay whole on every device
+CHUNK_BYTES = 2**30  # one chunk's fp32 logits at most, whatever the model
 FP8_ALIGNMENT = 16  # float8 matmuls need both dimensions of a Linear to be multiples of this
 
 
-def chunk_tokens(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk: as many as keep one chunk's fp32 logits within `chunk_bytes` (at least one)."""
-    return max(1, chunk_bytes // (4 * vocab_size))
+def chunk_budget(vocab_size: int, dim: int) -> int:
+    """Bytes one chunk's fp32 logits [chunk, vocab] may take: a quarter of the fp32 weight-gradient
+    accumulator [vocab, dim] the chunked head holds anyway (so the loss's transients stay within 1.25x of
+    it), and at most CHUNK_BYTES."""
+    return min(CHUNK_BYTES, 4 * vocab_size * dim // 4)
+
+
+def chunk_tokens(vocab_size: int, dim: int, budget: int | None = None) -> int:
+    """Tokens per chunk: the largest multiple of CHUNK_ALIGN whose fp32 logits fit the budget, at least
+    CHUNK_ALIGN (never a handful of tokens: each chunk reads and writes the whole weight-gradient
+    accumulator, so small chunks make the head memory-bound)."""
+    budget = chunk_budget(vocab_size, dim) if budget is None else budget
+    fit = budget // (4 * vocab_size)
+    return max(CHUNK_ALIGN, fit // CHUNK_ALIGN * CHUNK_ALIGN)
 
 
 def output_in_float8(m, precision) -> bool:

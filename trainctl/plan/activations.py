@@ -147,18 +147,23 @@ def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int) -> int:
 
     Dense: two fp32 [tokens, V] gradients at the start of backward (nll_loss's backward writes one and
     log_softmax's another before the first is freed; the forward's own peak is lower).
-    Chunked: the larger of the forward's (the fp32 weight-gradient accumulator and one chunk's logits:
-    compute-dtype, fp32, and the compute-dtype gradient) and the backward's (the two saved gradients
-    scaled by the incoming one: new tensors of their sizes; under autocast the weight's cast back to fp32).
+    Chunked (models/loss_head.py), the largest of three moments:
+    - a chunk in forward: the one fp32 weight-gradient accumulator [V, dim] and the chunk's logits
+      (compute-dtype, their fp32 working copy, the compute-dtype gradient; in fp32 one buffer); the
+      weight gradient is accumulated in place, so there is no [V, dim] partial;
+    - the end of forward below fp32: the accumulator and its cast to the compute dtype;
+    - backward scales the saved gradients in place: nothing new, but under autocast the weight
+      gradient's cast back to fp32 [V, dim].
     """
     if not lay.chunked_loss:
         return 2 * FP32 * m.vocab_size * tokens
-    c = lay.compute_bytes
-    chunk = min(tokens, chunk_tokens(m.vocab_size))
+    c, weight = lay.compute_bytes, m.vocab_size * m.dim
+    chunk = min(tokens, chunk_tokens(m.vocab_size, m.dim))
     chunk_temps = chunk * m.vocab_size * (FP32 + (2 * c if c != FP32 else 0))
-    forward = FP32 * m.vocab_size * m.dim + chunk_temps
-    backward = c * m.dim * tokens + (c + (FP32 if lay.autocast else 0)) * m.vocab_size * m.dim
-    return max(forward, backward)
+    forward = FP32 * weight + chunk_temps
+    cast = (FP32 + c) * weight if c != FP32 else 0
+    backward = FP32 * weight if lay.autocast else 0
+    return max(forward, cast, backward)
 
 
 def block_grad_bytes(m: ModelConfig, lay: ActLayout) -> float:

@@ -63,8 +63,9 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
     if not mem.loss_buffers:
         notes = []
     elif chunked_loss(cfg.model, cfg.precision, dims.tp, dims.pp):
+        chunk = chunk_tokens(cfg.model.vocab_size, cfg.model.dim)
         notes = [f"loss_buffers {_gib(mem.loss_buffers)}: the output projection and cross-entropy run in chunks of "
-                 f"{chunk_tokens(cfg.model.vocab_size)} tokens, computing their gradients in forward: no fp32 "
+                 f"{chunk} tokens, computing their gradients in forward: no fp32 "
                  "[tokens, vocab] tensor is ever whole; the head keeps the input's and the weight's gradients"]
     else:
         notes = [f"loss_buffers {_gib(mem.loss_buffers)}: the dense loss (tp, pp or a float8 output layer): "
