@@ -40,10 +40,9 @@ VARIANTS = {
     "fp8_rowwise": ["precision=fp8", "precision.fp8_recipe=rowwise"],
 }
 DEFAULT = ["eager", "compile", "ac_selective", "ac_full", "fp8", "fp8_rowwise"]
-# Every variant: no evaluation (the step-0 eval compiles a second graph and is not what is measured; the worker
-# still evaluates at step 0 and at the end with eval_every=0, so eval_batches=0 is what skips the model), no
+# Every variant: no evaluation (the step-0 eval compiles a second graph and is not what is measured), no
 # checkpoints (five 1B variants would write ~69 GiB), no W&B (the GPU machine has neither wandb nor a network).
-BENCH_OVERRIDES = ["train.eval_every=0", "train.eval_batches=0", "checkpoint.save_final=false", "checkpoint.every=0",
+BENCH_OVERRIDES = ["train.eval_every=0", "checkpoint.save_final=false", "checkpoint.every=0",
                    "logging.wandb.mode=disabled"]
 
 

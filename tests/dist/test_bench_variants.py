@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -55,7 +54,6 @@ def test_a_part_runs_its_slice_without_evaluation_and_keeps_runs_out_of_the_resu
     assert result["variant"] == "ac_full" and result["exit_code"] == 0 and result["tokens_per_s"] > 0, result
     records = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in records if r.get("kind") == "train"]
-    # No evaluation pass ran: an eval record, if any, carries no loss (eval_batches=0 skips the model).
-    assert all(not math.isfinite(r["val_loss"] or math.nan) for r in records if r.get("kind") == "eval"), records
+    assert not [r for r in records if r.get("kind") == "eval"], records  # no evaluation pass ran
     assert sorted(p.name for p in out.iterdir()) == ["variants-2of2.json", "variants-2of2.md"]
     assert Path(result["run_dir"]).parent == runs

@@ -67,7 +67,7 @@ def test_every_launch_runs_without_evaluation_checkpoints_or_wandb_whatever_the_
     bench_variants.run_variant("tiny_cpu", base, [], tmp_path, "eager")
     (cmd,) = calls
     # Hydra applies overrides in order: the bench's own come after the user's, so they win.
-    assert cmd.index("train.eval_every=0") > cmd.index("train.eval_every=5") and "train.eval_batches=0" in cmd
+    assert cmd.index("train.eval_every=0") > cmd.index("train.eval_every=5")
     assert cmd.index("checkpoint.every=0") > cmd.index("checkpoint.every=10")
     assert cmd.index("logging.wandb.mode=disabled") > cmd.index("logging.wandb.mode=online")
 
