@@ -29,6 +29,9 @@ def test_bench_variants_reports_each_variant_from_its_metrics(tmp_path, data_cac
     assert result["variant"] == "eager" and "train.compile=false" in result["overrides"]
     assert result["tokens_per_s"] > 0 and result["step_time_s"] > 0
     assert result["final_loss"] == result["final_loss"]  # a number, not NaN
+    # The plan's peak beside the measured one (CPU: the profiler's tracked tensors), from the worker's memory record.
+    assert result["plan_peak_gib"] > 0 and result["measured_peak_gib"] > 0, result
+    assert abs(result["plan_peak_error"]) < 1, result
     assert report["device"].startswith("cpu") and report["command"].startswith("python scripts/bench_variants.py")
     assert "| eager |" in (tmp_path / "bench.md").read_text()
     first = Path(result["run_dir"])
