@@ -2,7 +2,7 @@
 
 `model=hf model.path=DIR` takes the model's shape from DIR/config.json; `checkpoint.init_from=DIR`
 loads DIR's safetensors weights into it in the worker. Both are checked here on the login node:
-a config.json that is not a Llama trainctl can run exactly (biases, rope scaling, another
+a config.json that is not a Llama trainctl can run exactly (biases, RoPE scaling but linear or llama3, another
 activation, a head size other than dim / heads) is refused in one line, as are missing weights.
 """
 
@@ -83,6 +83,7 @@ def model_fields(path: str | Path) -> dict:
     params = _mapping(where, data, "rope_parameters")  # transformers >= 5 keeps theta there
     theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
     fields["rope_theta"] = _positive_float(where, "rope_theta", theta)
+    fields.update(rope_scaling_fields(where, data))
     tie = data.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise HFConfigError(f"{where}: tie_word_embeddings={_shown(tie)}: must be true or false")
@@ -90,6 +91,34 @@ def model_fields(path: str | Path) -> dict:
     problems = _unsupported(where, data, fields)
     if problems:
         raise HFConfigError(f"{where}: {problems[0]}; trainctl's decoder cannot reproduce it")
+    return fields
+
+
+def rope_scaling_fields(where: Path, data: dict) -> dict:
+    """ModelConfig's rope_* fields from rope_scaling (transformers < 5, the published files) or rope_parameters.
+
+    Only scalings trainctl reproduces exactly are taken: default, linear and llama3 (whose attention factor is 1);
+    yarn, dynamic, longrope and the rest are refused by name.
+    """
+    scaling = _mapping(where, data, "rope_scaling") or _mapping(where, data, "rope_parameters")
+    key = "rope_scaling" if data.get("rope_scaling") is not None else "rope_parameters"
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None and set(scaling) - {"rope_theta"}:  # a factor with no kind: refused, never guessed
+        raise HFConfigError(f"{where}: {key}={_shown(scaling)}: no rope_type; name it (default, linear or llama3)")
+    if kind in (None, "default"):
+        return {"rope_scaling": "none"}
+    if kind not in ("linear", "llama3"):
+        raise HFConfigError(f"{where}: {key}.rope_type={_shown(kind)}: not implemented; trainctl reproduces default, "
+                            "linear and llama3 RoPE")
+    fields = {"rope_scaling": kind, "rope_factor": _positive_float(where, f"{key}.factor", scaling.get("factor"))}
+    if kind == "llama3":
+        fields["rope_low_freq_factor"] = _positive_float(where, f"{key}.low_freq_factor",
+                                                         scaling.get("low_freq_factor"))
+        fields["rope_high_freq_factor"] = _positive_float(where, f"{key}.high_freq_factor",
+                                                          scaling.get("high_freq_factor"))
+        fields["rope_original_max_seq_len"] = _size(where, scaling, "original_max_position_embeddings")
+        if fields["rope_high_freq_factor"] <= fields["rope_low_freq_factor"]:
+            raise HFConfigError(f"{where}: {key}.high_freq_factor must be greater than low_freq_factor")
     return fields
 
 
@@ -123,10 +152,10 @@ def _mapping(where: Path, data: dict, key: str) -> dict:
 
 def _unsupported(where: Path, data: dict, fields: dict) -> list[str]:
     problems = []
-    scaling = _mapping(where, data, "rope_scaling")
-    kind = scaling.get("rope_type", scaling.get("type")) or _mapping(where, data, "rope_parameters").get("rope_type")
-    if kind not in (None, "default"):
-        problems.append(f"rope scaling {_shown(kind)} is not implemented (only plain RoPE)")
+    attention_factor = (_mapping(where, data, "rope_scaling") or _mapping(where, data, "rope_parameters")).get(
+        "attention_factor")
+    if attention_factor not in (None, 1, 1.0):
+        problems.append(f"rope attention_factor={_shown(attention_factor)} (trainctl's RoPE does not scale attention)")
     for key in ("attention_bias", "mlp_bias"):
         if data.get(key) not in (None, False):
             problems.append(f"{key}={_shown(data[key])} (trainctl's linear layers have no bias)")

@@ -29,6 +29,7 @@ AC_MODES = ("none", "full", "selective", "op")
 ATTENTION_KERNELS = ("cudnn", "flash")  # the SDPA kernel tried first on CUDA
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 WANDB_MODES = ("online", "offline", "disabled")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 FP8_RECIPES = ("tensorwise", "rowwise")
 LOAD_ONLY = ("all", "model", "model_optim")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -50,6 +51,13 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # RoPE scaling (HF config.json's rope_scaling / rope_parameters): none, linear (positions / rope_factor) or
+    # llama3 (Llama 3.1/3.2: low frequencies / rope_factor, high ones kept, a smooth ramp between).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_seq_len: int = 8192  # llama3: the context the model was pre-trained with
     tie_embeddings: bool = False
     path: str = ""  # a Hugging Face Llama folder whose config.json gives the shape (model=hf)
 

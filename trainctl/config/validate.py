@@ -150,6 +150,7 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("checkpoint.load_only", cfg.checkpoint.load_only, schema.LOAD_ONLY)
         + _choice("guards.nonfinite", cfg.guards.nonfinite, schema.NONFINITE_POLICIES)
         + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
+        + _choice("model.rope_scaling", cfg.model.rope_scaling, schema.ROPE_SCALINGS)
         + _gpu_choice(cfg.cluster.gpu)
     )
 
@@ -240,6 +241,7 @@ def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
         problems += _positive(f"model.{key}", getattr(m, key))
     problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
+    problems += _rope_scaling(m)
     if m.n_layers > MAX_LAYERS:
         problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
                         "the largest published models have under 200")
@@ -255,6 +257,20 @@ def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     if t.seq_len > m.max_seq_len:
         problems.append(f"train.seq_len={t.seq_len}: longer than model.max_seq_len={m.max_seq_len} of model {m.name}; "
                         f"use at most {m.max_seq_len}")
+    return problems
+
+
+def _rope_scaling(m: schema.ModelConfig) -> list[str]:
+    """The scaling's numbers, where the chosen kind reads them (an unknown kind is check_choices' line)."""
+    if m.rope_scaling not in ("linear", "llama3"):
+        return []
+    problems = _positive("model.rope_factor", m.rope_factor)
+    if m.rope_scaling == "llama3":
+        problems += _positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
+        problems += _positive("model.rope_original_max_seq_len", m.rope_original_max_seq_len)
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            problems.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor}: must be greater than "
+                            f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4.0 and 1.0)")
     return problems
 
 

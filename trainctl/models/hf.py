@@ -106,7 +106,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None = None, b
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling_entry(cfg),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -119,6 +119,17 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None = None, b
     if bos_id is not None:
         data["bos_token_id"] = bos_id
     return data
+
+
+def rope_scaling_entry(cfg: ModelConfig) -> dict | None:
+    """config.json's rope_scaling as the published Llama 3.1/3.2 files write it (transformers reads it still)."""
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    return None
 
 
 def _clean(name: str, pipeline: bool) -> str:

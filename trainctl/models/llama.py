@@ -85,11 +85,35 @@ def _rng_for(name: str, seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos and sin of the rotary angles, shape [max_seq_len, head_dim // 2, 2] in fp32."""
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None,
+                     cfg: ModelConfig | None = None) -> torch.Tensor:
+    """cos and sin of the rotary angles, shape [max_seq_len, head_dim // 2, 2] in fp32; cfg: its RoPE scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if cfg is not None:
+        inv_freq = scaled_inverse_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def scaled_inverse_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The rotary frequencies under cfg.rope_scaling, as Meta's Llama 3.1 reference and transformers compute them.
+
+    linear: every frequency / factor (positions stretched). llama3: wavelengths longer than
+    original_max / low_freq_factor are divided by the factor, those shorter than original_max /
+    high_freq_factor are kept, and the band between interpolates smoothly in 1 / wavelength.
+    """
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high, original = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                   cfg.rope_original_max_seq_len)
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, ramp, scaled)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -203,7 +227,7 @@ class Llama(nn.Module):
 
     def _rope_table(self, device) -> torch.Tensor:
         c = self.cfg
-        return rope_frequencies(c.dim // c.n_heads, c.max_seq_len, c.rope_theta, device=device)
+        return rope_frequencies(c.dim // c.n_heads, c.max_seq_len, c.rope_theta, device=device, cfg=c)
 
     @torch.no_grad()
     def init_weights(self) -> None:
