@@ -70,8 +70,10 @@ def _init_from_problems(folder, *overrides) -> list[str]:
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}}, "attention_factor=0.5"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"head_dim": 32}, "head_dim=32"),
-    ({"model_type": "mistral"}, "only Llama"),
+    ({"head_dim": "32"}, "head_dim='32'"),
+    ({"model_type": "gemma"}, "model_type='gemma'"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0"),
 ])
 def test_configs_trainctl_cannot_reproduce_are_refused_in_one_line(tmp_path, change, words):
     folder = hf_folder(tmp_path / "x", {**LLAMA, **change})

@@ -19,7 +19,8 @@ from trainctl.core.rundir import open_regular, read_bytes
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Fields of HF's LlamaConfig and the ModelConfig field each one fills.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # HF model_type values (schema.FAMILIES)
+# Fields of HF's LlamaConfig (and Qwen2/Qwen3/Mistral's) and the ModelConfig field each one fills.
 FIELDS = {
     "hidden_size": "dim",
     "num_hidden_layers": "n_layers",
@@ -70,9 +71,10 @@ def model_fields(path: str | Path) -> dict:
     """
     data = read_config(path)
     where = Path(path).expanduser() / CONFIG_FILE
-    if data.get("model_type") != "llama":
-        raise HFConfigError(f"{where}: model_type={_shown(data.get('model_type'))}; only Llama (model_type: llama) "
-                            "checkpoints load into trainctl's decoder")
+    family = data.get("model_type")
+    if family not in FAMILIES:
+        raise HFConfigError(f"{where}: model_type={_shown(family)}; trainctl's decoder loads model_type "
+                            f"{', '.join(FAMILIES)} (Llama 2/3/3.1/3.2, Qwen 2.5, Qwen3, Mistral)")
     fields = {ours: _size(where, data, theirs) for theirs, ours in FIELDS.items()}
     kv = data.get("num_key_value_heads")
     fields["n_kv_heads"] = fields["n_heads"] if kv is None else _size(where, data, "num_key_value_heads")
@@ -88,10 +90,27 @@ def model_fields(path: str | Path) -> dict:
     if not isinstance(tie, bool):
         raise HFConfigError(f"{where}: tie_word_embeddings={_shown(tie)}: must be true or false")
     fields["tie_embeddings"] = tie
+    fields.update(family_fields(where, data, fields))
     problems = _unsupported(where, data, fields)
     if problems:
         raise HFConfigError(f"{where}: {problems[0]}; trainctl's decoder cannot reproduce it")
     return fields
+
+
+def family_fields(where: Path, data: dict, fields: dict) -> dict:
+    """What sets a family apart: Qwen 2.5's q/k/v biases, Qwen3's q/k norms and head_dim, a sliding window."""
+    family = data["model_type"]
+    out = {"family": family, "qkv_bias": family == "qwen2", "qk_norm": family == "qwen3"}
+    head_dim = data.get("head_dim")
+    if head_dim is not None:
+        head_dim = _size(where, data, "head_dim")
+        out["head_dim"] = 0 if head_dim * fields["n_heads"] == fields["dim"] else head_dim
+    # Qwen's configs name a window but use it only with use_sliding_window: true; Mistral's always use theirs.
+    window = data.get("sliding_window")
+    used = data.get("use_sliding_window", True) if family != "mistral" else True
+    if window is not None and used:
+        out["sliding_window"] = _size(where, data, "sliding_window")
+    return out
 
 
 def rope_scaling_fields(where: Path, data: dict) -> dict:
@@ -158,17 +177,13 @@ def _unsupported(where: Path, data: dict, fields: dict) -> list[str]:
         problems.append(f"rope attention_factor={_shown(attention_factor)} (trainctl's RoPE does not scale attention)")
     for key in ("attention_bias", "mlp_bias"):
         if data.get(key) not in (None, False):
-            problems.append(f"{key}={_shown(data[key])} (trainctl's linear layers have no bias)")
+            problems.append(f"{key}={_shown(data[key])} (trainctl's output and MLP projections have no bias)")
     act = data.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act={_shown(act)} (trainctl's MLP is SwiGLU with silu)")
-    if fields["dim"] % fields["n_heads"]:
-        problems.append(f"hidden_size={fields['dim']} is not a multiple of num_attention_heads={fields['n_heads']}")
-    head_dim = data.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0):
-        problems.append(f"head_dim={_shown(head_dim)} must be a positive integer")
-    elif head_dim is not None and head_dim * fields["n_heads"] != fields["dim"]:
-        problems.append(f"head_dim={_shown(head_dim)} is not hidden_size / num_attention_heads")
+    if not fields.get("head_dim") and fields["dim"] % fields["n_heads"]:
+        problems.append(f"hidden_size={fields['dim']} is not a multiple of num_attention_heads={fields['n_heads']} "
+                        "and head_dim is not given")
     return problems
 
 

@@ -151,6 +151,7 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("guards.nonfinite", cfg.guards.nonfinite, schema.NONFINITE_POLICIES)
         + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
         + _choice("model.rope_scaling", cfg.model.rope_scaling, schema.ROPE_SCALINGS)
+        + _choice("model.family", cfg.model.family, schema.FAMILIES)
         + _gpu_choice(cfg.cluster.gpu)
     )
 
@@ -247,10 +248,18 @@ def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
                         "the largest published models have under 200")
     if problems:
         return problems
-    if m.dim % m.n_heads:
-        problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim}")
-    elif (m.dim // m.n_heads) % 2:
-        problems.append(f"model.n_heads={m.n_heads}: head dim {m.dim // m.n_heads} is odd, RoPE needs an even head dim")
+    if m.head_dim < 0 or m.sliding_window < 0:
+        problems += [f"model.{k}={getattr(m, k)}: must be >= 0 (0: {what})" for k, what in
+                     (("head_dim", "dim / n_heads"), ("sliding_window", "none")) if getattr(m, k) < 0]
+    elif not m.head_dim and m.dim % m.n_heads:
+        problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim} "
+                        "(or set model.head_dim)")
+    elif schema.head_dim_of(m) % 2:
+        problems.append(f"model.n_heads={m.n_heads}: head dim {schema.head_dim_of(m)} is odd, RoPE needs an even "
+                        "head dim")
+    if 0 < m.sliding_window < t.seq_len:
+        problems.append(f"model.sliding_window={m.sliding_window}: shorter than train.seq_len={t.seq_len}, and "
+                        f"trainctl trains full causal attention; use train.seq_len<={m.sliding_window}")
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query "
                         f"attention); use a divisor such as {_divisors(m.n_heads)}")
@@ -361,6 +370,9 @@ def check_model_parallel(dims: ParallelDims, m: schema.ModelConfig) -> list[str]
             if value % dims.tp:
                 problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that "
                                 f"divides it ({_divisors(value)})")
+        if m.qk_norm:  # a replicated weight over each rank's own heads: its gradients would differ by rank
+            problems.append(f"sharding.tp={dims.tp}: model.qk_norm=true (Qwen3) is not tensor-parallel yet; use "
+                            "sharding.tp=1 with FSDP2, HSDP or pipeline stages")
     if dims.pp > m.n_layers:
         problems.append(f"sharding.pp={dims.pp}: more pipeline stages than model.n_layers={m.n_layers}")
     return problems
