@@ -132,3 +132,25 @@ def test_imported_logits_equal_transformers_in_the_worker_layouts(family, layout
     with torch.no_grad():
         expected = hf(tokens).logits
     assert (torch.load(tmp_path / "out.pt")["logits"] - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_hf_to_trainctl_to_hf_round_trip_with_verify(family, tmp_path):
+    """A family's folder in (init_from), 3 FSDP2 steps, `export --verify` out: transformers loads it and generates."""
+    from tests.dist.test_hf import trainctl
+
+    source = tmp_path / "source"
+    save_random(source, family)
+    launch = trainctl("launch", "model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
+                      "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2", "train.steps=3",
+                      "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
+                      "schedule.warmup_steps=1", "logging.progress=false", "--name", "rt", cwd=tmp_path)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    out = tmp_path / "exported"
+    exported = trainctl("export", "rt", "--out", str(out), "--verify", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    cls = FAMILIES[family][0].replace("Config", "ForCausalLM")
+    assert f"verified: transformers loads it as {cls}" in exported.stdout
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    assert model.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0).shape == (1, 11)
