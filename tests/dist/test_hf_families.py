@@ -111,10 +111,9 @@ def test_a_mistral_window_shorter_than_the_sequence_is_refused(tmp_path):
     resolve(compose(["model=hf", f"model.path={tmp_path}", "data=synthetic", "train.seq_len=32"]))
 
 
-# Every family through the worker's layouts (tests/dist/hf_layout_worker.py, 2 ranks on gloo); Qwen3's q/k norms
-# are refused under tensor parallelism at plan time, so it runs the data-parallel ones.
+# Every family through the worker's layouts (tests/dist/hf_layout_worker.py, 2 ranks on gloo).
 LAYOUTS = [("qwen2", "ddp"), ("qwen2", "fsdp"), ("qwen2", "tp"), ("qwen3", "fsdp"), ("qwen3", "hsdp"),
-           ("mistral", "tp")]
+           ("qwen3", "tp"), ("mistral", "tp")]
 
 
 @pytest.mark.parametrize(("family", "layout"), LAYOUTS)

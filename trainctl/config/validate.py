@@ -370,9 +370,6 @@ def check_model_parallel(dims: ParallelDims, m: schema.ModelConfig) -> list[str]
             if value % dims.tp:
                 problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that "
                                 f"divides it ({_divisors(value)})")
-        if m.qk_norm:  # a replicated weight over each rank's own heads: its gradients would differ by rank
-            problems.append(f"sharding.tp={dims.tp}: model.qk_norm=true (Qwen3) is not tensor-parallel yet; use "
-                            "sharding.tp=1 with FSDP2, HSDP or pipeline stages")
     if dims.pp > m.n_layers:
         problems.append(f"sharding.pp={dims.pp}: more pipeline stages than model.n_layers={m.n_layers}")
     return problems
