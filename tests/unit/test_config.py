@@ -296,6 +296,7 @@ SINGLE_PROBLEMS = [
     (["recipe=tiny_3d_cpu", "model.tie_embeddings=true"], "model.tie_embeddings=true", "pipeline"),
     (["recipe=llama2_13b_pp", "train.compile=true"], "train.compile=true", "interleaved_zero_bubble"),
     (["model.rope_scaling=yarn"], "model.rope_scaling='yarn'", "llama3"),
+    (["model=qwen3_0_6b", "model.head_dim=15"], "model.head_dim=15", "even"),
     (["model=llama3_2_1b", "model.rope_high_freq_factor=0.5"], "model.rope_high_freq_factor=0.5", "4.0"),
     (["model.rope_scaling=linear", "model.rope_factor=0"], "model.rope_factor=0", "> 0"),
 ]

@@ -255,8 +255,8 @@ def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
         problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim} "
                         "(or set model.head_dim)")
     elif schema.head_dim_of(m) % 2:
-        problems.append(f"model.n_heads={m.n_heads}: head dim {schema.head_dim_of(m)} is odd, RoPE needs an even "
-                        "head dim")
+        key = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.n_heads={m.n_heads}"
+        problems.append(f"{key}: head dim {schema.head_dim_of(m)} is odd, RoPE needs an even head dim")
     if 0 < m.sliding_window < t.seq_len:
         problems.append(f"model.sliding_window={m.sliding_window}: shorter than train.seq_len={t.seq_len}, and "
                         f"trainctl trains full causal attention; use train.seq_len<={m.sliding_window}")
