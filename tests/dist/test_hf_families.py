@@ -153,3 +153,21 @@ def test_hf_to_trainctl_to_hf_round_trip_with_verify(family, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     assert model.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0).shape == (1, 11)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_pipeline_stages_load_their_pieces_and_give_transformers_logits(family, tmp_path):
+    """Each stage of a 2-stage split (the worker's build_stage_model) loads only its pieces from the folder."""
+    from trainctl.train.pipeline import build_stage_model
+
+    hf = save_random(tmp_path / "in", family)
+    cfg = ModelConfig(name="hf", **model_fields(tmp_path / "in"))
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(9))
+    stages = []
+    for layers, first, last in ((range(0, 1), True, False), (range(1, 2), False, True)):
+        part = build_stage_model(cfg, layers, first=first, last=last).to_empty(device="cpu")
+        part.init_weights()
+        assert load_hf_weights(torch.nn.ModuleList([part]), tmp_path / "in", cfg) == len(list(part.parameters()))
+        stages.append(part.eval())
+    with torch.no_grad():
+        assert (stages[1](stages[0](tokens)) - hf(tokens).logits).abs().max().item() <= TOL
