@@ -190,13 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup % args.log_freq or args.steps % args.log_freq:
         parser.error("--warmup and --steps must be multiples of --log-freq (whole log intervals)")
     from trainctl.config.compose import compose  # launcher side: no torch
+    from trainctl.config.errors import ConfigError
 
-    cfg = compose([f"recipe={args.recipe}", *args.overrides])
     with tempfile.TemporaryDirectory(prefix="bench-titan-") as tmp:
         work = Path(tmp)
-        job = titan_job(cfg, args.device, args.warmup, args.steps, args.log_freq, work / "dump")
-        spec = {"device": args.device, "model_args": titan_model_args(cfg.model), "ffn_dim": cfg.model.ffn_dim,
-                "metrics_path": str(work / "metrics.jsonl")}
+        try:
+            cfg = compose([f"recipe={args.recipe}", *args.overrides])
+            job = titan_job(cfg, args.device, args.warmup, args.steps, args.log_freq, work / "dump")
+            spec = {"device": args.device, "model_args": titan_model_args(cfg.model), "ffn_dim": cfg.model.ffn_dim,
+                    "metrics_path": str(work / "metrics.jsonl")}
+        except (ConfigError, ValueError) as err:
+            raise SystemExit(f"bench_titan: {err}") from None
         toml = to_toml(job)
         (work / "titan.toml").write_text(toml)
         print(f"bench_titan: torchtitan job config for {cfg.recipe} ({cfg.model.name}):\n{toml}")
