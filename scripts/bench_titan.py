@@ -20,8 +20,8 @@ Known differences, recorded in the JSON: torchtitan's Llama 3 does not tie the o
 embedding (Llama 3.2 1B and trainctl's llama3_1b do): the same matmul FLOPs, 0.26 B more parameters in AdamW
 and memory; its attention is SDPA with PyTorch's default kernel choice (trainctl tries cuDNN first).
 
---device cpu is the rehearsal (scripts/gpu_proof.sh --rehearse): torchtitan 0.2 assumes an accelerator, so the
-worker presents the CPU to it as a device module without memory statistics; everything else is torchtitan's.
+--device cpu is the rehearsal (scripts/gpu_proof.sh --rehearse). The torchtitan side is scripts/titan_worker.py;
+this side imports neither torch nor torchtitan.
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-TRAIN_SPEC = "trainctl_llama3"  # the train spec (model.name) the worker registers with torchtitan
+TRAIN_SPEC = "trainctl_llama3"  # the train spec (model.name) titan_worker.py registers with torchtitan
 FLAVOR = "recipe"
+WORKER = Path(__file__).resolve().with_name("titan_worker.py")
 TIED_NOTE = ("torchtitan's llama3 keeps a separate output projection; the recipe ties it to the embedding: "
              "same matmul FLOPs, vocab x dim more parameters in AdamW and memory on torchtitan's side")
 
@@ -63,8 +65,10 @@ def titan_model_args(model) -> dict:
             **ffn_args(model.dim, model.ffn_dim)}
 
 
-def titan_job(cfg, device: str, warmup: int, steps: int, log_freq: int, dump_folder: Path) -> dict:
-    """The torchtitan job config (TOML sections) for the recipe: one device, no checkpoints, no validation."""
+def titan_job(cfg, device: str, warmup: int, steps: int, log_freq: int, dump_folder: Path,
+              local_batch: int | None = None) -> dict:
+    """The torchtitan job config (TOML sections) for the recipe: one device, no checkpoints, no validation;
+    `local_batch` (a divisor of the recipe's micro-batch) accumulates to the recipe's tokens per step."""
     t, precision = cfg.train, cfg.precision
     if precision.fp8:
         raise ValueError("precision.fp8: bench_titan compares bf16/fp32 runs; torchtitan's float8 is not mapped")
@@ -84,7 +88,8 @@ def titan_job(cfg, device: str, warmup: int, steps: int, log_freq: int, dump_fol
         "optimizer": {"name": "AdamW", "lr": o.lr, "beta1": o.beta1, "beta2": o.beta2, "eps": o.eps,
                       "weight_decay": o.weight_decay, "implementation": "fused" if device == "cuda" else "foreach"},
         "lr_scheduler": {"warmup_steps": warmup},
-        "training": {"local_batch_size": t.micro_batch, "global_batch_size": t.micro_batch * t.grad_accum,
+        "training": {"local_batch_size": local_batch or t.micro_batch,
+                     "global_batch_size": t.micro_batch * t.grad_accum,
                      "seq_len": t.seq_len, "max_norm": o.grad_clip, "steps": warmup + steps,
                      "mixed_precision_param": mixed, "dtype": "float32", "gc_freq": t.gc_every},
         "parallelism": {"data_parallel_shard_degree": 1, "data_parallel_replicate_degree": 1},
@@ -138,36 +143,97 @@ def compare(titan: dict, loop: dict | None) -> dict | None:
     """trainctl/torchtitan tokens/s from bench_loop's JSON, only where both ran the same shape."""
     if loop is None:
         return None
-    same = {key: loop.get(key) == titan[key] for key in ("recipe", "model", "batch", "precision", "compile")}
+    # tokens per step are the recipe's even where torchtitan fell back to a smaller micro-batch (then noted)
+    same = {key: loop.get(key) == titan.get(f"requested_{key}", titan[key])
+            for key in ("recipe", "model", "batch", "precision", "compile")}
     same["fp8"] = not loop.get("fp8")
     if not all(same.values()):
         differ = sorted(k for k, ok in same.items() if not ok)
         return {"comparable": False, "differs_in": differ}
     ours = statistics.median(loop["trainctl_tokens_per_s"])
     return {"comparable": True, "trainctl_tokens_per_s": ours, "torchtitan_tokens_per_s": titan["tokens_per_s"],
-            "ratio_trainctl_over_torchtitan": ours / titan["tokens_per_s"], "target": ">= 1.0"}
+            "ratio_trainctl_over_torchtitan": ours / titan["tokens_per_s"], "target": ">= 1.0",
+            "note": titan.get("oom_fallback")}
 
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def run_worker(spec: dict, toml_path: Path, log_path: Path, timeout: float) -> tuple[list[str], int]:
-    """torchtitan under torchrun on one device; its output goes to our stdout and to `log_path`."""
+OOM_MARKERS = ("torch.OutOfMemoryError", "CUDA out of memory")
+
+
+def out_of_memory(lines: list[str]) -> bool:
+    return any(marker in line for line in lines for marker in OOM_MARKERS)
+
+
+def run_worker(spec: dict, toml_path: Path, timeout: float) -> tuple[list[str], int, list[str]]:
+    """torchtitan under torchrun on one device, killed after `timeout` s; its output goes to our stdout."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--job.config_file", str(toml_path)]
+               str(WORKER), json.dumps(spec), "--job.config_file", str(toml_path)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOG_RANK": "0"}
-    with open(log_path, "w") as log, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True, env=env) as proc:
-        deadline = time.monotonic() + timeout
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-            if time.monotonic() > deadline:
-                proc.kill()
-                print(f"bench_titan: torchtitan ran past {timeout:.0f} s; killed")
-        rc = proc.wait()
-    return command, rc
+    lines, expired = [], threading.Event()
+
+    def stop(proc):  # torchrun passes SIGTERM on to its worker (its own session); SIGKILL if it lingers
+        expired.set()
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        # A watchdog, not a check per line: a worker that hangs silently must not outlive the stage's limit.
+        watchdog = threading.Timer(max(timeout, 1), stop, (proc,))
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                lines.append(line)
+            rc = proc.wait()
+        finally:
+            watchdog.cancel()
+    if expired.is_set():
+        lines.append(f"bench_titan: torchtitan ran past {timeout:.0f} s; stopped")
+        print(lines[-1])
+        rc = 124  # as timeout(1) reports it
+    return command, rc, lines
+
+
+def run(cfg, args, work: Path, spec: dict) -> dict:
+    """torchtitan on the recipe's shape; where CUDA runs out of memory, once more at half the micro-batch with
+    twice the accumulation (the same tokens per step, recorded as a fallback)."""
+    t = cfg.train
+    deadline, local, attempts = time.monotonic() + args.timeout, t.micro_batch, []
+    while True:
+        toml = to_toml(titan_job(cfg, args.device, args.warmup, args.steps, args.log_freq, work / "dump", local))
+        (work / "titan.toml").write_text(toml)
+        Path(spec["metrics_path"]).unlink(missing_ok=True)
+        start = time.monotonic()
+        command, rc, lines = run_worker(spec, work / "titan.toml", deadline - start)
+        oom = out_of_memory(lines)
+        attempts.append({"local_batch_size": local, "returncode": rc, "out_of_memory": oom,
+                         "wall_s": round(time.monotonic() - start, 1)})
+        if rc == 0 or not oom or args.device != "cuda" or local % 2 or len(attempts) > args.oom_retries \
+                or deadline - time.monotonic() < 120:
+            break
+        print(f"bench_titan: torchtitan ran out of memory at local batch {local}; trying {local // 2}")
+        local //= 2
+    accum = t.micro_batch * t.grad_accum // local
+    return {
+        "recipe": cfg.recipe, "model": cfg.model.name, "device": args.device, "returncode": rc,
+        "batch": f"{local}x{accum}x{t.seq_len}", "requested_batch": f"{t.micro_batch}x{t.grad_accum}x{t.seq_len}",
+        "oom_fallback": None if len(attempts) == 1 or rc != 0 else (
+            f"torchtitan ran out of memory at local batch {t.micro_batch}: ran {local} x {accum} accumulation, "
+            "the same tokens per step"),
+        "precision": cfg.precision.compute_dtype, "compile": t.compile,
+        "activation_checkpointing": t.activation_checkpointing, "attempts": attempts,
+        "warmup": args.warmup, "steps": args.steps, "log_freq": args.log_freq,
+        "command": command, "config_toml": toml, "model_args": spec["model_args"],
+        "tied_embeddings": TIED_NOTE if cfg.model.tie_embeddings else None,
+        "log_tail": [line.rstrip() for line in lines[-20:]] if rc != 0 else None,
+        "records": read_records(Path(spec["metrics_path"])), **versions(Path(spec["metrics_path"] + ".versions")),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-freq", type=int, default=5, help="torchtitan's metrics.log_freq (one interval each)")
     parser.add_argument("--json", type=Path, default=None, help="write titan.json here")
     parser.add_argument("--loop", type=Path, default=None, help="bench_loop's JSON, for trainctl/torchtitan")
-    parser.add_argument("--timeout", type=float, default=480)
+    parser.add_argument("--timeout", type=float, default=480, help="seconds for all attempts together")
+    parser.add_argument("--oom-retries", type=int, default=1, help="halvings of the micro-batch after a CUDA OOM")
     parser.add_argument("--dry-run", action="store_true", help="print the config and command; run nothing")
     parser.add_argument("--compare", type=Path, default=None, metavar="TITAN_JSON",
                         help="run nothing: compare this titan.json with --loop (results of separate device calls)")
@@ -197,32 +264,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = compose([f"recipe={args.recipe}", *args.overrides])
             job = titan_job(cfg, args.device, args.warmup, args.steps, args.log_freq, work / "dump")
-            spec = {"device": args.device, "model_args": titan_model_args(cfg.model), "ffn_dim": cfg.model.ffn_dim,
+            spec = {"device": args.device, "train_spec": TRAIN_SPEC, "flavor": FLAVOR,
+                    "model_args": titan_model_args(cfg.model), "ffn_dim": cfg.model.ffn_dim,
                     "metrics_path": str(work / "metrics.jsonl")}
         except (ConfigError, ValueError) as err:
             raise SystemExit(f"bench_titan: {err}") from None
-        toml = to_toml(job)
-        (work / "titan.toml").write_text(toml)
-        print(f"bench_titan: torchtitan job config for {cfg.recipe} ({cfg.model.name}):\n{toml}")
+        print(f"bench_titan: torchtitan job config for {cfg.recipe} ({cfg.model.name}):\n{to_toml(job)}")
         print(f"bench_titan: worker spec {json.dumps(spec)}")
         if args.dry_run:
             return 0
         start = time.monotonic()
-        command, rc = run_worker(spec, work / "titan.toml", work / "titan.log", args.timeout)
-        result = {
-            "recipe": cfg.recipe, "model": cfg.model.name, "device": args.device, "returncode": rc,
-            "batch": f"{cfg.train.micro_batch}x{cfg.train.grad_accum}x{cfg.train.seq_len}",
-            "precision": cfg.precision.compute_dtype, "compile": cfg.train.compile,
-            "activation_checkpointing": cfg.train.activation_checkpointing,
-            "warmup": args.warmup, "steps": args.steps, "log_freq": args.log_freq, "wall_s": time.monotonic() - start,
-            "command": command, "config_toml": toml, "model_args": spec["model_args"],
-            "tied_embeddings": TIED_NOTE if cfg.model.tie_embeddings else None,
-            "records": read_records(work / "metrics.jsonl"),
-        }
-        result.update(versions(work / "metrics.jsonl.versions"))
+        result = run(cfg, args, work, spec)
+        result["wall_s"] = round(time.monotonic() - start, 1)
     try:
-        if rc != 0:
-            raise ValueError(f"torchtitan exited {rc}")
+        if result["returncode"] != 0:
+            raise ValueError(f"torchtitan exited {result['returncode']}")
         result.update(summarize(result["records"], args.warmup))
         loop = json.loads(args.loop.read_text()) if args.loop and args.loop.exists() else None
         result["vs_trainctl"] = compare(result, loop)
@@ -266,134 +322,5 @@ def report(result: dict, json_path: Path | None) -> None:
               f"({versus['trainctl_tokens_per_s']:.0f} / {versus['torchtitan_tokens_per_s']:.0f}; target >= 1.0)")
 
 
-# --- the worker (under torchrun): torchtitan's own Trainer with the recipe's model as a train spec ---
-
-def stub_datasets() -> None:
-    """torchtitan imports HF `datasets` at import time for its text dataloader, which this bench does not use;
-    where `datasets` is absent (the GPU image), a stand-in that fails loudly if that path is ever taken."""
-    import importlib.util
-    import types
-
-    if importlib.util.find_spec("datasets") is not None:
-        return
-
-    def unavailable(*args, **kwargs):
-        raise RuntimeError("bench_titan: HF datasets is not installed; only synthetic tokens are supported")
-
-    datasets, distributed = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
-    datasets.Dataset, datasets.load_dataset, datasets.distributed = type("Dataset", (), {}), unavailable, distributed
-    distributed.split_dataset_by_node = unavailable
-    sys.modules.update({"datasets": datasets, "datasets.distributed": distributed})
-
-
-def present_cpu_as_device() -> None:
-    """Rehearsal only: torchtitan 0.2 picks `cuda` when no accelerator is present and asks its device module for
-    memory statistics; present the CPU as the device, with empty statistics (-1 in the records)."""
-    import types
-
-    import torch
-    import torch._utils
-
-    cpu = types.SimpleNamespace(
-        set_device=lambda device: None, current_device=lambda: 0, device_count=lambda: 1,
-        get_device_name=lambda device=None: "cpu (rehearsal)", synchronize=torch.cpu.synchronize,
-        get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=os.sysconf("SC_PHYS_PAGES")
-                                                                         * os.sysconf("SC_PAGE_SIZE")),
-        memory_stats=lambda device=None: {}, reset_peak_memory_stats=lambda device=None: None,
-        empty_cache=lambda: None, is_available=lambda: True)
-    device_module = torch._utils._get_device_module
-    torch._utils._get_available_device_type = lambda: "cpu"
-    torch._utils._get_device_module = lambda kind="cuda": cpu if kind == "cpu" else device_module(kind)
-
-
-def synthetic_loader(batch: int, seq_len: int, vocab: int, seed: int):
-    """One fixed batch of random tokens forever (bench_loop feeds both its arms the same way), on CPU:
-    torchtitan moves each micro-batch to the device itself."""
-    import torch
-    from torchtitan.components.dataloader import BaseDataLoader
-
-    class Synthetic(BaseDataLoader):
-        def __init__(self):
-            tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-            self.batch = ({"input": tokens[:, :-1].contiguous()}, tokens[:, 1:].contiguous())
-
-        def __iter__(self):
-            while True:
-                yield self.batch
-
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, state_dict):
-            pass
-
-    return Synthetic()
-
-
-def register_spec(spec: dict) -> None:
-    """torchtitan's llama3 train spec with the recipe's model, synthetic tokens and a JSON-lines metrics logger."""
-    import dataclasses
-
-    import torch
-    import torchtitan.protocols.train_spec as train_spec
-    from torchtitan.components.metrics import BaseLogger, build_metrics_processor
-    from torchtitan.models.llama3 import TransformerModelArgs, get_train_spec
-
-    args = TransformerModelArgs(**spec["model_args"])
-    with torch.device("meta"):
-        model = get_train_spec().model_cls(args)
-    width = model.layers["0"].feed_forward.w1.weight.shape[0]
-    if width != spec["ffn_dim"]:
-        raise SystemExit(f"bench_titan: torchtitan's FFN width is {width}, the recipe's {spec['ffn_dim']}")
-    del model
-
-    class JsonLines(BaseLogger):
-        def __init__(self, processor):
-            self.processor = processor
-
-        def log(self, metrics, step):
-            record = {"step": step, **metrics, "flops_per_token": self.processor.num_flops_per_token,
-                      "peak_flops": self.processor.gpu_peak_flops}
-            with open(spec["metrics_path"], "a") as out:
-                out.write(json.dumps(record) + "\n")
-
-    def metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
-        processor = build_metrics_processor(job_config, parallel_dims, model_args, tag)
-        if hasattr(processor.logger, "add_logger"):  # a container of tensorboard/wandb loggers
-            processor.logger.add_logger(JsonLines(processor))
-        else:  # with neither enabled, torchtitan's logger is a BaseLogger that does nothing
-            processor.logger = JsonLines(processor)
-        return processor
-
-    def loader(dp_world_size, dp_rank, tokenizer, job_config, **kwargs):
-        t = job_config.training
-        return synthetic_loader(t.local_batch_size, t.seq_len, args.vocab_size, job_config.debug.seed or 0)
-
-    train_spec.register_train_spec(TRAIN_SPEC, dataclasses.replace(
-        get_train_spec(), model_args={FLAVOR: args}, build_dataloader_fn=loader, build_tokenizer_fn=None,
-        build_validator_fn=None, build_metrics_processor_fn=metrics_processor))
-
-
-def worker(spec: dict, titan_args: list[str]) -> None:
-    import importlib.metadata as metadata
-
-    # Before torchtitan's import: its ConfigManager.parse_args takes sys.argv[1:] as a default argument.
-    sys.argv = [sys.argv[0], *titan_args]
-    stub_datasets()
-    if spec["device"] == "cpu":
-        present_cpu_as_device()
-    import torch
-    import torchtitan.train
-
-    name = torch.cuda.get_device_name(0) if spec["device"] == "cuda" else "cpu"
-    Path(spec["metrics_path"] + ".versions").write_text(json.dumps(
-        {"torchtitan": metadata.version("torchtitan"), "torch": torch.__version__, "device_name": name}))
-    register_spec(spec)
-    torchtitan.train.main(torchtitan.train.Trainer)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker(json.loads(sys.argv[2]), sys.argv[3:])
-    else:
-        sys.exit(main())
+    sys.exit(main())

@@ -1,5 +1,5 @@
-"""Smoke tests of scripts/bench_loop.py, bench_checkpoint.py, bench_prepare.py, bench_titan.py, gpu_proof.sh,
-gpu_wheels.sh.
+"""Smoke tests of scripts/bench_loop.py, bench_checkpoint.py, bench_prepare.py, bench_titan.py (and
+titan_worker.py), gpu_proof.sh, gpu_wheels.sh.
 
 Each runs the script as a user would (a fresh interpreter: a gloo world of one, or torchrun for --nproc 2)
 and checks that it reports every figure it promises; the figures themselves are measurements, not asserted.
@@ -127,6 +127,9 @@ def test_bench_titan_writes_torchtitan_s_config_and_compares_results(tmp_path):
     refused = run_script("bench_titan.py", "--dry-run", "precision=fp8")
     assert refused.returncode == 1 and "bench_titan: precision.fp8" in refused.stderr
     assert "Traceback" not in refused.stderr
+    # Its torchtitan side (what the rehearsal runs) says how it is used rather than failing on a missing argument.
+    usage = run_script("titan_worker.py")
+    assert usage.returncode == 1 and "usage: titan_worker.py SPEC_JSON" in usage.stderr
 
 
 def test_bench_prepare_compares_data_prepare_with_tokenizers_alone():

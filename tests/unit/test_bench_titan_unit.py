@@ -3,6 +3,7 @@ records read back, and the trainctl/torchtitan ratio (the run itself is rehearse
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -109,3 +110,46 @@ def test_ratio_is_trainctl_s_median_over_torchtitan_s():
 def test_no_ratio_between_different_shapes(change, differs):
     loop = {**_titan(), "fp8": False, "trainctl_tokens_per_s": [1.0], **change}
     assert bench_titan.compare(_titan(), loop) == {"comparable": False, "differs_in": differs}
+
+
+def test_a_fallback_ratio_carries_its_note():
+    titan = {**_titan(), "batch": "4x2x2048", "requested_batch": "8x1x2048", "oom_fallback": "ran 4 x 2"}
+    loop = {**_titan(), "fp8": False, "trainctl_tokens_per_s": [42000.0]}
+    versus = bench_titan.compare(titan, loop)
+    assert versus["comparable"] and versus["note"] == "ran 4 x 2"
+
+
+OOM = ["[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB.\n"]
+
+
+def _run(monkeypatch, tmp_path, device: str, outcomes: list[tuple[int, list[str]]]):
+    """bench_titan.run with the worker replaced: each attempt's config and the result."""
+    seen = []
+
+    def fake_worker(spec, toml_path, timeout):
+        seen.append(toml_path.read_text())
+        rc, lines = outcomes[len(seen) - 1]
+        return ["torchrun"], rc, lines
+
+    monkeypatch.setattr(bench_titan, "run_worker", fake_worker)
+    cfg = compose(["recipe=llama1b_bench"])
+    args = argparse.Namespace(device=device, warmup=10, steps=30, log_freq=5, timeout=480, oom_retries=1)
+    spec = {"model_args": {}, "metrics_path": str(tmp_path / "metrics.jsonl")}
+    return seen, bench_titan.run(cfg, args, tmp_path, spec)
+
+
+def test_a_cuda_oom_retries_at_half_the_micro_batch_with_the_same_tokens_per_step(monkeypatch, tmp_path):
+    seen, result = _run(monkeypatch, tmp_path, "cuda", [(1, OOM), (0, ["done\n"])])
+    assert "local_batch_size = 8\nglobal_batch_size = 8\n" in seen[0]
+    assert "local_batch_size = 4\nglobal_batch_size = 8\n" in seen[1]
+    assert result["batch"] == "4x2x2048" and result["requested_batch"] == "8x1x2048" and result["returncode"] == 0
+    assert "out of memory at local batch 8" in result["oom_fallback"] and len(result["attempts"]) == 2
+    assert result["config_toml"] == seen[1]
+
+
+@pytest.mark.parametrize("device, outcomes", [("cuda", [(1, ["ValueError: something else\n"])]),
+                                              ("cpu", [(1, OOM)]), ("cuda", [(1, OOM), (1, OOM)])])
+def test_no_retry_but_after_one_cuda_oom(monkeypatch, tmp_path, device, outcomes):
+    seen, result = _run(monkeypatch, tmp_path, device, outcomes)
+    assert len(seen) == len(outcomes) and result["returncode"] == 1 and result["oom_fallback"] is None
+    assert result["log_tail"] == [line.rstrip() for line in outcomes[-1][1]]
