@@ -16,7 +16,8 @@
 #   variants:I/2 4-5 min each (3 launches of 40 steps: interpreter + compile ~60 s, steps ~15 s),
 #   loss_head 1-2 min (both sizes, dense vs chunked),
 #   titan 2-3 min (install ~5 s; torchrun + imports ~20 s; torchtitan's per-block compile of the 1B shape
-#   ~60 s; 40 steps at ~0.3-0.4 s). It runs in loop's call because only one call's $OUT comes back together:
+#   ~60 s; 40 steps at ~0.3-0.4 s; if CUDA runs out of memory at 8 x 2048, one retry at 4 x 2: up to 4 min,
+#   within bench_titan's own 480 s). It runs in loop's call because only one call's $OUT comes back together:
 #   titan.json then carries the ratio trainctl/torchtitan (else `bench_titan.py --compare` makes it here).
 #   About 23 minutes in all, machine starts excluded.
 #
@@ -25,8 +26,8 @@
 # PYTHONPATH), tests, loop, variants[:I/N], loss_head, titan (torchtitan 0.2.2 from the carried wheels,
 # installed by the stage itself, training the llama1b_bench shape; after install). Results go to $OUT, all the
 # device tool brings back: proof.log (every stage's output and wall time), loop.json, variants[-IofN].json/.md,
-# loss_head.json, titan.json; the
-# script fails if $OUT breaks the tool's limits (8 files, 16 MiB each, two folders deep). Tables under
+# loss_head.json, titan.json; the script fails if $OUT breaks the tool's limits (8 files, 16 MiB each, two
+# folders deep). Tables under
 # benchmarks/<gpu>/ are made here from those files (the GPU machine's working copy is discarded).
 #
 # --rehearse runs the same stages on CPU in .venv-gpu-rehearse: Python 3.12 where pyenv or PATH has it (the
