@@ -24,11 +24,11 @@
 # Stages: check (GPU, torch/CUDA/cuDNN, Python, the image's packages, a C compiler and Python.h for compile),
 # install (only the carried wheels the image lacks, by name, with no index; trainctl from this checkout on
 # PYTHONPATH), tests, loop, variants[:I/N], loss_head, titan (torchtitan 0.2.2 from the carried wheels,
-# installed by the stage itself, training the llama1b_bench shape; after install). Results go to $OUT, all the
+# installed by the stage itself, training the llama1b_bench shape). Results go to $OUT, all the
 # device tool brings back: proof.log (every stage's output and wall time), loop.json, variants[-IofN].json/.md,
 # loss_head.json, titan.json; the script fails if $OUT breaks the tool's limits (8 files, 16 MiB each, two
-# folders deep). Tables under
-# benchmarks/<gpu>/ are made here from those files (the GPU machine's working copy is discarded).
+# folders deep). Tables under benchmarks/<gpu>/ are made here from those files (the GPU machine's working copy
+# is discarded).
 #
 # --rehearse runs the same stages on CPU in .venv-gpu-rehearse: Python 3.12 where pyenv or PATH has it (the
 # image's), torch 2.11.0 from scripts/test_torch.sh's wheel cache and the image's other packages from the
@@ -113,7 +113,8 @@ rehearse_setup() {
   "$PY" -m pip uninstall --quiet --yes "${GPU_MISSING[@]}" "${TITAN_NO_DEPS[@]}" "${TITAN_WITH_DEPS[@]}" wandb \
     2>&1 | grep -v "not installed" || true
   local name
-  for name in hydra_core omegaconf antlr4_python3_runtime torchao torchtitan torchdata tyro typeguard; do
+  for name in hydra_core omegaconf antlr4_python3_runtime torchao torchtitan torchdata tyro docstring_parser typeguard \
+      typing_extensions; do
     if ! ls "$WHEELS"/"$name"-*.whl >/dev/null 2>&1; then
       TRAINCTL_GPU_PYTHONS="3.12 $version" scripts/gpu_wheels.sh "$WHEELS" || return 1
       break
@@ -241,9 +242,10 @@ stage_loss_head() {
 }
 
 # torchtitan's own training on the llama1b_bench shape (scripts/bench_titan.py), compared with loop.json when the
-# loop stage ran before it in this call. Needs `install` first (the recipe is composed with hydra).
+# loop stage ran before it in this call. It installs what it needs itself (hydra composes the recipe; pip skips
+# what `install` put there already), so `gpu_proof.sh titan` runs alone too.
 stage_titan() {
-  pip_carried "${TITAN_WITH_DEPS[@]}" && pip_carried --no-deps "${TITAN_NO_DEPS[@]}" || return 1
+  pip_carried "${GPU_MISSING[@]}" "${TITAN_WITH_DEPS[@]}" && pip_carried --no-deps "${TITAN_NO_DEPS[@]}" || return 1
   if [ "$REHEARSE" = 1 ]; then  # loop's shrunk shape, so that the comparison runs too
     limit "$PY" scripts/bench_titan.py --device cpu --warmup 2 --steps 2 --log-freq 1 --timeout 400 \
       model=tiny train.seq_len=64 train.micro_batch=2 --json "$OUT/titan.json" --loop "$OUT/loop.json"
