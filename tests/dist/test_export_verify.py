@@ -60,7 +60,7 @@ def test_a_config_that_computes_another_model_is_caught_at_the_logits(run, tmp_p
     root, weights = run
     assert export_module.main([str(root), "--out", str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    config["rope_theta"] = 1e6  # every tensor still equal: only the computation differs
+    config["hidden_act"] = "relu"  # every tensor still equal: only the computation differs
     (tmp_path / "out" / "config.json").write_text(json.dumps(config))
     with pytest.raises(VerifyError, match="logits differ from trainctl's"):
         verify_export(tmp_path / "out", weights, SMALL, None)

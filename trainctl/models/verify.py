@@ -24,9 +24,11 @@ from trainctl.config.schema import ModelConfig
 from trainctl.models.hf import ARCHITECTURES, to_hf
 from trainctl.models.llama import build_model
 
-# Logits of the same weights in fp32 agree to ~1e-6 between trainctl's and transformers' kernels; a wrong
-# conversion is off by O(1). The bound is relative to the logits' scale.
-LOGITS_RTOL = 1e-4
+# Logits of the same weights in fp32 differ between trainctl's and transformers' kernels by rounding that grows
+# with depth and width (measured: up to 1.1e-4 of the logits' scale on a 200M random model, 3.5e-4 on a deep
+# one with sharp attention); a wrong conversion or config is off by O(1e-2 .. 1) of it. The bound is relative
+# to the logits' scale; the tensors themselves are compared exactly above.
+LOGITS_RTOL = 1e-3
 TOKENS = (2, 64)  # batch x sequence of the fixed probe (shortened to the model's context)
 
 
