@@ -106,10 +106,17 @@ def _(p: Probe) -> None:
     refused(plan_with(p, root), "config.json")
 
 
-@case("hf", "a Qwen2 config.json given to model=hf")
+@case("hf", "a Qwen2 config.json given to model=hf (a family trainctl loads: read, not refused)")
 def _(p: Probe) -> None:
     root = hf_folder(p, {**LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
-    refused(plan_with(p, root), "qwen2")
+    succeeded(plan_with(p, root), "qwen2")
+
+
+@case("hf", "a Mixtral (mixture-of-experts) config.json given to model=hf")
+def _(p: Probe) -> None:
+    root = hf_folder(p, {**LLAMA, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                         "num_local_experts": 8, "num_experts_per_tok": 2})
+    refused(plan_with(p, root), "model_type", "mixtral", "qwen3")
 
 
 @case("hf", "init_from a folder whose weights are int8")

@@ -185,6 +185,7 @@ def test_to_dict_is_json_serializable_and_complete():
     plan = build(cfg)
     data = json.loads(json.dumps(plan_record(plan, cfg)))
     assert data["params_total"] == P_7B
+    assert data["model"] == f"llama ({cfg.model.name}): 32 layers x 4096, 32/32 heads, vocab 32000"
     assert data["dims"]["dp"] == 8
     assert data["batch"]["tokens_per_step"] == 64 * 4096
     assert data["memory"]["peak_bytes"] == plan.memory.peak

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainctl.config.data_check import data_file_problems, epochs_of
-from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.config.schema import ClusterConfig, ModelConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims, UnresolvedDims
 from trainctl.core.errors import UserError
 from trainctl.core.gpus import GPUS
@@ -44,6 +44,7 @@ class RunPlan:
     nodes: int
     procs_per_node: int
     strategy: str
+    model: str  # the architecture the worker builds: family (Hugging Face model_type) and shape
     dims: ParallelDims
     batch: BatchMath
     params_total: int
@@ -103,6 +104,13 @@ class RunPlan:
         data["advice"] = [a.to_dict() for a in self.advice]
         data["warnings"] = list(self.warnings)
         return data
+
+
+def model_label(m: ModelConfig) -> str:
+    """What the worker builds, in one line: `qwen2 (name): 24 layers x 896, 14/2 heads, vocab 151936`."""
+    named = f" ({m.name})" if m.name and m.name != m.family else ""
+    return (f"{m.family}{named}: {m.n_layers} layers x {m.dim}, {m.n_heads}/{m.n_kv_heads} heads, "
+            f"vocab {m.vocab_size}")
 
 
 def world_size(cluster: ClusterConfig) -> int:
@@ -213,6 +221,7 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
         nodes=cfg.cluster.nodes,
         procs_per_node=cfg.cluster.procs_per_node,
         strategy=cfg.sharding.strategy,
+        model=model_label(cfg.model),
         dims=dims,
         batch=batch,
         params_total=param_count(cfg.model),
