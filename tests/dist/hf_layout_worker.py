@@ -18,7 +18,7 @@ from trainctl.config.hf_config import model_fields
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.models.hf import load_hf_weights
-from trainctl.models.llama import build_model
+from trainctl.models.llama.model import build_model
 from trainctl.train.distributed import build_mesh
 from trainctl.train.parallelize import parallelize
 

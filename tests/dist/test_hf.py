@@ -82,7 +82,7 @@ def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedP
 def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     """The newest checkpoint's model tensors by trainctl name, read with DCP (not through the export)."""
     from trainctl.core import checkpoints
-    from trainctl.models.llama import build_model
+    from trainctl.models.llama.model import build_model
 
     ckpt = checkpoints.newest_valid(run_dir).path
     names = [n for n in build_model(cfg, "meta").state_dict() if not (cfg.tie_embeddings and n == "output.weight")]
@@ -111,7 +111,7 @@ def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     from trainctl.config.schema import load_run_config
-    from trainctl.models.llama import build_model
+    from trainctl.models.llama.model import build_model
 
     cfg = load_run_config(run_dir).model
     ours = build_model(cfg, "cpu")

@@ -25,7 +25,7 @@ from worker_runs import TINY
 from tests.helpers import REL
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
-from trainctl.models.llama import build_model
+from trainctl.models.llama.model import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.stages import rank_stages
 from trainctl.train.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint

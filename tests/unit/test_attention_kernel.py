@@ -8,7 +8,7 @@ from torch.nn.attention import SDPBackend
 from trainctl.config import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
-from trainctl.models import llama
+from trainctl.models.llama import model as llama
 from trainctl.plan.attention_kernel import predicted_kernel
 from trainctl.plan.runplan import build
 

@@ -14,7 +14,7 @@ from trainctl.config.hf_config import model_fields
 from trainctl.config.schema import ModelConfig
 from trainctl.config.validate import resolve
 from trainctl.models.hf import from_hf, from_hf_name, from_hf_rows, to_hf, to_hf_name, to_hf_rows
-from trainctl.models.llama import build_model
+from trainctl.models.llama.model import build_model
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 300, "max_position_embeddings": 128,
@@ -39,11 +39,12 @@ def test_model_hf_takes_the_shape_from_config_json(tmp_path):
 
 
 @pytest.mark.parametrize(("change", "words"), [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope scaling 'yarn' is not implemented"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor=null"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"head_dim": 32}, "head_dim=32"),
-    ({"model_type": "mistral"}, "only Llama"),
+    ({"head_dim": 0}, "head_dim=0"),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type='gpt2'; trainctl's families load"),
 ])
 def test_configs_trainctl_cannot_reproduce_are_refused_in_one_line(tmp_path, change, words):
     folder = hf_folder(tmp_path / "x", {**LLAMA, **change})

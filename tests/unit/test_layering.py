@@ -1,5 +1,8 @@
-"""Packages depend one way: core <- data <- config <- plan <- launch <- render <- cli; the worker (train, models)
-on the left.
+"""Packages depend one way: core <- data <- specs <- config <- plan <- launch <- render <- cli; the worker (train,
+models) on the left.
+
+`specs` is the torch-free part of models/ that the launcher side may import: the family registry
+(models/registry.py) and each family's models/<family>/spec.py; the rest of models/ is the worker's.
 
 Read from the source with ast (nothing is imported), lazy imports inside functions included: a package-level
 import cycle, or an import against the direction, fails with the module and the line that makes it.
@@ -8,16 +11,18 @@ import cycle, or an import against the direction, fails with the module and the 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # The launcher side, lowest first: a package imports only its own layer and those before it.
-LAUNCHER = ("core", "data", "config", "plan", "launch", "render", "cli")
+LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "render", "cli")
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
-WORKER = {"train": ("core", "data", "config", "plan", "models", "train"),
-          "models": ("core", "data", "config", "models")}
+WORKER = {"train": ("core", "data", "specs", "config", "plan", "models", "train"),
+          "models": ("core", "data", "specs", "config", "models")}
+SPEC_MODULES = re.compile(r"^trainctl\.models\.(registry|[a-z0-9_]+\.spec)$")
 
 
 def module_name(path: Path) -> str:
@@ -26,7 +31,10 @@ def module_name(path: Path) -> str:
 
 
 def package_of(module: str) -> str | None:
-    """`trainctl.plan.memory` -> plan, `trainctl.cli` -> cli; None for the root package."""
+    """`trainctl.plan.memory` -> plan, `trainctl.cli` -> cli, `trainctl.models.llama.spec` -> specs; None for the
+    root package."""
+    if SPEC_MODULES.match(module):
+        return "specs"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[0] == "trainctl" else None
 
@@ -43,8 +51,10 @@ def imported_modules(path: Path) -> list[tuple[str, int]]:
             if node.level:
                 anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
-            # `from trainctl import plan` names a package; `from trainctl.plan import memory` a module of one.
-            names = [f"{base}.{alias.name}" for alias in node.names] if base == "trainctl" else [base]
+            # `from trainctl import plan` and `from trainctl.models import registry` name modules of a package;
+            # `from trainctl.plan.memory import x` names a module.
+            is_package = (ROOT.parent / base.replace(".", "/") / "__init__.py").is_file()
+            names = [f"{base}.{alias.name}" for alias in node.names] if is_package else [base]
             found += [(name, node.lineno) for name in names]
     return found
 
@@ -97,6 +107,7 @@ def test_the_parser_sees_the_imports_it_must_judge():
     edges = package_edges()
     # Known one-way edges: if these vanish the parser is broken, and the checks below would pass vacuously.
     assert ("plan", "config") in edges and ("train", "core") in edges and ("cli", "launch") in edges
+    assert ("plan", "specs") in edges and ("config", "specs") in edges and ("models", "specs") in edges
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -117,3 +128,54 @@ def test_imports_go_one_way(source):
 def test_every_package_has_a_place():
     packages = {package_of(module_name(p)) for p in ROOT.rglob("*.py")} - {None}
     assert packages <= set(LAUNCHER) | set(WORKER)
+
+
+def importers_of(family: str) -> dict[str, list[str]]:
+    """Modules outside trainctl/models/<family>/ that import one of its modules: module -> what they import."""
+    found: dict[str, list[str]] = {}
+    prefix = f"trainctl.models.{family}."
+    for path in sorted(ROOT.rglob("*.py")):
+        source = module_name(path)
+        if source.startswith(prefix) or source == prefix[:-1]:
+            continue
+        hits = sorted({name for name, _ in imported_modules(path) if name.startswith(prefix) or name == prefix[:-1]})
+        if hits:
+            found[source] = hits
+    return found
+
+
+def test_what_imports_each_familys_modules():
+    """A family is reached through the registry (specs, torch-free) and models/build.py (module, plan) by name,
+    never imported by the plan, the config or the worker: adding one touches its folder and a model YAML.
+
+    llama is also the base the other families subclass, and its module holds the pieces every family shares
+    (the SDPA backend order, the attention class context parallelism adjusts, the sharding-independent init).
+    """
+    from trainctl.models import registry
+
+    families = registry.names()
+    assert "llama" in families
+    in_families = {f"trainctl.models.{f}.{m}" for f in families for m in ("spec", "model", "parallel")}
+    for family in families:
+        outside = {m: names for m, names in importers_of(family).items() if m not in in_families}
+        if family != "llama":
+            assert outside == {}, family
+            continue
+        assert outside == {
+            "trainctl.models.hf": ["trainctl.models.llama.model"],
+            "trainctl.train.context_parallel": ["trainctl.models.llama.model"],
+            "trainctl.train.trainer": ["trainctl.models.llama.model"],
+        }
+
+
+def test_every_family_is_a_complete_folder_with_a_model_config():
+    from trainctl.models import registry
+
+    conf = ROOT / "conf" / "model"
+    declared = {line.split(":", 1)[1].strip() for path in conf.glob("*.yaml")
+                for line in path.read_text().splitlines() if line.startswith("family:")}
+    for family in registry.names():
+        folder = ROOT / "models" / family
+        assert {"spec.py", "model.py", "parallel.py"} <= {p.name for p in folder.glob("*.py")}, family
+        assert registry.spec(family).family == family
+        assert family in declared, f"no conf/model/*.yaml sets family: {family}"

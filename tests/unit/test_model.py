@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from trainctl.config.compose import conf_dir
 from trainctl.config.schema import ModelConfig, from_dict
-from trainctl.models.llama import apply_rope, build_model, count_params, rope_frequencies
+from trainctl.models.llama.model import apply_rope, build_model, count_params, rope_frequencies
 from trainctl.plan.flops import param_count
 
 MODEL_YAMLS = sorted((conf_dir() / "model").glob("*.yaml"))

@@ -1,38 +1,25 @@
-"""A Hugging Face Llama directory's shape, read from its config.json without torch.
+"""A Hugging Face model directory's shape, read from its config.json without torch.
 
-`model=hf model.path=DIR` takes the model's shape from DIR/config.json; `checkpoint.init_from=DIR`
-loads DIR's safetensors weights into it in the worker. Both are checked here on the login node:
-a config.json that is not a Llama trainctl can run exactly (biases, rope scaling, another
-activation, a head size other than dim / heads) is refused in one line, as are missing weights.
+`model=hf model.path=DIR` takes the model's family and shape from DIR/config.json; `checkpoint.init_from=DIR`
+loads DIR's safetensors weights into it in the worker. Both are checked here on the login node: a
+config.json that no family can run exactly (its spec's refusals: unknown model_type, biases a family lacks,
+unimplemented rope scaling, another activation) is refused in one line, as are missing weights.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from pathlib import Path
 
 from trainctl.core.rundir import open_regular, read_bytes
+from trainctl.models import registry
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Fields of HF's LlamaConfig and the ModelConfig field each one fills.
-FIELDS = {
-    "hidden_size": "dim",
-    "num_hidden_layers": "n_layers",
-    "num_attention_heads": "n_heads",
-    "intermediate_size": "ffn_dim",
-    "vocab_size": "vocab_size",
-    "max_position_embeddings": "max_seq_len",
-}
-
-
-class HFConfigError(ValueError):
-    """One line: what is wrong with the directory and what would work."""
-
+HFConfigError = registry.HFConfigError  # one line: what is wrong with the directory and what would work
 
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few KB; a larger one is not a model's
 
@@ -42,7 +29,7 @@ def read_config(path: str | Path) -> dict:
     JSON object."""
     where = Path(path).expanduser()
     if not where.is_dir():
-        raise HFConfigError(f"{path}: not a directory; point it at a Hugging Face Llama folder "
+        raise HFConfigError(f"{path}: not a directory; point it at a Hugging Face model folder "
                             f"(config.json and *.safetensors)")
     file = where / CONFIG_FILE
     if not file.exists():
@@ -63,84 +50,12 @@ def read_config(path: str | Path) -> dict:
 
 
 def model_fields(path: str | Path) -> dict:
-    """ModelConfig fields for the Llama at `path`; HFConfigError when trainctl cannot run it exactly.
-
-    Every field is checked for its type before use: a size is a positive integer (not a bool, a float or a
-    string), a float is finite and positive, a flag is a bool; nothing is coerced.
-    """
+    """ModelConfig fields (family included) for the model at `path`; HFConfigError when trainctl cannot run it
+    exactly. The family comes from config.json's model_type (or architectures); its spec reads the rest, every
+    field checked for its type before use (nothing coerced)."""
     data = read_config(path)
     where = Path(path).expanduser() / CONFIG_FILE
-    if data.get("model_type") != "llama":
-        raise HFConfigError(f"{where}: model_type={_shown(data.get('model_type'))}; only Llama (model_type: llama) "
-                            "checkpoints load into trainctl's decoder")
-    fields = {ours: _size(where, data, theirs) for theirs, ours in FIELDS.items()}
-    kv = data.get("num_key_value_heads")
-    fields["n_kv_heads"] = fields["n_heads"] if kv is None else _size(where, data, "num_key_value_heads")
-    if fields["n_heads"] % fields["n_kv_heads"]:
-        raise HFConfigError(f"{where}: num_key_value_heads={fields['n_kv_heads']} does not divide "
-                            f"num_attention_heads={fields['n_heads']}")
-    fields["norm_eps"] = _positive_float(where, "rms_norm_eps", data.get("rms_norm_eps", 1e-6))
-    params = _mapping(where, data, "rope_parameters")  # transformers >= 5 keeps theta there
-    theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
-    fields["rope_theta"] = _positive_float(where, "rope_theta", theta)
-    tie = data.get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise HFConfigError(f"{where}: tie_word_embeddings={_shown(tie)}: must be true or false")
-    fields["tie_embeddings"] = tie
-    problems = _unsupported(where, data, fields)
-    if problems:
-        raise HFConfigError(f"{where}: {problems[0]}; trainctl's decoder cannot reproduce it")
-    return fields
-
-
-def _shown(value) -> str:
-    text = repr(value) if isinstance(value, str | float) else json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _size(where: Path, data: dict, key: str) -> int:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        what = "missing" if key not in data else f"{key}={_shown(value)}"
-        raise HFConfigError(f"{where}: {what}: {key} must be a positive integer")
-    return value
-
-
-def _positive_float(where: Path, key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise HFConfigError(f"{where}: {key}={_shown(value)}: must be a positive finite number")
-    return float(value)
-
-
-def _mapping(where: Path, data: dict, key: str) -> dict:
-    value = data.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise HFConfigError(f"{where}: {key}={_shown(value)}: must be a JSON object or null")
-    return value
-
-
-def _unsupported(where: Path, data: dict, fields: dict) -> list[str]:
-    problems = []
-    scaling = _mapping(where, data, "rope_scaling")
-    kind = scaling.get("rope_type", scaling.get("type")) or _mapping(where, data, "rope_parameters").get("rope_type")
-    if kind not in (None, "default"):
-        problems.append(f"rope scaling {_shown(kind)} is not implemented (only plain RoPE)")
-    for key in ("attention_bias", "mlp_bias"):
-        if data.get(key) not in (None, False):
-            problems.append(f"{key}={_shown(data[key])} (trainctl's linear layers have no bias)")
-    act = data.get("hidden_act", "silu")
-    if act != "silu":
-        problems.append(f"hidden_act={_shown(act)} (trainctl's MLP is SwiGLU with silu)")
-    if fields["dim"] % fields["n_heads"]:
-        problems.append(f"hidden_size={fields['dim']} is not a multiple of num_attention_heads={fields['n_heads']}")
-    head_dim = data.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0):
-        problems.append(f"head_dim={_shown(head_dim)} must be a positive integer")
-    elif head_dim is not None and head_dim * fields["n_heads"] != fields["dim"]:
-        problems.append(f"head_dim={_shown(head_dim)} is not hidden_size / num_attention_heads")
-    return problems
+    return registry.spec(registry.family_of_hf(data, where)).from_hf(data, where)
 
 
 def weight_files(path: str | Path) -> list[Path]:

@@ -38,9 +38,11 @@ PREEMPTION_SIGNALS = ("SIGUSR2", "SIGUSR1", "SIGTERM", "SIGINT", "SIGHUP", "SIGQ
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the Llama-style decoder."""
+    """Shape of the decoder. `family` picks trainctl/models/<family>/ (its spec, module and parallel plan); the
+    family-specific keys below default to plain Llama (full attention, plain RoPE, head_dim = dim / n_heads)."""
 
     name: str = "tiny"
+    family: str = "llama"  # llama | qwen2 | qwen3 | mistral (the folders of trainctl/models with a spec.py)
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
@@ -51,6 +53,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    head_dim: int = 0  # per-head size of q, k, v; 0: dim // n_heads (Qwen3 0.6B sets 128 with dim 1024, 16 heads)
+    rope_scaling: str = "none"  # none | linear | llama3 (Llama 3.1 / 3.2)
+    rope_factor: float = 1.0  # linear and llama3: positions (llama3: low frequencies) are stretched by it
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are scaled fully
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are not scaled
+    rope_original_max_seq_len: int = 8192  # llama3: the context the model was first trained with
+    sliding_window: int = 0  # 0: full attention; else refused unless it covers train.seq_len
     path: str = ""  # a Hugging Face Llama folder whose config.json gives the shape (model=hf)
 
 

@@ -19,6 +19,7 @@ from trainctl.config.slurm import check_slurm
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
 from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters
+from trainctl.models import registry
 
 
 def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
@@ -235,20 +236,23 @@ MAX_LAYERS = 10_000  # the plan works layer by layer: an absurd count would hang
 
 
 def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
-    """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit."""
+    """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit, and the family's own checks."""
+    if m.family not in registry.names():
+        return [f"model.family={m.family!r}: unknown family; choose one of: {', '.join(registry.names())}"]
     problems = []
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                "rope_original_max_seq_len"):
         problems += _positive(f"model.{key}", getattr(m, key))
+    for key in ("head_dim", "sliding_window"):
+        if getattr(m, key) < 0:
+            problems.append(f"model.{key}={getattr(m, key)}: must be 0 (the default) or positive")
     problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
     if m.n_layers > MAX_LAYERS:
         problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
                         "the largest published models have under 200")
     if problems:
         return problems
-    if m.dim % m.n_heads:
-        problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim}")
-    elif (m.dim // m.n_heads) % 2:
-        problems.append(f"model.n_heads={m.n_heads}: head dim {m.dim // m.n_heads} is odd, RoPE needs an even head dim")
+    problems += registry.spec(m.family).problems(m, t.seq_len)
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query "
                         f"attention); use a divisor such as {_divisors(m.n_heads)}")
@@ -340,8 +344,10 @@ def check_offload(sh: schema.ShardingConfig) -> list[str]:
 
 def check_model_parallel(dims: ParallelDims, m: schema.ModelConfig) -> list[str]:
     problems = []
+    if m.family not in registry.names():
+        return []  # check_model names it
     if dims.tp > 1:
-        for key, value in ((key, getattr(m, key)) for key in ("n_heads", "n_kv_heads", "ffn_dim", "dim")):
+        for key, value in registry.spec(m.family).tp_divides(m).items():
             if value % dims.tp:
                 problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that "
                                 f"divides it ({_divisors(value)})")

@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from trainctl.config.schema import ModelConfig, load_run_config
 from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
+from trainctl.models.build import build_model
 from trainctl.models.hf import hf_config, to_hf
-from trainctl.models.llama import build_model
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

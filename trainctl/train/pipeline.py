@@ -36,7 +36,7 @@ from torch.distributed.pipelining import (
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.stages import local_stage_ids, stage_layers
-from trainctl.models.llama import Llama, build_model
+from trainctl.models.build import family_parallel
 from trainctl.train.loss import TokenLoss
 from trainctl.train.micro_batch import MicroBatchContext
 from trainctl.train.parallelize import parallelize
@@ -67,18 +67,10 @@ class Pipeline:
     loss_fn: StageLoss  # the last stage's loss; holds the unscaled microbatch losses of the last call
 
 
-def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) -> Llama:
-    """A meta-device Llama holding only `layers` (global keys kept), the embedding if first, the head if last."""
-    model = build_model(cfg, "meta")
-    for key in list(model.layers.keys()):
-        if int(key) not in layers:
-            del model.layers[key]
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
-    return model
+def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) -> nn.Module:
+    """A meta-device model holding only `layers` (global keys kept), the embedding if first, the head if last
+    (the family's stage builder, models/<family>/parallel.py)."""
+    return family_parallel(cfg).build_stage_model(cfg, layers, first, last)
 
 
 class StageLoss:

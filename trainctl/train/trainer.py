@@ -22,7 +22,8 @@ from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.wrapping import wrapping_of
-from trainctl.models.llama import attention_backends, build_model
+from trainctl.models.build import build_model
+from trainctl.models.llama.model import attention_backends
 from trainctl.plan.flops import flops_per_token
 from trainctl.train import distributed
 from trainctl.train import state as checkpoint_state
@@ -286,7 +287,7 @@ def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: Checkpoint
 
 
 def init_from_hf(cfg: RunConfig, model: nn.Module, world: distributed.World) -> None:
-    """A fresh run starts from a Hugging Face Llama's weights (checkpoint.init_from); a resume never does."""
+    """A fresh run starts from a Hugging Face model's weights (checkpoint.init_from); a resume never does."""
     from trainctl.models.hf import HFWeightsError, load_hf_weights
 
     try:
