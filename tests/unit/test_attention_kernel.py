@@ -24,6 +24,7 @@ def cfg(*overrides: str):
     (("model.n_kv_heads=32",), "cudnn"),
     (("train.attention=flash",), "flash"),
     (("precision=fp32",), "efficient"),
+    (("model.head_dim=320",), "efficient"),  # an explicit head size (as Qwen3's) past flash's 256, not dim/heads
     (("cluster=local", "cluster.device=cpu", "cluster.gpu=''"), "cpu-flash"),
 ])
 def test_the_plan_names_the_kernel(overrides, kernel):
