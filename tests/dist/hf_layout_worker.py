@@ -1,4 +1,4 @@
-"""Under torchrun: a Hugging Face Llama folder loaded into one parallel layout; rank 0 saves the logits.
+"""Under torchrun: a Hugging Face folder (any family) loaded into one parallel layout; rank 0 saves the logits.
 
     torchrun --nproc_per_node=2 hf_layout_worker.py HF_DIR LAYOUT TOKENS_PT OUT_PT
 
@@ -18,7 +18,7 @@ from trainctl.config.hf_config import model_fields
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.models.hf import load_hf_weights
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.train.distributed import build_mesh
 from trainctl.train.parallelize import parallelize
 

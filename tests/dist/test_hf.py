@@ -1,8 +1,9 @@
-"""Hugging Face Llama weights in and out, checked against the real `transformers` library.
+"""Hugging Face weights of every family in and out, checked against the real `transformers` library.
 
-In: a random LlamaForCausalLM (grouped-query attention; and one with tied embeddings) saved by
-save_pretrained is loaded by trainctl under DDP, FSDP2, HSDP and tensor parallelism: its logits equal
-transformers' in fp32. Out: a run started from it (model=hf, checkpoint.init_from) trains a few steps,
+In: a random model of each family (SHAPES: Llama with grouped-query attention, tied embeddings, llama3 RoPE
+scaling; Qwen2 with q/k/v biases; Qwen3 with q/k norms and head_dim != hidden/heads; Mistral) saved by
+save_pretrained is loaded by trainctl under DDP, FSDP2, HSDP, tensor parallelism and pipeline stages: its
+logits equal transformers' in fp32. Out: a run started from it (model=hf, checkpoint.init_from) trains a few steps,
 `trainctl export` writes a folder that AutoModelForCausalLM loads with no missing or unexpected keys,
 whose logits equal the trained checkpoint's in trainctl, and which generates.
 """
@@ -25,23 +26,50 @@ transformers = pytest.importorskip("transformers")  # a dev dependency: installe
 pytestmark = pytest.mark.dist
 TOL = 1e-4
 WORKER = str(Path(__file__).with_name("hf_layout_worker.py"))
+# name -> (model_type, transformers config): the families' distinguishing features at toy size.
 SHAPES = {
-    "gqa": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=500000.0,
-                rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "tied": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
-                 intermediate_size=128, vocab_size=256, max_position_embeddings=64, rope_theta=10000.0,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "gqa": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=500000.0,
+                          rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "tied": ("llama", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
+                           intermediate_size=128, vocab_size=256, max_position_embeddings=64, rope_theta=10000.0,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # Llama 3.1/3.2's scaling with original context 16: positions of a 24-token sequence go past it.
+    "llama3_rope": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=176, vocab_size=300, max_position_embeddings=256,
+                                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2": ("qwen2", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=1e6,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "qwen3": ("qwen3", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, intermediate_size=128, vocab_size=300, max_position_embeddings=128,
+                            rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=1e6,
+                                rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=64)),
 }
 
 
-def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save) -> transformers.LlamaForCausalLM:
+def random_hf_model(name: str, seed: int = 0, **changes):
+    """A transformers model of SHAPES[name] (with `changes` to its config) with random weights everywhere:
+    norms and biases start at 1 and 0, so a misplaced or misordered one would not show."""
+    model_type, shape = SHAPES[name]
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
-    with torch.no_grad():  # norms start at 1: make them random too, so a misplaced one shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+    config = transformers.AutoConfig.for_model(model_type, **{**shape, **changes})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif param_name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
+    return model
+
+
+def save_random(folder: Path, name: str, seed: int = 0, **save):
+    model = random_hf_model(name, seed)
     model.save_pretrained(folder, **save)
     return model
 
@@ -51,7 +79,7 @@ def hf_llama(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"hf-{request.param}")
     # The GQA model is saved in shards: the loader must follow the index.
     save = {"max_shard_size": "100KB"} if request.param == "gqa" else {}
-    model = save_random_llama(folder, SHAPES[request.param], **save)
+    model = save_random(folder, request.param, **save)
     tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         expected = model(tokens).logits
@@ -82,7 +110,7 @@ def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedP
 def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     """The newest checkpoint's model tensors by trainctl name, read with DCP (not through the export)."""
     from trainctl.core import checkpoints
-    from trainctl.models.llama.model import build_model
+    from trainctl.models.build import build_model
 
     ckpt = checkpoints.newest_valid(run_dir).path
     names = [n for n in build_model(cfg, "meta").state_dict() if not (cfg.tie_embeddings and n == "output.weight")]
@@ -95,7 +123,7 @@ def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
     source = tmp_path / "source"
-    save_random_llama(source, SHAPES["gqa"], seed=3)
+    save_random(source, "gqa", seed=3)
     launch = trainctl("launch", "model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
                       "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2", "train.steps=3",
                       "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
@@ -111,7 +139,7 @@ def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     from trainctl.config.schema import load_run_config
-    from trainctl.models.llama.model import build_model
+    from trainctl.models.build import build_model
 
     cfg = load_run_config(run_dir).model
     ours = build_model(cfg, "cpu")

@@ -251,7 +251,8 @@ class LlamaSpec:
             return fields
         if kind not in ROPE_SCALINGS:
             raise HFConfigError(f"{where}: rope scaling {shown(kind)} is not implemented (llama3, linear or none)")
-        fields.update(rope_scaling=kind, rope_factor=positive_float(where, "rope_scaling.factor", scaling.get("factor")))
+        factor = positive_float(where, "rope_scaling.factor", scaling.get("factor"))
+        fields.update(rope_scaling=kind, rope_factor=factor)
         if kind == "llama3":
             for ours, theirs in (("rope_low_freq_factor", "low_freq_factor"),
                                  ("rope_high_freq_factor", "high_freq_factor")):
