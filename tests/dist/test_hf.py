@@ -121,9 +121,10 @@ def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
+@pytest.mark.parametrize("shape", ["gqa", "qwen3"])
+def test_hf_to_trainctl_to_hf_round_trip(tmp_path, shape):
     source = tmp_path / "source"
-    save_random(source, "gqa", seed=3)
+    save_random(source, shape, seed=3)
     launch = trainctl("launch", "model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
                       "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2", "train.steps=3",
                       "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
@@ -155,7 +156,7 @@ def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
     generated = model.generate(tokens[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 11)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+    assert config["model_type"] == SHAPES[shape][0] and config["num_key_value_heads"] == 2
 
 
 def test_pipeline_stages_each_load_their_own_pieces(hf_llama):
