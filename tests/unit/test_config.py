@@ -264,6 +264,16 @@ PUBLISHED_PARAMS = {
     "llama3_8b": 8_030_261_248,
     "llama3_70b": 70_553_706_496,
     "llama3_1b": 1_235_814_400,  # Llama 3.2 1B, tied embeddings
+    # model cards' safetensors totals; tests/dist/test_families.py rebuilds most of them with transformers on meta
+    "llama3_2_1b": 1_235_814_400,
+    "llama3_2_3b": 3_212_749_824,
+    "llama3_1_8b": 8_030_261_248,
+    "llama3_1_70b": 70_553_706_496,
+    "qwen2_5_0_5b": 494_032_768,
+    "qwen2_5_7b": 7_615_616_512,
+    "qwen3_0_6b": 596_049_920,
+    "qwen3_8b": 8_190_735_360,
+    "mistral_7b": 7_248_023_552,
 }
 
 
