@@ -60,7 +60,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are not scaled
     rope_original_max_seq_len: int = 8192  # llama3: the context the model was first trained with
     sliding_window: int = 0  # 0: full attention; else refused unless it covers train.seq_len
-    path: str = ""  # a Hugging Face Llama folder whose config.json gives the shape (model=hf)
+    path: str = ""  # a Hugging Face folder whose config.json gives the family and shape (model=hf)
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background while the loop continues
     resume: str = "auto"  # auto: newest valid checkpoint of this run | never | a checkpoint or run directory
     load_only: str = "all"  # resume from a path: all | model | model_optim (a fresh run otherwise)
-    init_from: str = ""  # a Hugging Face Llama folder: its weights start a fresh run (a resume ignores it)
+    init_from: str = ""  # a Hugging Face model folder (any family): its weights start a fresh run (a resume ignores it)
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,10 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
 
 
 def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[str]]:
-    """model.path: the shape of that Hugging Face Llama, from its config.json (the option's own values yield)."""
+    """model.path: the family and shape of that Hugging Face model, from its config.json (they replace the option's)."""
     if not m.path:
         if m.name == "hf":
-            return m, ["model=hf: set model.path=DIR, a Hugging Face Llama folder (config.json, *.safetensors)"]
+            return m, ["model=hf: set model.path=DIR, a Hugging Face model folder (config.json, *.safetensors)"]
         return m, []
     try:
         fields = hf_config.model_fields(m.path)
@@ -69,7 +69,7 @@ def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[st
 
 
 def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[str]:
-    """checkpoint.init_from: a Hugging Face Llama folder with weights, of exactly the model's shape."""
+    """checkpoint.init_from: a Hugging Face model folder with weights, of exactly the model's shape."""
     if not c.init_from:
         return []
     key = f"checkpoint.init_from={c.init_from}"

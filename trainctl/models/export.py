@@ -9,7 +9,7 @@ output shard at a time, so peak memory is about one shard, not the whole model.
 
 Writes `model.safetensors`, or when the total exceeds the shard size,
 `model-0000K-of-0000N.safetensors` plus `model.safetensors.index.json` (Hugging Face's
-layout), and `config.json` as transformers' LlamaForCausalLM reads it (plus `trainctl_model` and
+layout), and `config.json` as the family's transformers class reads it (plus `trainctl_model` and
 `trainctl_checkpoint`). Names and the q/k rotary layout are Hugging Face's (models/hf.py), dtypes
 those of the checkpoint unless --dtype casts them. Tied embeddings are saved once, as
 `model.embed_tokens.weight`. When the run trained on a dataset prepared with a Hugging Face

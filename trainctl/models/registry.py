@@ -28,8 +28,9 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(d.name for d in FAMILIES_DIR.iterdir() if (d / "spec.py").is_file()))
 
 
+@cache
 def spec(family: str):
-    """The family's spec (its module's SPEC); KeyError for an unknown family."""
+    """The family's spec (its module's SPEC); KeyError for an unknown family. Cached: the plan asks per tensor."""
     if family not in names():
         raise KeyError(family)
     return importlib.import_module(f"trainctl.models.{family}.spec").SPEC
