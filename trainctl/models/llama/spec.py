@@ -48,7 +48,6 @@ class LlamaSpec:
         "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
         "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
     qkv_bias = False  # q, k and v projections carry biases (qwen2)
-    qk_norm = False  # RMSNorm over each q and k head before RoPE (qwen3)
     # Tensor parallelism: split by output rows (ColwiseParallel), by input columns (RowwiseParallel).
     tp_colwise = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
     tp_rowwise = ("wo", "w2")
@@ -72,8 +71,6 @@ class LlamaSpec:
             tensors = [tensors[0], Tensor(p + "wq.bias", q, 1), tensors[1], Tensor(p + "wk.bias", kv, 1),
                        tensors[2], Tensor(p + "wv.bias", kv, 1)]
         tensors.append(Tensor(p + "wo.weight", m.dim, q))
-        if self.qk_norm:
-            tensors += [Tensor(p + f"{n}_norm.weight", self.head_dim(m), 1) for n in ("q", "k")]
         return tensors
 
     def block_tensors(self, m, index: int) -> list[Tensor]:
@@ -138,29 +135,24 @@ class LlamaSpec:
         fp32 = (4 if lay.fused_norm else 8) * m.dim + FP32
         return fp32 / lay.tp + lay.compute_bytes * m.dim * copies
 
-    def qk_norm_bytes(self, m, lay) -> float:
-        """What the per-head q/k RMSNorms keep (fp32 input and x * rstd, or input only when fused, and rstd)."""
-        if not self.qk_norm:
-            return 0.0
-        heads = m.n_heads + m.n_kv_heads
-        return ((4 if lay.fused_norm else 8) * heads * self.head_dim(m) + FP32 * heads) / lay.tp
+    def attention_norm_bytes(self, m, lay, compiled: bool = False) -> float:
+        """What norms inside attention keep per token (none in llama; qwen3's per-head q/k norms)."""
+        return 0.0
 
     def block_none(self, m, lay) -> float:
         a, q, kv = lay.compute_bytes, self.q_dim(m), self.sdpa_kv_dim(m, lay.cp)
         attention = a * (q + 2 * kv) + FP32 * m.n_heads + a * q
         mlp = 4 * a * m.ffn_dim
-        norms = self.norm_bytes(m, lay, feeds=3) + self.norm_bytes(m, lay, feeds=2) + self.qk_norm_bytes(m, lay)
+        norms = self.norm_bytes(m, lay, feeds=3) + self.norm_bytes(m, lay, feeds=2) + self.attention_norm_bytes(m, lay)
         return norms + (attention + mlp) / lay.tp
 
     def block_compiled(self, m, lay) -> float:
         """Without checkpointing under torch.compile (measured on CPU: Inductor keeps the matmuls' inputs and
         outputs and recomputes pointwise work): two rstd and the two normed outputs (a d each, gathered under
         tp); the block input (r d); q, k, v, SDPA's output and wo's contiguous input (2 a q) and log-sum-exp;
-        w1's and w3's outputs and their SwiGLU product (3 a f). The q/k norms keep their rstd."""
+        w1's and w3's outputs and their SwiGLU product (3 a f)."""
         a, q, kv = lay.compute_bytes, self.q_dim(m), self.sdpa_kv_dim(m, lay.cp)
-        norms = 2 * (FP32 / lay.tp + a * m.dim)
-        if self.qk_norm:
-            norms += FP32 * (m.n_heads + m.n_kv_heads) / lay.tp
+        norms = 2 * (FP32 / lay.tp + a * m.dim) + self.attention_norm_bytes(m, lay, compiled=True)
         attention = a * (q + 2 * kv) + 2 * a * q + FP32 * m.n_heads
         return norms + (lay.residual_bytes * m.dim + attention + 3 * a * m.ffn_dim) / lay.tp
 
@@ -324,12 +316,10 @@ class LlamaSpec:
 
     def rotary_heads(self, name: str, m) -> int | None:
         """How many rotary head blocks a tensor's rows hold (they are reordered between trainctl's interleaved
-        pairs and transformers' halves): q and k weights and biases, and the per-head q/k norm weights (one)."""
+        pairs and transformers' halves): q and k weights (and biases)."""
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if name.startswith("layers.") and module in ("wq", "wk"):
             return m.n_heads if module == "wq" else m.n_kv_heads
-        if name.startswith("layers.") and module in ("q_norm", "k_norm"):
-            return 1
         return None
 
 
