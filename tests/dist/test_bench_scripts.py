@@ -1,4 +1,5 @@
-"""Smoke tests of scripts/bench_loop.py, bench_checkpoint.py, bench_prepare.py, gpu_proof.sh, gpu_wheels.sh.
+"""Smoke tests of scripts/bench_loop.py, bench_checkpoint.py, bench_prepare.py, bench_titan.py (and
+titan_worker.py), gpu_proof.sh, gpu_wheels.sh.
 
 Each runs the script as a user would (a fresh interpreter: a gloo world of one, or torchrun for --nproc 2)
 and checks that it reports every figure it promises; the figures themselves are measurements, not asserted.
@@ -98,6 +99,37 @@ def test_gpu_wheels_names_what_the_gpu_box_lacks():
         assert present not in proc.stdout, present
     assert "names:  hydra-core omegaconf antlr4-python3-runtime torchao" in proc.stdout
     assert "for CPython 3.12" in proc.stdout
+    # torchtitan for the titan stage: the release that imports under torch 2.11, and what it imports to train;
+    # not HF datasets (pyarrow, pandas: tens of MB), whose text dataloader bench_titan does not use.
+    assert "titan:  torchtitan==0.2.2 torchdata==" in proc.stdout and "tyro==" in proc.stdout
+    assert "datasets" not in proc.stdout
+    assert "titan names: torchtitan torchdata (no deps) tyro docstring-parser typeguard" in proc.stdout
+
+
+def test_bench_titan_writes_torchtitan_s_config_and_compares_results(tmp_path):
+    # The run itself needs torchtitan (scripts/gpu_proof.sh --rehearse titan runs it on CPU, in CI): here the
+    # recipe -> torchtitan config, the ratio from two results of separate device calls, and a refusal.
+    proc = run_script("bench_titan.py", "--dry-run", "train.micro_batch=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[training]\nlocal_batch_size = 4\nglobal_batch_size = 4\nseq_len = 2048" in proc.stdout
+    assert '"ffn_dim": 8192' in proc.stdout
+    shape = {"recipe": "llama1b_bench", "model": "llama3_1b", "batch": "8x1x2048", "precision": "bf16",
+             "compile": True}
+    (tmp_path / "titan.json").write_text(json.dumps({**shape, "tokens_per_s": 40000.0, "mfu_pct": 40.0,
+                                                     "tflops": 400.0, "flops_per_token": 8e9, "peak_flops": 989e12,
+                                                     "tokens_per_s_intervals": [40000.0], "peak_active_gib": 30.0}))
+    (tmp_path / "loop.json").write_text(json.dumps({**shape, "fp8": False, "trainctl_tokens_per_s": [42000.0]}))
+    proc = run_script("bench_titan.py", "--compare", str(tmp_path / "titan.json"),
+                      "--loop", str(tmp_path / "loop.json"), "--json", str(tmp_path / "both.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio trainctl/torchtitan tokens/s: 1.050" in proc.stdout
+    assert json.loads((tmp_path / "both.json").read_text())["vs_trainctl"]["comparable"] is True
+    refused = run_script("bench_titan.py", "--dry-run", "precision=fp8")
+    assert refused.returncode == 1 and "bench_titan: precision.fp8" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    # Its torchtitan side (what the rehearsal runs) says how it is used rather than failing on a missing argument.
+    usage = run_script("titan_worker.py")
+    assert usage.returncode == 1 and "usage: titan_worker.py SPEC_JSON" in usage.stderr
 
 
 def test_bench_prepare_compares_data_prepare_with_tokenizers_alone():

@@ -68,6 +68,18 @@ def random_hf_model(name: str, seed: int = 0, **changes):
     return model
 
 
+def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save):
+    """A random LlamaForCausalLM of a transformers config `shape` (random norms), saved to `folder`."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, **save)
+    return model
+
+
 def save_random(folder: Path, name: str, seed: int = 0, **save):
     model = random_hf_model(name, seed)
     model.save_pretrained(folder, **save)

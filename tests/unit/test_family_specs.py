@@ -117,7 +117,7 @@ def test_model_hf_reads_the_family_from_config_json(tmp_path):
 @pytest.mark.parametrize(("change", "words"), [
     ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true"),
     ({"attention_bias": True}, "attention_bias=true"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic' is not implemented"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic': not implemented"),
 ])
 def test_what_a_family_cannot_reproduce_is_one_line(tmp_path, change, words):
     folder = write_config(tmp_path / "q", {**QWEN3, **change})

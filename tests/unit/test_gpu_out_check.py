@@ -20,10 +20,14 @@ def _files(root: Path, *names: str, size: int = 10) -> None:
 
 
 def test_the_proofs_own_layout_comes_back(tmp_path):
+    # Every stage's file in one $OUT (the calls split them; --rehearse without parts writes six).
     _files(tmp_path, "proof.log", "loop.json", "variants-1of2.json", "variants-1of2.md", "variants-2of2.json",
-           "variants-2of2.md", "loss_head.json", "a/b/deepest-allowed.txt")
+           "variants-2of2.md", "loss_head.json", "titan.json")
     assert gpu_out_check.problems(tmp_path) == []
     assert gpu_out_check.main([str(tmp_path)]) == 0
+    (tmp_path / "titan.json").unlink()
+    _files(tmp_path, "a/b/deepest-allowed.txt")
+    assert gpu_out_check.problems(tmp_path) == []
 
 
 def test_a_ninth_file_is_named(tmp_path):

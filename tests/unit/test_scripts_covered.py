@@ -34,6 +34,11 @@ COVERED = {
     "hostile_probe.py": "tests/dist/test_hostile_probe.py::test_every_hostile_case_is_ok",
     "bench_loss_head.py":
         "tests/dist/test_bench_loss_head.py::test_bench_loss_head_reports_time_and_peak_of_both_heads",
+    "bench_titan.py":
+        "tests/dist/test_bench_scripts.py::test_bench_titan_writes_torchtitan_s_config_and_compares_results",
+    # its torchtitan side; the run itself: .ci/run's `gpu_proof.sh --rehearse` (the titan stage)
+    "titan_worker.py":
+        "tests/dist/test_bench_scripts.py::test_bench_titan_writes_torchtitan_s_config_and_compares_results",
     "bench_prepare.py":
         "tests/dist/test_bench_scripts.py::test_bench_prepare_compares_data_prepare_with_tokenizers_alone",
 }

@@ -200,7 +200,7 @@ class TrainConfig:
     activation_offload: bool = False  # keep saved activations in CPU memory until backward
     compile: bool = False
     attention: str = "cudnn"  # cudnn | flash: the SDPA kernel tried first on CUDA (flash: never cuDNN)
-    eval_every: int = 50  # 0 disables
+    eval_every: int = 50  # also at step 0 and the last step; 0: no evaluation at all
     eval_batches: int = 8
     gc_every: int = 50  # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes
 

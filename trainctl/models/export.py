@@ -54,6 +54,7 @@ from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
 from trainctl.models.build import build_model
 from trainctl.models.hf import hf_config, to_hf
+from trainctl.models.verify import VerifyError, verify_export
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -389,9 +390,13 @@ def missing_parents(path: Path) -> list[Path]:
 
 def export(
     run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Export one verified checkpoint of `run_dir` (default: the newest valid one); returns the output folder."""
+    dtype: torch.dtype | None = None, verify: bool = False,
+) -> tuple[Path, str | None]:
+    """Export one verified checkpoint of `run_dir` (default: the newest valid one).
+
+    Returns the output folder and, with `verify`, what the check against transformers found (models/verify.py);
+    an export that fails the check is never moved to `out`.
+    """
     cfg = read_model_config(run_dir)
     ckpt = find_checkpoint(run_dir, checkpoint)
     entries = model_entries(ckpt)
@@ -411,6 +416,7 @@ def export(
         tokens = run_tokenizer(run_dir)
         write_config(cfg, ckpt, tmp, saved, tokens)
         write_tokenizer(tokens, cfg, tmp)
+        verified = verify_export(tmp, read_tensors(ckpt, entries, names), cfg, dtype).line() if verify else None
         tmp.rename(out)  # onto an empty folder or a free name; never a half-written folder at `out`
         done = True
     except (OSError, SafetensorError) as exc:  # writing the output; reads of the checkpoint raise ExportError
@@ -422,7 +428,7 @@ def export(
             for parent in created:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
-    return out
+    return out, verified
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -437,6 +443,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE),
                         help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
     parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast the weights (default: as saved)")
+    parser.add_argument("--verify", action="store_true",
+                        help="load the export with transformers and compare tensors and logits before calling it done")
     return parser.parse_args(argv)
 
 
@@ -445,13 +453,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-        out = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size), dtype)
+        out, verified = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size), dtype,
+                               verify=args.verify)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except VerifyError as exc:  # not the user's mistake: the conversion is wrong, and nothing was left at --out
+        print(f"error: export --verify failed, nothing written: {exc}", file=sys.stderr)
+        return 1
     files = sorted(p.name for p in out.iterdir())
     step = json.loads((out / "config.json").read_text())["trainctl_checkpoint"]["step"]
     print(f"exported step {step} to {out}: {', '.join(files)}")
+    if verified:
+        print(verified)
     return 0
 
 

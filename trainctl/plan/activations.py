@@ -110,8 +110,12 @@ def head_fixed_bytes(m: ModelConfig, lay: ActLayout) -> int:
     return lay.compute_bytes * m.vocab_size * m.dim if lay.chunked_loss else 0
 
 
-def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int) -> int:
+def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int, head_reduce: int = 0) -> int:
     """Bytes alive around the loss beyond what the head keeps.
+
+    head_reduce: FSDP2's reduce-scatter input for the head's unit (reduce dtype x its elements), written at the
+    head's post-backward while that backward's own gradient is still alive; 0 without FSDP2 or with the head in
+    the root unit (tied embeddings: it reduces at the end of backward).
 
     Dense: two fp32 [tokens, V] gradients at the start of backward (nll_loss's backward writes one and
     log_softmax's another before the first is freed; the forward's own peak is lower).
@@ -124,13 +128,14 @@ def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int) -> int:
       gradient's cast back to fp32 [V, dim].
     """
     if not lay.chunked_loss:
-        return 2 * FP32 * m.vocab_size * tokens
+        dense = 2 * FP32 * m.vocab_size * tokens  # the head's unsharded gradient and its reduce-scatter input after
+        return max(dense, lay.compute_bytes * m.vocab_size * m.dim // lay.tp + head_reduce) if head_reduce else dense
     c, weight = lay.compute_bytes, m.vocab_size * m.dim
     chunk = min(tokens, chunk_tokens(m.vocab_size, m.dim))
     chunk_temps = chunk * m.vocab_size * (FP32 + (2 * c if c != FP32 else 0))
     forward = FP32 * weight + chunk_temps
     cast = (FP32 + c) * weight if c != FP32 else 0
-    backward = FP32 * weight if lay.autocast else 0
+    backward = (FP32 * weight if lay.autocast else 0) + head_reduce
     return max(forward, cast, backward)
 
 

@@ -234,22 +234,33 @@ class LlamaSpec:
         return 0 if value == derived else value
 
     def _hf_rope(self, data: dict, where: Path, params: dict) -> dict:
+        """The rope_* fields from rope_scaling (transformers < 5, the published files) or rope_parameters. Only
+        scalings trainctl reproduces exactly are taken (default, linear, llama3: attention factor 1); yarn,
+        dynamic, longrope and a factor without a rope_type are refused by name, never guessed."""
+        key = "rope_scaling" if data.get("rope_scaling") is not None else "rope_parameters"
         scaling = mapping(where, data, "rope_scaling") or params
-        kind = scaling.get("rope_type", scaling.get("type")) or "default"
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind is None and set(scaling) - {"rope_theta"}:
+            raise HFConfigError(f"{where}: {key}={shown(scaling)}: no rope_type; name it (default, linear or llama3)")
+        if scaling.get("attention_factor") not in (None, 1, 1.0):
+            raise HFConfigError(f"{where}: rope attention_factor={shown(scaling['attention_factor'])}: trainctl's "
+                                "RoPE does not scale attention")
         # Every rope key, defaults included: checkpoint.init_from compares them all with the model's.
         fields = {"rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0,
                   "rope_high_freq_factor": 4.0, "rope_original_max_seq_len": 8192}
-        if kind == "default":
+        if kind in (None, "default"):
             return fields
         if kind not in ROPE_SCALINGS:
-            raise HFConfigError(f"{where}: rope scaling {shown(kind)} is not implemented (llama3, linear or none)")
-        factor = positive_float(where, "rope_scaling.factor", scaling.get("factor"))
-        fields.update(rope_scaling=kind, rope_factor=factor)
+            raise HFConfigError(f"{where}: {key}.rope_type={shown(kind)}: not implemented; trainctl reproduces "
+                                "default, linear and llama3 RoPE")
+        fields.update(rope_scaling=kind, rope_factor=positive_float(where, f"{key}.factor", scaling.get("factor")))
         if kind == "llama3":
             for ours, theirs in (("rope_low_freq_factor", "low_freq_factor"),
                                  ("rope_high_freq_factor", "high_freq_factor")):
-                fields[ours] = positive_float(where, f"rope_scaling.{theirs}", scaling.get(theirs))
+                fields[ours] = positive_float(where, f"{key}.{theirs}", scaling.get(theirs))
             fields["rope_original_max_seq_len"] = size(where, scaling, "original_max_position_embeddings")
+            if fields["rope_high_freq_factor"] <= fields["rope_low_freq_factor"]:
+                raise HFConfigError(f"{where}: {key}.high_freq_factor must be greater than low_freq_factor")
         return fields
 
     def _hf_window(self, data: dict, where: Path) -> int:

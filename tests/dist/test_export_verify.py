@@ -1,0 +1,86 @@
+"""`export --verify`: the export is loaded with transformers and compared with the checkpoint before it is done.
+
+In one process on real DCP checkpoints (tests/unit/test_export.py's make_run). A corrupted conversion (q rows in
+the wrong rotary order, a config that computes another model) is caught and named; a failed check leaves nothing
+at --out and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_export import SMALL, make_run  # noqa: E402  (real DCP checkpoints)
+
+from trainctl.models import export as export_module  # noqa: E402
+from trainctl.models.verify import VerifyError, verify_export  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify") / "run"
+    tensors = make_run(root, SMALL)
+    return root, tensors[5]
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_a_good_export_is_verified(run, tmp_path, capsys, dtype):
+    root, _ = run
+    args = [str(root), "--out", str(tmp_path / "out"), "--verify"] + (["--dtype", dtype] if dtype else [])
+    assert export_module.main(args) == 0
+    out = capsys.readouterr().out
+    assert "verified: transformers loads it as LlamaForCausalLM with no missing or unexpected keys" in out
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_q_rows_in_the_wrong_rotary_order_are_named(run, tmp_path):
+    root, weights = run
+    assert export_module.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    file = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    heads, rows = SMALL.n_heads, tensors[name].shape[0]
+    # The mistake converters make: the rows left in trainctl's interleaved order instead of HF's halves.
+    tensors[name] = tensors[name].reshape(heads, 2, rows // heads // 2, -1).transpose(1, 2).reshape(rows, -1).clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(VerifyError, match="q_proj.weight: differs from the checkpoint's layers.1.attention.wq.weight"):
+        verify_export(tmp_path / "out", weights, SMALL, None)
+
+
+def test_a_config_that_computes_another_model_is_caught_at_the_logits(run, tmp_path):
+    root, weights = run
+    assert export_module.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config["hidden_act"] = "relu"  # every tensor still equal: only the computation differs
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VerifyError, match="logits differ from trainctl's"):
+        verify_export(tmp_path / "out", weights, SMALL, None)
+
+
+def test_a_failed_check_leaves_nothing_and_exits_1(run, tmp_path, capsys, monkeypatch):
+    root, _ = run
+
+    def mismatch(*args, **kwargs):
+        raise VerifyError("logits differ (a stand-in for a wrong conversion)")
+
+    monkeypatch.setattr(export_module, "verify_export", mismatch)
+    assert export_module.main([str(root), "--out", str(tmp_path / "out"), "--verify"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: export --verify failed, nothing written: logits differ (a stand-in for a wrong conversion)"]
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_without_transformers_verify_says_so(run, tmp_path, monkeypatch):
+    root, weights = run
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(VerifyError, match="pip install transformers"):
+        verify_export(tmp_path, weights, SMALL, torch.float32)
