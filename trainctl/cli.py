@@ -664,6 +664,9 @@ def export(
         None, "--max-shard-size", help="Bytes per file before sharding (e.g. 5000000000, 5GB).", show_default=False),
     dtype: str = typer.Option(
         None, "--dtype", help="Cast the weights: fp32, bf16 or fp16 (default: as saved).", show_default=False),
+    verify: bool = typer.Option(
+        False, "--verify", help="Load the export with transformers and compare its logits with trainctl's; "
+        "a mismatch exits 1 and keeps no export."),
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """Write a verified checkpoint's model as safetensors.  Example: trainctl export tiny_cpu-20250101-120000"""
@@ -684,6 +687,8 @@ def export(
                         ("--dtype", dtype)):
         if value is not None:
             args += [flag, str(value)]
+    if verify:
+        args.append("--verify")
     raise typer.Exit(subprocess.run(args).returncode)
 
 
