@@ -47,3 +47,20 @@ def test_cli_export_takes_the_newest_valid_checkpoint_of_a_named_run_and_refuses
     out = runs_dir / "r1" / "export" / "step-00000003"
     assert json.loads((out / "config.json").read_text())["trainctl_checkpoint"]["step"] == 3
     assert_same_tensors(load_file(out / "model.safetensors"), tensors[3], SMALL)
+
+
+def test_cli_export_verify_passes_a_good_export_and_refuses_an_existing_folder_untouched(tmp_path):
+    pytest.importorskip("transformers")
+    runs_dir = tmp_path / "runs"
+    make_run(runs_dir / "r1", SMALL)
+    proc = run_cli("export", "r1", "--runs-dir", str(runs_dir), "--verify", timeout=300)
+    assert proc.returncode == 0 and proc.probe["heavy"] == [], proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr  # transformers' log lines and progress bars are kept quiet
+    assert proc.stdout.startswith("verified with transformers: no missing or unexpected keys"), proc.stdout
+    out = runs_dir / "r1" / "export" / "step-00000005"
+    before = sorted(p.name for p in out.iterdir())
+
+    code, err, heavy = trainctl("export", "r1", "--runs-dir", str(runs_dir), "--verify")
+    assert code == 2 and heavy == "__HEAVY__[]"
+    assert err == [f"error: {out}: already exists and is not empty; remove it or pass --out DIR"]
+    assert sorted(p.name for p in out.iterdir()) == before
