@@ -479,4 +479,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the imported module, not this `__main__` copy: models/verify.py raises the imported module's
+    # ExportError, which this copy's `except ExportError` would not catch (a traceback instead of one line).
+    from trainctl.models.export import main as imported_main
+
+    sys.exit(imported_main())

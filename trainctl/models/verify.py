@@ -50,10 +50,17 @@ class VerifyMismatch(ExportError):  # noqa: N818 (a refusal, like ExportError)
 
 
 def require_transformers() -> None:
-    """Refuse --verify up front (before anything is written) when transformers cannot be imported."""
+    """Refuse --verify up front (before anything is written) when transformers is missing or does not import
+    (e.g. a version that does not fit this torch)."""
     if importlib.util.find_spec("transformers") is None:
         raise ExportError(f"--verify: transformers is not installed in {sys.executable}'s environment; "
                           "pip install transformers, or export without --verify")
+    try:
+        with quiet():
+            pass  # quiet() imports transformers
+    except Exception as exc:  # noqa: BLE001 (a broken install raises anything at import)
+        raise ExportError(f"--verify: transformers does not import ({_first_line(exc)}); repair it "
+                          "(pip install -U transformers) or export without --verify") from None
 
 
 @contextlib.contextmanager
