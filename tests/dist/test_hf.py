@@ -36,8 +36,13 @@ SHAPES = {
 
 
 def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save) -> transformers.LlamaForCausalLM:
+    return save_random_model(folder, transformers.LlamaConfig(**shape), seed, **save)
+
+
+def save_random_model(folder: Path, config, seed: int = 0, **save) -> transformers.PreTrainedModel:
+    """A random model of any family (its transformers config) saved as a Hugging Face folder."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms start at 1: make them random too, so a misplaced one shows
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
