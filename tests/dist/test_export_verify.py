@@ -5,6 +5,7 @@ in both directions of the name map, a tensor dropped from the file) is written b
 refused: exit 1, one line naming the worst tensor or position, nothing at the output path. The same broken
 exports without --verify exit 0: that is what the check is for. The hostile cases (no transformers, an existing
 export folder, no checkpoint, a lost tokenizer record) are one line, exit 2, nothing written.
+In process, but with the dist tier: importing transformers alone would cost the unit tier about 4 s.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from trainctl.models.export import main
 from trainctl.models.llama import build_model
 
 pytest.importorskip("transformers")  # a dev dependency; --verify without it is tested below with find_spec faked
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=64)
 STEP = "step-00000004"
 
