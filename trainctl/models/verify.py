@@ -10,7 +10,7 @@ differently. So after the files are written (still in the export's temporary fol
    checkpoint's (cast to the export's dtype): they must be equal bit for bit, since the conversion only
    renames and permutes; the worst one is named;
 3. runs trainctl's own model built from the same checkpoint tensors and the loaded model on fixed tokens,
-   both in fp32 on the CPU, and requires max |logits difference| <= TOLERANCE x max(1, max |logit|); when
+   both in fp32 on the CPU, and requires max |logits difference| <= TOLERANCE (1e-3) x max(1, max |logit|); when
    they differ, it names the worst (sequence, position, vocab id) and the first block whose output differs,
    which is where a wrong conversion shows first. Step 2 cannot see a mistake made the same way in both
    directions of the name/layout map (it maps back with the inverse); step 3 can.
@@ -39,7 +39,10 @@ from trainctl.models.export import ExportError, _first_line, read_tensors
 from trainctl.models.hf import from_hf
 from trainctl.models.llama import build_model
 
-TOLERANCE = 1e-4  # of max(1, max |logit|): fp32 on CPU differs only in summation order
+# Of max(1, max |logit|). fp32 on CPU differs only in rounding, but that grows with size and sharp attention:
+# 1.1e-4 measured on a 200M-parameter model (12 blocks, peaked attention), where a q/k layout mistake gave 1.3;
+# on a tiny trained model (weights ~0.02) the same mistake gave 6e-3, still above this.
+TOLERANCE = 1e-3
 BATCH, MAX_TOKENS, SEED = 2, 64, 0
 
 
@@ -124,7 +127,7 @@ def worst_tensor(hf_model: nn.Module, state: dict[str, torch.Tensor], cfg: Model
     for key, tensor in hf_model.state_dict().items():
         ours, back = from_hf(key, tensor.detach(), cfg)
         if ours not in state:
-            continue  # a rotary buffer, or the tied head (the embedding, compared under its own name)
+            continue  # a buffer trainctl does not keep (rotary tables)
         if back.shape != state[ours].shape:
             return key, ours, float("inf")
         diff = (back - state[ours]).abs().max().item()
@@ -181,12 +184,13 @@ def verify_export(folder: Path, out: Path, ckpt: Path, entries: dict, names: lis
                   dtype: torch.dtype | None) -> str:
     """Check the export written in `folder` (to be renamed to `out`) against checkpoint `ckpt`; returns the
     summary line, or raises VerifyMismatch naming what differs."""
-    state = checkpoint_state(ckpt, entries, names, dtype)
+    # At most two copies of the model at a time: the checkpoint's tensors live on only inside trainctl's model.
+    model = trainctl_model(cfg, checkpoint_state(ckpt, entries, names, dtype))
     hf_model = load_export(folder, out)
-    key, ours, diff = worst_tensor(hf_model, state, cfg)
+    key, ours, diff = worst_tensor(hf_model, model.state_dict(), cfg)
     if diff != 0:
         raise VerifyMismatch(f"verify: {out}: {key} as transformers loads it differs from the checkpoint's {ours} "
                              f"by up to {diff:.3g} (the conversion only renames and permutes, so it must be equal)")
-    summary = compare_logits(trainctl_model(cfg, state), hf_model, cfg, out)
+    summary = compare_logits(model, hf_model, cfg, out)
     return f"verified with transformers: no missing or unexpected keys, every tensor equal, {summary}"
 
