@@ -1,12 +1,13 @@
-"""Hugging Face -> trainctl -> Hugging Face for every family, and imported weights under a 2-stage pipeline.
+"""Hugging Face -> trainctl -> Hugging Face for every family, and imported weights' logits in every layout.
 
 A family is one row of HF_CONFIGS: the transformers config of a tiny random model. For each row:
 - round trip: the random model is saved, a run starts from it (model=hf, checkpoint.init_from) and trains
   3 steps, `trainctl export --verify` writes it; transformers loads the export with no missing, unexpected
   or mismatched keys, its fp32 logits equal the trained checkpoint's in trainctl within TOL, and its greedy
   `generate` gives the tokens trainctl's own greedy decoding gives;
-- pipeline: the saved folder loaded into the two stages of sharding.pp=2 (torchrun, gloo) gives
-  AutoModelForCausalLM's logits within TOL, through the schedule's forward pass.
+- parity: the saved folder loaded in one process, and on 2 ranks (torchrun, gloo) under DDP, FSDP2, TP 2 and
+  the two stages of sharding.pp=2 (through the schedule's forward pass), gives AutoModelForCausalLM's logits
+  within TOL.
 A row whose feature trainctl still refuses ("... is not implemented") is skipped, naming the refusal.
 """
 
@@ -70,8 +71,10 @@ def test_round_trip_trains_exports_verified_and_generates(family, tmp_path):
                       "schedule.warmup_steps=1", "logging.progress=false", "--name", "rt", cwd=tmp_path)
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
     run_dir, out = tmp_path / "runs" / "rt", tmp_path / "exported"
-    exported = trainctl("export", str(run_dir), "--out", str(out), "--verify", cwd=tmp_path)
+    exported = trainctl("export", str(run_dir), "--out", str(out), "--verify", "--max-shard-size", "200KB",
+                        cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
+    assert (out / "model.safetensors.index.json").is_file()  # verify follows the index as inference tools do
     assert "verified with transformers: no missing or unexpected keys, every tensor equal" in exported.stdout
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -92,17 +95,41 @@ def test_round_trip_trains_exports_verified_and_generates(family, tmp_path):
     assert torch.equal(generated, greedy_trainctl(ours, tokens[:1, :5], NEW_TOKENS)), family
 
 
-@pytest.mark.parametrize("family", list(HF_CONFIGS))
-def test_imported_logits_equal_transformers_under_a_two_stage_pipeline(family, tmp_path):
-    folder = tmp_path / "hf"
-    model = save_family(folder, family, seed=5)
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def hf_family(request, tmp_path_factory):
+    """(family, its saved random model's folder, fixed tokens, transformers' logits for them)."""
+    folder = tmp_path_factory.mktemp(f"hf-{request.param}")
+    model = save_family(folder, request.param, seed=5)
     tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        expected = model(tokens).logits
-    torch.save(tokens, tmp_path / "tokens.pt")
-    proc = run_torchrun(2, WORKER, str(folder), "pp", str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(tmp_path / "out.pt")
-    assert got["loaded"] > 0  # the last stage's own parameters (load_hf_weights refuses any left unset)
+        return request.param, folder, tokens, model(tokens).logits
+
+
+def one_process_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from trainctl.config.hf_config import model_fields
+    from trainctl.config.schema import ModelConfig
+    from trainctl.models.hf import load_hf_weights
+    from trainctl.models.llama import build_model
+
+    cfg = ModelConfig(**model_fields(folder))
+    model = build_model(cfg, "meta").to_empty(device="cpu")
+    model.init_weights()  # random: the loaded weights must replace all of it
+    assert load_hf_weights(model, folder, cfg) == len(list(model.parameters()))
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+@pytest.mark.parametrize("layout", ["one", "ddp", "fsdp", "tp", "pp"])
+def test_imported_logits_equal_transformers(hf_family, layout, tmp_path):
+    """One process, then 2 ranks on gloo (tests/dist/hf_layout_worker.py): pp runs the schedule's forward."""
+    family, folder, tokens, expected = hf_family
+    if layout == "one":
+        got = {"logits": one_process_logits(folder, tokens), "loaded": 1}
+    else:
+        torch.save(tokens, tmp_path / "tokens.pt")
+        proc = run_torchrun(2, WORKER, str(folder), layout, str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        got = torch.load(tmp_path / "out.pt")
+    assert got["loaded"] > 0  # load_hf_weights refuses a rank with any parameter left unset
     diff = (got["logits"] - expected).abs().max().item()
-    assert diff <= TOL, f"{family}/pp: max |logits - transformers'| = {diff:.3g}"
+    assert diff <= TOL, f"{family}/{layout}: max |logits - transformers'| = {diff:.3g}"
