@@ -55,6 +55,7 @@ if [ "$REHEARSE" = 1 ]; then
   OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-proof-rehearse.XXXXXX")}
   DEVICE=cpu
   export PYTHONPATH="$PWD" OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # this checkout alone, as on the GPU machine
+  export TRAINCTL_REHEARSE=1
 else
   OUT=${OUT:-$PWD/gpu-proof-out}
   DEVICE=cuda
@@ -170,6 +171,16 @@ import trainctl
 from trainctl.config.compose import compose
 cfg = compose(["recipe=llama1b_bench"])
 assert cfg.logging.wandb.mode == "disabled", "llama1b_bench would import wandb, which the GPU image lacks"
+# What a local launch of the bench recipe sees here (bench_variants launches it): on the GPU machine it must find
+# the GPU from /proc and /dev, or every variant is refused before it starts; the rehearsal runs it on CPU.
+import os
+from dataclasses import replace
+from trainctl.plan.fit import device_warning, local_device_problems, this_machine
+machine = this_machine()
+cluster = cfg.cluster if os.environ.get("TRAINCTL_REHEARSE") != "1" else replace(cfg.cluster, device="cpu", gpu="")
+problems = local_device_problems(cluster, machine)
+print("install: trainctl sees GPUs", list(machine.gpus) or "none", "|", device_warning(cluster, machine) or "no warning")
+assert not problems, problems
 print("install: trainctl", trainctl.__file__, "|", "  ".join(
     f"{n} {md.version(n)}" for n in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "torchao")),
     "| wandb", "present" if importlib.util.find_spec("wandb") else "absent (runs log with wandb disabled)")
@@ -201,7 +212,7 @@ stage_variants() {
   [ -z "$part" ] || stem="$OUT/variants-${part%/*}of${part#*/}"
   if [ "$REHEARSE" = 1 ]; then
     limit "$PY" scripts/bench_variants.py --recipe llama1b_bench --variants eager ac_selective \
-      --base model=tiny cluster.device=cpu train.seq_len=64 train.micro_batch=2 train.global_batch=2 \
+      --base model=tiny cluster.device=cpu cluster.gpu= train.seq_len=64 train.micro_batch=2 train.global_batch=2 \
       train.steps=4 schedule.warmup_steps=1 logging.log_every=2 ${part:+--part "$part"} --runs-dir "$WORK/variants-runs" --out "$stem"
   else
     limit "$PY" scripts/bench_variants.py --recipe llama1b_bench --base train.steps=40 logging.log_every=10 \
@@ -210,10 +221,6 @@ stage_variants() {
 }
 
 stage_loss_head() {
-  if [ ! -f scripts/bench_loss_head.py ]; then
-    echo "loss_head: skipped: scripts/bench_loss_head.py is not in this checkout (issue 22's loss head)"
-    return 0
-  fi
   if [ "$REHEARSE" = 1 ]; then
     limit "$PY" scripts/bench_loss_head.py --device cpu --quick --json "$OUT/loss_head.json"
   else

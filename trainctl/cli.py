@@ -665,8 +665,8 @@ def export(
     dtype: str = typer.Option(
         None, "--dtype", help="Cast the weights: fp32, bf16 or fp16 (default: as saved).", show_default=False),
     verify: bool = typer.Option(
-        False, "--verify", help="Load the export with transformers and compare its logits with trainctl's; "
-        "a mismatch exits 1 and keeps no export."),
+        False, "--verify", help="Load the export with transformers and compare every tensor and the logits with "
+        "trainctl's model before calling it done (exit 1 and nothing written if they differ)."),
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """Write a verified checkpoint's model as safetensors.  Example: trainctl export tiny_cpu-20250101-120000"""
@@ -687,8 +687,7 @@ def export(
                         ("--dtype", dtype)):
         if value is not None:
             args += [flag, str(value)]
-    if verify:
-        args.append("--verify")
+    args += ["--verify"] if verify else []
     raise typer.Exit(subprocess.run(args).returncode)
 
 

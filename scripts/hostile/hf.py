@@ -252,4 +252,4 @@ def _(p: Probe) -> None:
 @case("hf", "export --verify of a good run says what it compared", slow=True)
 def _(p: Probe) -> None:
     trained(p)
-    succeeded(p.cli("export", "run", "--out", "out", "--verify", timeout=180), "verified with transformers")
+    succeeded(p.cli("export", "run", "--out", "out", "--verify", timeout=180), "verified: transformers loads it")

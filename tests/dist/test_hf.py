@@ -29,6 +29,12 @@ SHAPES = {
     "gqa": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=500000.0,
                 rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Llama 3.1/3.2's RoPE scaling (a small original context, so frequencies fall in every band).
+    "llama3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=10000.0,
+                   rms_norm_eps=1e-5, tie_word_embeddings=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 32}),
     "tied": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
                  intermediate_size=128, vocab_size=256, max_position_embeddings=64, rope_theta=10000.0,
                  rms_norm_eps=1e-6, tie_word_embeddings=True),

@@ -78,3 +78,17 @@ def test_weights_are_really_split(runs, name):
         found = re.search(r"tensor parallel x2: this rank holds (\d+) of (\d+) parameter elements", log.read_text())
         assert found, log
         assert (int(found[1]), int(found[2])) == (local, total)
+
+
+def test_qwen_blocks_under_tensor_parallelism_match_one_process(tmp_path, data_cache):
+    """Qwen3's per-head q/k norms (replicated weights over each rank's heads), Qwen 2.5's q/k/v biases (sharded
+    with their rows) and a head_dim that is not dim / heads: a norm weight left as a plain tensor would take a
+    different gradient on each rank, and the grad norm and then the losses would part from one process's."""
+    model = replace(TINY, family="qwen3", head_dim=32, qk_norm=True, qkv_bias=True)
+    single = replace(base_config(data_cache, steps=STEPS, micro_batch=8), name="qwen-single", model=model)
+    tp2 = replace(single, name="qwen-tp2", sharding=ShardingConfig(tp=2))
+    runs = {"single": train_and_check(tmp_path, single, None), "tp2": train_and_check(tmp_path, tp2, 2)}
+    for key in ("loss", "grad_norm"):
+        got, want = series(runs["tp2"], key), series(runs["single"], key)
+        assert len(got) == len(want) == STEPS
+        assert got == pytest.approx(want, rel=TOL), key

@@ -31,8 +31,10 @@ TINY = ModelConfig(name="test", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn
 
 def base_config(cache_dir: Path, **train) -> RunConfig:
     """A fp32 run on the stdlib byte corpus: global batch 8 of 64 tokens, logged every step."""
+    # Evaluation at step 0 and at the last step only, unless a test asks for more (or for none: eval_every=0).
+    train.setdefault("eval_every", train.get("steps", 30))
     train_cfg = TrainConfig(steps=30, seq_len=64, global_batch=8, micro_batch=8, grad_accum=1, seed=1,
-                            eval_every=0, eval_batches=2)
+                            eval_batches=2)
     return RunConfig(
         name="dist-test",
         model=TINY,

@@ -38,12 +38,42 @@ def test_model_hf_takes_the_shape_from_config_json(tmp_path):
     assert (m.max_seq_len, m.norm_eps, m.rope_theta, m.tie_embeddings) == (128, 1e-5, 500000.0, False)
 
 
+# As meta-llama/Llama-3.2-1B's config.json writes it.
+LLAMA32_ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])  # transformers < 5 and >= 5
+def test_llama3_rope_scaling_is_read_into_the_model(tmp_path, key):
+    folder = hf_folder(tmp_path / "llama", {**LLAMA, key: LLAMA32_ROPE})
+    m = resolve(compose(["model=hf", f"model.path={folder}", "data=synthetic", "train.seq_len=64"])).model
+    assert (m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+            m.rope_original_max_seq_len) == ("llama3", 32.0, 1.0, 4.0, 8192)
+    # A model without the scaling does not silently take those weights (init_from compares the shape).
+    plain = hf_folder(tmp_path / "plain", LLAMA)
+    (line,) = _init_from_problems(folder, "model=hf", f"model.path={plain}", "data=synthetic", "train.seq_len=64")
+    assert "rope_scaling=llama3 (model.rope_scaling=none)" in line, line
+
+
+def _init_from_problems(folder, *overrides) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        resolve(compose([*overrides, f"checkpoint.init_from={folder}"]))
+    return err.value.problems
+
+
 @pytest.mark.parametrize(("change", "words"), [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling.rope_type='yarn': not implemented"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor=null"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -1}}, "rope_scaling.factor=-1"),
+    ({"rope_scaling": {"factor": 2.0}}, "no rope_type"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}}, "attention_factor=0.5"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"head_dim": 32}, "head_dim=32"),
-    ({"model_type": "mistral"}, "only Llama"),
+    ({"head_dim": "32"}, "head_dim='32'"),
+    ({"model_type": "gemma"}, "model_type='gemma'"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0"),
 ])
 def test_configs_trainctl_cannot_reproduce_are_refused_in_one_line(tmp_path, change, words):
     folder = hf_folder(tmp_path / "x", {**LLAMA, **change})

@@ -180,6 +180,17 @@ def test_dense_loss_buffers_are_two_fp32_vocab_gradients_per_token():
     assert est.loss_buffers == 2 * 4 * 32000 * 4096
 
 
+def test_fsdp_reduce_scatters_the_heads_gradient_in_the_loss_phase():
+    short = dataclasses.replace(TRAIN, seq_len=256)  # few tokens: the head's gradient outweighs the logits'
+    head = 32000 * 4096 // 2  # the output weight's tp shard
+    # The head's unsharded bf16 gradient and FSDP2's fp32 reduce-scatter input of its unit (with the final norm).
+    assert estimate("zero3", precision=BF16, train=short, dp_shard=4, tp=2).loss_buffers == 2 * head + 4 * (head + 4096)
+    tied = dataclasses.replace(LLAMA2_7B, tie_embeddings=True)  # the head is in the root unit: reduced at the end
+    assert memory.head_reduce_bytes(tied, rank_stages(tied, ShardingConfig(strategy="zero3", dp_shard=8), 1)[0],
+                                    ParallelDims(dp_shard=8), memory.wrapping("zero3", ParallelDims(dp_shard=8), BF16),
+                                    4) == 0
+
+
 def test_chunked_loss_buffers_hold_no_whole_fp32_logits():
     chunked = estimate("zero3", precision=BF16, dp_shard=8)
     # The largest of: the fp32 weight-gradient accumulator + one chunk of 1024 tokens (a multiple of 128 whose

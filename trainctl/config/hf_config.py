@@ -2,7 +2,7 @@
 
 `model=hf model.path=DIR` takes the model's shape from DIR/config.json; `checkpoint.init_from=DIR`
 loads DIR's safetensors weights into it in the worker. Both are checked here on the login node:
-a config.json that is not a Llama trainctl can run exactly (biases, rope scaling, another
+a config.json that is not a Llama trainctl can run exactly (biases, RoPE scaling but linear or llama3, another
 activation, a head size other than dim / heads) is refused in one line, as are missing weights.
 """
 
@@ -19,7 +19,8 @@ from trainctl.core.rundir import open_regular, read_bytes
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Fields of HF's LlamaConfig and the ModelConfig field each one fills.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # HF model_type values (schema.FAMILIES)
+# Fields of HF's LlamaConfig (and Qwen2/Qwen3/Mistral's) and the ModelConfig field each one fills.
 FIELDS = {
     "hidden_size": "dim",
     "num_hidden_layers": "n_layers",
@@ -70,9 +71,10 @@ def model_fields(path: str | Path) -> dict:
     """
     data = read_config(path)
     where = Path(path).expanduser() / CONFIG_FILE
-    if data.get("model_type") != "llama":
-        raise HFConfigError(f"{where}: model_type={_shown(data.get('model_type'))}; only Llama (model_type: llama) "
-                            "checkpoints load into trainctl's decoder")
+    family = data.get("model_type")
+    if family not in FAMILIES:
+        raise HFConfigError(f"{where}: model_type={_shown(family)}; trainctl's decoder loads model_type "
+                            f"{', '.join(FAMILIES)} (Llama 2/3/3.1/3.2, Qwen 2.5, Qwen3, Mistral)")
     fields = {ours: _size(where, data, theirs) for theirs, ours in FIELDS.items()}
     kv = data.get("num_key_value_heads")
     fields["n_kv_heads"] = fields["n_heads"] if kv is None else _size(where, data, "num_key_value_heads")
@@ -83,13 +85,59 @@ def model_fields(path: str | Path) -> dict:
     params = _mapping(where, data, "rope_parameters")  # transformers >= 5 keeps theta there
     theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
     fields["rope_theta"] = _positive_float(where, "rope_theta", theta)
+    fields.update(rope_scaling_fields(where, data))
     tie = data.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise HFConfigError(f"{where}: tie_word_embeddings={_shown(tie)}: must be true or false")
     fields["tie_embeddings"] = tie
+    fields.update(family_fields(where, data, fields))
     problems = _unsupported(where, data, fields)
     if problems:
         raise HFConfigError(f"{where}: {problems[0]}; trainctl's decoder cannot reproduce it")
+    return fields
+
+
+def family_fields(where: Path, data: dict, fields: dict) -> dict:
+    """What sets a family apart: Qwen 2.5's q/k/v biases, Qwen3's q/k norms and head_dim, a sliding window."""
+    family = data["model_type"]
+    out = {"family": family, "qkv_bias": family == "qwen2", "qk_norm": family == "qwen3"}
+    head_dim = data.get("head_dim")
+    if head_dim is not None:
+        head_dim = _size(where, data, "head_dim")
+        out["head_dim"] = 0 if head_dim * fields["n_heads"] == fields["dim"] else head_dim
+    # Qwen's configs name a window but use it only with use_sliding_window: true; Mistral's always use theirs.
+    window = data.get("sliding_window")
+    used = data.get("use_sliding_window", True) if family != "mistral" else True
+    if window is not None and used:
+        out["sliding_window"] = _size(where, data, "sliding_window")
+    return out
+
+
+def rope_scaling_fields(where: Path, data: dict) -> dict:
+    """ModelConfig's rope_* fields from rope_scaling (transformers < 5, the published files) or rope_parameters.
+
+    Only scalings trainctl reproduces exactly are taken: default, linear and llama3 (whose attention factor is 1);
+    yarn, dynamic, longrope and the rest are refused by name.
+    """
+    scaling = _mapping(where, data, "rope_scaling") or _mapping(where, data, "rope_parameters")
+    key = "rope_scaling" if data.get("rope_scaling") is not None else "rope_parameters"
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None and set(scaling) - {"rope_theta"}:  # a factor with no kind: refused, never guessed
+        raise HFConfigError(f"{where}: {key}={_shown(scaling)}: no rope_type; name it (default, linear or llama3)")
+    if kind in (None, "default"):
+        return {"rope_scaling": "none"}
+    if kind not in ("linear", "llama3"):
+        raise HFConfigError(f"{where}: {key}.rope_type={_shown(kind)}: not implemented; trainctl reproduces default, "
+                            "linear and llama3 RoPE")
+    fields = {"rope_scaling": kind, "rope_factor": _positive_float(where, f"{key}.factor", scaling.get("factor"))}
+    if kind == "llama3":
+        fields["rope_low_freq_factor"] = _positive_float(where, f"{key}.low_freq_factor",
+                                                         scaling.get("low_freq_factor"))
+        fields["rope_high_freq_factor"] = _positive_float(where, f"{key}.high_freq_factor",
+                                                          scaling.get("high_freq_factor"))
+        fields["rope_original_max_seq_len"] = _size(where, scaling, "original_max_position_embeddings")
+        if fields["rope_high_freq_factor"] <= fields["rope_low_freq_factor"]:
+            raise HFConfigError(f"{where}: {key}.high_freq_factor must be greater than low_freq_factor")
     return fields
 
 
@@ -123,23 +171,19 @@ def _mapping(where: Path, data: dict, key: str) -> dict:
 
 def _unsupported(where: Path, data: dict, fields: dict) -> list[str]:
     problems = []
-    scaling = _mapping(where, data, "rope_scaling")
-    kind = scaling.get("rope_type", scaling.get("type")) or _mapping(where, data, "rope_parameters").get("rope_type")
-    if kind not in (None, "default"):
-        problems.append(f"rope scaling {_shown(kind)} is not implemented (only plain RoPE)")
+    attention_factor = (_mapping(where, data, "rope_scaling") or _mapping(where, data, "rope_parameters")).get(
+        "attention_factor")
+    if attention_factor not in (None, 1, 1.0):
+        problems.append(f"rope attention_factor={_shown(attention_factor)} (trainctl's RoPE does not scale attention)")
     for key in ("attention_bias", "mlp_bias"):
         if data.get(key) not in (None, False):
-            problems.append(f"{key}={_shown(data[key])} (trainctl's linear layers have no bias)")
+            problems.append(f"{key}={_shown(data[key])} (trainctl's output and MLP projections have no bias)")
     act = data.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act={_shown(act)} (trainctl's MLP is SwiGLU with silu)")
-    if fields["dim"] % fields["n_heads"]:
-        problems.append(f"hidden_size={fields['dim']} is not a multiple of num_attention_heads={fields['n_heads']}")
-    head_dim = data.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0):
-        problems.append(f"head_dim={_shown(head_dim)} must be a positive integer")
-    elif head_dim is not None and head_dim * fields["n_heads"] != fields["dim"]:
-        problems.append(f"head_dim={_shown(head_dim)} is not hidden_size / num_attention_heads")
+    if not fields.get("head_dim") and fields["dim"] % fields["n_heads"]:
+        problems.append(f"hidden_size={fields['dim']} is not a multiple of num_attention_heads={fields['n_heads']} "
+                        "and head_dim is not given")
     return problems
 
 

@@ -29,6 +29,8 @@ AC_MODES = ("none", "full", "selective", "op")
 ATTENTION_KERNELS = ("cudnn", "flash")  # the SDPA kernel tried first on CUDA
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 WANDB_MODES = ("online", "offline", "disabled")
+ROPE_SCALINGS = ("none", "linear", "llama3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 FP8_RECIPES = ("tensorwise", "rowwise")
 LOAD_ONLY = ("all", "model", "model_optim")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -41,6 +43,9 @@ class ModelConfig:
     """Shape of the Llama-style decoder."""
 
     name: str = "tiny"
+    # The Hugging Face family the weights and the export follow (model_type): llama, qwen2 (Qwen 2.5),
+    # qwen3 or mistral; they differ only in the switches below.
+    family: str = "llama"
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
@@ -50,8 +55,24 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # RoPE scaling (HF config.json's rope_scaling / rope_parameters): none, linear (positions / rope_factor) or
+    # llama3 (Llama 3.1/3.2: low frequencies / rope_factor, high ones kept, a smooth ramp between).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_seq_len: int = 8192  # llama3: the context the model was pre-trained with
     tie_embeddings: bool = False
+    head_dim: int = 0  # 0: dim // n_heads; Qwen3 sets its own (q is n_heads x head_dim wide)
+    qkv_bias: bool = False  # Qwen 2.5: biases on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    sliding_window: int = 0  # Mistral: its attention window; 0: none. Trained only where it covers train.seq_len
     path: str = ""  # a Hugging Face Llama folder whose config.json gives the shape (model=hf)
+
+
+def head_dim_of(m: ModelConfig) -> int:
+    """Width of one attention head: model.head_dim, or dim / n_heads when it is 0."""
+    return m.head_dim or m.dim // m.n_heads
 
 
 @dataclass(frozen=True)
@@ -191,7 +212,7 @@ class TrainConfig:
     activation_offload: bool = False  # keep saved activations in CPU memory until backward
     compile: bool = False
     attention: str = "cudnn"  # cudnn | flash: the SDPA kernel tried first on CUDA (flash: never cuDNN)
-    eval_every: int = 50  # 0 disables
+    eval_every: int = 50  # also at step 0 and the last step; 0: no evaluation at all
     eval_batches: int = 8
     gc_every: int = 50  # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes
 

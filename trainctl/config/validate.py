@@ -150,6 +150,8 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("checkpoint.load_only", cfg.checkpoint.load_only, schema.LOAD_ONLY)
         + _choice("guards.nonfinite", cfg.guards.nonfinite, schema.NONFINITE_POLICIES)
         + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
+        + _choice("model.rope_scaling", cfg.model.rope_scaling, schema.ROPE_SCALINGS)
+        + _choice("model.family", cfg.model.family, schema.FAMILIES)
         + _gpu_choice(cfg.cluster.gpu)
     )
 
@@ -240,21 +242,44 @@ def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
         problems += _positive(f"model.{key}", getattr(m, key))
     problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
+    problems += _rope_scaling(m)
     if m.n_layers > MAX_LAYERS:
         problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
                         "the largest published models have under 200")
     if problems:
         return problems
-    if m.dim % m.n_heads:
-        problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim}")
-    elif (m.dim // m.n_heads) % 2:
-        problems.append(f"model.n_heads={m.n_heads}: head dim {m.dim // m.n_heads} is odd, RoPE needs an even head dim")
+    if m.head_dim < 0 or m.sliding_window < 0:
+        problems += [f"model.{k}={getattr(m, k)}: must be >= 0 (0: {what})" for k, what in
+                     (("head_dim", "dim / n_heads"), ("sliding_window", "none")) if getattr(m, k) < 0]
+    elif not m.head_dim and m.dim % m.n_heads:
+        problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim} "
+                        "(or set model.head_dim)")
+    elif schema.head_dim_of(m) % 2:
+        key = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.n_heads={m.n_heads}"
+        problems.append(f"{key}: head dim {schema.head_dim_of(m)} is odd, RoPE needs an even head dim")
+    if 0 < m.sliding_window < t.seq_len:
+        problems.append(f"model.sliding_window={m.sliding_window}: shorter than train.seq_len={t.seq_len}, and "
+                        f"trainctl trains full causal attention; use train.seq_len<={m.sliding_window}")
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query "
                         f"attention); use a divisor such as {_divisors(m.n_heads)}")
     if t.seq_len > m.max_seq_len:
         problems.append(f"train.seq_len={t.seq_len}: longer than model.max_seq_len={m.max_seq_len} of model {m.name}; "
                         f"use at most {m.max_seq_len}")
+    return problems
+
+
+def _rope_scaling(m: schema.ModelConfig) -> list[str]:
+    """The scaling's numbers, where the chosen kind reads them (an unknown kind is check_choices' line)."""
+    if m.rope_scaling not in ("linear", "llama3"):
+        return []
+    problems = _positive("model.rope_factor", m.rope_factor)
+    if m.rope_scaling == "llama3":
+        problems += _positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
+        problems += _positive("model.rope_original_max_seq_len", m.rope_original_max_seq_len)
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            problems.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor}: must be greater than "
+                            f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4.0 and 1.0)")
     return problems
 
 

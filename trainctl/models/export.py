@@ -1,7 +1,6 @@
 """Export a checkpoint's model weights as safetensors for inference tools.
 
     python -m trainctl.models.export RUN_DIR [--checkpoint PATH] [--out DIR] [--max-shard-size BYTES] [--dtype bf16]
-        [--verify]
 
 Reads only the model tensors ("model.<fqn>" in the DCP metadata; never the optimizer
 state) of a torch.distributed.checkpoint directory, in one process without a process
@@ -24,8 +23,6 @@ The export is written to a temporary sibling folder and renamed into place, so a
 folder at the output path is always complete; an existing non-empty one is refused.
 Every failure the user can act on (not a run directory, no valid checkpoint, a checkpoint DCP
 cannot read, an output path that cannot be written) prints one line, exits 2, and leaves nothing.
-With --verify, transformers loads the export from the temporary folder and its logits must equal trainctl's
-(models/verify.py) before the rename; a mismatch prints one line, exits 1 and leaves nothing at the output path.
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
 from trainctl.models.hf import hf_config, to_hf
 from trainctl.models.llama import build_model
+from trainctl.models.verify import VerifyError, verify_export
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -314,12 +312,6 @@ def run_tokenizer(run_dir: Path) -> dict | None:
     from trainctl.core import rundir as layout
 
     record_path = run_dir / layout.TOKENIZER_RECORD
-    if not record_path.exists() and (run_dir / layout.TOKENIZER).exists():
-        # The run kept copies but lost their record: guessing (the dataset's file, or none) could bundle a
-        # tokenizer the model never saw.
-        raise ExportError(f"{record_path}: missing, so the tokenizer copies beside it cannot be vouched for; restore "
-                          f"it from a backup of the run, or move {run_dir / layout.TOKENIZER} aside to export with "
-                          "the dataset's tokenizer")
     if not record_path.exists():
         tokens = data_tokenizer(run_dir)
         if tokens and tokens.get("file"):
@@ -399,21 +391,16 @@ def missing_parents(path: Path) -> list[Path]:
 def export(
     run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None, verify: bool = False,
-) -> Path:
-    """Export one verified checkpoint of `run_dir` (default: the newest valid one); returns the output folder.
+) -> tuple[Path, str | None]:
+    """Export one verified checkpoint of `run_dir` (default: the newest valid one).
 
-    verify: before the export is renamed into place, check it with transformers (models/verify.py); a
-    mismatch raises VerifyMismatch and leaves nothing at the output path.
+    Returns the output folder and, with `verify`, what the check against transformers found (models/verify.py);
+    an export that fails the check is never moved to `out`.
     """
-    from trainctl.models import verify as verifier  # imports export: here, not at the top
-
-    if verify:
-        verifier.require_transformers()  # before anything is read or written
     cfg = read_model_config(run_dir)
     ckpt = find_checkpoint(run_dir, checkpoint)
     entries = model_entries(ckpt)
     names = check_against_config(entries, cfg, ckpt)
-    tokens = run_tokenizer(run_dir)  # a damaged tokenizer record is refused before any file is written
     out = out or default_out(run_dir, ckpt)
     if not out.absolute().name or out.absolute() == Path.cwd():
         raise ExportError(f"--out {str(out) or repr('')}: the current folder or the filesystem root; name a new "
@@ -426,13 +413,12 @@ def export(
         tmp.mkdir(parents=True)
         write_weights(ckpt, entries, names, tmp, max_shard_size, cfg, dtype)
         saved = dtype or entries[names[0]][1].properties.dtype
+        tokens = run_tokenizer(run_dir)
         write_config(cfg, ckpt, tmp, saved, tokens)
         write_tokenizer(tokens, cfg, tmp)
-        summary = verifier.verify_export(tmp, out, ckpt, entries, names, cfg, dtype) if verify else None
+        verified = verify_export(tmp, read_tensors(ckpt, entries, names), cfg, dtype).line() if verify else None
         tmp.rename(out)  # onto an empty folder or a free name; never a half-written folder at `out`
         done = True
-        if summary:
-            print(summary)
     except (OSError, SafetensorError) as exc:  # writing the output; reads of the checkpoint raise ExportError
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_line(exc)
         raise ExportError(f"--out {out}: cannot write the export there: {reason}") from None
@@ -442,7 +428,7 @@ def export(
             for parent in created:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
-    return out
+    return out, verified
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -458,8 +444,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
     parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast the weights (default: as saved)")
     parser.add_argument("--verify", action="store_true",
-                        help="load the export with transformers and compare its logits with trainctl's; "
-                             "a mismatch exits 1 and keeps no export")
+                        help="load the export with transformers and compare tensors and logits before calling it done")
     return parser.parse_args(argv)
 
 
@@ -468,19 +453,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-        out = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size), dtype, args.verify)
+        out, verified = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size), dtype,
+                               verify=args.verify)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", 2)  # 2: the user's to fix; verify's mismatch: 1
+        return 2
+    except VerifyError as exc:  # not the user's mistake: the conversion is wrong, and nothing was left at --out
+        print(f"error: export --verify failed, nothing written: {exc}", file=sys.stderr)
+        return 1
     files = sorted(p.name for p in out.iterdir())
     step = json.loads((out / "config.json").read_text())["trainctl_checkpoint"]["step"]
     print(f"exported step {step} to {out}: {', '.join(files)}")
+    if verified:
+        print(verified)
     return 0
 
 
 if __name__ == "__main__":
-    # Through the imported module, not this `__main__` copy: models/verify.py raises the imported module's
-    # ExportError, which this copy's `except ExportError` would not catch (a traceback instead of one line).
-    from trainctl.models.export import main as imported_main
-
-    sys.exit(imported_main())
+    sys.exit(main())

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainctl.config.hf_config import weight_files
-from trainctl.config.schema import ModelConfig
+from trainctl.config.schema import ModelConfig, head_dim_of
 from trainctl.models.llama import _fill
 
 # Segments that wrappers (DDP, torch.compile, activation checkpointing, FSDP1) add to parameter names.
@@ -27,11 +27,15 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
         "output.weight": "lm_head.weight"}
 _BLOCK = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
           "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-          "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+          "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
 _BLOCK_BACK = {theirs: ours for ours, theirs in _BLOCK.items()}
 _TOP_BACK = {theirs: ours for ours, theirs in _TOP.items()}
-_OURS = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
-_THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_OURS = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# The model_type and class of each family's config.json (what transformers' Auto classes dispatch on).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 class HFWeightsError(Exception):
     """The folder's weights do not fit the model (one line, naming checkpoint.init_from)."""
 
@@ -46,7 +50,7 @@ def to_hf_name(name: str) -> str:
     match = _OURS.match(name)
     if not match or match.group(2) not in _BLOCK:
         raise KeyError(name)
-    return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}.weight"
+    return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}.{match.group(3)}"
 
 
 def from_hf_name(name: str) -> str | None:
@@ -55,16 +59,19 @@ def from_hf_name(name: str) -> str | None:
         return _TOP_BACK[name]
     match = _THEIRS.match(name)
     if match and match.group(2) in _BLOCK_BACK:
-        return f"layers.{match.group(1)}.{_BLOCK_BACK[match.group(2)]}.weight"
+        return f"layers.{match.group(1)}.{_BLOCK_BACK[match.group(2)]}.{match.group(3)}"
     return None
 
 
 def _heads_of(name: str, cfg: ModelConfig) -> int | None:
-    """How many heads a weight's rows hold when its rows need the rotary reordering (q and k only)."""
-    if name.endswith("attention.wq.weight"):
+    """How many heads a tensor's rows hold when they need the rotary reordering: q's and k's weights and
+    biases, and the q/k norms' weights (one head wide: they scale the rotated pairs elementwise)."""
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return cfg.n_heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return cfg.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
     return None
 
 
@@ -94,31 +101,48 @@ def from_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str | No
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None = None, bos_id: int | None = None) -> dict:
     """config.json for transformers' LlamaForCausalLM: every field it needs to rebuild this model exactly."""
     data = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.dim // cfg.n_heads,
+        "head_dim": head_dim_of(cfg),
         "intermediate_size": cfg.ffn_dim,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling_entry(cfg),
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": cfg.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "initializer_range": 0.02,
     }
+    if cfg.family == "qwen2":  # Qwen2Config has no attention_bias: its q/k/v always carry biases
+        data.pop("attention_bias")
+    if cfg.family in ("qwen2", "qwen3", "mistral"):
+        data.pop("mlp_bias")
+        data["sliding_window"] = cfg.sliding_window or None
+        data["use_sliding_window"] = False
     if eos_id is not None:
         data["eos_token_id"] = eos_id
     if bos_id is not None:
         data["bos_token_id"] = bos_id
     return data
+
+
+def rope_scaling_entry(cfg: ModelConfig) -> dict | None:
+    """config.json's rope_scaling as the published Llama 3.1/3.2 files write it (transformers reads it still)."""
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    return None
 
 
 def _clean(name: str, pipeline: bool) -> str:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from trainctl.config.schema import ModelConfig
+from trainctl.config.schema import ModelConfig, head_dim_of
 from trainctl.models.loss_head import OutputHead, dense_loss_sum
 
 INIT_STD = 0.02
@@ -85,11 +85,35 @@ def _rng_for(name: str, seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos and sin of the rotary angles, shape [max_seq_len, head_dim // 2, 2] in fp32."""
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None,
+                     cfg: ModelConfig | None = None) -> torch.Tensor:
+    """cos and sin of the rotary angles, shape [max_seq_len, head_dim // 2, 2] in fp32; cfg: its RoPE scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if cfg is not None:
+        inv_freq = scaled_inverse_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def scaled_inverse_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The rotary frequencies under cfg.rope_scaling, as Meta's Llama 3.1 reference and transformers compute them.
+
+    linear: every frequency / factor (positions stretched). llama3: wavelengths longer than
+    original_max / low_freq_factor are divided by the factor, those shorter than original_max /
+    high_freq_factor are kept, and the band between interpolates smoothly in 1 / wavelength.
+    """
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high, original = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                   cfg.rope_original_max_seq_len)
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, ramp, scaled)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -123,23 +147,33 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = head_dim_of(cfg)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Qwen3: each head's q and k normalized over head_dim (one weight shared by the heads) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.repeat_kv = False  # context parallelism: copy kv heads up front (see train/context_parallel.py)
 
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             _normal(linear.weight, INIT_STD)
+            if linear.bias is not None:
+                _fill(linear.bias, nn.init.zeros_)
         _normal(self.wo.weight, out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         grouped = self.n_kv_heads != self.n_heads
@@ -203,7 +237,7 @@ class Llama(nn.Module):
 
     def _rope_table(self, device) -> torch.Tensor:
         c = self.cfg
-        return rope_frequencies(c.dim // c.n_heads, c.max_seq_len, c.rope_theta, device=device)
+        return rope_frequencies(head_dim_of(c), c.max_seq_len, c.rope_theta, device=device, cfg=c)
 
     @torch.no_grad()
     def init_weights(self) -> None:

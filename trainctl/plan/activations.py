@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainctl.config.schema import ModelConfig
+from trainctl.config.schema import ModelConfig, head_dim_of
 from trainctl.core.loss_head import chunk_tokens
 
 FP32 = 4
@@ -60,7 +60,7 @@ class ActLayout:
 
 def kv_dim(m: ModelConfig, cp: int) -> int:
     """Width of k and v as SDPA sees them (context parallelism repeats the kv heads up to n_heads)."""
-    return m.dim if cp > 1 else m.n_kv_heads * (m.dim // m.n_heads)
+    return m.n_heads * head_dim_of(m) if cp > 1 else m.n_kv_heads * head_dim_of(m)
 
 
 def norm_bytes(m: ModelConfig, lay: ActLayout, feeds: int = 1) -> float:
@@ -75,10 +75,20 @@ def norm_bytes(m: ModelConfig, lay: ActLayout, feeds: int = 1) -> float:
     return fp32 / lay.tp + lay.compute_bytes * m.dim * copies
 
 
+def q_dim(m: ModelConfig) -> int:
+    """Width of q and of SDPA's output: n_heads x head_dim (dim, unless model.head_dim says otherwise)."""
+    return m.n_heads * head_dim_of(m)
+
+
+def qk_norm_bytes(m: ModelConfig, lay: ActLayout) -> float:
+    """Qwen3's per-head q and k norms keep their fp32 inputs and compute-dtype outputs (eager; not measured)."""
+    return (FP32 + lay.compute_bytes) * (q_dim(m) + kv_dim(m, 1)) if m.qk_norm else 0
+
+
 def block_none(m: ModelConfig, lay: ActLayout) -> float:
     """Bytes per token one block keeps without checkpointing."""
-    a, kv = lay.compute_bytes, kv_dim(m, lay.cp)
-    attention = a * (m.dim + 2 * kv) + FP32 * m.n_heads + a * m.dim
+    a, kv, q = lay.compute_bytes, kv_dim(m, lay.cp), q_dim(m)
+    attention = a * (q + 2 * kv) + FP32 * m.n_heads + a * q + qk_norm_bytes(m, lay)
     mlp = 4 * a * m.ffn_dim
     return norm_bytes(m, lay, feeds=3) + norm_bytes(m, lay, feeds=2) + (attention + mlp) / lay.tp
 
@@ -92,9 +102,9 @@ def block_compiled(m: ModelConfig, lay: ActLayout) -> float:
     output and wo's contiguous input (2 a d) and its log-sum-exp (4H); w1's and w3's outputs and their SwiGLU
     product (3 a f; silu is recomputed).
     """
-    a, kv = lay.compute_bytes, kv_dim(m, lay.cp)
+    a, kv, q = lay.compute_bytes, kv_dim(m, lay.cp), q_dim(m)
     norms = 2 * (FP32 / lay.tp + a * m.dim)
-    attention = a * (m.dim + 2 * kv) + 2 * a * m.dim + FP32 * m.n_heads
+    attention = a * (q + 2 * kv) + 2 * a * q + FP32 * m.n_heads
     return norms + (lay.residual_bytes * m.dim + attention + 3 * a * m.ffn_dim) / lay.tp
 
 
@@ -105,8 +115,8 @@ def block_full(m: ModelConfig, lay: ActLayout) -> float:
 
 def block_op(m: ModelConfig, lay: ActLayout) -> float:
     """Per-op checkpointing: the input plus the matmul and attention outputs (see module doc)."""
-    a, kv = lay.compute_bytes, kv_dim(m, lay.cp)
-    split = a * (m.dim + 2 * kv) + a * m.dim + FP32 * m.n_heads + 2 * a * m.ffn_dim
+    a, kv, q = lay.compute_bytes, kv_dim(m, lay.cp), q_dim(m)
+    split = a * (q + 2 * kv) + a * q + FP32 * m.n_heads + 2 * a * m.ffn_dim
     row_parallel_outputs = 2 * a * m.dim
     return block_full(m, lay) + split / lay.tp + row_parallel_outputs
 
@@ -142,8 +152,12 @@ def head_fixed_bytes(m: ModelConfig, lay: ActLayout) -> int:
     return lay.compute_bytes * m.vocab_size * m.dim if lay.chunked_loss else 0
 
 
-def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int) -> int:
+def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int, head_reduce: int = 0) -> int:
     """Bytes alive around the loss beyond what the head keeps.
+
+    head_reduce: FSDP2's reduce-scatter input for the head's unit (reduce dtype x its elements), written at the
+    head's post-backward while that backward's own gradient is still alive; 0 without FSDP2 or with the head in
+    the root unit (tied embeddings: it reduces at the end of backward).
 
     Dense: two fp32 [tokens, V] gradients at the start of backward (nll_loss's backward writes one and
     log_softmax's another before the first is freed; the forward's own peak is lower).
@@ -156,13 +170,14 @@ def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int) -> int:
       gradient's cast back to fp32 [V, dim].
     """
     if not lay.chunked_loss:
-        return 2 * FP32 * m.vocab_size * tokens
+        dense = 2 * FP32 * m.vocab_size * tokens  # the head's unsharded gradient and its reduce-scatter input after
+        return max(dense, lay.compute_bytes * m.vocab_size * m.dim // lay.tp + head_reduce) if head_reduce else dense
     c, weight = lay.compute_bytes, m.vocab_size * m.dim
     chunk = min(tokens, chunk_tokens(m.vocab_size, m.dim))
     chunk_temps = chunk * m.vocab_size * (FP32 + (2 * c if c != FP32 else 0))
     forward = FP32 * weight + chunk_temps
     cast = (FP32 + c) * weight if c != FP32 else 0
-    backward = FP32 * weight if lay.autocast else 0
+    backward = (FP32 * weight if lay.autocast else 0) + head_reduce
     return max(forward, cast, backward)
 
 

@@ -6,20 +6,24 @@ The counts here must equal `sum(p.numel())` of the model the worker builds
 
 from __future__ import annotations
 
-from trainctl.config.schema import ModelConfig
+from trainctl.config.schema import ModelConfig, head_dim_of
 
 
 def head_dim(m: ModelConfig) -> int:
-    return m.dim // m.n_heads
+    return head_dim_of(m)
+
+
+def layer_matmul_params(m: ModelConfig) -> int:
+    """Weights of one block's matmuls: wq, wo (dim x n_heads x head_dim), wk, wv, and the SwiGLU MLP."""
+    q, kv = m.n_heads * head_dim(m), m.n_kv_heads * head_dim(m)
+    return 2 * m.dim * q + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim
 
 
 def layer_params(m: ModelConfig) -> int:
-    """Parameters of one transformer block: attention, SwiGLU MLP, two RMSNorm weights."""
-    kv_dim = m.n_kv_heads * head_dim(m)
-    attention = m.dim * m.dim * 2 + m.dim * kv_dim * 2  # wq, wo, wk, wv (no biases)
-    mlp = 3 * m.dim * m.ffn_dim  # w1, w2, w3
-    norms = 2 * m.dim
-    return attention + mlp + norms
+    """Parameters of one transformer block: its matmuls, q/k/v biases (Qwen 2.5), q/k norms (Qwen3), two norms."""
+    biases = (m.n_heads + 2 * m.n_kv_heads) * head_dim(m) if m.qkv_bias else 0
+    qk_norms = 2 * head_dim(m) if m.qk_norm else 0
+    return layer_matmul_params(m) + biases + qk_norms + 2 * m.dim
 
 
 def embedding_params(m: ModelConfig) -> int:
@@ -38,7 +42,7 @@ def param_count(m: ModelConfig) -> int:
 
 def matmul_params(m: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: all but the embedding lookup and norms."""
-    return m.n_layers * (layer_params(m) - 2 * m.dim) + m.vocab_size * m.dim
+    return m.n_layers * layer_matmul_params(m) + m.vocab_size * m.dim
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -50,7 +54,7 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     sequence, as in PaLM's MFU definition. Activation recomputation is not
     counted: this is model FLOPs, the numerator of MFU.
     """
-    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.dim * seq_len
+    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.n_heads * head_dim(m) * seq_len
 
 
 FP8_ALIGNMENT = 16  # torchao float8 converts a Linear only when both of its dimensions are multiples of this

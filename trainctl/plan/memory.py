@@ -88,7 +88,7 @@ class RankMemory:
     weight_casts: int  # autocast copies of matmul weights, saved for backward
     activations: int  # saved for backward, every micro-batch in flight
     activations_per_micro_batch: int
-    loss_buffers: int  # around the loss: chunked temporaries, or the dense loss's two fp32 [tokens, V] gradients
+    loss_buffers: int  # around the loss: chunked temporaries or the dense loss gradients; FSDP2: the head RS input
     recompute: int  # one checkpointed block re-run in backward
     grad_temp: int  # activation gradients alive inside one block's backward (SwiGLU's, the largest)
     head_activations: int  # the head's saved tensors (freed before the blocks' backward)
@@ -303,6 +303,13 @@ def end_parts(tensors: list[Tensor], stage: RankStages) -> tuple[list[Tensor], l
     return first_part, head_part
 
 
+def head_reduce_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: Wrapping, r: int) -> int:
+    """FSDP2's reduce-scatter input for the head's own unit at its post-backward (the loss phase); 0 otherwise."""
+    if not (wrap.fully_shard and stage.last):
+        return 0
+    return (r if wrap.fsdp else FP32) * fsdp_units(m, stage, dims.tp)["head"]
+
+
 def gathered_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: Wrapping, c: int, r: int,
                    precision: PrecisionConfig | None = None):
     """`gathered` for this wrapping's FSDP2 units; zeros without FSDP2."""
@@ -358,7 +365,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         weight_casts=casts,
         activations=saved.everything,
         activations_per_micro_batch=saved.one,
-        loss_buffers=act.loss_transient_bytes(m, lay, tokens) if stage.last else 0,
+        loss_buffers=(act.loss_transient_bytes(m, lay, tokens, head_reduce_bytes(m, stage, dims, wrap, r))
+                      if stage.last else 0),
         recompute=(int(act.recompute_bytes(m, lay, mode) * tokens) if wrapped else 0) + saved.unpacked,
         grad_temp=int(act.block_grad_bytes(m, lay) * tokens) if stage.layers else 0,
         head_activations=saved.head,

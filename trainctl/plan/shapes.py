@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainctl.config.schema import ModelConfig
+from trainctl.config.schema import ModelConfig, head_dim_of
 
 # Split by output rows (ColwiseParallel), by input columns (RowwiseParallel); the rest is replicated.
 _COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
@@ -43,15 +43,19 @@ class Tensor:
 
 def block_tensors(m: ModelConfig, index: int) -> list[Tensor]:
     """One transformer block's weights in registration order (norm, attention, norm, feed-forward)."""
-    head_dim = m.dim // m.n_heads
-    kv = m.n_kv_heads * head_dim
+    head_dim = head_dim_of(m)
+    q, kv = m.n_heads * head_dim, m.n_kv_heads * head_dim
     p = f"layers.{index}."
+    attention = []
+    for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):
+        attention.append(Tensor(p + f"attention.{name}.weight", rows, m.dim))
+        attention += [Tensor(p + f"attention.{name}.bias", rows, 1)] if m.qkv_bias else []
+    attention.append(Tensor(p + "attention.wo.weight", m.dim, q))
+    if m.qk_norm:
+        attention += [Tensor(p + f"attention.{name}.weight", head_dim, 1) for name in ("q_norm", "k_norm")]
     return [
         Tensor(p + "attention_norm.weight", m.dim, 1),
-        Tensor(p + "attention.wq.weight", m.dim, m.dim),
-        Tensor(p + "attention.wk.weight", kv, m.dim),
-        Tensor(p + "attention.wv.weight", kv, m.dim),
-        Tensor(p + "attention.wo.weight", m.dim, m.dim),
+        *attention,
         Tensor(p + "ffn_norm.weight", m.dim, 1),
         Tensor(p + "feed_forward.w1.weight", m.ffn_dim, m.dim),
         Tensor(p + "feed_forward.w2.weight", m.dim, m.ffn_dim),

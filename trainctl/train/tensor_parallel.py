@@ -80,7 +80,14 @@ def block_plan(block: nn.Module | None = None, float8_tensorwise: bool = False) 
 
     attn_col, attn_row, attn_in = styles("attention.wq", "attention.wk", "attention.wv", "attention.wo")
     mlp_col, mlp_row, mlp_in = styles("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+    # Qwen3's per-head q/k norms see this rank's heads ([batch, seq, heads/tp, head_dim]): their input is a shard
+    # on the heads dim and their weight a replicated DTensor, whose gradient DTensor sums over the tp ranks
+    # (each saw only its heads); a plain weight would take a different gradient on every rank and drift apart.
+    qk_norms = {} if block is None or getattr(block.attention, "q_norm", None) is None else {
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
     return {
+        **qk_norms,
         "attention_norm": SequenceParallel(),
         # (x, freqs): gather x to the full sequence; the RoPE table is a plain, replicated buffer.
         "attention": attn_in(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),

@@ -86,7 +86,7 @@ def check_steps_left(job: Job, begin: int, steps: int) -> None:
 
 
 def begin_training(job: Job) -> float:
-    """The first eval of a fresh run (logged at step 0), or the resume record; returns the latest val loss."""
+    """The first eval of a fresh run (logged at step 0, unless train.eval_every=0), or the resume record."""
     if job.start.resumed:
         job.metrics.resumed(job.progress.step, str(job.start.path))  # drops what an earlier attempt logged past it
         return job.progress.initial_val_loss
@@ -103,7 +103,7 @@ def after_step(job: Job, result: StepResult, timer: StepTimer, val_loss: float) 
         job.metrics.memory(done, result.memory)
     if done % job.cfg.logging.log_every == 0 or done == steps or result.stop:
         job.metrics.train(done, step_metrics(job, result, timer.lap()))
-    if not result.stop and (done == steps or (train.eval_every and done % train.eval_every == 0)):
+    if train.eval_every and not result.stop and (done == steps or done % train.eval_every == 0):
         val_loss = evaluate_and_log(job, done)
         timer.restart()
     job.checkpoints.poll()
@@ -113,8 +113,8 @@ def after_step(job: Job, result: StepResult, timer: StepTimer, val_loss: float) 
 
 
 def evaluate_and_log(job: Job, step: int) -> float | None:
-    """The held-out loss, logged; None (nothing logged) for a run without a val split."""
-    if job.val_data is None:
+    """The held-out loss, logged; None (nothing logged) with evaluation off or without a val split."""
+    if job.val_data is None or job.cfg.train.eval_every <= 0:
         return None
     val_loss = evaluate(job)
     job.metrics.eval(step, val_loss)
