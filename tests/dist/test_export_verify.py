@@ -84,3 +84,36 @@ def test_without_transformers_verify_says_so(run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(VerifyError, match="pip install transformers"):
         verify_export(tmp_path, weights, SMALL, torch.float32)
+
+
+def record_tokenizer(run_dir: Path) -> None:
+    """What the launcher keeps for a run that trained with a Hugging Face tokenizer.json (launch/tokenizer_record)."""
+    import hashlib
+
+    from trainctl.core import rundir as layout
+
+    folder = run_dir / layout.TOKENIZER
+    folder.mkdir()
+    data = json.dumps({"model": {"type": "BPE"}}).encode()
+    (folder / "tokenizer.json").write_bytes(data)
+    record = {"eos_id": 2, "files": {"tokenizer.json": hashlib.sha256(data).hexdigest()}}
+    (run_dir / layout.TOKENIZER_RECORD).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("lost", ["record", "copy"])
+def test_a_lost_tokenizer_record_or_copy_is_one_line_and_writes_nothing(run, tmp_path, capsys, lost):
+    """Without its record the copies cannot be vouched for: no silent fallback to the dataset's tokenizer."""
+    import shutil
+
+    from trainctl.core import rundir as layout
+
+    root = tmp_path / "run"
+    shutil.copytree(run[0], root)
+    record_tokenizer(root)
+    (root / (layout.TOKENIZER_RECORD if lost == "record" else f"{layout.TOKENIZER}/tokenizer.json")).unlink()
+    assert export_module.main([str(root), "--verify"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    named = root / layout.TOKENIZER_RECORD if lost == "record" else root / layout.TOKENIZER / "tokenizer.json"
+    assert err[0].startswith(f"error: {named}: missing"), err
+    assert not (root / "export").exists()
