@@ -52,13 +52,8 @@ SHAPES = {
 }
 
 
-def random_hf_model(name: str, seed: int = 0, **changes):
-    """A transformers model of SHAPES[name] (with `changes` to its config) with random weights everywhere:
-    norms and biases start at 1 and 0, so a misplaced or misordered one would not show."""
-    model_type, shape = SHAPES[name]
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(model_type, **{**shape, **changes})
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+def randomized(model):
+    """Norms and biases start at 1 and 0, so a misplaced or misordered one would not show: make them random."""
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight"):
@@ -68,16 +63,26 @@ def random_hf_model(name: str, seed: int = 0, **changes):
     return model
 
 
-def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save):
-    """A random LlamaForCausalLM of a transformers config `shape` (random norms), saved to `folder`."""
+def random_hf_model(name: str, seed: int = 0, **changes):
+    """A transformers model of SHAPES[name] (with `changes` to its config) with random weights everywhere."""
+    model_type, shape = SHAPES[name]
+    return random_model(transformers.AutoConfig.for_model(model_type, **{**shape, **changes}), seed)
+
+
+def random_model(config, seed: int = 0):
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    return randomized(transformers.AutoModelForCausalLM.from_config(config).eval())
+
+
+def save_random_model(folder: Path, config, seed: int = 0, **save) -> transformers.PreTrainedModel:
+    """A random model of any family (its transformers config) saved as a Hugging Face folder."""
+    model = random_model(config, seed)
     model.save_pretrained(folder, **save)
     return model
+
+
+def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save) -> transformers.LlamaForCausalLM:
+    return save_random_model(folder, transformers.LlamaConfig(**shape), seed, **save)
 
 
 def save_random(folder: Path, name: str, seed: int = 0, **save):

@@ -113,7 +113,7 @@ def test_a_mistral_window_shorter_than_the_sequence_is_refused(tmp_path):
 
 # Every family through the worker's layouts (tests/dist/hf_layout_worker.py, 2 ranks on gloo).
 LAYOUTS = [("qwen2", "ddp"), ("qwen2", "fsdp"), ("qwen2", "tp"), ("qwen3", "fsdp"), ("qwen3", "hsdp"),
-           ("qwen3", "tp"), ("mistral", "tp")]
+           ("qwen3", "tp"), ("mistral", "tp"), ("qwen2", "pp"), ("qwen3", "pp")]  # pp: through the schedule
 
 
 @pytest.mark.parametrize(("family", "layout"), LAYOUTS)

@@ -312,6 +312,12 @@ def run_tokenizer(run_dir: Path) -> dict | None:
     from trainctl.core import rundir as layout
 
     record_path = run_dir / layout.TOKENIZER_RECORD
+    if not record_path.exists() and (run_dir / layout.TOKENIZER).exists():
+        # The run kept copies but lost their record: guessing (the dataset's file, or none) could bundle a
+        # tokenizer the model never saw.
+        raise ExportError(f"{record_path}: missing, so the tokenizer copies beside it cannot be vouched for; restore "
+                          f"it from a backup of the run, or move {run_dir / layout.TOKENIZER} aside to export with "
+                          "the dataset's tokenizer")
     if not record_path.exists():
         tokens = data_tokenizer(run_dir)
         if tokens and tokens.get("file"):
@@ -408,12 +414,12 @@ def export(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     created = missing_parents(tmp)
     done = False
+    tokens = run_tokenizer(run_dir)  # a damaged tokenizer record is refused before any file is written
     try:
         check_out(out, run_dir, ckpt)
         tmp.mkdir(parents=True)
         write_weights(ckpt, entries, names, tmp, max_shard_size, cfg, dtype)
         saved = dtype or entries[names[0]][1].properties.dtype
-        tokens = run_tokenizer(run_dir)
         write_config(cfg, ckpt, tmp, saved, tokens)
         write_tokenizer(tokens, cfg, tmp)
         verified = verify_export(tmp, read_tensors(ckpt, entries, names), cfg, dtype).line() if verify else None
