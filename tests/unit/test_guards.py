@@ -45,7 +45,7 @@ def test_finite_steps_pass_under_both_policies():
     for policy in ("stop", "skip"):
         g = guard(nonfinite=policy)
         assert feed(g, [3.0, 2.9, 2.8]) == ["ok"] * 3
-        assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 0}
+        assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 0, "guard_empty_batches": 0}
 
 
 def test_skip_skips_and_counts(caplog):
@@ -90,7 +90,7 @@ def test_spike_warn_logs_and_steps(caplog):
     with caplog.at_level(logging.WARNING, logger="trainctl.train"):
         assert g.decide(20, 5.0, 1.0) == "ok"
     assert "step 20: loss spike" in caplog.text and "guards.spike=warn" in caplog.text
-    assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 1}
+    assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 1, "guard_empty_batches": 0}
     assert len(g._history) == 20 and 5.0 not in g._history, "a spike does not enter the history"
 
 
@@ -99,7 +99,7 @@ def test_spike_skip_skips_then_recovers():
     feed(g, noisy_plateau(20))
     assert g.decide(20, 5.0, 1.0) == "skip"
     assert g.decide(21, 3.01, 1.0) == "ok"
-    assert g.metrics() == {"guard_skipped_steps": 1, "guard_loss_spikes": 1}
+    assert g.metrics() == {"guard_skipped_steps": 1, "guard_loss_spikes": 1, "guard_empty_batches": 0}
 
 
 def test_spikes_count_toward_the_consecutive_cap():
