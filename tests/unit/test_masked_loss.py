@@ -124,3 +124,11 @@ def test_blend_of_masked_and_plain_counts_every_plain_target(tmp_path):
                                                                 and not (inputs[r] == ord("<")).any())]
     assert plain_rows and all((targets[r] != IGNORE_INDEX).all() for r in plain_rows)
     assert np.any([(targets[r] == IGNORE_INDEX).any() for r in range(16)])
+
+
+def test_one_row_micro_batches_keep_their_inputs(tmp_path):
+    """With one row, the targets slice is a view overlapping the inputs: masking must not write into the inputs."""
+    data = batches(chat_set(tmp_path), micro=1, accum=4)
+    pairs = [pair for step in range(5) for pair in data.micro_batches(step)]
+    assert any((targets == IGNORE_INDEX).any() for _, targets in pairs)
+    assert all((inputs >= 0).all() for inputs, _ in pairs)

@@ -430,6 +430,8 @@ def _to_inputs_targets(samples: np.ndarray, flags: np.ndarray | None = None) -> 
     batch = torch.from_numpy(samples.astype(np.int64))
     inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     if flags is not None:
+        # A copy: for one row both slices are already contiguous views of `batch`, overlapping the inputs.
+        targets = targets.clone()
         targets[torch.from_numpy((flags[:, 1:] & LOSS) == 0)] = IGNORE_INDEX
     return inputs, targets
 
