@@ -15,7 +15,7 @@ from trainctl.data import format as dataset
 from trainctl.data.chat import RecordOptions
 from trainctl.data.chat_template import BUILTIN, ChatTemplate, assistant_spans, load_template, render
 from trainctl.data.prepare import prepare
-from trainctl.data.shards import intact_units, load_state
+from trainctl.data.shards import intact_units
 
 LLAMA3 = BUILTIN["llama3"]
 QWEN = """{%- if tools %}
@@ -250,24 +250,20 @@ def test_version_1_dataset_still_loads(tmp_path):
 
 
 def test_resume_rechecks_the_masks(tmp_path):
-    """A record's segment sha covers its mask bytes: a changed mask byte is done again on resume."""
+    """A unit's recorded sha256 covers its mask bytes: a changed mask byte makes the unit be done again."""
     out = prepared(tmp_path)
-    state = [{"train": [s.tokens, s.documents, ""], "val": [0, 0, ""]} for s in dataset.read_meta(out).splits["train"]
-             .shards]
-    assert state  # the real record is gone with the finished prepare: rebuild one unit's segment by hand
     import hashlib
 
-    tokens = (out / "train-00000.bin").read_bytes()
-    mask = bytearray((out / "train-00000.mask").read_bytes())
-    val = hashlib.sha256((out / "val-00000.bin").read_bytes() + (out / "val-00000.mask").read_bytes()).hexdigest()
-    vals = dataset.read_meta(out).splits["val"].tokens
-    unit = {"train": [len(mask), 40, hashlib.sha256(tokens + bytes(mask)).hexdigest()], "val": [vals, 0, val],
-            "pieces": 40}
+    def segment(split: str) -> list:
+        tokens, mask = (out / f"{split}-00000.bin").read_bytes(), (out / f"{split}-00000.mask").read_bytes()
+        return [len(mask), 0, hashlib.sha256(tokens + mask).hexdigest()]
+
+    unit = {"train": segment("train"), "val": segment("val"), "pieces": 40}
     assert intact_units(out, [unit], "uint16", 1 << 28, masked=True) == 1
+    mask = bytearray((out / "train-00000.mask").read_bytes())
     mask[5] ^= 1
     (out / "train-00000.mask").write_bytes(bytes(mask))
     assert intact_units(out, [unit], "uint16", 1 << 28, masked=True) == 0
-    assert load_state  # the record format itself is unchanged (three numbers per segment)
 
 
 def test_template_from_a_named_list_and_a_file(tmp_path):
@@ -282,3 +278,46 @@ def test_template_from_a_named_list_and_a_file(tmp_path):
     assert load_template(None, folder).text == "J"  # what transformers 5 saves wins, as there
     whole, spans = assistant_spans(ChatTemplate(BUILTIN["chatml"], "t"), CHATS[0])
     assert [whole[a:b] for a, b in spans] == ["Paris.<|im_end|>\n"]
+
+
+# ---------------------------------------------------------------- resume
+
+
+def damage_masks(out: Path, how: str) -> None:
+    masks = sorted(out.glob("train-*.mask"))
+    assert len(masks) >= 2, "the interrupted run should have written several mask files"
+    if how == "truncate-last":
+        masks[-1].write_bytes(masks[-1].read_bytes()[:-3])
+    elif how == "flip-first":
+        data = bytearray(masks[0].read_bytes())
+        data[len(data) // 2] ^= 0x01
+        masks[0].write_bytes(bytes(data))
+    elif how == "delete-first":
+        masks[0].unlink()
+    elif how == "stray":
+        (out / "train-00042.mask").write_bytes(b"\x01" * 5)
+
+
+@pytest.mark.parametrize("how", ["truncate-last", "flip-first", "delete-first", "stray"])
+def test_an_interrupted_chat_prepare_resumes_to_the_same_bytes(tmp_path, how):
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[i % 2]} for i in range(16)])
+    options = dict(val_fraction=0.3, shard_tokens=300, workers=1, unit_bytes=400, chat_template="chatml",
+                   records=RecordOptions("chat"))
+    prepare([str(source)], tmp_path / "clean", **options)
+    calls = []
+
+    def stop(done, total):
+        calls.append(done)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(source)], tmp_path / "out", progress=stop, **options)
+    damage_masks(tmp_path / "out", how)
+    prepare([str(source)], tmp_path / "out", **options)
+
+    def files(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "meta.json"}
+
+    assert files(tmp_path / "out") == files(tmp_path / "clean")
+    assert any(name.endswith(".mask") for name in files(tmp_path / "clean"))
