@@ -132,11 +132,21 @@ class TemplateRefusal(Exception):
     """The template raised (raise_exception, or a jinja error): its message is the user's to read."""
 
 
+def _jinja2():
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+    except ImportError:
+        raise DatasetError("--format chat renders chat templates with jinja2: pip install jinja2 (or "
+                           "pip install 'trainctl[data]')") from None
+    return jinja2
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(text: str):
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    jinja2 = _jinja2()
+    ImmutableSandboxedEnvironment = jinja2.sandbox.ImmutableSandboxedEnvironment  # noqa: N806 (jinja's name)
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -161,8 +171,7 @@ def _compiled(text: str):
 
 def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The conversation as text, exactly as transformers' apply_chat_template(tokenize=False) renders it."""
-    import jinja2
-
+    jinja2 = _jinja2()
     compiled = _compiled(template.text)
     try:
         return compiled.render(messages=messages, tools=None, documents=None,
