@@ -740,8 +740,9 @@ def data_prepare(
                   markup=False, highlight=False)
         raise typer.Exit(130) from None
     train, val = meta.splits["train"], meta.splits["val"]
-    out.print(f"{meta.root}: {train.tokens:,} train tokens ({train.documents:,} documents, {len(train.shards)} "
-              f"shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
+    counted = f", {train.loss_tokens:,} of them in the loss" if train.loss_tokens is not None else ""
+    out.print(f"{meta.root}: {train.tokens:,} train tokens{counted} ({train.documents:,} documents, "
+              f"{len(train.shards)} shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
     # Evaluation reads the val split: plan and launch refuse an empty one unless eval is off.
     note = "" if val.tokens else "\nno val split: train with train.eval_every=0, or prepare with --val-fraction 0.01"

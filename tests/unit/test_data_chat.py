@@ -321,3 +321,40 @@ def test_an_interrupted_chat_prepare_resumes_to_the_same_bytes(tmp_path, how):
 
     assert files(tmp_path / "out") == files(tmp_path / "clean")
     assert any(name.endswith(".mask") for name in files(tmp_path / "clean"))
+
+
+def test_meta_counts_loss_tokens_and_the_cli_says_so(tmp_path, monkeypatch, capsys):
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}] * 3)
+    monkeypatch.setattr(sys, "argv", ["trainctl", "data", "prepare", str(source), "--out", str(tmp_path / "out"),
+                                      "--format", "chat", "--chat-template", "chatml", "--val-fraction", "0",
+                                      "--workers", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 0
+    meta = dataset.read_meta(tmp_path / "out")
+    _, flags = read_split(tmp_path / "out")
+    per_record = len("Paris.<|im_end|>\n")
+    assert meta.splits["train"].loss_tokens == int((flags & 1).sum()) == 3 * per_record
+    assert "of them in the loss" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["chat_template"]["source"] == "built-in chatml"
+
+
+def test_instruction_records_from_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"prompt": ["Q: one? A: ", "Q: two? A: "], "completion": ["1", "2"], "id": [1, 2]})
+    pq.write_table(table, tmp_path / "i.parquet", row_group_size=1)
+    prepare([str(tmp_path / "i.parquet")], tmp_path / "out", val_fraction=0, workers=1,
+            records=RecordOptions("instruction"))
+    tokens, flags = read_split(tmp_path / "out")
+    assert bytes(tokens.astype(np.uint8)) == b"Q: one? A: 1\0Q: two? A: 2\0"
+    assert bytes(tokens[(flags & 1) > 0].astype(np.uint8)) == b"1\x002\x00"
+
+
+def test_text_files_are_refused_for_records(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(dataset.DatasetError, match=r"--format instruction: reads \.jsonl and \.parquet records, not "
+                                                   r"\.txt files"):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "out", records=RecordOptions("instruction"))
+    assert not (tmp_path / "out").exists()

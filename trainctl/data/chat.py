@@ -194,6 +194,15 @@ def document_tokens(text: str, spans: list[tuple[int, int]], tokenizer, options:
     return ids, flags
 
 
+def count_loss_tokens(mask_file: Path) -> int:
+    """Tokens of a mask file that count in the loss (read in blocks: a shard's masks may be large)."""
+    total = 0
+    with mask_file.open("rb") as f:
+        while block := f.read(1 << 24):
+            total += int(np.count_nonzero(np.frombuffer(block, np.uint8) & LOSS))
+    return total
+
+
 def tokenize_records(unit: Unit, options: RecordOptions, seed: int, val_fraction: float, tokenizer,
                      last_to: str | None = None) -> dict:
     """One unit's train and val tokens and mask flags (prepare.tokenize_unit's result, with masks)."""

@@ -64,6 +64,7 @@ class Split:
     tokens: int
     documents: int
     shards: tuple[Shard, ...]
+    loss_tokens: int | None = None  # masked data: the tokens that count in the loss
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ def _parse(root: Path, data: dict) -> DatasetMeta:
         item = data["splits"][name]
         shards = tuple(Shard(str(s["file"]), int(s["tokens"]), int(s["documents"]),
                              str(s["mask"]) if s.get("mask") else None) for s in item["shards"])
-        splits[name] = Split(int(item["tokens"]), int(item["documents"]), shards)
+        loss_tokens = int(item["loss_tokens"]) if item.get("loss_tokens") is not None else None
+        splits[name] = Split(int(item["tokens"]), int(item["documents"]), shards, loss_tokens)
     content = str(data.get("content", "text"))
     if content not in CONTENTS:
         raise ValueError(f"content {content!r}")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainctl.data.chat import RecordOptions, resolve_options, tokenize_records
+from trainctl.data.chat import RecordOptions, count_loss_tokens, resolve_options, tokenize_records
 from trainctl.data.format import (
     BYTES_FINGERPRINT,
     FORMAT,
@@ -373,6 +373,8 @@ class _Job:
                                  masked=self.records is not None)
             splits[split] = {"tokens": sum(s["tokens"] for s in shards),
                              "documents": sum(s["documents"] for s in shards), "shards": shards}
+            if self.records is not None:  # what the loss sees: plan and users size epochs of answers by it
+                splits[split]["loss_tokens"] = sum(count_loss_tokens(self.out / s["mask"]) for s in shards)
         meta = {
             "format": FORMAT, "version": VERSION,
             "tokenizer": {"kind": tok.kind, "file": tokenizer_file,
