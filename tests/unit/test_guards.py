@@ -223,3 +223,17 @@ def test_agreed_step_copies_nothing_from_the_host():
         assert agreed_step(loss, norm, stop=True) == (1.5, 0.25, True)
     # lift_fresh is a tensor made from Python data; a copy given a device moves data between devices.
     assert not [op for op in ops.seen if "lift_fresh" in op or ("copy" in op and "(device)" in op)], ops.seen
+
+
+def test_empty_batches_are_counted_warned_and_survive_a_resume(caplog):
+    g = StepGuard(GuardsConfig())
+    with caplog.at_level(logging.WARNING, logger="trainctl.train"):
+        g.note_empty(4)
+        g.note_empty(9)
+    assert g.metrics()["guard_empty_batches"] == 2 and "step 9: skipped" in caplog.text
+    restored = StepGuard(GuardsConfig())
+    restored.load_state_dict(g.state_dict())
+    assert restored.metrics() == g.metrics()
+    older = {k: v for k, v in g.state_dict().items() if k != "empty_batches"}  # a checkpoint from before masks
+    restored.load_state_dict(older)
+    assert restored.metrics()["guard_empty_batches"] == 0
