@@ -21,7 +21,7 @@ from trainctl.data.prepare import prepare
 from trainctl.train.data import TokenBatches
 from trainctl.train.loss import counted_targets
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def chat_config(data_cache: Path, out: Path, name: str, **train):
