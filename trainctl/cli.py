@@ -706,11 +706,26 @@ def data_prepare(
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
     workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
+    data_format: str = typer.Option("text", "--format", help="text, chat (a messages list per record) or "
+                                    "instruction (prompt and completion): chat and instruction keep a loss mask."),
+    messages_field: str = typer.Option("messages", "--messages-field", help="--format chat: the records' field."),
+    prompt_field: str = typer.Option("prompt", "--prompt-field", help="--format instruction: the prompt field."),
+    completion_field: str = typer.Option("completion", "--completion-field",
+                                         help="--format instruction: the completion field (what the loss counts)."),
+    chat_template: str = typer.Option(None, "--chat-template", show_default=False,
+                                      help="chatml, llama3 or a .jinja file (default: the tokenizer's own)."),
+    max_doc_tokens: int = typer.Option(None, "--max-doc-tokens", show_default=False,
+                                       help="Longest chat / instruction document (e.g. train.seq_len + 1)."),
+    overlong: str = typer.Option("refuse", "--overlong", help="A longer document: refuse, or truncate it."),
 ) -> None:
     """Tokenize text into a token dataset (data.datasets=[DIR]).  Example: trainctl data prepare docs/ --out tok"""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
+    from trainctl.data.chat import RecordOptions
     from trainctl.data.prepare import DatasetError, prepare
+
+    records = RecordOptions(data_format, messages_field, prompt_field, completion_field, None, max_doc_tokens,
+                            overlong)
 
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -720,7 +735,8 @@ def data_prepare(
             meta = prepare(inputs, out_dir, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
                            vocab_size=vocab_size, eos_token=eos_token, text_field=text_field,
                            val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+                           progress=lambda done, total: bar.update(task, completed=done, total=total),
+                           records=records, chat_template=chat_template)
     except DatasetError as exc:
         raise UserError([str(exc)]) from None
     except KeyboardInterrupt:
@@ -728,8 +744,9 @@ def data_prepare(
                   markup=False, highlight=False)
         raise typer.Exit(130) from None
     train, val = meta.splits["train"], meta.splits["val"]
-    out.print(f"{meta.root}: {train.tokens:,} train tokens ({train.documents:,} documents, {len(train.shards)} "
-              f"shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
+    counted = f", {train.loss_tokens:,} of them in the loss" if train.loss_tokens is not None else ""
+    out.print(f"{meta.root}: {train.tokens:,} train tokens{counted} ({train.documents:,} documents, "
+              f"{len(train.shards)} shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
     # Evaluation reads the val split: plan and launch refuse an empty one unless eval is off.
     note = "" if val.tokens else "\nno val split: train with train.eval_every=0, or prepare with --val-fraction 0.01"
