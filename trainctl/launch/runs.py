@@ -5,7 +5,8 @@ A run's state comes from its own records (read through trainctl.core.rundir, whi
          that it finished; stopped.json that it stopped on request with a checkpoint; launch.json the
          launcher's outcome otherwise (exit code, first failing rank);
   slurm  launch.json holds the job id; squeue/sacct say what Slurm knows, and the job's own
-         RUN_DIR/slurm-attempts.jsonl (one line per attempt start and end) covers jobs Slurm forgot.
+         RUN_DIR/slurm-attempts.jsonl covers jobs Slurm forgot (launch/backends/slurm.py).
+Each run's backend (its launch.json's `launcher`) answers for its own runs: state, log, cancel.
 A run directory with none of these was written by `launch --dry-run` and never started.
 """
 
@@ -22,7 +23,6 @@ from typing import BinaryIO
 from trainctl.core import rundir
 from trainctl.launch import backends, slurm_jobs
 from trainctl.launch.errors import LaunchError
-from trainctl.launch.slurm import ATTEMPTS_FILE, attempt_log_name
 
 
 @dataclass(frozen=True)
@@ -129,40 +129,6 @@ def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
     return "NOT_STARTED", False, "written by --dry-run"
 
 
-def attempt_records(run_dir: Path, job_id: str) -> list[dict]:
-    return [r for r in rundir.read_jsonl(run_dir / ATTEMPTS_FILE) if str(r.get("job_id")) == job_id]
-
-
-def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool, str]:
-    """A Slurm run's final state from what the job wrote, for jobs Slurm no longer reports."""
-    records = attempt_records(run_dir, job_id)
-    if records and records[-1].get("event") == "end":
-        code = records[-1].get("exit_code")
-        return ("COMPLETED", False, "") if code == 0 else ("FAILED", False, f"exit code {code}")
-    if records:
-        attempt = records[-1].get("attempt")
-        return "UNKNOWN", False, f"{why}; attempt {attempt} started but never recorded its end (cancelled or killed)"
-    if rundir.result(run_dir) is not None:
-        return "COMPLETED", False, ""
-    return "UNKNOWN", False, why
-
-
-def slurm_state(
-    run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = ""
-) -> tuple[str, bool, str]:
-    if info is not None:
-        detail = info.reason if info.state == "PENDING" else ", ".join(x for x in (info.nodes, info.reason) if x)
-        if info.exit_code and info.exit_code != "0:0":
-            detail = ", ".join(x for x in (detail, f"exit {info.exit_code}") if x)
-        return info.state, info.active, detail
-    if unreachable:
-        # Nothing is known: the job may well be running. The run's own records can still tell an ended attempt.
-        state, active, detail = state_from_records(run_dir, job_id, unreachable)
-        return (state, active, detail) if state != "UNKNOWN" else ("UNKNOWN", False, unreachable)
-    why = f"Slurm no longer knows job {job_id}" if slurm_jobs.slurm_available() else "squeue not found on PATH"
-    return state_from_records(run_dir, job_id, why)
-
-
 def run_states(run_dirs: list[Path]) -> list[RunState]:
     """The state of each run; each backend answers for its own runs at once (one squeue call for all on Slurm)."""
     records = {d: rundir.launch_record(d) for d in run_dirs}
@@ -192,15 +158,6 @@ def log_path(run_dir: Path, rank: int | None) -> Path:
         return run_dir / "logs" / f"rank{rank}.log"
     record = rundir.launch_record(run_dir)
     return backends.for_record(record).log_path(run_dir, record)
-
-
-def slurm_log_path(run_dir: Path, job_id: str) -> Path:
-    """A Slurm job's newest attempt (the workers' output), else the batch script's own output."""
-    attempts = [int(r.get("attempt", 0)) for r in attempt_records(run_dir, job_id)]
-    attempt_log = run_dir / "logs" / attempt_log_name(job_id, max(attempts, default=0))
-    batch_log = run_dir / "logs" / f"slurm-{job_id}.out"
-    # Before srun starts only the batch log exists (and holds any error of the script's own lines).
-    return attempt_log if attempt_log.exists() or not batch_log.exists() else batch_log
 
 
 FOLLOW_CHUNK = 1 << 20  # bytes copied per read: a huge log streams, it is never held whole

@@ -9,12 +9,56 @@ import subprocess
 from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, RunConfig
-from trainctl.launch import runs, slurm, slurm_jobs
+from trainctl.core import rundir
+from trainctl.launch import slurm, slurm_jobs
 from trainctl.launch.backends import register
 from trainctl.launch.backends.base import Backend, Launched, StateTuple
 from trainctl.launch.errors import LaunchError
 
 REQUEUE_TIMEOUT_S = 30
+
+
+def attempt_records(run_dir: Path, job_id: str) -> list[dict]:
+    return [r for r in rundir.read_jsonl(run_dir / slurm.ATTEMPTS_FILE) if str(r.get("job_id")) == job_id]
+
+
+def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool, str]:
+    """A Slurm run's final state from what the job wrote, for jobs Slurm no longer reports."""
+    records = attempt_records(run_dir, job_id)
+    if records and records[-1].get("event") == "end":
+        code = records[-1].get("exit_code")
+        return ("COMPLETED", False, "") if code == 0 else ("FAILED", False, f"exit code {code}")
+    if records:
+        attempt = records[-1].get("attempt")
+        return "UNKNOWN", False, f"{why}; attempt {attempt} started but never recorded its end (cancelled or killed)"
+    if rundir.result(run_dir) is not None:
+        return "COMPLETED", False, ""
+    return "UNKNOWN", False, why
+
+
+def slurm_state(
+    run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = ""
+) -> tuple[str, bool, str]:
+    if info is not None:
+        detail = info.reason if info.state == "PENDING" else ", ".join(x for x in (info.nodes, info.reason) if x)
+        if info.exit_code and info.exit_code != "0:0":
+            detail = ", ".join(x for x in (detail, f"exit {info.exit_code}") if x)
+        return info.state, info.active, detail
+    if unreachable:
+        # Nothing is known: the job may well be running. The run's own records can still tell an ended attempt.
+        state, active, detail = state_from_records(run_dir, job_id, unreachable)
+        return (state, active, detail) if state != "UNKNOWN" else ("UNKNOWN", False, unreachable)
+    why = f"Slurm no longer knows job {job_id}" if slurm_jobs.slurm_available() else "squeue not found on PATH"
+    return state_from_records(run_dir, job_id, why)
+
+
+def slurm_log_path(run_dir: Path, job_id: str) -> Path:
+    """A Slurm job's newest attempt (the workers' output), else the batch script's own output."""
+    attempts = [int(r.get("attempt", 0)) for r in attempt_records(run_dir, job_id)]
+    attempt_log = run_dir / "logs" / slurm.attempt_log_name(job_id, max(attempts, default=0))
+    batch_log = run_dir / "logs" / f"slurm-{job_id}.out"
+    # Before srun starts only the batch log exists (and holds any error of the script's own lines).
+    return attempt_log if attempt_log.exists() or not batch_log.exists() else batch_log
 
 
 class SlurmBackend(Backend):
@@ -64,10 +108,10 @@ class SlurmBackend(Backend):
         queried = [str(r["job_id"]) for r in records.values() if isinstance(r.get("job_id"), str | int)]
         infos, unreachable = slurm_jobs.query_jobs(queried) if queried else ({}, "")
         job_ids = {d: str(r.get("job_id", "")) for d, r in records.items()}
-        return {d: runs.slurm_state(d, job_ids[d], infos.get(job_ids[d]), unreachable) for d in records}
+        return {d: slurm_state(d, job_ids[d], infos.get(job_ids[d]), unreachable) for d in records}
 
     def log_path(self, run_dir: Path, record: dict) -> Path:
-        return runs.slurm_log_path(run_dir, str(record.get("job_id")))
+        return slurm_log_path(run_dir, str(record.get("job_id")))
 
     def job_label(self, job_id: str) -> str:
         return f"Slurm job {job_id}"
