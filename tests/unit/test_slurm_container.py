@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,3 +133,42 @@ def test_the_prefix_wraps_what_the_script_runs(tmp_path):
     assert args[args.index(str(wrapper)):args.index(str(wrapper)) + 4] == [str(wrapper), "--flag", sys.executable,
                                                                             "-m"]
     assert Path(run_dir / "trainer.json").is_file()  # the holder was recorded through the prefix
+
+
+def run_preempted_script(tmp_path: Path, stopped_before_attempt: bool) -> list[str]:
+    """The script with srun stubbed as workers stopped by SIGUSR2; what the stub scontrol was asked to requeue."""
+    from tests.unit.test_sbatch import SLURM_ENV, stub_bin
+
+    run_dir = tmp_path / "run-p"
+    (run_dir / "logs").mkdir(parents=True)
+    bin_dir = stub_bin(tmp_path)
+    stopped = '{"step": 5, "signal": "SIGUSR2", "checkpoint": "step-00000005"}'
+    if stopped_before_attempt:  # an earlier attempt's record, older than this attempt's start
+        (run_dir / "stopped.json").write_text(stopped)
+        os.utime(run_dir / "stopped.json", (1, 1))
+        write_exe(bin_dir / "srun", "exit 1\n")
+    else:
+        write_exe(bin_dir / "srun", f"echo '{stopped}' > {run_dir}/stopped.json\nexit 1\n")
+    write_exe(bin_dir / "scontrol", f'if [ "$1" = requeue ]; then echo "$2" >> {tmp_path}/requeued; exit 0; fi\n'
+                                    "echo node017\n")
+    script = run_dir / "launch.sh"
+    script.write_text(slurm.render_sbatch(slurm_config(), run_dir, workdir=tmp_path))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **SLURM_ENV}
+    subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    return (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
+
+
+@pytest.mark.cli
+def test_the_batch_shell_requeues_what_its_workers_stopped_for_preemption(tmp_path):
+    """Rank 0's `scontrol requeue` cannot run in a container without Slurm's client: the batch shell does it."""
+    assert run_preempted_script(tmp_path / "now", stopped_before_attempt=False) == ["4242"]
+    assert run_preempted_script(tmp_path / "old", stopped_before_attempt=True) == []
+
+
+@pytest.mark.cli  # it tries to start scontrol
+def test_a_worker_without_scontrol_leaves_the_requeue_to_the_batch_shell(monkeypatch, tmp_path):
+    from trainctl.train import stop
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol here
+    assert stop.requeue_slurm_job() is False

@@ -211,6 +211,25 @@ def helper_python(cluster: SlurmClusterConfig) -> str:
     return shell_join([*step, *job_python(cluster)])
 
 
+def requeue_fallback(p: PreemptionConfig) -> list[str]:
+    """The batch shell requeues a job its workers stopped on the preemption signal, when rank 0 could not.
+
+    Rank 0 runs `scontrol requeue` after the stop checkpoint; inside a container without Slurm's client it
+    cannot. The stop must be this attempt's (stopped.json newer than the attempt's start record) and the run
+    unfinished. When rank 0 did requeue, Slurm is already ending this job and refuses a second one: harmless.
+    """
+    if not p.requeue:
+        return []
+    stopped, attempts = f'"$RUN_DIR/{rundir.STOPPED}"', f'"$RUN_DIR/{ATTEMPTS_FILE}"'
+    return [
+        f'if [ -f {stopped} ] && [ {stopped} -nt {attempts} ] && [ ! -f "$RUN_DIR/{rundir.RESULT}" ] \\',
+        f"   && grep -q '\"signal\": \"{p.signal}\"' {stopped}; then",
+        '  scontrol requeue "$SLURM_JOB_ID" 2>/dev/null || echo "trainctl: job $JOB not requeued by the batch shell '
+        '(already requeued by rank 0, or Slurm refused)" >&2',
+        "fi",
+    ]
+
+
 def launch_lines(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
     """Head node, the srun line with the attempt's log, and the attempt's records."""
     srun_options = (Expand("--output=${ATTEMPT_LOG}"), "--open-mode=append")
@@ -230,6 +249,7 @@ def launch_lines(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
         f"{srun} || STATUS=$?",
         "# The run's own record decides: a stop signal reaching torchrun after the last step fails it, not the run.",
         f'[ "$STATUS" -eq 0 ] || [ ! -f "$RUN_DIR/{rundir.RESULT}" ] || STATUS=0',
+        *requeue_fallback(cluster.preemption),
         'record end "$STATUS"',
         'exit "$STATUS"',
     ]
