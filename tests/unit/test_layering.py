@@ -179,3 +179,68 @@ def test_every_family_is_a_complete_folder_with_a_model_config():
         assert {"spec.py", "model.py", "parallel.py"} <= {p.name for p in folder.glob("*.py")}, family
         assert registry.spec(family).family == family
         assert family in declared, f"no conf/model/*.yaml sets family: {family}"
+
+
+# ---------------------------------------------------------------- launcher backends
+
+# A backend's own modules: the only places that may know a backend by its name.
+BACKEND_MODULES = {
+    "slurm": ("trainctl/config/slurm.py", "trainctl/launch/slurm.py", "trainctl/launch/slurm_jobs.py",
+              "trainctl/launch/backends/slurm.py"),
+    "local": ("trainctl/launch/local.py", "trainctl/launch/backends/local.py"),
+}
+# `== "slurm"`, `"slurm" !=`, `in ("slurm", ...)`, `launcher == ...`: deciding by a backend's name.
+NAME_TESTS = re.compile(
+    r"""(==|!=)\s*[{(\[]?\s*["'](slurm|local)["']|["'](slurm|local)["']\s*(==|!=)|\bin\s*[(\[{]\s*["'](slurm|local)["']"""
+    r"""|\blauncher\s*(==|!=)|(==|!=)\s*\S*\.launcher\b"""
+)
+
+
+def name_tests(path: Path) -> list[str]:
+    """'file:line: text' of each comparison with a backend's name (or with `launcher`) in one file."""
+    rel = str(path.relative_to(ROOT.parent))
+    return [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+            if is_name_test(line)]
+
+
+def is_name_test(line: str) -> bool:
+    # A config class checking its own launcher against its own NAME asks nothing about the backend in use.
+    return bool(NAME_TESTS.search(line)) and not line.lstrip().startswith("#") and ".NAME" not in line
+
+
+def test_the_name_test_finder_finds_them(tmp_path):
+    probe = tmp_path / "trainctl" / "x.py"
+    probe.parent.mkdir()
+    lines = ['if c.launcher == "slurm":', "if 'slurm' != k:", 'if name in ("slurm", "x"):', "if launcher != y:",
+             "if x == cfg.cluster.launcher:", 'name = "slurm"', "# cluster.launcher == 'slurm' in a comment",
+             "if self.launcher != self.NAME:", 'slurm = names == {"slurm"}']
+    probe.write_text("\n".join(lines) + "\n")
+    rel = str(probe.relative_to(tmp_path))
+    found = [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(lines, 1) if is_name_test(line)]
+    assert [f.split(":")[1] for f in found] == ["1", "2", "3", "4", "5", "9"]
+
+
+def test_no_module_outside_a_backend_asks_which_backend_it_is():
+    """Each such question is one the backend (launch/backends) or its typed config (config.schema) answers."""
+    own = {p for paths in BACKEND_MODULES.values() for p in paths}
+    found = [hit for path in sorted(ROOT.rglob("*.py")) if str(path.relative_to(ROOT.parent)) not in own
+             for hit in name_tests(path)]
+    assert found == []
+
+
+def test_only_the_registry_imports_a_backend():
+    """Everything else goes through `backends.for_cluster` / `for_record` / `named`: a new backend changes no caller."""
+    implementations = {"trainctl.launch.backends.local", "trainctl.launch.backends.slurm"}
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if module_name(path).startswith("trainctl.launch.backends"):
+            continue
+        wrong += [f"{path.relative_to(ROOT.parent)}:{line}: {name}" for name, line in imported_modules(path)
+                  if name in implementations]
+    assert wrong == []
+
+
+def test_the_backend_interface_is_torch_free_and_below_render_and_cli():
+    for path in sorted((ROOT / "launch" / "backends").glob("*.py")):
+        names = [name for name, _ in imported_modules(path)]
+        assert not [n for n in names if n.split(".")[0] == "torch" or package_of(n) in ("render", "cli", "train")]

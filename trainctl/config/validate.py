@@ -15,7 +15,6 @@ import re
 from trainctl.config import hf_config, schema
 from trainctl.config.data_check import datasets_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
-from trainctl.config.slurm import check_slurm
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
 from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters
@@ -31,7 +30,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     cfg = dataclasses.replace(cfg, model=model, runs_dir=cfg.runs_dir.strip() or "runs")
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
-    problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster)
+    problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
     problems += check_names(cfg) + check_offload(cfg.sharding)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
@@ -140,7 +139,7 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("sharding.strategy", cfg.sharding.strategy, schema.SHARDING_STRATEGIES)
         + _choice("schedule.name", cfg.schedule.name, schema.SCHEDULES)
         + _choice("optim.name", cfg.optim.name, schema.OPTIMIZERS)
-        + _choice("cluster.launcher", cfg.cluster.launcher, schema.LAUNCHERS)
+        + _choice("cluster.launcher", cfg.cluster.launcher, schema.launchers())
         + _choice("cluster.device", cfg.cluster.device, schema.DEVICES)
         + _choice("data.kind", cfg.data.kind, schema.DATA_KINDS)
         + _choice("data.token_dtype", cfg.data.token_dtype, schema.TOKEN_DTYPES)
@@ -283,9 +282,6 @@ def check_data(d: schema.DataConfig, m: schema.ModelConfig) -> list[str]:
 
 def check_cluster(c: schema.ClusterConfig, p: schema.PrecisionConfig) -> list[str]:
     problems = []
-    if c.launcher == "local" and c.nodes > 1:
-        problems.append(f"cluster.nodes={c.nodes}: a local launch runs on this machine only; use cluster=slurm for "
-                        "several nodes")
     if p.fp8 and c.device == "cuda" and c.gpu in GPUS and not GPUS[c.gpu].fp8:
         fp8_gpus = ", ".join(k for k, v in GPUS.items() if v.fp8)
         problems.append(f"precision=fp8: cluster.gpu={c.gpu} has no fp8 tensor cores; use precision=bf16 or a GPU with "
