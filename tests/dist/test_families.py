@@ -151,3 +151,19 @@ def test_export_loads_in_transformers_with_every_key(imported, tmp_path):
     with torch.no_grad():
         diff = (back.eval()(tokens).logits - theirs(tokens).logits).abs().max().item()
     assert diff <= TOL, f"{name}: exported logits differ by {diff:.3g}"
+
+
+def test_a_mistral_folder_whose_window_is_shorter_than_the_sequence_is_refused(tmp_path):
+    """model=hf reads Mistral's sliding_window; trained past it, trainctl would attend where Mistral does not."""
+    from trainctl.config.compose import compose
+    from trainctl.config.errors import ConfigError
+    from trainctl.config.validate import resolve
+
+    model_type, shape = SHAPES["mistral"]
+    hf_folder_config(tmp_path, model_type, {**shape, "sliding_window": 32})
+    (tmp_path / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(["model=hf", f"model.path={tmp_path}", "data=synthetic", "train.seq_len=64"]))
+    assert any(p.startswith("model.sliding_window=32") and "train.seq_len<=32" in p for p in err.value.problems)
+    assert resolve(compose(["model=hf", f"model.path={tmp_path}", "data=synthetic",
+                            "train.seq_len=32"])).model.sliding_window == 32

@@ -91,28 +91,44 @@ def save_random(folder: Path, name: str, seed: int = 0, **save):
     return model
 
 
+_SAVED: dict[str, tuple] = {}
+
+
+def saved(name: str, tmp_path_factory) -> tuple:
+    """(name, folder, tokens, transformers' logits) of SHAPES[name]'s random model, saved once per session."""
+    if name not in _SAVED:
+        folder = tmp_path_factory.mktemp(f"hf-{name}")
+        # The GQA model is saved in shards: the loader must follow the index.
+        save = {"max_shard_size": "100KB"} if name == "gqa" else {}
+        model = save_random(folder, name, **save)
+        tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            _SAVED[name] = (name, folder, tokens, model(tokens).logits)
+    return _SAVED[name]
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def hf_llama(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"hf-{request.param}")
-    # The GQA model is saved in shards: the loader must follow the index.
-    save = {"max_shard_size": "100KB"} if request.param == "gqa" else {}
-    model = save_random(folder, request.param, **save)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        expected = model(tokens).logits
-    return request.param, folder, tokens, expected
+    return saved(request.param, tmp_path_factory)
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp", "tp"])
-def test_imported_logits_equal_transformers_in_every_layout(hf_llama, layout, tmp_path):
-    name, folder, tokens, expected = hf_llama
+# Every family in the layouts whose weight placement differs (FSDP2 shards, TP's column/row split of q/k/v and
+# their biases and norms, pipeline stages through the real schedule); DDP and HSDP place whole tensors as FSDP2
+# does per replica, so two families cover them.
+LAYOUTS = [(name, layout) for name in SHAPES for layout in ("fsdp", "tp", "pp")] + \
+          [(name, layout) for name in ("gqa", "qwen3") for layout in ("ddp", "hsdp")]
+
+
+@pytest.mark.parametrize(("name", "layout"), LAYOUTS)
+def test_imported_logits_equal_transformers_in_every_layout(name, layout, tmp_path, tmp_path_factory):
+    name, folder, tokens, expected = saved(name, tmp_path_factory)
     if name == "gqa":
         assert (folder / "model.safetensors.index.json").is_file()
     torch.save(tokens, tmp_path / "tokens.pt")
     proc = run_torchrun(2, WORKER, str(folder), layout, str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "out.pt")
-    assert got["loaded"] > 0
+    assert got["loaded"] > 0  # load_hf_weights refuses a rank with any parameter left unset
     diff = (got["logits"] - expected).abs().max().item()
     assert diff <= TOL, f"{name}/{layout}: max |logits - transformers'| = {diff:.3g}"
 
@@ -137,41 +153,58 @@ def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def greedy_trainctl(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding with trainctl's model: the whole sequence again for every new token (no KV cache)."""
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["gqa", "qwen3"])
+@pytest.mark.parametrize("shape", ["gqa", "llama3_rope", "qwen2", "qwen3", "mistral"])
 def test_hf_to_trainctl_to_hf_round_trip(tmp_path, shape):
+    """A Hugging Face folder trains 3 steps under FSDP2, exports (sharded, --verify) and loads in transformers
+    with every key; its logits are the checkpoint's, not the source's, and greedy generation equals trainctl's."""
+    from trainctl.config.schema import load_run_config
+    from trainctl.models.build import build_model
+    from trainctl.models.registry import spec
+
     source = tmp_path / "source"
-    save_random(source, shape, seed=3)
+    source_model = save_random(source, shape, seed=3)
     launch = trainctl("launch", "model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
                       "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2", "train.steps=3",
                       "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
                       "schedule.warmup_steps=1", "logging.progress=false", "--name", "rt", cwd=tmp_path)
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
     assert "initialized" in launch.stdout + launch.stderr
-    run_dir = tmp_path / "runs" / "rt"
-    out = tmp_path / "exported"
-    exported = trainctl("export", str(run_dir), "--out", str(out), "--max-shard-size", "200KB", cwd=tmp_path)
+    run_dir, out = tmp_path / "runs" / "rt", tmp_path / "exported"
+    exported = trainctl("export", str(run_dir), "--out", str(out), "--verify", "--max-shard-size", "200KB",
+                        cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
-    assert (out / "model.safetensors.index.json").is_file()
+    assert (out / "model.safetensors.index.json").is_file()  # verify follows the index as inference tools do
+    cfg = load_run_config(run_dir).model
+    architecture = spec(cfg.family).hf_architectures[0]
+    assert (f"verified: transformers loads it as {architecture} with no missing or unexpected keys; every tensor "
+            "matches the checkpoint") in exported.stdout
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    from trainctl.config.schema import load_run_config
-    from trainctl.models.build import build_model
-
-    cfg = load_run_config(run_dir).model
-    ours = build_model(cfg, "cpu")
+    assert type(model).__name__ == architecture
+    model = model.float().eval()
+    ours = build_model(cfg, "cpu").eval()
     ours.load_state_dict(trained_weights(run_dir, cfg), strict=not cfg.tie_embeddings)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        diff = (model.eval()(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff <= TOL, f"exported logits differ from the checkpoint's by {diff:.3g}"
-    # Training moved the weights off the source's: the export is the trained model, not a copy.
-    source_model = transformers.AutoModelForCausalLM.from_pretrained(source)
-    with torch.no_grad():
-        assert (source_model(tokens).logits - model(tokens).logits).abs().max().item() > 1e-3
+        theirs = model(tokens).logits
+        diff = (theirs - ours(tokens)).abs().max().item()
+        moved = (source_model(tokens).logits - theirs).abs().max().item()
+    assert diff <= TOL, f"{shape}: exported logits differ from the checkpoint's by {diff:.3g}"
+    assert moved > 1e-3, "the export is the source model, not the trained one"
     generated = model.generate(tokens[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 11)
+    assert torch.equal(generated, greedy_trainctl(ours, tokens[:1, :5], 6)), shape
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == SHAPES[shape][0] and config["num_key_value_heads"] == 2
 
