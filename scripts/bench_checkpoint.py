@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainctl.config.schema import ClusterConfig, ModelConfig, OptimConfig
-from trainctl.models.llama import build_model, count_params
+from trainctl.models.llama.model import build_model, count_params
 from trainctl.train import distributed
 from trainctl.train import state as checkpoint_state
 from trainctl.train.checkpoint import CheckpointManager, list_committed, verify

@@ -36,7 +36,7 @@ from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import CheckpointConfig, DataConfig, RunConfig
 from trainctl.config.validate import resolve
-from trainctl.models.llama import attention_backends, build_model
+from trainctl.models.llama.model import attention_backends, build_model
 from trainctl.train import distributed
 from trainctl.train.activations import apply_activation_checkpointing
 from trainctl.train.float8 import apply_float8

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
@@ -412,10 +411,10 @@ def _no_log(path: Path, rank: int | None, state: str, run_dir: Path) -> str:
 @app.command()
 def cancel(run: str = RUN, runs_dir: Path = RUNS_DIR) -> None:
     """Stop a running or pending run (scancel on Slurm).  Example: trainctl cancel tiny_cpu-20250101-120000"""
-    from trainctl.launch import runs
+    from trainctl.launch import backends, runs
 
     st = runs.cancel(runs.find_run(run, runs_dir))
-    what = f"Slurm job {st.job_id}" if st.launcher == "slurm" else "the local launch"
+    what = backends.named(st.launcher).job_label(st.job_id)
     out.print(f"cancelled {what} of run {st.name} (it was {st.state})")
 
 
@@ -426,6 +425,7 @@ def _launch_problems(cfg: RunConfig, run_plan, dry_run: bool, force: bool, workd
     on this machine: the script may be submitted from another one.
     """
     from trainctl.core.support import unsupported
+    from trainctl.launch import backends
     from trainctl.launch.preflight import launch_problems
     from trainctl.plan import refusal
 
@@ -433,16 +433,17 @@ def _launch_problems(cfg: RunConfig, run_plan, dry_run: bool, force: bool, workd
     too_big = refusal(run_plan)
     if too_big and not force:
         problems.append(too_big)
-    if cfg.cluster.launcher == "slurm" and not dry_run and shutil.which("sbatch") is None:
-        problems.append("cluster.launcher=slurm: sbatch was not found on PATH; "
-                        "run on a Slurm login node, use cluster=local, or pass --dry-run")
+    if not dry_run:
+        problems += backends.for_cluster(cfg.cluster).submit_problems(cfg)
     # cluster.setup syntax, W&B credentials, token files
     return problems + launch_problems(cfg, workdir=workdir)
 
 
 def _start_command(cfg: RunConfig, script: Path) -> str:
-    """How to start what a dry run wrote: sbatch for a Slurm script, bash for a local one."""
-    return shlex.join(["sbatch" if cfg.cluster.launcher == "slurm" else "bash", str(script)])
+    """How to start what a dry run wrote (sbatch for a Slurm script, bash for a local one)."""
+    from trainctl.launch import backends
+
+    return shlex.join(backends.for_cluster(cfg.cluster).start_command(script))
 
 
 @app.command()
@@ -478,20 +479,13 @@ def launch(
         out.print(f"dry run: start it with [bold]{escape(_start_command(cfg, run_dir / 'launch.sh'))}[/]",
                   highlight=False, soft_wrap=True)
         return
-    if cfg.cluster.launcher == "slurm":
-        _submit_new(run_dir)
-        return
-    from trainctl.launch import local
-
-    code = local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0)
-    raise typer.Exit(code)
+    _start(run_dir, cfg, new=True)
 
 
 def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run: bool, force: bool,
                   name: str) -> None:
     """Every point checked first (nothing starts if one is bad), then the run directories, then the runs."""
-    from trainctl.launch import rundir, sweep
-    from trainctl.launch.slurm import array_problems
+    from trainctl.launch import backends, rundir, sweep
     from trainctl.plan import build
 
     sp = _search(config_dirs)
@@ -506,9 +500,9 @@ def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run:
         raise UserError(problems)
     launchers = {p.cfg.cluster.launcher for p in points}
     if len(launchers) > 1:
-        raise UserError(["-m: the points use different launchers (cluster=local and cluster=slurm); sweep one"])
-    slurm = launchers == {"slurm"}
-    if slurm and (problems := array_problems([p.cfg for p in points])):
+        raise UserError([f"-m: the points use different launchers ({', '.join(sorted(launchers))}); sweep one"])
+    backend = backends.for_cluster(points[0].cfg.cluster)
+    if problems := backend.sweep_problems([p.cfg for p in points]):
         raise UserError(problems)
     sweep_name = name or sweep.default_name(points[0].cfg)
     folder = sweep.create(points, sweep_name, overrides, lambda p, run_name: rundir.create(
@@ -517,21 +511,15 @@ def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run:
     out.print(f"sweep {sweep_name}: {len(points)} points in {folder}", markup=False, highlight=False, soft_wrap=True)
     for varied, run_dir in zip(sweep.swept([p.overrides for p in points]), run_dirs, strict=True):
         out.print(f"  {run_dir.name}: {' '.join(varied)}", markup=False, highlight=False, soft_wrap=True)
-    if dry_run and slurm:
-        from trainctl.launch.slurm import write_array
-
-        script = write_array(points[0].cfg, sweep_name, folder, run_dirs)
-        out.print(f"dry run: submit the job array with {_start_command(points[0].cfg, script)}", markup=False,
-                  highlight=False, soft_wrap=True)
-        return
     if dry_run:
+        script = backend.write_sweep(points[0].cfg, sweep_name, folder, run_dirs)
+        if script is not None:
+            out.print(f"dry run: submit the job array with {_start_command(points[0].cfg, script)}", markup=False,
+                      highlight=False, soft_wrap=True)
         return
-    if slurm:
-        from trainctl.launch.slurm import submit_array
-
-        array_id = submit_array(points[0].cfg, sweep_name, folder, run_dirs)
-        out.print(f"submitted Slurm job array {array_id} ({len(points)} tasks); watch it with: "
-                  f"trainctl runs --sweep {sweep_name}", markup=False, highlight=False, soft_wrap=True)
+    launched = backend.start_sweep(points[0].cfg, sweep_name, folder, run_dirs)
+    if launched is not None:
+        out.print(launched.message, markup=False, highlight=False, soft_wrap=True)
         return
     raise typer.Exit(_run_points_locally(points, run_dirs, sweep_name))
 
@@ -539,14 +527,14 @@ def _launch_sweep(overrides: list[str], config_dirs: list[Path] | None, dry_run:
 def _run_points_locally(points, run_dirs: list[Path], sweep_name: str) -> int:
     """One point after another; a Ctrl-C (its checkpoint saved) ends the sweep. The first failure's code."""
     from trainctl.core import rundir as layout
-    from trainctl.launch import local
+    from trainctl.launch import backends
 
     codes = []
     for point, run_dir in zip(points, run_dirs, strict=True):
         out.print(f"sweep {sweep_name}: point {point.index + 1}/{len(points)}: {' '.join(point.overrides)}",
                   markup=False, highlight=False, soft_wrap=True)
         cfg = point.cfg
-        codes.append(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0))
+        codes.append(backends.for_cluster(cfg.cluster).start(run_dir, cfg, new=False).exit_code or 0)
         if layout.stop_record(run_dir):
             err.print(f"sweep {sweep_name} stopped at point {point.index}; resume its runs with `trainctl resume`",
                       markup=False, highlight=False, soft_wrap=True)
@@ -556,24 +544,18 @@ def _run_points_locally(points, run_dirs: list[Path], sweep_name: str) -> int:
     return next((c for c in codes if c), 0)
 
 
-def _submit(run_dir: Path) -> None:
-    from trainctl.launch import slurm
+def _start(run_dir: Path, cfg: RunConfig, new: bool, held=None) -> None:
+    """Start the run through its backend: a run that ran here exits with its code, a queued one says how to follow.
 
-    job_id = slurm.submit(run_dir)
-    follow = escape(shlex.join(["trainctl", "logs", str(run_dir), "--follow"]))
-    out.print(f"submitted Slurm job [bold]{escape(str(job_id))}[/]; follow it with: {follow}",
-              highlight=False, soft_wrap=True)
+    `new`: this command wrote the run directory (a backend that refuses to start it removes it).
+    """
+    from trainctl.launch import backends
 
-
-def _submit_new(run_dir: Path) -> None:
-    """Submit a run directory written by this command; when sbatch refuses, nothing of it is kept."""
-    from trainctl.launch.errors import LaunchError
-
-    try:
-        _submit(run_dir)
-    except LaunchError:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    launched = backends.for_cluster(cfg.cluster).start(run_dir, cfg, new=new, held=held)
+    if launched.message:
+        out.print(launched.message, markup=False, highlight=False, soft_wrap=True)
+    if launched.exit_code is not None:
+        raise typer.Exit(launched.exit_code)
 
 
 @app.command()
@@ -587,7 +569,7 @@ def resume(
     # One help line for typer, written as two literals to keep the source under 120 columns.
     ("Relaunch a run from its newest valid checkpoint, with its own config or changed keys.  "
      "Example: trainctl resume tiny_cpu-20250101-120000 train.steps=200")
-    from trainctl.launch import local, runs
+    from trainctl.launch import backends, runs
     from trainctl.launch import resume as resumer
     from trainctl.launch.command import plan_record
     from trainctl.launch.rundir import script_workdir
@@ -608,7 +590,7 @@ def resume(
     for warning in res.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     # Locally, the lock first: a second resume started at the same moment is refused before it writes anything.
-    held = local.lock(run_dir) if cfg.cluster.launcher == "local" else None
+    held = backends.for_cluster(cfg.cluster).lock_before_start(run_dir)
     try:
         record = plan_record(run_plan, res.cfg, run_dir)
         record.update(workdir=str(workdir or Path.cwd()), notes=[*record["notes"], *res.notes],
@@ -623,10 +605,7 @@ def resume(
     # verify it anyway (sharing the work), falling back to an older one when it is damaged.
     where = f"step-{res.step:08d}" if res.step is not None else "the start (no checkpoint yet)"
     out.print(f"resuming {escape(str(run_dir))} from {escape(where)}", highlight=False, soft_wrap=True)
-    if cfg.cluster.launcher == "slurm":
-        _submit(run_dir)
-        return
-    raise typer.Exit(local.run(run_dir, total_steps=cfg.train.steps if cfg.logging.progress else 0, held=held))
+    _start(run_dir, cfg, new=False, held=held)
 
 
 def _check_idle(run_dir: Path) -> None:
@@ -706,11 +685,26 @@ def data_prepare(
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
     workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
+    data_format: str = typer.Option("text", "--format", help="text, chat (a messages list per record) or "
+                                    "instruction (prompt and completion): chat and instruction keep a loss mask."),
+    messages_field: str = typer.Option("messages", "--messages-field", help="--format chat: the records' field."),
+    prompt_field: str = typer.Option("prompt", "--prompt-field", help="--format instruction: the prompt field."),
+    completion_field: str = typer.Option("completion", "--completion-field",
+                                         help="--format instruction: the completion field (what the loss counts)."),
+    chat_template: str = typer.Option(None, "--chat-template", show_default=False,
+                                      help="chatml, llama3 or a .jinja file (default: the tokenizer's own)."),
+    max_doc_tokens: int = typer.Option(None, "--max-doc-tokens", show_default=False,
+                                       help="Longest chat / instruction document (e.g. train.seq_len + 1)."),
+    overlong: str = typer.Option("refuse", "--overlong", help="A longer document: refuse, or truncate it."),
 ) -> None:
     """Tokenize text into a token dataset (data.datasets=[DIR]).  Example: trainctl data prepare docs/ --out tok"""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
+    from trainctl.data.chat import RecordOptions
     from trainctl.data.prepare import DatasetError, prepare
+
+    records = RecordOptions(data_format, messages_field, prompt_field, completion_field, None, max_doc_tokens,
+                            overlong)
 
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -720,7 +714,8 @@ def data_prepare(
             meta = prepare(inputs, out_dir, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
                            vocab_size=vocab_size, eos_token=eos_token, text_field=text_field,
                            val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+                           progress=lambda done, total: bar.update(task, completed=done, total=total),
+                           records=records, chat_template=chat_template)
     except DatasetError as exc:
         raise UserError([str(exc)]) from None
     except KeyboardInterrupt:
@@ -728,8 +723,9 @@ def data_prepare(
                   markup=False, highlight=False)
         raise typer.Exit(130) from None
     train, val = meta.splits["train"], meta.splits["val"]
-    out.print(f"{meta.root}: {train.tokens:,} train tokens ({train.documents:,} documents, {len(train.shards)} "
-              f"shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
+    counted = f", {train.loss_tokens:,} of them in the loss" if train.loss_tokens is not None else ""
+    out.print(f"{meta.root}: {train.tokens:,} train tokens{counted} ({train.documents:,} documents, "
+              f"{len(train.shards)} shards), {val.tokens:,} val tokens; {meta.tokenizer.kind} tokenizer, vocabulary "
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
     # Evaluation reads the val split: plan and launch refuse an empty one unless eval is off.
     note = "" if val.tokens else "\nno val split: train with train.eval_every=0, or prepare with --val-fraction 0.01"

@@ -221,3 +221,42 @@ def _(p: Probe) -> None:
     succeeded(r)
     exported = (p.tmp / "out" / "tokenizer.json").read_bytes() if (p.tmp / "out" / "tokenizer.json").exists() else b""
     expect(exported == original, "wrong", "the export bundles another tokenizer than the run trained with")
+
+
+# ---------------------------------------------------------------- export --verify (models/verify.py)
+
+
+@case("hf", "export --verify into an existing folder of the user's", slow=True)
+def _(p: Probe) -> None:
+    trained(p)
+    (p.tmp / "mine").mkdir()
+    (p.tmp / "mine" / "model.safetensors").write_text("an earlier export, keep me")
+    before = p.files()
+    refused(p.cli("export", "run", "--out", "mine", "--verify", timeout=120), "mine", "already exists")
+    nothing_left(p, before)
+
+
+@case("hf", "export --verify of a run that has no checkpoint")
+def _(p: Probe) -> None:
+    succeeded(p.cli("launch", *TINY_RUN, "--dry-run", "--name", "run"))
+    before = p.files()
+    refused(p.cli("export", "run", "--verify", timeout=120), "checkpoint")
+    nothing_left(p, before)
+
+
+@case("hf", "export --verify of a run whose tokenizer record is gone", slow=True)
+def _(p: Probe) -> None:
+    (p.tmp / "a.txt").write_text("alpha beta gamma delta " * 3000)
+    succeeded(p.cli("data", "prepare", "a.txt", "--out", "ds", "--train-tokenizer", "--vocab-size", "300",
+                    "--val-fraction", "0.2"))
+    run = trained(p, "data=memmap", f"data.datasets=[{p.tmp / 'ds'}]", "model.vocab_size=300")
+    (run / "tokenizer" / "record.json").unlink()
+    before = p.files()
+    refused(p.cli("export", "run", "--verify", timeout=180), "record.json", "missing")
+    nothing_left(p, before)
+
+
+@case("hf", "export --verify of a good run says what it compared", slow=True)
+def _(p: Probe) -> None:
+    trained(p)
+    succeeded(p.cli("export", "run", "--out", "out", "--verify", timeout=180), "verified: transformers loads it")

@@ -1,9 +1,10 @@
-"""Under torchrun: a Hugging Face Llama folder loaded into one parallel layout; rank 0 saves the logits.
+"""Under torchrun: a Hugging Face folder (any family) loaded into one parallel layout; rank 0 saves the logits.
 
     torchrun --nproc_per_node=2 hf_layout_worker.py HF_DIR LAYOUT TOKENS_PT OUT_PT
 
-LAYOUT: ddp | fsdp | hsdp | tp | tp_fsdp. The model is built as the worker builds it (meta, parallelize,
-materialize with a random init), then `load_hf_weights` overwrites every local slice.
+LAYOUT: ddp | fsdp | hsdp | tp | pp. The model is built as the worker builds it (meta, parallelize,
+materialize with a random init; for pp, the two stages of train/pipeline.py), then `load_hf_weights`
+overwrites every local slice; pp's logits come out of the pipeline schedule's forward-only pass.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from trainctl.config.hf_config import model_fields
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.models.hf import load_hf_weights
-from trainctl.models.llama import build_model
+from trainctl.models.build import build_model
 from trainctl.train.distributed import build_mesh
 from trainctl.train.parallelize import parallelize
 
@@ -27,7 +28,21 @@ LAYOUTS = {
     "fsdp": ShardingConfig(strategy="zero3", dp_shard=2),
     "hsdp": ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=1),
     "tp": ShardingConfig(strategy="none", tp=2),
+    "pp": ShardingConfig(strategy="none", pp=2, pp_schedule="gpipe"),
 }
+
+
+def pipeline_logits(cfg, hf_dir, mesh, sharding, train, device, tokens) -> tuple[torch.Tensor | None, int]:
+    """(the last stage's logits, None on the other rank; parameters this rank loaded) through the schedule."""
+    from trainctl.train.pipeline import build_pipeline
+
+    pipeline = build_pipeline(cfg, mesh, sharding, train, PrecisionConfig(), device)
+    loaded = load_hf_weights(pipeline.parts, hf_dir, cfg)
+    args = (tokens,) if pipeline.is_first else ()
+    # The schedule computes its loss on the last stage, so it needs targets; the logits are what is compared.
+    with torch.no_grad():
+        logits = pipeline.eval_schedule.eval(*args, target=torch.zeros_like(tokens) if pipeline.is_last else None)
+    return (logits if pipeline.is_last else None), loaded
 
 
 def main() -> None:
@@ -38,14 +53,18 @@ def main() -> None:
     sharding, device = LAYOUTS[layout], torch.device("cpu")
     mesh = build_mesh(ParallelDims.from_config(sharding), device)
     train = TrainConfig(seq_len=32, global_batch=2, micro_batch=1)
-    model = parallelize(build_model(cfg, "meta"), mesh, sharding, train, PrecisionConfig(), device)
-    loaded = load_hf_weights(model, hf_dir, cfg)
     tokens = torch.load(tokens_path)
-    with torch.no_grad():
-        logits = model(tokens)
+    if layout == "pp":
+        logits, loaded = pipeline_logits(cfg, hf_dir, mesh, sharding, train, device, tokens)
+    else:
+        model = parallelize(build_model(cfg, "meta"), mesh, sharding, train, PrecisionConfig(), device)
+        loaded = load_hf_weights(model, hf_dir, cfg)
+        with torch.no_grad():
+            logits = model(tokens)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
-    if dist.get_rank() == 0:
+    saver = dist.get_world_size() - 1 if layout == "pp" else 0  # pp: the last stage holds the logits
+    if dist.get_rank() == saver:
         torch.save({"logits": logits, "loaded": loaded}, out_path)
     dist.barrier()  # no rank tears the group down while another still uses it (gloo aborts then)
     dist.destroy_process_group()

@@ -84,3 +84,74 @@ def test_without_transformers_verify_says_so(run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(VerifyError, match="pip install transformers"):
         verify_export(tmp_path, weights, SMALL, torch.float32)
+
+
+def record_tokenizer(run_dir: Path) -> None:
+    """What the launcher keeps for a run that trained with a Hugging Face tokenizer.json (launch/tokenizer_record)."""
+    import hashlib
+
+    from trainctl.core import rundir as layout
+
+    folder = run_dir / layout.TOKENIZER
+    folder.mkdir()
+    data = json.dumps({"model": {"type": "BPE"}}).encode()
+    (folder / "tokenizer.json").write_bytes(data)
+    record = {"eos_id": 2, "files": {"tokenizer.json": hashlib.sha256(data).hexdigest()}}
+    (run_dir / layout.TOKENIZER_RECORD).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("lost", ["record", "copy"])
+def test_a_lost_tokenizer_record_or_copy_is_one_line_and_writes_nothing(run, tmp_path, capsys, lost):
+    """Without its record the copies cannot be vouched for: no silent fallback to the dataset's tokenizer."""
+    import shutil
+
+    from trainctl.core import rundir as layout
+
+    root = tmp_path / "run"
+    shutil.copytree(run[0], root)
+    record_tokenizer(root)
+    (root / (layout.TOKENIZER_RECORD if lost == "record" else f"{layout.TOKENIZER}/tokenizer.json")).unlink()
+    assert export_module.main([str(root), "--verify"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    named = root / layout.TOKENIZER_RECORD if lost == "record" else root / layout.TOKENIZER / "tokenizer.json"
+    assert err[0].startswith(f"error: {named}: missing"), err
+    assert not (root / "export").exists()
+
+
+def save_peaked_run(root: Path, cfg) -> None:
+    """A run with one committed checkpoint whose random q/k weights are large: attention is sharp, so rounding
+    between two correct implementations grows past 1e-4 of the logit scale (measured 3.5e-4)."""
+    import torch.distributed.checkpoint as dcp
+
+    from test_export import write_manifest
+    from trainctl.config.schema import RunConfig, to_yaml
+    from trainctl.models.build import build_model
+
+    torch.manual_seed(0)
+    model = build_model(cfg, "cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif "embeddings" in name:
+                param.normal_(0, 1)
+            else:
+                param.normal_(0, (4 if ("wq" in name or "wk" in name) else 1) / param.shape[1] ** 0.5)
+    root.mkdir(parents=True)
+    (root / "config.yaml").write_text(to_yaml(RunConfig(model=cfg)))
+    ckpt = root / "checkpoints" / "step-00000004"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    write_manifest(ckpt, 4)
+
+
+def test_rounding_in_a_deep_sharp_model_is_not_called_a_mismatch(tmp_path, capsys):
+    """A correct export whose fp32 logits differ by 3.5e-4 of their scale (rounding, amplified by 8 sharp blocks)
+    is verified; a wrong conversion is off by 1e-3 to O(1) (the tests above)."""
+    from trainctl.config.schema import ModelConfig
+
+    cfg = ModelConfig(dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=336, vocab_size=2048, max_seq_len=128)
+    save_peaked_run(tmp_path / "run", cfg)
+    assert export_module.main([str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--verify"]) == 0, \
+        capsys.readouterr().err
+    assert "verified: transformers loads it as LlamaForCausalLM" in capsys.readouterr().out

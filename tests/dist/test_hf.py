@@ -1,8 +1,9 @@
-"""Hugging Face Llama weights in and out, checked against the real `transformers` library.
+"""Hugging Face weights of every family in and out, checked against the real `transformers` library.
 
-In: a random LlamaForCausalLM (grouped-query attention; and one with tied embeddings) saved by
-save_pretrained is loaded by trainctl under DDP, FSDP2, HSDP and tensor parallelism: its logits equal
-transformers' in fp32. Out: a run started from it (model=hf, checkpoint.init_from) trains a few steps,
+In: a random model of each family (SHAPES: Llama with grouped-query attention, tied embeddings, llama3 RoPE
+scaling; Qwen2 with q/k/v biases; Qwen3 with q/k norms and head_dim != hidden/heads; Mistral) saved by
+save_pretrained is loaded by trainctl under DDP, FSDP2, HSDP, tensor parallelism and pipeline stages: its
+logits equal transformers' in fp32. Out: a run started from it (model=hf, checkpoint.init_from) trains a few steps,
 `trainctl export` writes a folder that AutoModelForCausalLM loads with no missing or unexpected keys,
 whose logits equal the trained checkpoint's in trainctl, and which generates.
 """
@@ -25,55 +26,109 @@ transformers = pytest.importorskip("transformers")  # a dev dependency: installe
 pytestmark = pytest.mark.dist
 TOL = 1e-4
 WORKER = str(Path(__file__).with_name("hf_layout_worker.py"))
+# name -> (model_type, transformers config): the families' distinguishing features at toy size.
 SHAPES = {
-    "gqa": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=500000.0,
-                rms_norm_eps=1e-5, tie_word_embeddings=False),
-    # Llama 3.1/3.2's RoPE scaling (a small original context, so frequencies fall in every band).
-    "llama3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=10000.0,
-                   rms_norm_eps=1e-5, tie_word_embeddings=True,
-                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 32}),
-    "tied": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
-                 intermediate_size=128, vocab_size=256, max_position_embeddings=64, rope_theta=10000.0,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "gqa": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=500000.0,
+                          rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "tied": ("llama", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8,
+                           intermediate_size=128, vocab_size=256, max_position_embeddings=64, rope_theta=10000.0,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # Llama 3.1/3.2's scaling with original context 16: positions of a 24-token sequence go past it.
+    "llama3_rope": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=176, vocab_size=300, max_position_embeddings=256,
+                                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2": ("qwen2", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=1e6,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "qwen3": ("qwen3", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, intermediate_size=128, vocab_size=300, max_position_embeddings=128,
+                            rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=176, vocab_size=300, max_position_embeddings=128, rope_theta=1e6,
+                                rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=64)),
 }
 
 
-def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
-    with torch.no_grad():  # norms start at 1: make them random too, so a misplaced one shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+def randomized(model):
+    """Norms and biases start at 1 and 0, so a misplaced or misordered one would not show: make them random."""
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif param_name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
+    return model
+
+
+def random_hf_model(name: str, seed: int = 0, **changes):
+    """A transformers model of SHAPES[name] (with `changes` to its config) with random weights everywhere."""
+    model_type, shape = SHAPES[name]
+    return random_model(transformers.AutoConfig.for_model(model_type, **{**shape, **changes}), seed)
+
+
+def random_model(config, seed: int = 0):
+    torch.manual_seed(seed)
+    return randomized(transformers.AutoModelForCausalLM.from_config(config).eval())
+
+
+def save_random_model(folder: Path, config, seed: int = 0, **save) -> transformers.PreTrainedModel:
+    """A random model of any family (its transformers config) saved as a Hugging Face folder."""
+    model = random_model(config, seed)
     model.save_pretrained(folder, **save)
     return model
 
 
+def save_random_llama(folder: Path, shape: dict, seed: int = 0, **save) -> transformers.LlamaForCausalLM:
+    return save_random_model(folder, transformers.LlamaConfig(**shape), seed, **save)
+
+
+def save_random(folder: Path, name: str, seed: int = 0, **save):
+    model = random_hf_model(name, seed)
+    model.save_pretrained(folder, **save)
+    return model
+
+
+_SAVED: dict[str, tuple] = {}
+
+
+def saved(name: str, tmp_path_factory) -> tuple:
+    """(name, folder, tokens, transformers' logits) of SHAPES[name]'s random model, saved once per session."""
+    if name not in _SAVED:
+        folder = tmp_path_factory.mktemp(f"hf-{name}")
+        # The GQA model is saved in shards: the loader must follow the index.
+        save = {"max_shard_size": "100KB"} if name == "gqa" else {}
+        model = save_random(folder, name, **save)
+        tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            _SAVED[name] = (name, folder, tokens, model(tokens).logits)
+    return _SAVED[name]
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def hf_llama(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"hf-{request.param}")
-    # The GQA model is saved in shards: the loader must follow the index.
-    save = {"max_shard_size": "100KB"} if request.param == "gqa" else {}
-    model = save_random_llama(folder, SHAPES[request.param], **save)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        expected = model(tokens).logits
-    return request.param, folder, tokens, expected
+    return saved(request.param, tmp_path_factory)
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp", "tp"])
-def test_imported_logits_equal_transformers_in_every_layout(hf_llama, layout, tmp_path):
-    name, folder, tokens, expected = hf_llama
+# Every family in the layouts whose weight placement differs (FSDP2 shards, TP's column/row split of q/k/v and
+# their biases and norms, pipeline stages through the real schedule); DDP and HSDP place whole tensors as FSDP2
+# does per replica, so two families cover them.
+LAYOUTS = [(name, layout) for name in SHAPES for layout in ("fsdp", "tp", "pp")] + \
+          [(name, layout) for name in ("gqa", "qwen3") for layout in ("ddp", "hsdp")]
+
+
+@pytest.mark.parametrize(("name", "layout"), LAYOUTS)
+def test_imported_logits_equal_transformers_in_every_layout(name, layout, tmp_path, tmp_path_factory):
+    name, folder, tokens, expected = saved(name, tmp_path_factory)
     if name == "gqa":
         assert (folder / "model.safetensors.index.json").is_file()
     torch.save(tokens, tmp_path / "tokens.pt")
     proc = run_torchrun(2, WORKER, str(folder), layout, str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "out.pt")
-    assert got["loaded"] > 0
+    assert got["loaded"] > 0  # load_hf_weights refuses a rank with any parameter left unset
     diff = (got["logits"] - expected).abs().max().item()
     assert diff <= TOL, f"{name}/{layout}: max |logits - transformers'| = {diff:.3g}"
 
@@ -88,7 +143,7 @@ def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedP
 def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     """The newest checkpoint's model tensors by trainctl name, read with DCP (not through the export)."""
     from trainctl.core import checkpoints
-    from trainctl.models.llama import build_model
+    from trainctl.models.build import build_model
 
     ckpt = checkpoints.newest_valid(run_dir).path
     names = [n for n in build_model(cfg, "meta").state_dict() if not (cfg.tie_embeddings and n == "output.weight")]
@@ -98,42 +153,60 @@ def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def greedy_trainctl(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding with trainctl's model: the whole sequence again for every new token (no KV cache)."""
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
 @pytest.mark.slow
-def test_hf_to_trainctl_to_hf_round_trip(tmp_path):
+@pytest.mark.parametrize("shape", ["gqa", "llama3_rope", "qwen2", "qwen3", "mistral"])
+def test_hf_to_trainctl_to_hf_round_trip(tmp_path, shape):
+    """A Hugging Face folder trains 3 steps under FSDP2, exports (sharded, --verify) and loads in transformers
+    with every key; its logits are the checkpoint's, not the source's, and greedy generation equals trainctl's."""
+    from trainctl.config.schema import load_run_config
+    from trainctl.models.build import build_model
+    from trainctl.models.registry import spec
+
     source = tmp_path / "source"
-    save_random_llama(source, SHAPES["gqa"], seed=3)
+    source_model = save_random(source, shape, seed=3)
     launch = trainctl("launch", "model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
                       "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2", "train.steps=3",
                       "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
                       "schedule.warmup_steps=1", "logging.progress=false", "--name", "rt", cwd=tmp_path)
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
     assert "initialized" in launch.stdout + launch.stderr
-    run_dir = tmp_path / "runs" / "rt"
-    out = tmp_path / "exported"
-    exported = trainctl("export", str(run_dir), "--out", str(out), "--max-shard-size", "200KB", cwd=tmp_path)
+    run_dir, out = tmp_path / "runs" / "rt", tmp_path / "exported"
+    exported = trainctl("export", str(run_dir), "--out", str(out), "--verify", "--max-shard-size", "200KB",
+                        cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
-    assert (out / "model.safetensors.index.json").is_file()
+    assert (out / "model.safetensors.index.json").is_file()  # verify follows the index as inference tools do
+    cfg = load_run_config(run_dir).model
+    architecture = spec(cfg.family).hf_architectures[0]
+    assert (f"verified: transformers loads it as {architecture} with no missing or unexpected keys; every tensor "
+            "matches the checkpoint") in exported.stdout
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    from trainctl.config.schema import load_run_config
-    from trainctl.models.llama import build_model
-
-    cfg = load_run_config(run_dir).model
-    ours = build_model(cfg, "cpu")
+    assert type(model).__name__ == architecture
+    model = model.float().eval()
+    ours = build_model(cfg, "cpu").eval()
     ours.load_state_dict(trained_weights(run_dir, cfg), strict=not cfg.tie_embeddings)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        diff = (model.eval()(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff <= TOL, f"exported logits differ from the checkpoint's by {diff:.3g}"
-    # Training moved the weights off the source's: the export is the trained model, not a copy.
-    source_model = transformers.AutoModelForCausalLM.from_pretrained(source)
-    with torch.no_grad():
-        assert (source_model(tokens).logits - model(tokens).logits).abs().max().item() > 1e-3
+        theirs = model(tokens).logits
+        diff = (theirs - ours(tokens)).abs().max().item()
+        moved = (source_model(tokens).logits - theirs).abs().max().item()
+    assert diff <= TOL, f"{shape}: exported logits differ from the checkpoint's by {diff:.3g}"
+    assert moved > 1e-3, "the export is the source model, not the trained one"
     generated = model.generate(tokens[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 11)
+    assert torch.equal(generated, greedy_trainctl(ours, tokens[:1, :5], 6)), shape
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+    assert config["model_type"] == SHAPES[shape][0] and config["num_key_value_heads"] == 2
 
 
 def test_pipeline_stages_each_load_their_own_pieces(hf_llama):

@@ -25,7 +25,8 @@ from worker_runs import TINY
 from tests.helpers import REL
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
-from trainctl.models.llama import build_model
+from trainctl.models.build import build_model as build_family_model
+from trainctl.models.llama.model import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.stages import rank_stages
 from trainctl.train.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
@@ -151,6 +152,9 @@ def test_activation_offload_packs_every_saved_tensor_to_cpu():
 SHAPES = {
     "gqa": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=256),
     "mha": ModelConfig(dim=128, n_layers=3, n_heads=8, n_kv_heads=8, ffn_dim=352, vocab_size=1000, max_seq_len=256),
+    # q/k norms and a head size past dim / heads (q is 128 wide on a 64 stream)
+    "qwen3": ModelConfig(family="qwen3", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=128,
+                         vocab_size=256, max_seq_len=256),
 }
 BATCHES = {"4x64": (4, 64), "2x160": (2, 160)}
 PRECISIONS = {
@@ -173,7 +177,7 @@ def planned_activation_bytes(model_cfg: ModelConfig, strategy: str, precision: P
 def measured_activation_bytes(model_cfg: ModelConfig, precision: str, mode: str, batch: int, seq: int) -> tuple[int, int]:
     """(saved-tensor hook bytes, live storage bytes) of one forward + loss, as the trainer computes it."""
     torch.manual_seed(0)
-    model = build_model(model_cfg, "cpu")
+    model = build_family_model(model_cfg, "cpu")
     model.init_weights()
     apply_activation_checkpointing(model, mode, every=2)
     if precision == "bf16_fsdp":

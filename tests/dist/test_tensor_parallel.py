@@ -80,15 +80,22 @@ def test_weights_are_really_split(runs, name):
         assert (int(found[1]), int(found[2])) == (local, total)
 
 
-def test_qwen_blocks_under_tensor_parallelism_match_one_process(tmp_path, data_cache):
-    """Qwen3's per-head q/k norms (replicated weights over each rank's heads), Qwen 2.5's q/k/v biases (sharded
-    with their rows) and a head_dim that is not dim / heads: a norm weight left as a plain tensor would take a
-    different gradient on each rank, and the grad norm and then the losses would part from one process's."""
-    model = replace(TINY, family="qwen3", head_dim=32, qk_norm=True, qkv_bias=True)
-    single = replace(base_config(data_cache, steps=STEPS, micro_batch=8), name="qwen-single", model=model)
-    tp2 = replace(single, name="qwen-tp2", sharding=ShardingConfig(tp=2))
-    runs = {"single": train_and_check(tmp_path, single, None), "tp2": train_and_check(tmp_path, tp2, 2)}
-    for key in ("loss", "grad_norm"):
-        got, want = series(runs["tp2"], key), series(runs["single"], key)
-        assert len(got) == len(want) == STEPS
-        assert got == pytest.approx(want, rel=TOL), key
+# Families whose blocks hold more than llama's: qwen2's q/k/v biases (split with their rows), qwen3's per-head
+# q/k norms (replicated weights fed by each rank's own heads: their gradients must be summed over tp).
+FAMILIES = {"qwen2": dict(family="qwen2"), "qwen3": dict(family="qwen3", head_dim=32)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_runs(request, tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp(f"tp-{request.param}")
+    cfg = base_config(data_cache, steps=4, micro_batch=8)
+    cfg = replace(cfg, model=replace(cfg.model, **FAMILIES[request.param]))
+    return {name: train_and_check(root, replace(cfg, name=name, sharding=sharding), nproc)
+            for name, sharding, nproc in (("single", ShardingConfig(), None), ("tp2", ShardingConfig(tp=2), 2))}
+
+
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_each_familys_tensor_parallel_plan_matches_one_process(family_runs, key):
+    got, want = series(family_runs["tp2"], key), series(family_runs["single"], key)
+    assert len(got) == len(want) == 4
+    assert got == pytest.approx(want, rel=TOL), key

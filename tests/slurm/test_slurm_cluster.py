@@ -26,8 +26,9 @@ FAST = [
     "train.seq_len=64", "train.global_batch=8", "train.micro_batch=4", "train.eval_every=0", "train.eval_batches=2",
     "schedule.warmup_steps=1", "logging.log_every=1", "logging.progress=false",
 ]  # fmt: skip
+# The job's Python is this interpreter: `python` on the nodes' PATH has no torch (cluster.python's default).
 SLURM_CPU = ["cluster=slurm", "cluster.device=cpu", "cluster.gpu=", "cluster.cpu_threads=1", "cluster.max_restarts=0",
-             "cluster.time_limit=10"]
+             "cluster.time_limit=10", f"cluster.python={sys.executable}"]
 
 
 def trainctl(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -190,3 +191,50 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
     want = _last_per_step(local)
     assert _last_per_step(run_dir) == pytest.approx(want, rel=1e-5)
     assert result["final_train_loss"] == pytest.approx(want[total], rel=1e-5)
+
+
+# A container stand-in: a prefix that changes the environment of whatever it runs, then execs it. Python started
+# under it imports `sitecustomize` from HOOKS, which records, for each worker (RANK set), what it saw.
+WRAPPER = """#!/usr/bin/env bash
+echo "$(hostname) $*" >> "$MARKS/wrapper.log"
+export CONTAINER_MARK="inside-$(hostname)"
+export PYTHONPATH="$HOOKS${PYTHONPATH:+:$PYTHONPATH}"
+# Like `apptainer exec [--options] IMAGE COMMAND...`: its own words first.
+[ "$1" = exec ] || { echo "fake-apptainer: usage: exec [--opt...] IMAGE COMMAND..." >&2; exit 90; }
+shift
+while [ "${1#--}" != "$1" ]; do shift; done
+shift
+exec "$@"
+"""
+SITECUSTOMIZE = """import os, socket
+if os.environ.get("RANK") is not None and os.environ.get("MARKS"):
+    with open(os.path.join(os.environ["MARKS"], f"rank{os.environ['RANK']}.{os.getpid()}"), "w") as f:
+        f.write(f"{socket.gethostname()} {os.environ.get('CONTAINER_MARK', '-')}")
+"""
+
+
+def test_a_container_exec_prefix_wraps_every_rank_and_the_bookkeeping(tmp_path):
+    marks, hooks = tmp_path / "marks", tmp_path / "hooks"
+    marks.mkdir()
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    wrapper = tmp_path / "fake-apptainer"
+    wrapper.write_text(WRAPPER)
+    wrapper.chmod(0o755)
+    run_dir = launch(tmp_path, "wrapped", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=2", "train.steps=3",
+                     "train.micro_batch=2",
+                     f"cluster.container.exec={wrapper} exec --nv image.sif", f"+cluster.env.MARKS={marks}",
+                     f"+cluster.env.HOOKS={hooks}")
+    state = wait_done(run_dir)
+    assert state.state == "COMPLETED", failure_report(run_dir)
+    # Every worker, on both nodes, ran inside the prefix's environment.
+    seen = sorted(p.read_text() for p in marks.glob("rank*"))
+    assert sorted({p.name.split(".")[0] for p in marks.glob("rank*")}) == ["rank0", "rank1", "rank2", "rank3"]
+    assert {line.split()[1] for line in seen} == {"inside-node1", "inside-node2"}
+    assert all(host == mark.removeprefix("inside-") for host, mark in (line.split() for line in seen))
+    # The prefix got its own words, then the job's Python: torchrun on each node, and the batch shell's bookkeeping.
+    calls = (marks / "wrapper.log").read_text().splitlines()
+    torchruns = [c for c in calls if "-m torch.distributed.run" in c]
+    assert sorted(c.split()[0] for c in torchruns) == ["node1", "node2"]
+    assert all(c.split()[1:5] == ["exec", "--nv", "image.sif", sys.executable] for c in calls)
+    assert [c.split()[7] for c in calls if "trainctl.core.rundir" in c] == ["hold", "completed"]

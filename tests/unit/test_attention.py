@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from trainctl.config.schema import ModelConfig
-from trainctl.models import llama
+from trainctl.models.llama import model as llama
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from torch.nn.attention import SDPBackend
 from trainctl.config import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
-from trainctl.models import llama
+from trainctl.models.llama import model as llama
 from trainctl.plan.attention_kernel import predicted_kernel
 from trainctl.plan.runplan import build
 
@@ -24,6 +24,7 @@ def cfg(*overrides: str):
     (("model.n_kv_heads=32",), "cudnn"),
     (("train.attention=flash",), "flash"),
     (("precision=fp32",), "efficient"),
+    (("model.head_dim=320",), "efficient"),  # an explicit head size (as Qwen3's) past flash's 256, not dim/heads
     (("cluster=local", "cluster.device=cpu", "cluster.gpu=''"), "cpu-flash"),
 ])
 def test_the_plan_names_the_kernel(overrides, kernel):

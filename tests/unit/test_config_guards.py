@@ -16,6 +16,7 @@ import pytest
 from trainctl.config import schema
 from trainctl.config.compose import compose, list_options
 from trainctl.config.errors import ConfigError
+from trainctl.config.slurm import SlurmClusterConfig
 from trainctl.config.validate import resolve
 from trainctl.plan.runplan import build
 
@@ -138,7 +139,7 @@ def test_every_string_round_trips_through_config_yaml(tmp_path):
     texts = nasty_strings(300)
     for i in range(0, len(texts), 50):  # 50 strings per saved config: a round trip costs ~80 ms
         chunk = texts[i : i + 50]
-        cfg = replace_key(schema.RunConfig(), "description", chunk[0])
+        cfg = replace_key(schema.RunConfig(cluster=SlurmClusterConfig()), "description", chunk[0])  # has setup, env
         cfg = replace_key(cfg, "data.train_path", chunk[-1])
         cfg = replace_key(cfg, "logging.wandb.tags", chunk)
         cfg = replace_key(cfg, "cluster.setup", chunk[::-1])

@@ -305,7 +305,7 @@ def test_interpolations_that_expand_without_end_are_refused_in_a_recipe_and_on_t
 
 def test_interpolations_that_expand_without_end_in_a_runs_config_yaml_are_refused(tmp_path):
     env = "".join(f"    {key}: '{value}'\n" for key, value in interpolation_laughs())
-    text = to_yaml(compose([])).replace("  env: {}\n", f"  env:\n{env}")
+    text = to_yaml(compose(["cluster=slurm"])).replace("  env: {}\n", f"  env:\n{env}")  # env: a Slurm key
     assert "a40" in text
     (tmp_path / "config.yaml").write_text(text)
     with deadline(20), pytest.raises(ValueError) as err:
@@ -314,7 +314,8 @@ def test_interpolations_that_expand_without_end_in_a_runs_config_yaml_are_refuse
 
 
 def test_ordinary_interpolations_still_resolve():
-    cfg = compose(["+cluster.env.STEPS=${train.steps}", "description=${cluster.env.STEPS}-${.name}x-\\${kept}",
+    cfg = compose(["cluster=slurm", "+cluster.env.STEPS=${train.steps}",
+                   "description=${cluster.env.STEPS}-${.name}x-\\${kept}",
                    "train.eval_every=${oc.select:train.steps,1}"])
     assert (cfg.cluster.env["STEPS"], cfg.description, cfg.train.eval_every) == ("100", "100-x-${kept}", 100)
 

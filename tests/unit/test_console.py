@@ -27,3 +27,8 @@ def test_every_kind_has_its_line_and_odd_records_still_show():
     assert ckpt == "checkpoint step 6  36.2 MiB in 0.17 s (blocking 0.17 s)"
     assert console_line({"kind": "eval", "step": 3}) == "kind=eval step=3"  # no val_loss: field by field
     assert console_line({"kind": "other", "x": 1.23456, "ranks": [1, 2]}) == "kind=other x=1.235"
+
+
+def test_empty_batches_are_shown_when_there_are_some():
+    assert "empty batches 3" in console_line({**TRAIN, "guard_empty_batches": 3}, 10)
+    assert "empty batches" not in console_line({**TRAIN, "guard_empty_batches": 0}, 10)

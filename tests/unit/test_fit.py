@@ -9,6 +9,7 @@ import pytest
 from tests.helpers import LLAMA2_7B
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import ClusterConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.config.slurm import SlurmClusterConfig
 from trainctl.config.validate import resolve
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import GPUS, device_kinds, match_gpu, peak_flops
@@ -59,7 +60,7 @@ def test_validate_accepts_the_new_kinds_and_names_them_when_wrong():
 def test_cpu_capacity_is_this_machines_memory_per_local_worker_and_unknown_on_slurm():
     host = fit.host_memory_bytes()
     assert host and fit.capacity_bytes(ClusterConfig(device="cpu", procs_per_node=2)) == host // 2
-    assert fit.capacity_bytes(ClusterConfig(device="cpu", launcher="slurm")) is None
+    assert fit.capacity_bytes(SlurmClusterConfig(device="cpu")) is None
     assert fit.capacity_bytes(ClusterConfig(device="cuda", gpu="a100_40gb")) == 40 * GIB
     assert fit.capacity_bytes(ClusterConfig(device="cuda", gpu="")) is None
 

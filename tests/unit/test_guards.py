@@ -45,7 +45,7 @@ def test_finite_steps_pass_under_both_policies():
     for policy in ("stop", "skip"):
         g = guard(nonfinite=policy)
         assert feed(g, [3.0, 2.9, 2.8]) == ["ok"] * 3
-        assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 0}
+        assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 0, "guard_empty_batches": 0}
 
 
 def test_skip_skips_and_counts(caplog):
@@ -90,7 +90,7 @@ def test_spike_warn_logs_and_steps(caplog):
     with caplog.at_level(logging.WARNING, logger="trainctl.train"):
         assert g.decide(20, 5.0, 1.0) == "ok"
     assert "step 20: loss spike" in caplog.text and "guards.spike=warn" in caplog.text
-    assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 1}
+    assert g.metrics() == {"guard_skipped_steps": 0, "guard_loss_spikes": 1, "guard_empty_batches": 0}
     assert len(g._history) == 20 and 5.0 not in g._history, "a spike does not enter the history"
 
 
@@ -99,7 +99,7 @@ def test_spike_skip_skips_then_recovers():
     feed(g, noisy_plateau(20))
     assert g.decide(20, 5.0, 1.0) == "skip"
     assert g.decide(21, 3.01, 1.0) == "ok"
-    assert g.metrics() == {"guard_skipped_steps": 1, "guard_loss_spikes": 1}
+    assert g.metrics() == {"guard_skipped_steps": 1, "guard_loss_spikes": 1, "guard_empty_batches": 0}
 
 
 def test_spikes_count_toward_the_consecutive_cap():
@@ -223,3 +223,17 @@ def test_agreed_step_copies_nothing_from_the_host():
         assert agreed_step(loss, norm, stop=True) == (1.5, 0.25, True)
     # lift_fresh is a tensor made from Python data; a copy given a device moves data between devices.
     assert not [op for op in ops.seen if "lift_fresh" in op or ("copy" in op and "(device)" in op)], ops.seen
+
+
+def test_empty_batches_are_counted_warned_and_survive_a_resume(caplog):
+    g = StepGuard(GuardsConfig())
+    with caplog.at_level(logging.WARNING, logger="trainctl.train"):
+        g.note_empty(4)
+        g.note_empty(9)
+    assert g.metrics()["guard_empty_batches"] == 2 and "step 9: skipped" in caplog.text
+    restored = StepGuard(GuardsConfig())
+    restored.load_state_dict(g.state_dict())
+    assert restored.metrics() == g.metrics()
+    older = {k: v for k, v in g.state_dict().items() if k != "empty_batches"}  # a checkpoint from before masks
+    restored.load_state_dict(older)
+    assert restored.metrics()["guard_empty_batches"] == 0

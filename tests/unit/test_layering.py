@@ -1,5 +1,8 @@
-"""Packages depend one way: core <- data <- config <- plan <- launch <- render <- cli; the worker (train, models)
-on the left.
+"""Packages depend one way: core <- data <- specs <- config <- plan <- launch <- render <- cli; the worker (train,
+models) on the left.
+
+`specs` is the torch-free part of models/ that the launcher side may import: the family registry
+(models/registry.py) and each family's models/<family>/spec.py; the rest of models/ is the worker's.
 
 Read from the source with ast (nothing is imported), lazy imports inside functions included: a package-level
 import cycle, or an import against the direction, fails with the module and the line that makes it.
@@ -8,16 +11,18 @@ import cycle, or an import against the direction, fails with the module and the 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # The launcher side, lowest first: a package imports only its own layer and those before it.
-LAUNCHER = ("core", "data", "config", "plan", "launch", "render", "cli")
+LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "render", "cli")
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
-WORKER = {"train": ("core", "data", "config", "plan", "models", "train"),
-          "models": ("core", "data", "config", "models")}
+WORKER = {"train": ("core", "data", "specs", "config", "plan", "models", "train"),
+          "models": ("core", "data", "specs", "config", "models")}
+SPEC_MODULES = re.compile(r"^trainctl\.models\.(registry|[a-z0-9_]+\.spec)$")
 
 
 def module_name(path: Path) -> str:
@@ -26,7 +31,10 @@ def module_name(path: Path) -> str:
 
 
 def package_of(module: str) -> str | None:
-    """`trainctl.plan.memory` -> plan, `trainctl.cli` -> cli; None for the root package."""
+    """`trainctl.plan.memory` -> plan, `trainctl.cli` -> cli, `trainctl.models.llama.spec` -> specs; None for the
+    root package."""
+    if SPEC_MODULES.match(module):
+        return "specs"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[0] == "trainctl" else None
 
@@ -43,8 +51,10 @@ def imported_modules(path: Path) -> list[tuple[str, int]]:
             if node.level:
                 anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
-            # `from trainctl import plan` names a package; `from trainctl.plan import memory` a module of one.
-            names = [f"{base}.{alias.name}" for alias in node.names] if base == "trainctl" else [base]
+            # `from trainctl import plan` and `from trainctl.models import registry` name modules of a package;
+            # `from trainctl.plan.memory import x` names a module.
+            is_package = (ROOT.parent / base.replace(".", "/") / "__init__.py").is_file()
+            names = [f"{base}.{alias.name}" for alias in node.names] if is_package else [base]
             found += [(name, node.lineno) for name in names]
     return found
 
@@ -97,6 +107,7 @@ def test_the_parser_sees_the_imports_it_must_judge():
     edges = package_edges()
     # Known one-way edges: if these vanish the parser is broken, and the checks below would pass vacuously.
     assert ("plan", "config") in edges and ("train", "core") in edges and ("cli", "launch") in edges
+    assert ("plan", "specs") in edges and ("config", "specs") in edges and ("models", "specs") in edges
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -117,3 +128,119 @@ def test_imports_go_one_way(source):
 def test_every_package_has_a_place():
     packages = {package_of(module_name(p)) for p in ROOT.rglob("*.py")} - {None}
     assert packages <= set(LAUNCHER) | set(WORKER)
+
+
+def importers_of(family: str, imports: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Modules outside trainctl/models/<family>/ that import one of its modules: module -> what they import."""
+    found: dict[str, list[str]] = {}
+    prefix = f"trainctl.models.{family}."
+    for source, names in imports.items():
+        if source.startswith(prefix) or source == prefix[:-1]:
+            continue
+        hits = sorted({name for name in names if name.startswith(prefix) or name == prefix[:-1]})
+        if hits:
+            found[source] = hits
+    return found
+
+
+def test_what_imports_each_familys_modules():
+    """A family is reached through the registry (specs, torch-free) and models/build.py (module, plan) by name,
+    never imported by the plan, the config or the worker: adding one touches its folder and a model YAML.
+
+    llama is also the base the other families subclass, and its module holds the pieces every family shares
+    (the SDPA backend order, the attention class context parallelism adjusts, the sharding-independent init).
+    """
+    from trainctl.models import registry
+
+    families = registry.names()
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(families)
+    in_families = {f"trainctl.models.{f}.{m}" for f in families for m in ("spec", "model", "parallel")}
+    imports = {module_name(p): [name for name, _ in imported_modules(p)] for p in sorted(ROOT.rglob("*.py"))}
+    for family in families:
+        outside = {m: names for m, names in importers_of(family, imports).items() if m not in in_families}
+        if family != "llama":
+            assert outside == {}, family
+            continue
+        assert outside == {
+            "trainctl.models.hf": ["trainctl.models.llama.model"],
+            "trainctl.train.context_parallel": ["trainctl.models.llama.model"],
+            "trainctl.train.trainer": ["trainctl.models.llama.model"],
+        }
+
+
+def test_every_family_is_a_complete_folder_with_a_model_config():
+    from trainctl.models import registry
+
+    conf = ROOT / "conf" / "model"
+    declared = {line.split(":", 1)[1].strip() for path in conf.glob("*.yaml")
+                for line in path.read_text().splitlines() if line.startswith("family:")}
+    for family in registry.names():
+        folder = ROOT / "models" / family
+        assert {"spec.py", "model.py", "parallel.py"} <= {p.name for p in folder.glob("*.py")}, family
+        assert registry.spec(family).family == family
+        assert family in declared, f"no conf/model/*.yaml sets family: {family}"
+
+
+# ---------------------------------------------------------------- launcher backends
+
+# A backend's own modules: the only places that may know a backend by its name.
+BACKEND_MODULES = {
+    "slurm": ("trainctl/config/slurm.py", "trainctl/launch/slurm.py", "trainctl/launch/slurm_jobs.py",
+              "trainctl/launch/backends/slurm.py"),
+    "local": ("trainctl/launch/local.py", "trainctl/launch/backends/local.py"),
+}
+# `== "slurm"`, `"slurm" !=`, `in ("slurm", ...)`, `launcher == ...`: deciding by a backend's name.
+NAME_TESTS = re.compile(
+    r"""(==|!=)\s*[{(\[]?\s*["'](slurm|local)["']|["'](slurm|local)["']\s*(==|!=)|\bin\s*[(\[{]\s*["'](slurm|local)["']"""
+    r"""|\blauncher\s*(==|!=)|(==|!=)\s*\S*\.launcher\b"""
+)
+
+
+def name_tests(path: Path) -> list[str]:
+    """'file:line: text' of each comparison with a backend's name (or with `launcher`) in one file."""
+    rel = str(path.relative_to(ROOT.parent))
+    return [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+            if is_name_test(line)]
+
+
+def is_name_test(line: str) -> bool:
+    # A config class checking its own launcher against its own NAME asks nothing about the backend in use.
+    return bool(NAME_TESTS.search(line)) and not line.lstrip().startswith("#") and ".NAME" not in line
+
+
+def test_the_name_test_finder_finds_them(tmp_path):
+    probe = tmp_path / "trainctl" / "x.py"
+    probe.parent.mkdir()
+    lines = ['if c.launcher == "slurm":', "if 'slurm' != k:", 'if name in ("slurm", "x"):', "if launcher != y:",
+             "if x == cfg.cluster.launcher:", 'name = "slurm"', "# cluster.launcher == 'slurm' in a comment",
+             "if self.launcher != self.NAME:", 'slurm = names == {"slurm"}']
+    probe.write_text("\n".join(lines) + "\n")
+    rel = str(probe.relative_to(tmp_path))
+    found = [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(lines, 1) if is_name_test(line)]
+    assert [f.split(":")[1] for f in found] == ["1", "2", "3", "4", "5", "9"]
+
+
+def test_no_module_outside_a_backend_asks_which_backend_it_is():
+    """Each such question is one the backend (launch/backends) or its typed config (config.schema) answers."""
+    own = {p for paths in BACKEND_MODULES.values() for p in paths}
+    found = [hit for path in sorted(ROOT.rglob("*.py")) if str(path.relative_to(ROOT.parent)) not in own
+             for hit in name_tests(path)]
+    assert found == []
+
+
+def test_only_the_registry_imports_a_backend():
+    """Everything else goes through `backends.for_cluster` / `for_record` / `named`: a new backend changes no caller."""
+    implementations = {"trainctl.launch.backends.local", "trainctl.launch.backends.slurm"}
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if module_name(path).startswith("trainctl.launch.backends"):
+            continue
+        wrong += [f"{path.relative_to(ROOT.parent)}:{line}: {name}" for name, line in imported_modules(path)
+                  if name in implementations]
+    assert wrong == []
+
+
+def test_the_backend_interface_is_torch_free_and_below_render_and_cli():
+    for path in sorted((ROOT / "launch" / "backends").glob("*.py")):
+        names = [name for name, _ in imported_modules(path)]
+        assert not [n for n in names if n.split(".")[0] == "torch" or package_of(n) in ("render", "cli", "train")]

@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import LLAMA2_7B
 from trainctl.config.schema import ClusterConfig, PrecisionConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.config.slurm import SlurmClusterConfig
 from trainctl.launch.command import command_record, default_run_dir, launch_argv, plan_record
 from trainctl.plan import fit
 from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal
@@ -145,7 +146,10 @@ def test_unknown_gpu_is_warned_and_gives_no_throughput():
 
 
 def test_cpu_run_on_slurm_has_no_peak_and_no_verdict():
-    cfg = replace(llama7b_zero3_h100(), cluster={"device": "cpu", "gpu": "", "launcher": "slurm"})
+    base = llama7b_zero3_h100()
+    keys = {**dataclasses.asdict(base.cluster), "device": "cpu", "gpu": "", "launcher": "slurm"}
+    cluster = SlurmClusterConfig(**keys)
+    cfg = dataclasses.replace(base, cluster=cluster)
     plan = build(cfg)
     assert plan.peak_flops_per_device is None and plan.step_time_s is None
     assert plan.fit.verdict == "unknown" and plan.fit.capacity_bytes is None

@@ -10,6 +10,7 @@ import pytest
 
 from trainctl.config.data_check import SAMPLE_BYTES, data_file_problems, sampled_max_token
 from trainctl.config.schema import ClusterConfig, DataConfig, WandbConfig
+from trainctl.config.slurm import SlurmClusterConfig
 from trainctl.launch.preflight import wandb_problems
 
 ONLINE = WandbConfig(mode="online")
@@ -88,8 +89,8 @@ def test_a_broken_netrc_is_named(home):
 
 def test_slurm_jobs_get_cluster_env_but_local_runs_do_not(home):
     env = {"WANDB_API_KEY": "k" * 40}
-    assert wandb_lines(home, ClusterConfig(launcher="slurm", env=env)) == []
-    assert len(wandb_lines(home, ClusterConfig(launcher="local", env=env))) == 1
+    assert wandb_lines(home, SlurmClusterConfig(env=env)) == []
+    assert len(wandb_lines(home, ClusterConfig())) == 1  # a local run has no cluster.env: the shell's own
 
 
 def test_wandb_mode_in_the_environment_does_not_excuse_it(home, monkeypatch):

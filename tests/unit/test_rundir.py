@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainctl.config.schema import ClusterConfig, RunConfig, ShardingConfig, TrainConfig, load_run_config
+from trainctl.config.schema import RunConfig, ShardingConfig, TrainConfig, cluster_configs, load_run_config
 from trainctl.launch import code_record, rundir
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.runplan import build
@@ -23,7 +23,7 @@ def config(launcher: str = "local") -> RunConfig:
     return RunConfig(
         recipe="tiny_cpu",
         sharding=ShardingConfig(strategy="ddp", dp_replicate=2),
-        cluster=ClusterConfig(launcher=launcher, procs_per_node=2),
+        cluster=cluster_configs()[launcher](procs_per_node=2),
         train=TrainConfig(steps=5, seq_len=32, global_batch=4, micro_batch=1, grad_accum=2),
     )
 

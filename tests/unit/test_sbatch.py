@@ -5,23 +5,27 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import write_exe
-from trainctl.config.schema import ClusterConfig, PreemptionConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.config.schema import RunConfig, ShardingConfig, TrainConfig
+from trainctl.config.slurm import PreemptionConfig, SlurmClusterConfig
 from trainctl.launch import slurm
 from trainctl.launch.command import Expand, shell_join
 from trainctl.launch.errors import LaunchError
 
 
 def slurm_config(**cluster) -> RunConfig:
-    fields = {"launcher": "slurm", "nodes": 2, "procs_per_node": 4, "device": "cuda", "gpu": "h100", **cluster}
+    # The job's Python is this interpreter (a bare `python` is a stub below that the script must never call).
+    fields = {"launcher": "slurm", "nodes": 2, "procs_per_node": 4, "device": "cuda", "gpu": "h100",
+              "python": sys.executable, **cluster}
     return RunConfig(
         sharding=ShardingConfig(strategy="fsdp", dp_shard=8),
-        cluster=ClusterConfig(**fields),
+        cluster=SlurmClusterConfig(**fields),
         train=TrainConfig(global_batch=8, micro_batch=1, grad_accum=1),
     )
 
@@ -350,7 +354,7 @@ def test_the_batch_script_refuses_to_train_while_another_trainer_holds_the_run(t
     # The script's own lines up to (and including) taking the lock, then a marker.
     head = lines[: next(i for i, line in enumerate(lines) if line == "unset TRAINCTL_LOCK_FD") + 1] + ["echo locked"]
     (tmp_path / "head.sh").write_text("\n".join(head) + "\n")
-    env = {**os.environ, "SLURM_JOB_ID": "77"}
+    env = {**os.environ, "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "2"}  # the lock is taken after the exports
     holder = subprocess.Popen(["flock", str(run_dir / "trainer.lock"), "sleep", "30"], start_new_session=True)
     try:
         deadline = time.monotonic() + 10

@@ -6,8 +6,7 @@ import pytest
 
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import ClusterConfig
-from trainctl.config.slurm import cpus_per_task, gpus_per_node
+from trainctl.config.slurm import SlurmClusterConfig, cpus_per_task, gpus_per_node
 from trainctl.config.validate import resolve
 
 SLURM_CPU = ["recipe=tiny_cpu", "cluster=slurm", "cluster.device=cpu", "cluster.gpu=", "cluster.procs_per_node=2"]
@@ -48,7 +47,7 @@ def test_unknown_cluster_key_still_fails():
     ],
 )
 def test_derived_resources(fields, gpus, cpus):
-    c = ClusterConfig(**fields)
+    c = SlurmClusterConfig(**fields)
     assert (gpus_per_node(c), cpus_per_task(c)) == (gpus, cpus)
 
 

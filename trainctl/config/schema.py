@@ -11,8 +11,9 @@ This module is imported on both sides of the wall: it must stay free of torch.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,7 +22,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDING_STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 OPTIMIZERS = ("adamw",)
-LAUNCHERS = ("local", "slurm")
 DEVICES = ("cpu", "cuda")
 DATA_KINDS = ("stdlib", "memmap", "synthetic")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -29,23 +29,19 @@ AC_MODES = ("none", "full", "selective", "op")
 ATTENTION_KERNELS = ("cudnn", "flash")  # the SDPA kernel tried first on CUDA
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 WANDB_MODES = ("online", "offline", "disabled")
-ROPE_SCALINGS = ("none", "linear", "llama3")
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 FP8_RECIPES = ("tensorwise", "rowwise")
 LOAD_ONLY = ("all", "model", "model_optim")
 NONFINITE_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("off", "warn", "skip")
-PREEMPTION_SIGNALS = ("SIGUSR2", "SIGUSR1", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the Llama-style decoder."""
+    """Shape of the decoder. `family` picks trainctl/models/<family>/ (its spec, module and parallel plan); the
+    family-specific keys below default to plain Llama (full attention, plain RoPE, head_dim = dim / n_heads)."""
 
     name: str = "tiny"
-    # The Hugging Face family the weights and the export follow (model_type): llama, qwen2 (Qwen 2.5),
-    # qwen3 or mistral; they differ only in the switches below.
-    family: str = "llama"
+    family: str = "llama"  # llama | qwen2 | qwen3 | mistral (the folders of trainctl/models with a spec.py)
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
@@ -55,24 +51,15 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # RoPE scaling (HF config.json's rope_scaling / rope_parameters): none, linear (positions / rope_factor) or
-    # llama3 (Llama 3.1/3.2: low frequencies / rope_factor, high ones kept, a smooth ramp between).
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0  # llama3
-    rope_high_freq_factor: float = 4.0  # llama3
-    rope_original_max_seq_len: int = 8192  # llama3: the context the model was pre-trained with
     tie_embeddings: bool = False
-    head_dim: int = 0  # 0: dim // n_heads; Qwen3 sets its own (q is n_heads x head_dim wide)
-    qkv_bias: bool = False  # Qwen 2.5: biases on the q, k and v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
-    sliding_window: int = 0  # Mistral: its attention window; 0: none. Trained only where it covers train.seq_len
-    path: str = ""  # a Hugging Face Llama folder whose config.json gives the shape (model=hf)
-
-
-def head_dim_of(m: ModelConfig) -> int:
-    """Width of one attention head: model.head_dim, or dim / n_heads when it is 0."""
-    return m.head_dim or m.dim // m.n_heads
+    head_dim: int = 0  # per-head size of q, k, v; 0: dim // n_heads (Qwen3 0.6B sets 128 with dim 1024, 16 heads)
+    rope_scaling: str = "none"  # none | linear | llama3 (Llama 3.1 / 3.2)
+    rope_factor: float = 1.0  # linear and llama3: positions (llama3: low frequencies) are stretched by it
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are scaled fully
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are not scaled
+    rope_original_max_seq_len: int = 8192  # llama3: the context the model was first trained with
+    sliding_window: int = 0  # 0: full attention; else refused unless it covers train.seq_len
+    path: str = ""  # a Hugging Face folder whose config.json gives the family and shape (model=hf)
 
 
 @dataclass(frozen=True)
@@ -134,51 +121,91 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class PreemptionConfig:
-    """Slurm: the early-warning signal before the time limit, and requeueing.
+class ClusterConfig:
+    """Where the workers run and how many there are: the keys every backend has, and the local backend's config.
 
-    SIGUSR2 by default: SIGTERM is what Slurm itself sends when it ends a job (scancel,
-    preemption, the time limit), with only KillWait seconds to go, so it cannot also be the
-    early warning; SIGUSR1 is used by NCCL. The signal is sent to every job step (not `B:`,
-    which reaches only the batch shell), where torchrun forwards it to its workers.
+    Each backend (`cluster=local`, `cluster=slurm`, ...) has its own typed config, a subclass that adds its keys
+    and answers, as class attributes and properties, what plan/ and config/ must know about it (never by its
+    name). `register_cluster` makes one known; composing builds the class its `launcher` names.
     """
 
-    signal: str = "SIGUSR2"  # one of PREEMPTION_SIGNALS
-    lead_s: int = 120  # seconds before the time limit; 0: no early signal (Slurm rounds to ~60 s)
-    requeue: bool = True  # sbatch --requeue: the job may go back to the queue (preemption, node failure)
-    max_requeues: int = 3  # an attempt after this many requeues stops instead of training
+    NAME: ClassVar[str] = "local"
+    # Whether the workers run on the machine that launches them (its devices and memory are theirs).
+    on_this_machine: ClassVar[bool] = True
+    # Whether a run may span several nodes (`cluster.nodes` > 1).
+    multi_node: ClassVar[bool] = False
 
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """Where the workers run and how many there are; the Slurm keys are used only by cluster=slurm."""
-
-    launcher: str = "local"  # local | slurm
+    launcher: str = "local"  # the backend: local | slurm | any registered one
     nodes: int = 1
     procs_per_node: int = 1  # torchrun --nproc_per_node: GPUs (or CPU workers) per node
     device: str = "cpu"  # cpu | cuda
     # Accelerator model for peak FLOPs and memory (h100_sxm, h100_pcie, h200, a100_80gb, a100_40gb, ...); "" unknown.
     gpu: str = ""
     assumed_mfu: float = 0.0  # MFU the plan's step time assumes; 0: the plan's default (0.4, see plan/throughput.py)
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    time_limit: str = "01:00:00"  # sbatch --time: MM, HH:MM:SS, D-HH:MM:SS, ...
     max_restarts: int = 0  # torchrun --max-restarts (whole-group restarts after a worker failure)
     rdzv_port: int = 29500
     cpu_threads: int = 0  # torch threads per CPU worker; 0: cores / procs_per_node
-    gpus_per_node: int = -1  # -1: procs_per_node on cuda, 0 on cpu
-    # CPUs of the one task per node; 0: cpu_threads x procs, else the node if exclusive, else procs.
-    cpus_per_task: int = 0
-    mem: str = ""  # sbatch --mem per node (64G, 0 = all of it); "": the partition's default
-    constraint: str = ""  # sbatch --constraint (node features)
-    exclusive: bool = False  # whole nodes
-    job_name: str = ""  # "": the run directory's name
-    array_parallelism: int = 0  # a sweep's job array runs at most this many points at once (--array=0-N%P); 0: all
-    extra_directives: list[str] = field(default_factory=list)  # each becomes `#SBATCH <line>`, e.g. --reservation=x
-    setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load, ...), verbatim
-    env: dict[str, str] = field(default_factory=dict)  # exported in the job, values quoted
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+
+    def __post_init__(self) -> None:
+        # A config of one backend naming another would be read by the wrong backend.
+        if self.launcher != self.NAME:
+            raise ValueError(f"{type(self).__name__} is cluster={self.NAME}, not launcher={self.launcher!r}; "
+                             "use that backend's config class (schema.cluster_configs())")
+
+    @property
+    def stop_signal(self) -> str:
+        """The signal that asks the workers to checkpoint and stop (besides SIGTERM and SIGINT)."""
+        return DEFAULT_STOP_SIGNAL
+
+    @property
+    def requeues(self) -> bool:
+        """Whether a worker stopped by `stop_signal` puts its job back in the queue."""
+        return False
+
+    @property
+    def job_env(self) -> dict[str, str]:
+        """Environment the backend adds to the workers' (on top of the launching shell's)."""
+        return {}
+
+    def problems(self) -> list[str]:
+        """This backend's own checks of its keys, one line each."""
+        if self.nodes > 1 and not self.multi_node:
+            return [f"cluster.nodes={self.nodes}: a {self.launcher} launch runs on this machine only; "
+                    "use cluster=slurm for several nodes"]
+        return []
+
+
+DEFAULT_STOP_SIGNAL = "SIGUSR2"  # SIGUSR1 is NCCL's; SIGTERM is what schedulers send to end a job now
+
+# The typed cluster config of each backend, by `cluster.launcher` (built-ins load on first use).
+_CLUSTERS: dict[str, type[ClusterConfig]] = {ClusterConfig.NAME: ClusterConfig}
+BUILTIN_CLUSTER_MODULES = ("trainctl.config.slurm",)
+
+
+def register_cluster(cls: type[ClusterConfig]) -> type[ClusterConfig]:
+    """Make `cluster.launcher=cls.NAME` compose into `cls` (a class decorator); a third backend calls this."""
+    if not (isinstance(cls, type) and issubclass(cls, ClusterConfig)):
+        raise TypeError(f"{cls!r} is not a ClusterConfig subclass")
+    _CLUSTERS[cls.NAME] = cls
+    return cls
+
+
+def unregister_cluster(name: str) -> None:
+    if name != ClusterConfig.NAME:
+        _CLUSTERS.pop(name, None)
+
+
+def cluster_configs() -> dict[str, type[ClusterConfig]]:
+    """Every registered backend's config class, by name; the built-in backends first."""
+    import importlib
+
+    for module in BUILTIN_CLUSTER_MODULES:
+        importlib.import_module(module)
+    return dict(_CLUSTERS)
+
+
+def launchers() -> tuple[str, ...]:
+    return tuple(cluster_configs())
 
 
 @dataclass(frozen=True)
@@ -227,7 +254,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background while the loop continues
     resume: str = "auto"  # auto: newest valid checkpoint of this run | never | a checkpoint or run directory
     load_only: str = "all"  # resume from a path: all | model | model_optim (a fresh run otherwise)
-    init_from: str = ""  # a Hugging Face Llama folder: its weights start a fresh run (a resume ignores it)
+    init_from: str = ""  # a Hugging Face model folder (any family): its weights start a fresh run (a resume ignores it)
 
 
 @dataclass(frozen=True)
@@ -341,17 +368,69 @@ def _unfreeze(node) -> None:
 
 
 def structured_schema() -> DictConfig:
-    """The schema as a typed, writable OmegaConf node (struct mode: unknown keys fail)."""
+    """The schema as a typed, writable OmegaConf node (struct mode: unknown keys fail).
+
+    `cluster` holds the keys of every registered backend, each typed, so that composing checks them all
+    (`cluster=local cluster.partition=x` reaches `from_dict`, which names the backend that has the key).
+    """
     node = OmegaConf.structured(RunConfig)
     _unfreeze(node)
+    OmegaConf.set_struct(node.cluster, False)
+    for cls in cluster_configs().values():
+        typed = OmegaConf.structured(cls)
+        _unfreeze(typed)
+        for key in typed:
+            if key not in node.cluster:
+                node.cluster[key] = typed._get_node(key)
+    _unfreeze(node.cluster)  # a frozen dataclass's node comes back read-only when it is added
+    OmegaConf.set_struct(node.cluster, True)
     # A user-named map: `cluster.env.NAME=value` adds a key instead of failing as unknown.
-    OmegaConf.set_struct(node.cluster.env, False)
+    for key in _USER_MAPS:
+        if key in node.cluster:
+            OmegaConf.set_struct(node.cluster[key], False)
     return node
 
 
-def from_dict(data: dict | DictConfig) -> RunConfig:
-    """Type-check a mapping against the schema and build a frozen RunConfig."""
-    return OmegaConf.to_object(OmegaConf.merge(structured_schema(), data))
+_USER_MAPS = ("env",)  # cluster keys whose entries the user names
+
+
+def from_dict(data: dict | DictConfig, strict: bool = True) -> RunConfig:
+    """Type-check a mapping against the schema and build a frozen RunConfig, its cluster the backend's class.
+
+    `strict`: a key of another backend, set to anything but its default, is an error (a ConfigError naming
+    the backend that has it); otherwise it is dropped (a run directory written before the split).
+    """
+    schema = structured_schema()
+    merged = OmegaConf.merge(schema, data)
+    cluster = cluster_from_dict(OmegaConf.to_container(merged.cluster), OmegaConf.to_container(schema.cluster),
+                                strict)
+    merged.cluster = ClusterConfig()  # the base, replaced below (to_object cannot build the union of keys)
+    return replace(OmegaConf.to_object(merged), cluster=cluster)
+
+
+def cluster_from_dict(values: dict, defaults: dict, strict: bool = True) -> ClusterConfig:
+    """The typed config of the backend `values["launcher"]` names; raises ConfigError for what it lacks."""
+    from trainctl.config.errors import ConfigError
+
+    classes = cluster_configs()
+    cls = classes.get(values["launcher"])
+    if cls is None:
+        raise ConfigError([f"cluster.launcher={values['launcher']!r}: not a valid choice; "
+                           f"use one of: {', '.join(classes)}"])
+    own = {f.name for f in fields(cls)}
+    foreign = [key for key in values if key not in own and values[key] != defaults.get(key)]
+    if foreign and strict:
+        raise ConfigError([_foreign_key_line(key, values[key], cls, classes) for key in foreign])
+    typed = OmegaConf.structured(cls)
+    _unfreeze(typed)
+    return OmegaConf.to_object(OmegaConf.merge(typed, {key: value for key, value in values.items() if key in own}))
+
+
+def _foreign_key_line(key: str, value, cls: type[ClusterConfig], classes: dict) -> str:
+    owners = [name for name, c in classes.items() if key in {f.name for f in fields(c)}]
+    where = f"a key of {' and '.join(f'cluster={o}' for o in owners)}" if owners else "not a cluster key"
+    choose = f"choose cluster={owners[0]}, or drop it" if owners else "drop it"
+    return f"cluster.{key}={value!r}: cluster={cls.NAME} has no such key ({where}); {choose}"
 
 
 # Keys that config.yaml files of older runs hold but the schema no longer has. Each group once had a `name`
@@ -392,4 +471,4 @@ def load_run_config(path: str | Path) -> RunConfig:
         interpolations.check(data)
     except ConfigError as exc:
         raise ConfigFileError(exc.problems) from None
-    return from_dict(_drop_retired_keys(OmegaConf.create(data)))
+    return from_dict(_drop_retired_keys(OmegaConf.create(data)), strict=False)

@@ -15,10 +15,10 @@ import re
 from trainctl.config import hf_config, schema
 from trainctl.config.data_check import datasets_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
-from trainctl.config.slurm import check_slurm
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
 from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters
+from trainctl.models import registry
 
 
 def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
@@ -30,7 +30,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     cfg = dataclasses.replace(cfg, model=model, runs_dir=cfg.runs_dir.strip() or "runs")
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
-    problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + check_slurm(cfg.cluster)
+    problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
     problems += check_names(cfg) + check_offload(cfg.sharding)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
@@ -55,10 +55,10 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
 
 
 def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[str]]:
-    """model.path: the shape of that Hugging Face Llama, from its config.json (the option's own values yield)."""
+    """model.path: the family and shape of that Hugging Face model, from its config.json (they replace the option's)."""
     if not m.path:
         if m.name == "hf":
-            return m, ["model=hf: set model.path=DIR, a Hugging Face Llama folder (config.json, *.safetensors)"]
+            return m, ["model=hf: set model.path=DIR, a Hugging Face model folder (config.json, *.safetensors)"]
         return m, []
     try:
         fields = hf_config.model_fields(m.path)
@@ -68,7 +68,7 @@ def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[st
 
 
 def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[str]:
-    """checkpoint.init_from: a Hugging Face Llama folder with weights, of exactly the model's shape."""
+    """checkpoint.init_from: a Hugging Face model folder with weights, of exactly the model's shape."""
     if not c.init_from:
         return []
     key = f"checkpoint.init_from={c.init_from}"
@@ -139,7 +139,7 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("sharding.strategy", cfg.sharding.strategy, schema.SHARDING_STRATEGIES)
         + _choice("schedule.name", cfg.schedule.name, schema.SCHEDULES)
         + _choice("optim.name", cfg.optim.name, schema.OPTIMIZERS)
-        + _choice("cluster.launcher", cfg.cluster.launcher, schema.LAUNCHERS)
+        + _choice("cluster.launcher", cfg.cluster.launcher, schema.launchers())
         + _choice("cluster.device", cfg.cluster.device, schema.DEVICES)
         + _choice("data.kind", cfg.data.kind, schema.DATA_KINDS)
         + _choice("data.token_dtype", cfg.data.token_dtype, schema.TOKEN_DTYPES)
@@ -150,8 +150,6 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("checkpoint.load_only", cfg.checkpoint.load_only, schema.LOAD_ONLY)
         + _choice("guards.nonfinite", cfg.guards.nonfinite, schema.NONFINITE_POLICIES)
         + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
-        + _choice("model.rope_scaling", cfg.model.rope_scaling, schema.ROPE_SCALINGS)
-        + _choice("model.family", cfg.model.family, schema.FAMILIES)
         + _gpu_choice(cfg.cluster.gpu)
     )
 
@@ -237,49 +235,29 @@ MAX_LAYERS = 10_000  # the plan works layer by layer: an absurd count would hang
 
 
 def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
-    """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit."""
+    """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit, and the family's own checks."""
+    if m.family not in registry.names():
+        return [f"model.family={m.family!r}: unknown family; choose one of: {', '.join(registry.names())}"]
     problems = []
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                "rope_original_max_seq_len"):
         problems += _positive(f"model.{key}", getattr(m, key))
+    for key in ("head_dim", "sliding_window"):
+        if getattr(m, key) < 0:
+            problems.append(f"model.{key}={getattr(m, key)}: must be 0 (the default) or positive")
     problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
-    problems += _rope_scaling(m)
     if m.n_layers > MAX_LAYERS:
         problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
                         "the largest published models have under 200")
     if problems:
         return problems
-    if m.head_dim < 0 or m.sliding_window < 0:
-        problems += [f"model.{k}={getattr(m, k)}: must be >= 0 (0: {what})" for k, what in
-                     (("head_dim", "dim / n_heads"), ("sliding_window", "none")) if getattr(m, k) < 0]
-    elif not m.head_dim and m.dim % m.n_heads:
-        problems.append(f"model.n_heads={m.n_heads}: does not divide model.dim={m.dim}; pick a divisor of {m.dim} "
-                        "(or set model.head_dim)")
-    elif schema.head_dim_of(m) % 2:
-        key = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.n_heads={m.n_heads}"
-        problems.append(f"{key}: head dim {schema.head_dim_of(m)} is odd, RoPE needs an even head dim")
-    if 0 < m.sliding_window < t.seq_len:
-        problems.append(f"model.sliding_window={m.sliding_window}: shorter than train.seq_len={t.seq_len}, and "
-                        f"trainctl trains full causal attention; use train.seq_len<={m.sliding_window}")
+    problems += registry.spec(m.family).problems(m, t.seq_len)
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query "
                         f"attention); use a divisor such as {_divisors(m.n_heads)}")
     if t.seq_len > m.max_seq_len:
         problems.append(f"train.seq_len={t.seq_len}: longer than model.max_seq_len={m.max_seq_len} of model {m.name}; "
                         f"use at most {m.max_seq_len}")
-    return problems
-
-
-def _rope_scaling(m: schema.ModelConfig) -> list[str]:
-    """The scaling's numbers, where the chosen kind reads them (an unknown kind is check_choices' line)."""
-    if m.rope_scaling not in ("linear", "llama3"):
-        return []
-    problems = _positive("model.rope_factor", m.rope_factor)
-    if m.rope_scaling == "llama3":
-        problems += _positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
-        problems += _positive("model.rope_original_max_seq_len", m.rope_original_max_seq_len)
-        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
-            problems.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor}: must be greater than "
-                            f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1 uses 4.0 and 1.0)")
     return problems
 
 
@@ -304,9 +282,6 @@ def check_data(d: schema.DataConfig, m: schema.ModelConfig) -> list[str]:
 
 def check_cluster(c: schema.ClusterConfig, p: schema.PrecisionConfig) -> list[str]:
     problems = []
-    if c.launcher == "local" and c.nodes > 1:
-        problems.append(f"cluster.nodes={c.nodes}: a local launch runs on this machine only; use cluster=slurm for "
-                        "several nodes")
     if p.fp8 and c.device == "cuda" and c.gpu in GPUS and not GPUS[c.gpu].fp8:
         fp8_gpus = ", ".join(k for k, v in GPUS.items() if v.fp8)
         problems.append(f"precision=fp8: cluster.gpu={c.gpu} has no fp8 tensor cores; use precision=bf16 or a GPU with "
@@ -365,8 +340,10 @@ def check_offload(sh: schema.ShardingConfig) -> list[str]:
 
 def check_model_parallel(dims: ParallelDims, m: schema.ModelConfig) -> list[str]:
     problems = []
+    if m.family not in registry.names():
+        return []  # check_model names it
     if dims.tp > 1:
-        for key, value in ((key, getattr(m, key)) for key in ("n_heads", "n_kv_heads", "ffn_dim", "dim")):
+        for key, value in registry.spec(m.family).tp_divides(m).items():
             if value % dims.tp:
                 problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that "
                                 f"divides it ({_divisors(value)})")

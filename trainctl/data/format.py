@@ -4,12 +4,22 @@ A prepared dataset is a folder written by `trainctl data prepare`:
 
     meta.json                     written last: its presence means the folder is complete
     train-00000.bin, ...          flat token ids (uint16 when the vocabulary fits, else uint32), native order
-    val-00000.bin, ...
+    train-00000.mask, ...         chat / instruction data only (version 2): one uint8 per token of the .bin
+                                  beside it: bit 0 (LOSS) set where the token is a target that counts in the
+                                  loss, bit 1 (DOC_START) set on the first token of every document
+    val-00000.bin, ...            (and val-00000.mask, ...)
     tokenizer.json                when the tokenizer is a Hugging Face one (given or trained)
 
 Every document is followed by the tokenizer's EOS id (a long document cut for the split: each stretch of it
 that a split holds). meta.json records the tokenizer (with a fingerprint of what decides its ids), the token
 width, each shard's tokens and documents, the train/val split and the source files (size, sha256).
+
+Version 2 adds `content` (text | chat | instruction) and, for chat and instruction data, a mask file per
+shard (`"mask"` in its shard entry). Reading them: `np.memmap(mask_file, np.uint8)` lines up with the
+shard's tokens; `flags & LOSS` is the loss mask (token i counts when it is predicted from tokens < i), and
+`np.flatnonzero(flags & DOC_START)` are the documents' first tokens, so document d spans
+[starts[d], starts[d+1]) of the split's stream: what block-causal attention needs. Version 1 datasets
+(text only, no masks) still load; their documents end at each EOS.
 """
 
 from __future__ import annotations
@@ -24,7 +34,12 @@ from pathlib import Path
 
 META_FILE = "meta.json"
 FORMAT = "trainctl-tokens"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: written before masks; the same layout without them
+MASK_DTYPE = "uint8"
+LOSS = 1  # mask bit: the token is a target that counts in the loss
+DOC_START = 2  # mask bit: the first token of a document
+CONTENTS = ("text", "chat", "instruction")
 ITEMSIZE = {"uint16": 2, "uint32": 4}
 SPLITS = ("train", "val")
 MAX_VOCAB = 1 << 32  # ids 0 .. 2**32-1: what the widest token width (uint32) holds
@@ -41,6 +56,7 @@ class Shard:
     file: str
     tokens: int
     documents: int
+    mask: str | None = None  # the shard's mask file (chat / instruction data), one uint8 per token
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class Split:
     tokens: int
     documents: int
     shards: tuple[Shard, ...]
+    loss_tokens: int | None = None  # masked data: the tokens that count in the loss
 
 
 @dataclass(frozen=True)
@@ -68,9 +85,21 @@ class DatasetMeta:
     splits: dict[str, Split]
     sources: tuple[dict, ...]
     val_fraction: float
+    content: str = "text"
+
+    @property
+    def masked(self) -> bool:
+        """Whether its shards have mask files (only some tokens count in the loss)."""
+        return any(shard.mask for split in self.splits.values() for shard in split.shards)
 
     def shard_paths(self, split: str) -> list[Path]:
         return [self.root / shard.file for shard in self.splits[split].shards]
+
+    def mask_paths(self, split: str) -> list[Path] | None:
+        """The split's mask files in shard order, or None for a dataset without masks."""
+        if not self.masked:
+            return None
+        return [self.root / shard.mask for shard in self.splits[split].shards]
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -131,12 +160,13 @@ def read_meta(path: str | Path) -> DatasetMeta:
     try:
         return _parse(root.resolve(), data)
     except (KeyError, TypeError, ValueError) as exc:
-        raise DatasetError(f"{root / META_FILE}: not a {FORMAT} v{VERSION} file ({type(exc).__name__}: {exc}); "
+        versions = "/".join(f"v{v}" for v in READABLE_VERSIONS)
+        raise DatasetError(f"{root / META_FILE}: not a {FORMAT} {versions} file ({type(exc).__name__}: {exc}); "
                            "prepare the dataset again") from None
 
 
 def _parse(root: Path, data: dict) -> DatasetMeta:
-    if data["format"] != FORMAT or data["version"] != VERSION:
+    if data["format"] != FORMAT or data["version"] not in READABLE_VERSIONS:
         raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}")
     if data["token_dtype"] not in ITEMSIZE:
         raise ValueError(f"token_dtype {data['token_dtype']!r}")
@@ -146,10 +176,19 @@ def _parse(root: Path, data: dict) -> DatasetMeta:
     splits = {}
     for name in SPLITS:
         item = data["splits"][name]
-        shards = tuple(Shard(str(s["file"]), int(s["tokens"]), int(s["documents"])) for s in item["shards"])
-        splits[name] = Split(int(item["tokens"]), int(item["documents"]), shards)
-    return DatasetMeta(root, tokenizer, data["token_dtype"], splits, tuple(data.get("sources", ())),
-                       float(data.get("val_fraction", 0.0)))
+        shards = tuple(Shard(str(s["file"]), int(s["tokens"]), int(s["documents"]),
+                             str(s["mask"]) if s.get("mask") else None) for s in item["shards"])
+        loss_tokens = int(item["loss_tokens"]) if item.get("loss_tokens") is not None else None
+        splits[name] = Split(int(item["tokens"]), int(item["documents"]), shards, loss_tokens)
+    content = str(data.get("content", "text"))
+    if content not in CONTENTS:
+        raise ValueError(f"content {content!r}")
+    meta = DatasetMeta(root, tokenizer, data["token_dtype"], splits, tuple(data.get("sources", ())),
+                       float(data.get("val_fraction", 0.0)), content)
+    masks = [shard.mask is not None for split in splits.values() for shard in split.shards]
+    if any(masks) and not all(masks):
+        raise ValueError("some shards have a mask file and some do not")
+    return meta
 
 
 def _stored_fingerprint(root: Path, tok: dict) -> str | None:
@@ -187,8 +226,22 @@ def dataset_problems(path: str | Path, split: str, vocab_size: int, seq_len: int
         if size != shard.tokens * itemsize:
             problems.append(f"{head}: shard {shard.file} is {size} bytes, meta.json says {shard.tokens} "
                             f"{meta.token_dtype} tokens ({shard.tokens * itemsize} bytes); prepare it again")
+        if shard.mask:
+            problems += _mask_problems(head, meta.root / shard.mask, shard)
     problems += _split_size_problems(head, meta, split, seq_len)
     return problems
+
+
+def _mask_problems(head: str, where: Path, shard: Shard) -> list[str]:
+    """A mask file must hold one byte per token of its shard: any other length would shift every mask."""
+    try:
+        size = where.stat().st_size
+    except OSError:
+        return [f"{head}: mask {shard.mask} of shard {shard.file} is missing; prepare the dataset again"]
+    if size != shard.tokens:
+        return [f"{head}: mask {shard.mask} is {size} bytes, its shard {shard.file} has {shard.tokens} tokens "
+                "(one mask byte each); prepare the dataset again"]
+    return []
 
 
 def _split_size_problems(head: str, meta: DatasetMeta, split: str, seq_len: int) -> list[str]:

@@ -18,7 +18,8 @@ from trainctl.data.format import META_FILE, DatasetError
 STATE_FILE = ".prepare-state.json"
 LOCK_FILE = ".prepare.lock"  # flock-ed by the one `data prepare` writing the folder
 TOKENIZER_FILE = "tokenizer.json"
-OURS = (STATE_FILE, LOCK_FILE, TOKENIZER_FILE, META_FILE, "train-*.bin", "val-*.bin", ".*.tmp*")
+OURS = (STATE_FILE, LOCK_FILE, TOKENIZER_FILE, META_FILE, "train-*.bin", "val-*.bin", "train-*.mask", "val-*.mask",
+        ".*.tmp*")
 
 
 def out_path(out: str | Path) -> Path:

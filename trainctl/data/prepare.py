@@ -1,7 +1,8 @@
 """`trainctl data prepare`: raw text in, a sharded token dataset out (data/format.py), resumable.
 
 Inputs are files, folders (searched for .txt, .md, .jsonl, .parquet) and glob patterns (data/inputs.py).
-A text file is one document; a .jsonl line or a .parquet row is one document (its `--text-field`). Pieces
+A text file is one document; a .jsonl line or a .parquet row is one document (its `--text-field`; with
+`--format chat|instruction` a record rendered with a loss mask, data/chat.py). Pieces
 of the input (units) are tokenized in parallel (one process per core) and written in input order, so the
 output does not depend on the number of workers. Long documents are cut into pieces and each piece goes
 to train or val by a hash of its text (data/split.py); when every piece fell in train, the last one is
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainctl.data.chat import RecordOptions, count_loss_tokens, resolve_options, tokenize_records
 from trainctl.data.format import (
     BYTES_FINGERPRINT,
     FORMAT,
@@ -88,6 +90,12 @@ def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, t
     flush()
     result = {s: np.concatenate(p) if p else np.zeros(0, np.uint32) for s, p in parts.items()}
     return {**result, "train_docs": len(parts["train"]) // 2, "val_docs": len(parts["val"]) // 2, "pieces": pieces}
+
+
+def tokenize_record_unit(unit: Unit, options: RecordOptions, seed: int, val_fraction: float, tokenizer=None,
+                         last_to: str | None = None) -> dict:
+    """tokenize_unit for chat / instruction records: the same result, with each split's mask flags."""
+    return tokenize_records(unit, options, seed, val_fraction, tokenizer or _WORKER_TOKENIZER, last_to)
 
 
 # ---------------------------------------------------------------- the whole job
@@ -168,8 +176,12 @@ def _check_options(tokenizer: str, train_tokenizer: bool, vocab_size: int | None
 def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_tokenizer: bool = False,
             vocab_size: int | None = None, eos_token: str | None = None, text_field: str = "text",
             val_fraction: float = 0.01, shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
-            seed: int = 0, progress: Callable[[int, int], None] | None = None, unit_bytes: int = UNIT_BYTES):
-    """Tokenize `inputs` into a prepared dataset at `out`; returns its DatasetMeta."""
+            seed: int = 0, progress: Callable[[int, int], None] | None = None, unit_bytes: int = UNIT_BYTES,
+            records: RecordOptions | None = None, chat_template: str | None = None):
+    """Tokenize `inputs` into a prepared dataset at `out`; returns its DatasetMeta.
+
+    records: chat or instruction records (a loss mask beside the tokens); chat_template: --chat-template.
+    """
     _check_options(tokenizer, train_tokenizer, vocab_size, eos_token, val_fraction, shard_tokens, workers)
     out = out_path(out)
     files = expand_inputs(inputs, out)
@@ -178,6 +190,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
                "eos_token": eos_token, "text_field": text_field, "val_fraction": val_fraction,
                "shard_tokens": shard_tokens, "seed": seed, "unit_bytes": unit_bytes,
                "tokenizer_sha256": _given_tokenizer_sha256(given, tokenizer)}
+    records = resolve_options(records, chat_template, given, train_tokenizer, files)
+    if records is not None:  # only then: a text prepare's fingerprint (its resume) is as before
+        options["records"] = {**records.__dict__, "template": records.template and records.template.sha256}
     listing = _listing(files)
     fingerprint = _fingerprint(listing, options)
     _check_out(out, fingerprint)  # before anything is written
@@ -186,7 +201,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
     state = None
     try:
         state = _check_out(out, fingerprint)  # again, now that no other `data prepare` can change it
-        job = _Job(out, files, listing, options, workers, progress)
+        job = _Job(out, files, listing, options, workers, progress, records)
         return job.run(state or {"fingerprint": fingerprint, "tokenizer_sha256": None, "units": []})
     except DatasetError:
         if state is None:  # a fresh prepare refused: leave nothing behind
@@ -225,9 +240,10 @@ def _given_tokenizer_sha256(given: Path | None, tokenizer: str) -> str | None:
 class _Job:
     """One prepare into a locked --out, from a fresh or a saved state."""
 
-    def __init__(self, out: Path, files: list[Path], listing: list, options: dict, workers: int | None, progress):
+    def __init__(self, out: Path, files: list[Path], listing: list, options: dict, workers: int | None, progress,
+                 records: RecordOptions | None = None):
         self.out, self.files, self.listing, self.options = out, files, listing, options
-        self.workers, self.progress = workers, progress
+        self.workers, self.progress, self.records = workers, progress, records
 
     def run(self, state: dict) -> object:
         self.state = state
@@ -241,9 +257,10 @@ class _Job:
         except DatasetError as exc:
             raise DatasetError(f"--tokenizer {self.options['tokenizer']}: {exc}") from None
         limit = self.options["shard_tokens"]
-        self.writers = {s: SplitWriter(self.out, s, dtype, limit, self.tok.vocab_size) for s in SPLITS}
+        masked = self.records is not None
+        self.writers = {s: SplitWriter(self.out, s, dtype, limit, self.tok.vocab_size, masked) for s in SPLITS}
         units = plan_units(self.files, self.options["unit_bytes"])
-        self._keep(min(intact_units(self.out, state["units"], dtype, limit), len(units)))
+        self._keep(min(intact_units(self.out, state["units"], dtype, limit, masked), len(units)))
         self._run(units, len(state["units"]))
         self._rebalance(units)
         if not self._tokens("train"):
@@ -291,25 +308,27 @@ class _Job:
 
     def _run(self, units: list[Unit], start: int, last_to: tuple[int, str] | None = None) -> None:
         options = self.options
-        args = (options["text_field"], options["seed"], options["val_fraction"])
+        task = tokenize_unit if self.records is None else tokenize_record_unit
+        args = (options["text_field"] if self.records is None else self.records, options["seed"],
+                options["val_fraction"])
         todo = list(range(start, len(units)))
         tracker = _Tracker(units, start, self.progress)
         workers = max(1, min(self.workers or os.cpu_count() or 1, len(todo) or 1))
         if workers == 1 or last_to is not None:
             for i in todo:
                 forced = last_to[1] if last_to and last_to[0] == i else None
-                self._add(tokenize_unit(units[i], *args, tokenizer=self.tok, last_to=forced))
+                self._add(task(units[i], *args, tokenizer=self.tok, last_to=forced))
                 tracker.finished(i)
             return
         pool = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(self.tok.spec(),))
         try:
             # A window of 2 units per worker: results are written in input order and memory stays bounded.
             window = 2 * workers
-            waiting = deque(pool.submit(tokenize_unit, units[i], *args) for i in todo[:window])
+            waiting = deque(pool.submit(task, units[i], *args) for i in todo[:window])
             for n, i in enumerate(todo):
                 result = waiting.popleft().result()
                 if n + window < len(todo):
-                    waiting.append(pool.submit(tokenize_unit, units[todo[n + window]], *args))
+                    waiting.append(pool.submit(task, units[todo[n + window]], *args))
                 self._add(result)
                 tracker.finished(i)
         except BaseException:
@@ -318,7 +337,8 @@ class _Job:
         pool.shutdown()
 
     def _add(self, result: dict) -> None:
-        record = {split: self.writers[split].append(result[split], result[f"{split}_docs"]) for split in SPLITS}
+        record = {split: self.writers[split].append(result[split], result[f"{split}_docs"], result.get(f"{split}_mask"))
+                  for split in SPLITS}
         unit = {**record, "pieces": result["pieces"]}
         self.state["units"].append(unit)
         append_unit(self.out / STATE_FILE, unit)
@@ -349,19 +369,26 @@ class _Job:
         fingerprint = BYTES_FINGERPRINT if tok.kind == "bytes" else tokenizer_fingerprint(self.out / TOKENIZER_FILE)
         splits = {}
         for split in SPLITS:
-            shards = shard_table(split, [u[split] for u in self.state["units"]], options["shard_tokens"])
+            shards = shard_table(split, [u[split] for u in self.state["units"]], options["shard_tokens"],
+                                 masked=self.records is not None)
             splits[split] = {"tokens": sum(s["tokens"] for s in shards),
                              "documents": sum(s["documents"] for s in shards), "shards": shards}
+            if self.records is not None:  # what the loss sees: plan and users size epochs of answers by it
+                splits[split]["loss_tokens"] = sum(count_loss_tokens(self.out / s["mask"]) for s in shards)
         meta = {
             "format": FORMAT, "version": VERSION,
             "tokenizer": {"kind": tok.kind, "file": tokenizer_file,
                           "source": options["tokenizer"] if tok.kind == "hf" else None,
                           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "fingerprint": fingerprint},
             "token_dtype": dtype, "val_fraction": options["val_fraction"], "seed": options["seed"],
-            "splits": splits,
+            "content": self.records.format if self.records else "text", "splits": splits,
             "sources": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in self.files],
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+        if self.records is not None:
+            meta["records"] = {k: v for k, v in self.records.__dict__.items() if k != "template"}
+            if self.records.template is not None:
+                meta["chat_template"] = self.records.template.record()
         _write_json(self.out / META_FILE, meta)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from trainctl.data.format import DatasetError
 
 READ_BLOCK = 8 << 20
+MASK_SUFFIX = ".mask"
 
 
 def load_state(path: Path) -> dict:
@@ -73,15 +74,23 @@ def append_unit(path: Path, unit: dict) -> None:
         os.fsync(f.fileno())
 
 
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}.bin"
+def shard_name(split: str, index: int, suffix: str = ".bin") -> str:
+    return f"{split}-{index:05d}{suffix}"
 
 
-def shard_table(split: str, segments: list[list], limit: int) -> list[dict]:
+def mask_name(split: str, index: int) -> str:
+    """The mask file beside shard `index` (format.py: one uint8 of flags per token)."""
+    return shard_name(split, index, MASK_SUFFIX)
+
+
+def shard_table(split: str, segments: list[list], limit: int, masked: bool = False) -> list[dict]:
     """meta.json's shards of a split: file, tokens and documents (counted in the shard where each ends)."""
     total = sum(seg[0] for seg in segments)
     shards = [{"file": shard_name(split, k), "tokens": min(limit, total - k * limit), "documents": 0}
               for k in range(-(-total // limit))]
+    if masked:
+        for k, shard in enumerate(shards):
+            shard["mask"] = mask_name(split, k)
     end = 0
     for tokens, documents, _ in segments:
         end += tokens
@@ -91,28 +100,44 @@ def shard_table(split: str, segments: list[list], limit: int) -> list[dict]:
 
 
 class SplitWriter:
-    """Appends segments to one split's shard files; `segments` is what the state records of it."""
+    """Appends segments to one split's shard files (and their mask files when `masked`); `segments` is what
+    the state records of it. A masked segment's sha256 covers its token bytes, then its mask bytes."""
 
-    def __init__(self, root: Path, split: str, dtype: str, limit: int, vocab_size: int):
+    def __init__(self, root: Path, split: str, dtype: str, limit: int, vocab_size: int, masked: bool = False):
         self.root, self.split, self.dtype, self.limit = root, split, np.dtype(dtype), limit
-        self.vocab_size = vocab_size
+        self.vocab_size, self.masked = vocab_size, masked
         self.tokens = 0  # written so far
 
-    def append(self, ids: np.ndarray, documents: int) -> list:
-        """Write `ids` (checked against the vocabulary and the width first); returns its segment."""
+    def append(self, ids: np.ndarray, documents: int, mask: np.ndarray | None = None) -> list:
+        """Write `ids` (checked against the vocabulary and the width first) and its mask; returns its segment."""
+        if self.masked != (mask is not None) or (mask is not None and mask.size != ids.size):
+            raise ValueError(f"a mask of {None if mask is None else mask.size} flags for {ids.size} tokens "
+                             f"(masked split: {self.masked})")
         data = self._narrowed(ids)
         digest = hashlib.sha256(data.tobytes())
+        files = [(data, shard_name)]
+        if mask is not None:
+            flags = mask.astype(np.uint8)
+            digest.update(flags.tobytes())
+            files.append((flags, mask_name))
+        for array, name in files:
+            self._write(array, name)
+        self.tokens += int(ids.size)
+        return [int(ids.size), documents, digest.hexdigest()]
+
+    def _write(self, data: np.ndarray, name) -> None:
+        """Append `data` after the first `self.tokens` entries of the stream of files named by `name`."""
+        position = self.tokens
         while data.size:
-            index, offset = divmod(self.tokens, self.limit)
+            index, offset = divmod(position, self.limit)
             room = self.limit - offset
-            with (self.root / shard_name(self.split, index)).open("ab") as f:
+            with (self.root / name(self.split, index)).open("ab") as f:
                 f.write(data[:room].tobytes())
                 f.flush()
                 os.fsync(f.fileno())
             written = min(room, data.size)
-            self.tokens += written
+            position += written
             data = data[written:]
-        return [int(ids.size), documents, digest.hexdigest()]
 
     def _narrowed(self, ids: np.ndarray) -> np.ndarray:
         # astype wraps silently: an id the width cannot hold (or past the vocabulary meta.json states)
@@ -127,50 +152,54 @@ class SplitWriter:
         """The split as it was after its first `tokens` tokens: later bytes and later shard files removed."""
         self.tokens = tokens
         keep = -(-tokens // self.limit)
-        for k in range(keep):
-            path = self.root / shard_name(self.split, k)
-            with path.open("r+b") as f:
-                f.truncate(min(self.limit, tokens - k * self.limit) * self.dtype.itemsize)
-        for stray in self.root.glob(f"{self.split}-*.bin"):
-            index = stray.name[len(self.split) + 1:-len(".bin")]
-            if not (index.isdigit() and int(index) < keep):
-                stray.unlink()
+        kinds = [(".bin", self.dtype.itemsize)] + ([(MASK_SUFFIX, 1)] if self.masked else [])
+        for suffix, itemsize in kinds:
+            for k in range(keep):
+                path = self.root / shard_name(self.split, k, suffix)
+                with path.open("r+b" if path.exists() else "wb") as f:
+                    f.truncate(min(self.limit, tokens - k * self.limit) * itemsize)
+        for suffix in (".bin", MASK_SUFFIX):
+            for stray in self.root.glob(f"{self.split}-*{suffix}"):
+                index = stray.name[len(self.split) + 1:-len(suffix)]
+                if not (index.isdigit() and int(index) < keep) or (suffix == MASK_SUFFIX and not self.masked):
+                    stray.unlink()
 
 
-def intact_units(root: Path, units: list[dict], dtype: str, limit: int) -> int:
-    """How many of the recorded units, from the first, read back from the shards byte for byte."""
+def intact_units(root: Path, units: list[dict], dtype: str, limit: int, masked: bool = False) -> int:
+    """How many of the recorded units, from the first, read back from the shards (and masks) byte for byte."""
     itemsize = np.dtype(dtype).itemsize
-    readers = {split: _StreamReader(root, split, limit, itemsize) for split in ("train", "val")}
+    readers = {split: [_StreamReader(root, split, limit, itemsize)]
+               + ([_StreamReader(root, split, limit, 1, MASK_SUFFIX)] if masked else []) for split in ("train", "val")}
     for count, unit in enumerate(units):
-        for split, reader in readers.items():
+        for split, streams in readers.items():
             tokens, _, sha = unit[split]
-            if reader.sha256(tokens) != sha:
+            digest = hashlib.sha256()
+            if not all(stream.update(digest, tokens) for stream in streams) or digest.hexdigest() != sha:
                 return count
     return len(units)
 
 
 class _StreamReader:
-    """A split's shard files read in order as one stream of tokens."""
+    """A split's shard (or mask) files read in order as one stream of tokens."""
 
-    def __init__(self, root: Path, split: str, limit: int, itemsize: int):
-        self.root, self.split, self.limit, self.itemsize = root, split, limit, itemsize
+    def __init__(self, root: Path, split: str, limit: int, itemsize: int, suffix: str = ".bin"):
+        self.root, self.split, self.limit, self.itemsize, self.suffix = root, split, limit, itemsize, suffix
         self.position = 0
 
-    def sha256(self, tokens: int) -> str | None:
-        """The sha256 of the next `tokens` tokens, or None when the files end (or are missing) before them."""
-        digest = hashlib.sha256()
+    def update(self, digest, tokens: int) -> bool:
+        """Feed the next `tokens` entries to `digest`; False when the files end (or are missing) before them."""
         end = self.position + tokens
         while self.position < end:
             index, offset = divmod(self.position, self.limit)
             count = min(self.limit - offset, end - self.position)
             if not self._read_into(digest, index, offset, count):
-                return None
+                return False
             self.position += count
-        return digest.hexdigest()
+        return True
 
     def _read_into(self, digest, index: int, offset: int, count: int) -> bool:
         try:
-            with (self.root / shard_name(self.split, index)).open("rb") as f:
+            with (self.root / shard_name(self.split, index, self.suffix)).open("rb") as f:
                 f.seek(offset * self.itemsize)
                 left = count * self.itemsize
                 while left:

@@ -39,6 +39,13 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.replace("\0", "").encode("utf-8", "replace"), dtype=np.uint8) for t in texts]
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, [n, 2] character spans): each byte of a character carries that character's span."""
+        ids = self.encode_batch([text])[0]
+        lengths = np.asarray([0 if c == "\0" else len(c.encode("utf-8", "replace")) for c in text], dtype=np.int64)
+        chars = np.repeat(np.arange(len(text), dtype=np.int64), lengths)
+        return ids.astype(np.uint32), np.stack([chars, chars + 1], axis=1)
+
     def spec(self) -> dict:
         return {"kind": self.kind}
 
@@ -72,6 +79,12 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, [n, 2] character spans of each token in `text`), from one encoding of the whole text."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.uint32), offsets
 
     def spec(self) -> dict:
         return {"kind": self.kind, "file": self.file, "eos_token": self.eos_token}

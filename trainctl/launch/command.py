@@ -1,9 +1,10 @@
 """The torchrun command line that starts the workers, locally or inside an sbatch script.
 
-Both launchers run the same `torch.distributed.run ... -m trainctl.train RUN_DIR`.
-We start torchrun as `<python> -m torch.distributed.run` with the interpreter that
-planned the run, so the workers use the same environment on every node without
-depending on PATH; torch is imported only in that child process, never here.
+Both launchers run the same `torch.distributed.run ... -m trainctl.train RUN_DIR`, as
+`<python> -m torch.distributed.run`: locally with the interpreter that planned the run (the
+workers share its environment); in a Slurm job with `cluster.python`, found where the job runs
+(after `cluster.setup`, inside the container), never the launching venv's path. torch is
+imported only in that child process, never here.
 
 Output: every rank's stdout/stderr is captured under RUN_DIR/logs/torchrun/
 (`--redirects=3`), and only local rank 0 is also shown on the console
@@ -99,40 +100,11 @@ def handled_signals(cluster: ClusterConfig) -> str:
     return ",".join(names)
 
 
-def slurm_argv(
-    cluster: ClusterConfig, run_dir: Path, python: str | None = None, srun_options: tuple[str, ...] = ()
-) -> list[str]:
-    """srun starting one torchrun per node (the sbatch script sets MASTER_ADDR).
+def launch_argv(cluster: ClusterConfig, run_dir: Path) -> list[str]:
+    """The command the configured backend starts the workers with."""
+    from trainctl.launch import backends
 
-    `Expand` arguments are expanded by the shell.
-    """
-    return [
-        "srun",
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-        # Recent Slurm no longer passes the job's CPUs on to srun; without this torchrun and all its workers
-        # share one core.
-        Expand("--cpus-per-task=${SLURM_CPUS_ON_NODE}"),
-        *srun_options,
-        *torchrun_prefix(python),
-        Expand("--nnodes=${SLURM_NNODES}"),
-        f"--nproc-per-node={cluster.procs_per_node}",
-        "--rdzv-backend=c10d",
-        Expand(f"--rdzv-endpoint=${{MASTER_ADDR}}:{cluster.rdzv_port}"),
-        Expand("--rdzv-id=${SLURM_JOB_ID}"),
-        f"--max-restarts={cluster.max_restarts}",
-        f"--signals-to-handle={handled_signals(cluster)}",
-        *output_args(run_dir),
-        *worker_args(run_dir),
-    ]
-
-
-def launch_argv(cluster: ClusterConfig, run_dir: Path, python: str | None = None) -> list[str]:
-    """The command for the configured launcher."""
-    if cluster.launcher == "slurm":
-        return slurm_argv(cluster, run_dir, python)
-    assert cluster.launcher == "local", f"unknown launcher {cluster.launcher!r}: validate should have rejected it"
-    return local_argv(cluster, run_dir, python)
+    return backends.for_cluster(cluster).argv(cluster, run_dir)
 
 
 # Stands in for the run directory before it exists (its name may get a collision suffix).

@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 
 from trainctl.config.data_check import data_file_problems
 from trainctl.config.schema import ClusterConfig, RunConfig, WandbConfig
-from trainctl.launch.slurm import setup_problems
-from trainctl.plan.fit import Machine, local_device_problems, this_machine
+from trainctl.launch import backends
+from trainctl.plan.fit import Machine
 
 DEFAULT_WANDB_HOST = "https://api.wandb.ai"
 
@@ -32,13 +32,11 @@ def launch_problems(cfg: RunConfig, *, dry_run: bool = False, workdir: Path | No
     A dry run starts nothing (and may be planned away from the cluster's files), so it is
     checked only for the script it writes. `workdir` is where the workers start (relative
     data paths are read from it): the current directory at launch, the recorded one on resume.
-    A local launch needs the devices it names on this machine (`machine`, default this one).
+    The backend checks its own (a local launch: the devices it names on `machine`, default this one).
     """
-    problems = setup_problems(cfg) if cfg.cluster.launcher == "slurm" else []
+    problems = backends.for_cluster(cfg.cluster).preflight(cfg, dry_run=dry_run, machine=machine)
     if dry_run:
         return problems
-    if cfg.cluster.launcher == "local":
-        problems += local_device_problems(cfg.cluster, machine or this_machine())
     vocab = cfg.data.vocab_size or cfg.model.vocab_size
     problems += wandb_problems(cfg.logging.wandb, cfg.cluster, workdir=workdir)
     problems += data_file_problems(cfg.data, vocab, cfg.train.seq_len, workdir)
@@ -55,8 +53,7 @@ def wandb_problems(w: WandbConfig, cluster: ClusterConfig, env: Mapping[str, str
     if w.mode != "online":
         return []
     job_env = dict(os.environ if env is None else env)
-    if cluster.launcher == "slurm":
-        job_env.update(cluster.env)
+    job_env.update(cluster.job_env)
     if job_env.get("WANDB_API_KEY") or job_env.get("WANDB_IDENTITY_TOKEN_FILE"):
         return []
     settings = _wandb_settings(job_env, workdir or Path.cwd())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainctl.config.schema import RunConfig, to_yaml
 from trainctl.core import rundir as layout
-from trainctl.launch import code_record, local, slurm, tokenizer_record
+from trainctl.launch import backends, code_record, tokenizer_record
 from trainctl.launch.command import plan_record
 from trainctl.launch.errors import LaunchError
 from trainctl.plan import RunPlan
@@ -72,9 +72,7 @@ def reserve(runs_dir: Path, base: str) -> Path:
 
 
 def launch_script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
-    if cfg.cluster.launcher == "slurm":
-        return slurm.render_sbatch(cfg, run_dir, workdir)
-    return local.render_script(cfg.cluster, run_dir, workdir)
+    return backends.for_cluster(cfg.cluster).render(cfg, run_dir, workdir)
 
 
 def write_contents(

@@ -5,7 +5,8 @@ A run's state comes from its own records (read through trainctl.core.rundir, whi
          that it finished; stopped.json that it stopped on request with a checkpoint; launch.json the
          launcher's outcome otherwise (exit code, first failing rank);
   slurm  launch.json holds the job id; squeue/sacct say what Slurm knows, and the job's own
-         RUN_DIR/slurm-attempts.jsonl (one line per attempt start and end) covers jobs Slurm forgot.
+         RUN_DIR/slurm-attempts.jsonl covers jobs Slurm forgot (launch/backends/slurm.py).
+Each run's backend (its launch.json's `launcher`) answers for its own runs: state, log, cancel.
 A run directory with none of these was written by `launch --dry-run` and never started.
 """
 
@@ -20,9 +21,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from trainctl.core import rundir
-from trainctl.launch import slurm_jobs
+from trainctl.launch import backends, slurm_jobs
 from trainctl.launch.errors import LaunchError
-from trainctl.launch.slurm import ATTEMPTS_FILE, attempt_log_name
 
 
 @dataclass(frozen=True)
@@ -129,55 +129,21 @@ def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
     return "NOT_STARTED", False, "written by --dry-run"
 
 
-def attempt_records(run_dir: Path, job_id: str) -> list[dict]:
-    return [r for r in rundir.read_jsonl(run_dir / ATTEMPTS_FILE) if str(r.get("job_id")) == job_id]
-
-
-def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool, str]:
-    """A Slurm run's final state from what the job wrote, for jobs Slurm no longer reports."""
-    records = attempt_records(run_dir, job_id)
-    if records and records[-1].get("event") == "end":
-        code = records[-1].get("exit_code")
-        return ("COMPLETED", False, "") if code == 0 else ("FAILED", False, f"exit code {code}")
-    if records:
-        attempt = records[-1].get("attempt")
-        return "UNKNOWN", False, f"{why}; attempt {attempt} started but never recorded its end (cancelled or killed)"
-    if rundir.result(run_dir) is not None:
-        return "COMPLETED", False, ""
-    return "UNKNOWN", False, why
-
-
-def slurm_state(
-    run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = ""
-) -> tuple[str, bool, str]:
-    if info is not None:
-        detail = info.reason if info.state == "PENDING" else ", ".join(x for x in (info.nodes, info.reason) if x)
-        if info.exit_code and info.exit_code != "0:0":
-            detail = ", ".join(x for x in (detail, f"exit {info.exit_code}") if x)
-        return info.state, info.active, detail
-    if unreachable:
-        # Nothing is known: the job may well be running. The run's own records can still tell an ended attempt.
-        state, active, detail = state_from_records(run_dir, job_id, unreachable)
-        return (state, active, detail) if state != "UNKNOWN" else ("UNKNOWN", False, unreachable)
-    why = f"Slurm no longer knows job {job_id}" if slurm_jobs.slurm_available() else "squeue not found on PATH"
-    return state_from_records(run_dir, job_id, why)
-
-
 def run_states(run_dirs: list[Path]) -> list[RunState]:
-    """The state of each run; one squeue (and at most one sacct) call for all the Slurm runs."""
+    """The state of each run; each backend answers for its own runs at once (one squeue call for all on Slurm)."""
     records = {d: rundir.launch_record(d) for d in run_dirs}
-    job_ids = [str(r["job_id"]) for r in records.values()
-               if r.get("launcher") == "slurm" and isinstance(r.get("job_id"), str | int)]
-    infos, unreachable = slurm_jobs.query_jobs(job_ids) if job_ids else ({}, "")
+    by_backend: dict[str, dict[Path, dict]] = {}
+    for run_dir, record in records.items():
+        by_backend.setdefault(backends.for_record(record).name, {})[run_dir] = record
+    answers: dict[Path, tuple[str, bool, str]] = {}
+    for name, group in by_backend.items():
+        answers.update(backends.named(name).states(group))
     states = []
     for run_dir, record in records.items():
-        launcher, job_id = rundir.as_str(record.get("launcher")), str(record.get("job_id", ""))
-        if launcher == "slurm":
-            state, active, detail = slurm_state(run_dir, job_id, infos.get(job_id), unreachable)
-        else:
-            state, active, detail = local_state(run_dir, record)
-            launcher = launcher or ("local" if state != "NOT_STARTED" else "")
-        states.append(RunState(run_dir.name, run_dir, launcher, state, active, job_id, detail,
+        state, active, detail = answers[run_dir]
+        launcher = rundir.as_str(record.get("launcher")) or (
+            backends.for_record(record).name if state != "NOT_STARTED" else "")
+        states.append(RunState(run_dir.name, run_dir, launcher, state, active, str(record.get("job_id", "")), detail,
                                last_step(run_dir), configured_steps(run_dir)))
     return states
 
@@ -187,18 +153,11 @@ def run_state(run_dir: Path) -> RunState:
 
 
 def log_path(run_dir: Path, rank: int | None) -> Path:
-    """The log to show: a rank's own log, else a Slurm job's newest attempt (workers' output), else rank 0's log."""
+    """The log to show: a rank's own log, else the one the run's backend names (its newest output)."""
     if rank is not None:
         return run_dir / "logs" / f"rank{rank}.log"
     record = rundir.launch_record(run_dir)
-    if record.get("launcher") != "slurm":
-        return run_dir / "logs" / "rank0.log"
-    job_id = str(record.get("job_id"))
-    attempts = [int(r.get("attempt", 0)) for r in attempt_records(run_dir, job_id)]
-    attempt_log = run_dir / "logs" / attempt_log_name(job_id, max(attempts, default=0))
-    batch_log = run_dir / "logs" / f"slurm-{job_id}.out"
-    # Before srun starts only the batch log exists (and holds any error of the script's own lines).
-    return attempt_log if attempt_log.exists() or not batch_log.exists() else batch_log
+    return backends.for_record(record).log_path(run_dir, record)
 
 
 FOLLOW_CHUNK = 1 << 20  # bytes copied per read: a huge log streams, it is never held whole
@@ -234,30 +193,32 @@ def follow(path_of: Callable[[], Path], still_active: Callable[[], bool], out: B
 
 
 def cancel(run_dir: Path) -> RunState:
-    """Stop an active run: scancel its job, or SIGTERM the local trainer that holds the lock. Returns the state before.
-
-    The local trainer is known by the pid, start time and host it recorded when it took the lock, never by a
-    pid alone (pids are reused) or by its command line.
-    """
+    """Stop an active run through its backend (scancel on Slurm, SIGTERM to a local trainer); the state before."""
     state = run_state(run_dir)
     if not state.active:
         detail = f": {state.detail}" if state.detail else ""
         raise LaunchError(f"run {state.name} is not active ({state.state}{detail}); nothing to cancel")
-    if state.launcher == "slurm":
-        slurm_jobs.cancel_job(state.job_id)
-        return state
+    backends.for_record(rundir.launch_record(run_dir)).cancel(run_dir, state.job_id)
+    return state
+
+
+def cancel_holder(run_dir: Path) -> None:
+    """SIGTERM the trainer that holds the run's lock, known by the pid, start time and host it recorded.
+
+    Never by a pid alone (pids are reused) or by its command line. A holder that recorded a Slurm job (its
+    launch script submitted by hand) is cancelled through Slurm.
+    """
     holder = rundir.lock_holder(run_dir) or {}
     job = rundir.as_str(holder.get("slurm_job_id"))
     if job:
         slurm_jobs.cancel_job(job)
-        return state
+        return
     if not rundir.same_process(holder.get("pid"), holder.get("pid_start"), holder.get("host")):
         where = rundir.as_str(holder.get("host"), "another machine")
-        raise LaunchError(f"run {state.name} is trained by {rundir.describe_holder(holder)}, which is not a process on "
-                          f"this machine ({where} or not recorded); stop it there")
+        raise LaunchError(f"run {run_dir.name} is trained by {rundir.describe_holder(holder)}, which is not a process "
+                          f"on this machine ({where} or not recorded); stop it there")
     try:
         # The trainer finishes its step, saves, and records the stop (a launcher forwards the signal to torchrun).
         os.kill(rundir.as_int(holder.get("pid")), signal.SIGTERM)
     except ProcessLookupError:
         pass  # ended between the check and the signal
-    return state

@@ -22,14 +22,22 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
-from trainctl.config.schema import ClusterConfig, PreemptionConfig, RunConfig
-from trainctl.config.slurm import cpus_per_task, gpus_per_node
+from trainctl.config.schema import RunConfig
+from trainctl.config.slurm import PreemptionConfig, SlurmClusterConfig, cpus_per_task, exec_words, gpus_per_node
 from trainctl.core import rundir
-from trainctl.launch.command import Expand, lock_lines, omp_threads_export, shell_join, slurm_argv, torchrun_env_exports
+from trainctl.launch.command import (
+    Expand,
+    handled_signals,
+    lock_lines,
+    omp_threads_export,
+    output_args,
+    shell_join,
+    torchrun_env_exports,
+    worker_args,
+)
 from trainctl.launch.errors import LaunchError
 
 SBATCH_TIMEOUT_S = 60
@@ -56,11 +64,11 @@ def _directive_value(what: str, value: str) -> str:
     return value
 
 
-def job_name(cluster: ClusterConfig, run_dir: Path) -> str:
+def job_name(cluster: SlurmClusterConfig, run_dir: Path) -> str:
     return cluster.job_name or run_dir.name
 
 
-def resource_directives(cluster: ClusterConfig) -> list[str]:
+def resource_directives(cluster: SlurmClusterConfig) -> list[str]:
     lines = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1"]
     gpus = gpus_per_node(cluster)
     if gpus:
@@ -83,7 +91,7 @@ def preemption_directives(p: PreemptionConfig) -> list[str]:
     return lines
 
 
-def sbatch_directives(cluster: ClusterConfig, name: str, run_dir: Path) -> list[str]:
+def sbatch_directives(cluster: SlurmClusterConfig, name: str, run_dir: Path) -> list[str]:
     """The #SBATCH lines: resources, scheduling keys that are set, logs, preemption, then the user's extras."""
     lines = [f"--job-name={_directive_value('job name', name)}", *resource_directives(cluster)]
     for key in ("partition", "account", "qos", "constraint"):
@@ -112,7 +120,7 @@ def requeue_guard(p: PreemptionConfig) -> list[str]:
     ]
 
 
-def environment_lines(cluster: ClusterConfig) -> list[str]:
+def environment_lines(cluster: SlurmClusterConfig) -> list[str]:
     """Our exports, then the user's (which may override ours), every value quoted."""
     lines = [
         omp_threads_export(cluster, "$SLURM_CPUS_ON_NODE", keep_user_value=False),
@@ -148,7 +156,81 @@ def record_function() -> list[str]:
     ]
 
 
-def launch_lines(cluster: ClusterConfig, run_dir: Path) -> list[str]:
+def container_options(cluster: SlurmClusterConfig) -> list[str]:
+    """pyxis's srun options for `cluster.container.image` and its mounts; none without an image."""
+    c = cluster.container
+    if not c.image:
+        return []
+    mounts = [f"--container-mounts={','.join(c.mounts)}"] if c.mounts else []
+    return [f"--container-image={c.image}", *mounts]
+
+
+def job_python(cluster: SlurmClusterConfig) -> list[str]:
+    """How a Slurm job's step runs Python: the container prefix (if any), then `cluster.python`."""
+    return [*exec_words(cluster), cluster.python]
+
+
+def slurm_argv(cluster: SlurmClusterConfig, run_dir: Path, srun_options: tuple[str, ...] = ()) -> list[str]:
+    """srun starting one torchrun per node (the sbatch script sets MASTER_ADDR), in the job's container.
+
+    Our srun options come last, so `cluster.srun_args` cannot move
+    the logs. `Expand` arguments are expanded by the shell.
+    """
+    return [
+        "srun",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        # Recent Slurm no longer passes the job's CPUs on to srun; without this torchrun and all its workers
+        # share one core.
+        Expand("--cpus-per-task=${SLURM_CPUS_ON_NODE}"),
+        *container_options(cluster),
+        *cluster.srun_args,
+        *srun_options,
+        *job_python(cluster),
+        "-m",
+        "torch.distributed.run",
+        Expand("--nnodes=${SLURM_NNODES}"),
+        f"--nproc-per-node={cluster.procs_per_node}",
+        "--rdzv-backend=c10d",
+        Expand(f"--rdzv-endpoint=${{MASTER_ADDR}}:{cluster.rdzv_port}"),
+        Expand("--rdzv-id=${SLURM_JOB_ID}"),
+        f"--max-restarts={cluster.max_restarts}",
+        f"--signals-to-handle={handled_signals(cluster)}",
+        *output_args(run_dir),
+        *worker_args(run_dir),
+    ]
+
+
+def helper_python(cluster: SlurmClusterConfig) -> str:
+    """The batch shell's Python for trainctl's bookkeeping (lock holder, completed run), already shell-quoted.
+
+    It runs where the workers' Python does: under `container.exec`, or in a one-task step in the pyxis image.
+    """
+    step = (["srun", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=1", *container_options(cluster)]
+            if cluster.container.image else [])
+    return shell_join([*step, *job_python(cluster)])
+
+
+def requeue_fallback(p: PreemptionConfig) -> list[str]:
+    """The batch shell requeues a job its workers stopped on the preemption signal, when rank 0 could not.
+
+    Rank 0 runs `scontrol requeue` after the stop checkpoint; inside a container without Slurm's client it
+    cannot. The stop must be this attempt's (stopped.json newer than the attempt's start record) and the run
+    unfinished. When rank 0 did requeue, Slurm is already ending this job and refuses a second one: harmless.
+    """
+    if not p.requeue:
+        return []
+    stopped, attempts = f'"$RUN_DIR/{rundir.STOPPED}"', f'"$RUN_DIR/{ATTEMPTS_FILE}"'
+    return [
+        f'if [ -f {stopped} ] && [ {stopped} -nt {attempts} ] && [ ! -f "$RUN_DIR/{rundir.RESULT}" ] \\',
+        f"   && grep -q '\"signal\": \"{p.signal}\"' {stopped}; then",
+        '  scontrol requeue "$SLURM_JOB_ID" 2>/dev/null || echo "trainctl: job $JOB not requeued by the batch shell '
+        '(already requeued by rank 0, or Slurm refused)" >&2',
+        "fi",
+    ]
+
+
+def launch_lines(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
     """Head node, the srun line with the attempt's log, and the attempt's records."""
     srun_options = (Expand("--output=${ATTEMPT_LOG}"), "--open-mode=append")
     srun = shell_join(slurm_argv(cluster, run_dir, srun_options=srun_options))
@@ -167,6 +249,7 @@ def launch_lines(cluster: ClusterConfig, run_dir: Path) -> list[str]:
         f"{srun} || STATUS=$?",
         "# The run's own record decides: a stop signal reaching torchrun after the last step fails it, not the run.",
         f'[ "$STATUS" -eq 0 ] || [ ! -f "$RUN_DIR/{rundir.RESULT}" ] || STATUS=0',
+        *requeue_fallback(cluster.preemption),
         'record end "$STATUS"',
         'exit "$STATUS"',
     ]
@@ -254,12 +337,12 @@ def _script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
             "JOB=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
             "JOB=${JOB:-$SLURM_JOB_ID}",
             *requeue_guard(c.preemption),
-            "# One trainer per run directory: the batch shell holds the run's lock for the job's lifetime (on the",
-            "# shared filesystem); a requeued attempt takes it again.",
-            *lock_lines(shlex.quote(sys.executable), accept_inherited=False),
             f"cd {shlex.quote(str(workdir))}",
             *environment_lines(c),
             *setup_block(list(c.setup)),
+            "# One trainer per run directory: the batch shell holds the run's lock for the job's lifetime (on the",
+            "# shared filesystem); a requeued attempt takes it again. Its Python is the job's (cluster.python).",
+            *lock_lines(helper_python(c), accept_inherited=False),
             *launch_lines(c, run_dir),
             "",
         ]

@@ -9,7 +9,7 @@ output shard at a time, so peak memory is about one shard, not the whole model.
 
 Writes `model.safetensors`, or when the total exceeds the shard size,
 `model-0000K-of-0000N.safetensors` plus `model.safetensors.index.json` (Hugging Face's
-layout), and `config.json` as transformers' LlamaForCausalLM reads it (plus `trainctl_model` and
+layout), and `config.json` as the family's transformers class reads it (plus `trainctl_model` and
 `trainctl_checkpoint`). Names and the q/k rotary layout are Hugging Face's (models/hf.py), dtypes
 those of the checkpoint unless --dtype casts them. Tied embeddings are saved once, as
 `model.embed_tokens.weight`. When the run trained on a dataset prepared with a Hugging Face
@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from trainctl.config.schema import ModelConfig, load_run_config
 from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
+from trainctl.models.build import build_model
 from trainctl.models.hf import hf_config, to_hf
-from trainctl.models.llama import build_model
 from trainctl.models.verify import VerifyError, verify_export
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
@@ -312,6 +312,12 @@ def run_tokenizer(run_dir: Path) -> dict | None:
     from trainctl.core import rundir as layout
 
     record_path = run_dir / layout.TOKENIZER_RECORD
+    if not record_path.exists() and (run_dir / layout.TOKENIZER).exists():
+        # The run kept copies but lost their record: guessing (the dataset's file, or none) could bundle a
+        # tokenizer the model never saw.
+        raise ExportError(f"{record_path}: missing, so the tokenizer copies beside it cannot be vouched for; restore "
+                          f"it from a backup of the run, or move {run_dir / layout.TOKENIZER} aside to export with "
+                          "the dataset's tokenizer")
     if not record_path.exists():
         tokens = data_tokenizer(run_dir)
         if tokens and tokens.get("file"):
@@ -408,12 +414,12 @@ def export(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     created = missing_parents(tmp)
     done = False
+    tokens = run_tokenizer(run_dir)  # a damaged tokenizer record is refused before any file is written
     try:
         check_out(out, run_dir, ckpt)
         tmp.mkdir(parents=True)
         write_weights(ckpt, entries, names, tmp, max_shard_size, cfg, dtype)
         saved = dtype or entries[names[0]][1].properties.dtype
-        tokens = run_tokenizer(run_dir)
         write_config(cfg, ckpt, tmp, saved, tokens)
         write_tokenizer(tokens, cfg, tmp)
         verified = verify_export(tmp, read_tensors(ckpt, entries, names), cfg, dtype).line() if verify else None

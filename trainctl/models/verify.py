@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trainctl.config.schema import ModelConfig
-from trainctl.models.hf import ARCHITECTURES, to_hf
-from trainctl.models.llama import build_model
+from trainctl.models import registry
+from trainctl.models.build import build_model
+from trainctl.models.hf import to_hf
 
 # Logits of the same weights in fp32 differ between trainctl's and transformers' kernels by rounding that grows
 # with depth and width (measured: up to 1.1e-4 of the logits' scale on a 200M random model, 3.5e-4 on a deep
@@ -52,16 +56,14 @@ class Verified:
 def verify_export(folder: Path, weights: dict[str, torch.Tensor], cfg: ModelConfig,
                   dtype: torch.dtype | None) -> Verified:
     """Compare the export at `folder` with `weights` (trainctl names, as checkpointed); raises VerifyError."""
-    try:
-        import transformers
-    except ImportError:
-        raise VerifyError("--verify loads the export with transformers, which is not installed here; "
-                          "pip install transformers, or export without --verify") from None
+    transformers = _import_transformers()
     cast = {n: (t.to(dtype) if dtype is not None else t).float() for n, t in weights.items()}
-    theirs = _load(transformers, folder)
+    with _quiet_logs():
+        theirs = _load(transformers, folder)
     architecture = type(theirs).__name__
-    if architecture != ARCHITECTURES[cfg.family]:
-        raise VerifyError(f"{folder}: transformers built {architecture}, not {ARCHITECTURES[cfg.family]}")
+    expected = registry.spec(cfg.family).hf_architectures[0]
+    if architecture != expected:
+        raise VerifyError(f"{folder}: transformers built {architecture}, not {expected}")
     worst = _compare_tensors(theirs.state_dict(), cast, cfg)
     ours = build_model(cfg, "cpu")
     ours.init_weights()  # the rotary table; every parameter is overwritten below
@@ -69,7 +71,44 @@ def verify_export(folder: Path, weights: dict[str, torch.Tensor], cfg: ModelConf
     if unexpected or [m for m in missing if not (cfg.tie_embeddings and m == "output.weight")]:
         raise VerifyError(f"the checkpoint does not fill trainctl's model: missing {missing[:3]}, "
                           f"extra {unexpected[:3]}")
-    return Verified(architecture, worst, _compare_logits(ours.eval(), theirs.eval(), cfg), _shape(cfg))
+    with _quiet_logs():
+        logits_diff = _compare_logits(ours.eval(), theirs.eval(), cfg)
+    return Verified(architecture, worst, logits_diff, _shape(cfg))
+
+
+@contextlib.contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """No log records while transformers imports and loads: torch's and torchao's handlers hold the real stderr
+    (redirect_stderr cannot catch them), and their warnings would break the command's one-line output."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def _import_transformers():
+    """transformers, or VerifyError: not installed, or installed but broken (e.g. built for another torch)."""
+    try:
+        with _quiet_logs(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import transformers
+    except ModuleNotFoundError as exc:
+        if exc.name != "transformers":
+            raise VerifyError(f"--verify: transformers does not import ({_first_line(exc)}); repair it "
+                              "(pip install -U transformers) or export without --verify") from None
+        raise VerifyError("--verify loads the export with transformers, which is not installed here; "
+                          "pip install transformers, or export without --verify") from None
+    except Exception as exc:  # noqa: BLE001 (a broken install raises anything at import)
+        raise VerifyError(f"--verify: transformers does not import ({_first_line(exc)}); repair it "
+                          "(pip install -U transformers) or export without --verify") from None
+    return transformers
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
 
 
 def _load(transformers, folder: Path):

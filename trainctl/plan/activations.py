@@ -1,20 +1,10 @@
 """Activation bytes that one rank keeps for backward, per token, as the worker's model saves them.
 
-Counted op by op from what autograd saves in trainctl/models/llama.py (checked against the
-saved-tensor hooks and live storages of trainctl/train/memory_stats.py in tests/dist). With
-d = dim, kv = n_kv_heads x head_dim, f = ffn_dim, H = n_heads, V = vocab, `a` the bytes of the
-compute dtype (matmul outputs) and every RMSNorm computing in fp32, one block keeps per token:
-
-    each RMSNorm (x2)   8d + 4        its input as fp32, x * rstd (fp32), rstd
-                        + a d         the normed output in the compute dtype (the matmuls' saved
-                                      input; under autocast each matmul saves its own cast: +2ad
-                                      for wq/wk/wv, +ad for w1/w3)
-    attention           a (d + 2kv)   RoPE'd q and k, v (SDPA's inputs; the pre-RoPE q/k are not
-                                      saved: RoPE multiplies by a constant table)
-                        + 4H          SDPA's log-sum-exp (flash kernels: no seq x seq matrix)
-    SDPA output         a d           (wo's input is a view of it)
-    SwiGLU              4 a f         w1 and w3 outputs, silu(w1 x), their product (w2's input)
-    total               16d + 8 + 4ad + 2a kv + 4H + 4af
+Counted op by op from what autograd saves in the family's module (checked against the saved-tensor hooks
+and live storages of trainctl/train/memory_stats.py in tests/dist). What one block keeps per token, per
+checkpointing mode, is the family's (models/<family>/spec.py: block_none, block_compiled, block_full,
+block_op, block_grad_bytes; the llama spec's docstring has the table); this module adds the layout, the head,
+the loss and the stage sums.
 
 Tensor parallelism (sequence parallel) divides it by tp except the two gathered matmul inputs
 (2 a d: PrepareModuleInput all-gathers the sequence and the column-parallel matmuls save the
@@ -37,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainctl.config.schema import ModelConfig, head_dim_of
+from trainctl.config.schema import ModelConfig
 from trainctl.core.loss_head import chunk_tokens
+from trainctl.models.registry import spec
 
 FP32 = 4
 TOKEN_ID_BYTES = 8  # int64 token ids and targets
@@ -60,65 +51,32 @@ class ActLayout:
 
 def kv_dim(m: ModelConfig, cp: int) -> int:
     """Width of k and v as SDPA sees them (context parallelism repeats the kv heads up to n_heads)."""
-    return m.n_heads * head_dim_of(m) if cp > 1 else m.n_kv_heads * head_dim_of(m)
+    return spec(m.family).sdpa_kv_dim(m, cp)
 
 
 def norm_bytes(m: ModelConfig, lay: ActLayout, feeds: int = 1) -> float:
-    """One RMSNorm and the saved input of the `feeds` matmuls it feeds (gathered over tp).
-
-    Under autocast every matmul casts (and saves) its own copy of the fp32 input: the attention
-    norm feeds wq, wk and wv (3 copies), the feed-forward norm w1 and w3 (2), the final norm the
-    output projection (1). Without autocast the matmuls share one tensor.
-    """
-    copies = feeds if lay.autocast else 1
-    fp32 = (4 if lay.fused_norm else 8) * m.dim + FP32
-    return fp32 / lay.tp + lay.compute_bytes * m.dim * copies
-
-
-def q_dim(m: ModelConfig) -> int:
-    """Width of q and of SDPA's output: n_heads x head_dim (dim, unless model.head_dim says otherwise)."""
-    return m.n_heads * head_dim_of(m)
-
-
-def qk_norm_bytes(m: ModelConfig, lay: ActLayout) -> float:
-    """Qwen3's per-head q and k norms keep their fp32 inputs and compute-dtype outputs (eager; not measured)."""
-    return (FP32 + lay.compute_bytes) * (q_dim(m) + kv_dim(m, 1)) if m.qk_norm else 0
+    """One RMSNorm and the saved input of the `feeds` matmuls it feeds (gathered over tp)."""
+    return spec(m.family).norm_bytes(m, lay, feeds)
 
 
 def block_none(m: ModelConfig, lay: ActLayout) -> float:
     """Bytes per token one block keeps without checkpointing."""
-    a, kv, q = lay.compute_bytes, kv_dim(m, lay.cp), q_dim(m)
-    attention = a * (q + 2 * kv) + FP32 * m.n_heads + a * q + qk_norm_bytes(m, lay)
-    mlp = 4 * a * m.ffn_dim
-    return norm_bytes(m, lay, feeds=3) + norm_bytes(m, lay, feeds=2) + (attention + mlp) / lay.tp
+    return spec(m.family).block_none(m, lay)
 
 
 def block_compiled(m: ModelConfig, lay: ActLayout) -> float:
-    """Bytes per token a torch.compile'd block keeps without checkpointing (measured on CPU: Inductor's
-    partitioner keeps the matmuls' inputs and outputs and recomputes the pointwise work from them):
-
-    two rstd (fp32) and the two normed outputs the matmuls read (a d each, gathered under tp; the fp32 norm
-    inputs are not kept); one residual-stream tensor (r d: the block input); q, k, v (a(d + 2kv)), SDPA's
-    output and wo's contiguous input (2 a d) and its log-sum-exp (4H); w1's and w3's outputs and their SwiGLU
-    product (3 a f; silu is recomputed).
-    """
-    a, kv, q = lay.compute_bytes, kv_dim(m, lay.cp), q_dim(m)
-    norms = 2 * (FP32 / lay.tp + a * m.dim)
-    attention = a * (q + 2 * kv) + 2 * a * q + FP32 * m.n_heads
-    return norms + (lay.residual_bytes * m.dim + attention + 3 * a * m.ffn_dim) / lay.tp
+    """Bytes per token a torch.compile'd block keeps without checkpointing."""
+    return spec(m.family).block_compiled(m, lay)
 
 
 def block_full(m: ModelConfig, lay: ActLayout) -> float:
     """A checkpointed block keeps its input only."""
-    return lay.residual_bytes * m.dim / lay.tp
+    return spec(m.family).block_full(m, lay)
 
 
 def block_op(m: ModelConfig, lay: ActLayout) -> float:
-    """Per-op checkpointing: the input plus the matmul and attention outputs (see module doc)."""
-    a, kv, q = lay.compute_bytes, kv_dim(m, lay.cp), q_dim(m)
-    split = a * (q + 2 * kv) + a * q + FP32 * m.n_heads + 2 * a * m.ffn_dim
-    row_parallel_outputs = 2 * a * m.dim
-    return block_full(m, lay) + split / lay.tp + row_parallel_outputs
+    """Per-op checkpointing: the input plus the matmul and attention outputs."""
+    return spec(m.family).block_op(m, lay)
 
 
 def checkpointed_blocks(mode: str, n_blocks: int, every: int) -> int:
@@ -182,15 +140,8 @@ def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int, head_reduc
 
 
 def block_grad_bytes(m: ModelConfig, lay: ActLayout) -> float:
-    """Per token, what one block's backward adds beyond its saved tensors: two [tokens, ffn] gradients.
-
-    SwiGLU's backward holds the gradients of w2's input, of silu(w1 x) and of w3 x while only
-    the product it saved is freed (measured with the CPU allocator's events: +2 a f net). Under
-    tensor parallelism the sequence all-gathers and reduce-scatters keep full-sequence buffers
-    in flight, and how many overlap depends on timing: two [tokens, dim] ones are counted.
-    """
-    comm = 2 * lay.compute_bytes * m.dim if lay.tp > 1 else 0
-    return 2 * lay.compute_bytes * m.ffn_dim / lay.tp + comm
+    """Per token, what one block's backward adds beyond its saved tensors (the family's spec)."""
+    return spec(m.family).block_grad_bytes(m, lay)
 
 
 def recompute_bytes(m: ModelConfig, lay: ActLayout, mode: str) -> float:

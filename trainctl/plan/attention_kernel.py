@@ -14,6 +14,7 @@ On CPU SDPA runs its own flash kernel (_scaled_dot_product_flash_attention_for_c
 from __future__ import annotations
 
 from trainctl.config.schema import RunConfig
+from trainctl.models.registry import spec
 
 CUDNN_MAX_HEAD_DIM = 128
 FLASH_MAX_HEAD_DIM = 256
@@ -22,7 +23,7 @@ FLASH_MAX_HEAD_DIM = 256
 def predicted_kernel(cfg: RunConfig) -> tuple[str, str]:
     """(kernel, why): "cudnn", "flash", "cudnn or flash", "efficient" or "cpu-flash"."""
     m = cfg.model
-    head_dim = m.dim // m.n_heads
+    head_dim = spec(m.family).head_dim(m)  # Qwen3 0.6B: 128 on a 1024 stream of 16 heads
     if cfg.cluster.device != "cuda":
         return "cpu-flash", "SDPA's CPU flash kernel"
     if cfg.precision.compute_dtype == "fp32":

@@ -64,7 +64,7 @@ def capacity_bytes(cluster: ClusterConfig) -> int | None:
     if cluster.device == "cuda":
         spec = GPUS.get(cluster.gpu)
         return None if spec is None else int(spec.memory_gib * GIB)
-    if cluster.launcher != "local":
+    if not cluster.on_this_machine:
         return None
     host = host_memory_bytes()
     return None if host is None else host // cluster.procs_per_node
@@ -150,7 +150,7 @@ def device_label(device: str, gpu: str) -> str:
 
 def local_device_problems(cluster: ClusterConfig, machine: Machine) -> list[str]:
     """Why a local launch cannot run on this machine's devices (launch refuses these)."""
-    if cluster.launcher != "local":
+    if not cluster.on_this_machine:
         return []
     none = f"this machine has no NVIDIA GPU{_hidden(machine)}"
     if cluster.device == "cuda" and not machine.gpus:
@@ -168,7 +168,7 @@ def local_device_problems(cluster: ClusterConfig, machine: Machine) -> list[str]
 
 def device_warning(cluster: ClusterConfig, machine: Machine) -> str | None:
     """What the plan says when a local launch's device is not what this machine has (or not what it runs on)."""
-    if cluster.launcher != "local":
+    if not cluster.on_this_machine:
         return None
     problems = local_device_problems(cluster, machine)
     if problems:

@@ -147,7 +147,7 @@ class RankMemory:
 
 
 def local_tensors(m: ModelConfig, stage: RankStages, tp: int) -> list[Tensor]:
-    return [tp_local(t, tp) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
+    return [tp_local(t, tp, m.family) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
 
 
 def stored_elements(
@@ -196,7 +196,7 @@ def model_states(
 def fsdp_units(m: ModelConfig, stage: RankStages, tp: int) -> dict[str, int]:
     """Elements of each FSDP2 unit (parallelize.apply_fsdp), tp-local: embedding, one block, head, root."""
     def numel(ts: list[Tensor]) -> int:
-        return sum(tp_local(t, tp).numel for t in ts)
+        return sum(tp_local(t, tp, m.family).numel for t in ts)
 
     tied = m.tie_embeddings and stage.first and stage.last
     block = numel(block_tensors(m, stage.layers[0])) if stage.layers else 0

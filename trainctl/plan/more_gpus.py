@@ -46,12 +46,12 @@ def scaled_variants(cfg: RunConfig, fits: Callable[[RunConfig], bool]) -> list[V
 def _counts(cfg: RunConfig) -> Iterator[tuple[int, dict]]:
     """(factor of the world size, the cluster keys that give it), smallest first."""
     c = cfg.cluster
-    if c.launcher == "slurm":
+    if c.multi_node:
         factor = 2
         while factor <= MAX_NODE_FACTOR:
             yield factor, {"nodes": c.nodes * factor}
             factor *= 2
-    elif c.launcher == "local":
+    elif c.on_this_machine:
         for gpus in LOCAL_GPUS:
             if gpus > c.procs_per_node and gpus % c.procs_per_node == 0:
                 yield gpus // c.procs_per_node, {"procs_per_node": gpus}
@@ -97,7 +97,7 @@ def _variant(cfg: RunConfig, cluster: dict, sharding: dict) -> Variant | None:
             continue
         overrides = changed_keys(cfg, resolved)
         world = resolved.cluster.nodes * resolved.cluster.procs_per_node
-        where = f"{resolved.cluster.nodes} nodes" if cfg.cluster.launcher == "slurm" else "one machine"
+        where = f"{resolved.cluster.nodes} nodes" if cfg.cluster.multi_node else "one machine"
         return Variant(f"{world} GPUs ({where})", tuple(overrides), resolved)
     return None
 

@@ -209,7 +209,7 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)
     a = assess(cfg, dims)
     suggestions = advice.suggest(cfg, a) if with_advice and a.fit.verdict in ("does not fit", "tight") else []
-    local = cfg.cluster.launcher == "local"
+    local = cfg.cluster.on_this_machine
     device = fit.device_warning(cfg.cluster, machine or fit.this_machine()) if local else None
     warnings = [batch_warning(batch), gpu_warning(cfg.cluster), device, *unsupported(cfg.sharding, cfg.precision),
                 fit_warning(a, fit.device_label(cfg.cluster.device, cfg.cluster.gpu))]

@@ -1,10 +1,10 @@
 """The parameter tensors one rank holds, tensor by tensor, without torch.
 
-The memory plan counts bytes per tensor rather than per parameter, because that is how the
-worker's libraries split them:
-- tensor parallelism (trainctl/train/tensor_parallel.py) splits wq/wk/wv/w1/w3 and the output
-  projection by rows (column-parallel), wo/w2 by columns (row-parallel), the embedding by
-  vocabulary rows, and replicates the RMSNorm weights on every tp rank;
+The tensors are the family's (models/<family>/spec.py). The memory plan counts bytes per tensor rather than
+per parameter, because that is how the worker's libraries split them:
+- tensor parallelism (the family's parallel.py, applied by trainctl/train/tensor_parallel.py) splits
+  wq/wk/wv/w1/w3 (and q/k/v biases) and the output projection by rows (column-parallel), wo/w2 by
+  columns (row-parallel), the embedding by vocabulary rows, and replicates the norm weights on every rank;
 - FSDP2 `fully_shard` splits every (tp-local) tensor on dim 0 into dp_shard chunks of
   ceil(rows / dp_shard) rows, so rank 0 holds the largest chunk;
 - ZeroRedundancyOptimizer (zero1) gives whole tensors to ranks, largest first, each to the rank
@@ -16,63 +16,27 @@ output projection, a tied output is the embedding (counted once).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from trainctl.config.schema import ModelConfig
+from trainctl.core.tensors import Tensor
+from trainctl.models.registry import spec
 
-from trainctl.config.schema import ModelConfig, head_dim_of
+__all__ = ["Tensor", "block_tensors", "embedding_tensor", "fsdp_local_numel", "fsdp_rows", "head_tensors",
+           "stage_tensors", "tp_local", "zero1_partition"]
 
-# Split by output rows (ColwiseParallel), by input columns (RowwiseParallel); the rest is replicated.
-_COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
-_ROWWISE = ("wo", "w2")
-
-
-@dataclass(frozen=True)
-class Tensor:
-    name: str  # as in model.named_parameters(), e.g. layers.3.attention.wq.weight
-    rows: int
-    cols: int  # 1 for vectors (the norm weights)
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def is_matmul(self) -> bool:
-        """Used in a matmul (autocast casts it, float8 may convert it): not a norm, not the embedding lookup."""
-        return self.cols > 1 and not self.name.startswith("tok_embeddings")
 
 
 def block_tensors(m: ModelConfig, index: int) -> list[Tensor]:
-    """One transformer block's weights in registration order (norm, attention, norm, feed-forward)."""
-    head_dim = head_dim_of(m)
-    q, kv = m.n_heads * head_dim, m.n_kv_heads * head_dim
-    p = f"layers.{index}."
-    attention = []
-    for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):
-        attention.append(Tensor(p + f"attention.{name}.weight", rows, m.dim))
-        attention += [Tensor(p + f"attention.{name}.bias", rows, 1)] if m.qkv_bias else []
-    attention.append(Tensor(p + "attention.wo.weight", m.dim, q))
-    if m.qk_norm:
-        attention += [Tensor(p + f"attention.{name}.weight", head_dim, 1) for name in ("q_norm", "k_norm")]
-    return [
-        Tensor(p + "attention_norm.weight", m.dim, 1),
-        *attention,
-        Tensor(p + "ffn_norm.weight", m.dim, 1),
-        Tensor(p + "feed_forward.w1.weight", m.ffn_dim, m.dim),
-        Tensor(p + "feed_forward.w2.weight", m.dim, m.ffn_dim),
-        Tensor(p + "feed_forward.w3.weight", m.ffn_dim, m.dim),
-    ]
+    """One transformer block's weights in registration order (the family's spec)."""
+    return spec(m.family).block_tensors(m, index)
 
 
 def embedding_tensor(m: ModelConfig) -> Tensor:
-    return Tensor("tok_embeddings.weight", m.vocab_size, m.dim)
+    return spec(m.family).embedding_tensor(m)
 
 
 def head_tensors(m: ModelConfig, first: bool) -> list[Tensor]:
     """The final norm and the output projection (none when tied to an embedding this stage holds)."""
-    tensors = [Tensor("norm.weight", m.dim, 1)]
-    if not (m.tie_embeddings and first):
-        tensors.append(Tensor("output.weight", m.vocab_size, m.dim))
-    return tensors
+    return spec(m.family).head_tensors(m, first)
 
 
 def stage_tensors(m: ModelConfig, layers: range, first: bool, last: bool) -> list[Tensor]:
@@ -83,18 +47,21 @@ def stage_tensors(m: ModelConfig, layers: range, first: bool, last: bool) -> lis
     return tensors + (head_tensors(m, first) if last else [])
 
 
-def _kind(name: str) -> str:
+def _kind(name: str, family: str = "llama") -> str:
     leaf = name.rsplit(".", 2)[-2]  # the module's own name: wq, w2, output, ...
-    return "col" if leaf in _COLWISE else "row" if leaf in _ROWWISE else "replicated"
+    fam = spec(family)
+    return "col" if leaf in fam.tp_colwise else "row" if leaf in fam.tp_rowwise else "replicated"
 
 
-def tp_local(t: Tensor, tp: int) -> Tensor:
+def tp_local(t: Tensor, tp: int, family: str = "llama") -> Tensor:
     """The tensor a tp rank holds (validate made tp divide heads, kv-heads, ffn_dim and dim)."""
-    kind = _kind(t.name)
+    kind = _kind(t.name, family)
     if tp == 1 or kind == "replicated":
         return t
     if kind == "col":
         return Tensor(t.name, -(-t.rows // tp), t.cols)
+    if t.cols == 1:  # a row-parallel layer's bias is not split
+        return t
     return Tensor(t.name, t.rows, -(-t.cols // tp))
 
 

@@ -167,7 +167,7 @@ def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
         log.error("%s", message)
         write_error_file(message, EXIT_CONFIG, log_path)
         return EXIT_CONFIG
-    stop = StopRequest(cfg.cluster.preemption.signal)
+    stop = StopRequest(cfg.cluster.stop_signal)
     reported: list[tuple[int, str]] = []  # by the trainer, before it closes the process group
     try:
         stop.install()

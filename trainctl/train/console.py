@@ -31,7 +31,8 @@ def _train(r: dict, total: int | None) -> str:
         parts.append(f"{r['step_time_s']:.3g} s/step")
     if "mfu" in r:
         parts.append(f"mfu {r['mfu']:.1%}")
-    for key, word in (("guard_skipped_steps", "skipped"), ("guard_loss_spikes", "spikes")):
+    for key, word in (("guard_skipped_steps", "skipped"), ("guard_loss_spikes", "spikes"),
+                      ("guard_empty_batches", "empty batches")):
         if r.get(key):
             parts.append(f"{word} {r[key]}")
     return SEP.join(parts)

@@ -8,6 +8,9 @@ Three sources, chosen by `data.kind`:
 - `memmap`: the user's own flat token files (`data.train_path`, `data.val_path`, `data.token_dtype`).
 - `synthetic`: random tokens generated per sample from the (seed, step, sample) RNG; no file I/O.
 
+Prepared chat / instruction datasets carry a mask file per shard (data/format.py): a window's targets whose
+mask lacks the LOSS bit become IGNORE_INDEX, which the loss skips; datasets without masks count every target.
+
 Sampling: sample j (0 <= j < global_batch) of a step starts at the j-th offset drawn by
 `np.random.default_rng([seed, step])`; rank r, micro-batch a, row b reads j = r*(A*M) + a*M + b. The union
 over ranks and micro-batches is therefore the same global batch whatever the dp / accumulation split.
@@ -30,6 +33,8 @@ import numpy as np
 import torch
 
 from trainctl.config.schema import DATA_KINDS, TOKEN_DTYPES, DataConfig
+from trainctl.data.format import LOSS
+from trainctl.models.loss_head import IGNORE_INDEX
 
 SEPARATOR = 0  # appended after every stdlib file; never occurs in Python source
 STDLIB_VOCAB = 256  # byte-level tokens
@@ -273,14 +278,31 @@ def check_vocab(data_cfg: DataConfig, model_vocab: int) -> None:
                             f"set data.vocab_size (and model.vocab_size) to > {largest}")
 
 
+def _open_mask_file(path: Path, tokens: int, key: str) -> np.ndarray:
+    """A shard's mask file: exactly one flag byte per token, or every later flag would sit beside another token."""
+    if not path.is_file():
+        raise DataError(f"{key}: mask file {path.name} is missing; prepare the dataset again")
+    size = path.stat().st_size
+    if size != tokens:
+        raise DataError(f"{key}: mask file {path.name} is {size} bytes, its shard has {tokens} tokens (one mask "
+                        "byte each); prepare the dataset again")
+    return np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+
+
 # ---------------------------------------------------------------- token sources
 
 
 class FlatTokens:
     """One flat token array (a user's file or the stdlib cache): starts are offsets into it."""
 
+    masked = False
+
     def __init__(self, tokens: np.ndarray):
         self.tokens, self.size = tokens, int(tokens.size)
+
+    def flags(self, start: int, length: int) -> np.ndarray | None:
+        """The mask flags of a window (data/format.py's LOSS and DOC_START bits), None without masks."""
+        return None
 
     def arrays(self) -> list[np.ndarray]:
         return [self.tokens]
@@ -294,10 +316,14 @@ class FlatTokens:
 
 
 class ShardedTokens(FlatTokens):
-    """The shards of one prepared dataset's split, read as one stream (a window may span two shards)."""
+    """The shards of one prepared dataset's split, read as one stream (a window may span two shards), with
+    their mask files when the dataset has them (each as long as its shard)."""
 
-    def __init__(self, shards: list[np.ndarray]):
-        self.shards = [s for s in shards if s.size]
+    def __init__(self, shards: list[np.ndarray], masks: list[np.ndarray] | None = None):
+        keep = [i for i, s in enumerate(shards) if s.size]
+        self.shards = [shards[i] for i in keep]
+        self.masks = None if masks is None else [masks[i] for i in keep]
+        self.masked = masks is not None
         self.ends = np.cumsum([s.size for s in self.shards])
         self.size = int(self.ends[-1]) if self.shards else 0
 
@@ -305,15 +331,21 @@ class ShardedTokens(FlatTokens):
         return self.shards
 
     def window(self, start: int, length: int) -> np.ndarray:
+        return self._read(self.shards, start, length)
+
+    def flags(self, start: int, length: int) -> np.ndarray | None:
+        return None if self.masks is None else self._read(self.masks, start, length)
+
+    def _read(self, arrays: list[np.ndarray], start: int, length: int) -> np.ndarray:
         index = int(np.searchsorted(self.ends, start, side="right"))
         begin = start - (int(self.ends[index - 1]) if index else 0)
-        piece = self.shards[index][begin : begin + length]
+        piece = arrays[index][begin : begin + length]
         if piece.size == length:
             return piece
         pieces = [piece]
         while sum(p.size for p in pieces) < length:
             index += 1
-            pieces.append(self.shards[index][: length - sum(p.size for p in pieces)])
+            pieces.append(arrays[index][: length - sum(p.size for p in pieces)])
         return np.concatenate(pieces)
 
 
@@ -340,9 +372,17 @@ class BlendedTokens:
                 meta = dataset.read_meta(path)
             except dataset.DatasetError as exc:
                 raise DataError(f"data.datasets: {exc}") from None
-            parts.append(ShardedTokens([_open_token_file(p, meta.token_dtype, f"data.datasets ({path})")
-                                        for p in meta.shard_paths(split)]))
+            key = f"data.datasets ({path})"
+            shards = [_open_token_file(p, meta.token_dtype, key) for p in meta.shard_paths(split)]
+            masks = meta.mask_paths(split)
+            if masks is not None:
+                masks = [_open_mask_file(m, shard.size, key) for m, shard in zip(masks, shards, strict=True)]
+            parts.append(ShardedTokens(shards, masks))
         return cls(parts, list(weights) or [float(p.size) for p in parts])
+
+    @property
+    def masked(self) -> bool:
+        return any(p.masked for p in self.parts)
 
     def arrays(self) -> list[np.ndarray]:
         return [a for p in self.parts for a in p.arrays()]
@@ -357,12 +397,25 @@ class BlendedTokens:
         return int(self._stretches(length).sum())
 
     def window(self, start: int, length: int) -> np.ndarray:
+        part, local = self._locate(start, length)
+        return self.parts[part].window(local, length)
+
+    def flags(self, start: int, length: int) -> np.ndarray | None:
+        """A masked blend's flags: a dataset without masks counts every target (LOSS everywhere)."""
+        if not self.masked:
+            return None
+        part, local = self._locate(start, length)
+        flags = self.parts[part].flags(local, length)
+        return np.full(length, LOSS, dtype=np.uint8) if flags is None else flags
+
+    def _locate(self, start: int, length: int) -> tuple[int, int]:
+        """(dataset, its own start) of a start in the virtual range."""
         stretches = self._stretches(length)
         ends = np.cumsum(stretches)
         d = int(np.searchsorted(ends, start, side="right"))
         local = start - (int(ends[d - 1]) if d else 0)
         own = self.parts[d].num_starts(length)
-        return self.parts[d].window(local * own // int(stretches[d]), length)
+        return d, local * own // int(stretches[d])
 
 
 TokenSource = FlatTokens | BlendedTokens
@@ -371,10 +424,16 @@ TokenSource = FlatTokens | BlendedTokens
 # ---------------------------------------------------------------- batches
 
 
-def _to_inputs_targets(samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split [rows, seq_len+1] tokens into int64 (inputs, targets), targets shifted by one token."""
+def _to_inputs_targets(samples: np.ndarray, flags: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split [rows, seq_len+1] tokens into int64 (inputs, targets), targets shifted by one token; a target whose
+    flags lack LOSS (a prompt token, a chat's separator) becomes IGNORE_INDEX."""
     batch = torch.from_numpy(samples.astype(np.int64))
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    if flags is not None:
+        # A copy: for one row both slices are already contiguous views of `batch`, overlapping the inputs.
+        targets = targets.clone()
+        targets[torch.from_numpy((flags[:, 1:] & LOSS) == 0)] = IGNORE_INDEX
+    return inputs, targets
 
 
 class TokenBatches:
@@ -400,6 +459,11 @@ class TokenBatches:
                 raise DataError(f"{self._key}: the {split} split has {self._tokens.size} tokens, "
                                 f"fewer than train.seq_len+1="
                                 f"{seq_len + 1}; use more data or a smaller train.seq_len")
+
+    @property
+    def masked(self) -> bool:
+        """Whether only some targets count (a chat / instruction dataset): the step must count them."""
+        return self._tokens is not None and self._tokens.masked
 
     @property
     def num_tokens(self) -> int | None:
@@ -429,7 +493,7 @@ class TokenBatches:
         for a in range(self.grad_accum):
             sample_ids = range(first_of_rank + a * self.micro_batch, first_of_rank + (a + 1) * self.micro_batch)
             if self._tokens is None:
-                rows = [self._synthetic_sample([self.seed, j, _SPLIT_TAG[self.split]]) for j in sample_ids]
+                rows = [(self._synthetic_sample([self.seed, j, _SPLIT_TAG[self.split]]), None) for j in sample_ids]
             else:
                 rows = [self._window(int(starts[j - first_of_rank])) for j in sample_ids]
             out.append(self._checked_pair(rows))
@@ -447,7 +511,7 @@ class TokenBatches:
             first = self.dp_rank * per_rank + i * self.micro_batch
             sample_ids = range(first, first + self.micro_batch)
             if self._tokens is None:
-                rows = [self._synthetic_sample([_EVAL_TAG, j, _SPLIT_TAG[self.split]]) for j in sample_ids]
+                rows = [(self._synthetic_sample([_EVAL_TAG, j, _SPLIT_TAG[self.split]]), None) for j in sample_ids]
             else:
                 rows = [self._window(self._eval_start(j)) for j in sample_ids]
             out.append(self._checked_pair(rows))
@@ -469,19 +533,20 @@ class TokenBatches:
     def _eval_start(self, j: int) -> int:
         return int(((j + 1) * _INV_PHI) % 1.0 * self._num_starts())
 
-    def _window(self, start: int) -> np.ndarray:
-        return self._tokens.window(start, self.seq_len + 1)
+    def _window(self, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+        return self._tokens.window(start, self.seq_len + 1), self._tokens.flags(start, self.seq_len + 1)
 
     def _synthetic_sample(self, seed_words: list[int]) -> np.ndarray:
         # Seeded per sample so a rank generates only its own rows, whatever the global batch.
         rng = np.random.default_rng(seed_words)
         return rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int64)
 
-    def _checked_pair(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        samples = np.stack(rows)
+    def _checked_pair(self, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+        samples = np.stack([tokens for tokens, _ in rows])
+        flags = np.stack([f for _, f in rows]) if self.masked else None
         # One max over the rows we read anyway: an out-of-range id would otherwise surface as an opaque
         # index error (or a CUDA device assert) inside the embedding.
         if self._tokens is not None and int(samples.max()) >= self.vocab_size:
             raise DataError(f"{self._key}: token id {int(samples.max())} >= data.vocab_size={self.vocab_size}; "
                             f"set data.vocab_size (and model.vocab_size) above the largest id")
-        return _to_inputs_targets(samples)
+        return _to_inputs_targets(samples, flags)

@@ -68,6 +68,7 @@ class StepGuard:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.loss_spikes = 0
+        self.empty_batches = 0  # steps skipped because no target of the global batch counted (masked data)
         self._history: deque[float] = deque(maxlen=cfg.spike_window)
 
     def decide(self, step: int, loss: float, grad_norm: float) -> str:
@@ -116,9 +117,17 @@ class StepGuard:
         log.warning("step %d: skipped, %s (loss=%.6g, grad_norm=%.6g); %s", step, reason, loss, grad_norm, counts)
         return "skip"
 
+    def note_empty(self, step: int) -> None:
+        """A step whose loss masks leave no target token in the whole global batch: skipped, counted, warned (a
+        mean over no tokens would be 0/0, a NaN that stops the run)."""
+        self.empty_batches += 1
+        log.warning("step %d: skipped: the loss masks leave no target token in the global batch (every window "
+                    "sampled holds prompt tokens only); %d such steps so far", step, self.empty_batches)
+
     def metrics(self) -> dict:
         """Counters for the step log (prefixed: fp16 loss scaling logs its own "skipped_steps")."""
-        return {"guard_skipped_steps": self.skipped_steps, "guard_loss_spikes": self.loss_spikes}
+        return {"guard_skipped_steps": self.skipped_steps, "guard_loss_spikes": self.loss_spikes,
+                "guard_empty_batches": self.empty_batches}
 
     def state_dict(self) -> dict:
         """Counters and loss history, so a resumed run judges spikes as the interrupted one would."""
@@ -126,6 +135,7 @@ class StepGuard:
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "loss_spikes": self.loss_spikes,
+            "empty_batches": self.empty_batches,
             "history": list(self._history),
         }
 
@@ -133,6 +143,7 @@ class StepGuard:
         self.skipped_steps = state["skipped_steps"]
         self.consecutive_skips = state["consecutive_skips"]
         self.loss_spikes = state["loss_spikes"]
+        self.empty_batches = state.get("empty_batches", 0)  # absent from checkpoints written before masks
         self._history = deque(state["history"], maxlen=self.cfg.spike_window)
 
 

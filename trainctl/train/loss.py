@@ -9,14 +9,19 @@ the split into ranks and micro-batches.
 The sum itself is the model's (`model(inputs, targets=...)`): chunked over tokens by its output head,
 so no fp32 [tokens, vocab] tensor is ever whole (models/loss_head.py). A pipeline's last stage gets
 logits from its schedule and sums them densely.
+
+Masked data (chat / instruction datasets): targets outside the answers are IGNORE_INDEX and add nothing to
+the sums; the normalizer is then the count of the targets that do count, which differs between ranks, so
+it is summed over the world once per step (`step_divisor`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from trainctl.models.loss_head import dense_loss_sum
+from trainctl.models.loss_head import IGNORE_INDEX, dense_loss_sum
 
 
 def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
@@ -27,6 +32,29 @@ def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return model(inputs, freqs, targets=targets)
 
 
+def counted_targets(micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Targets that count in the loss (not IGNORE_INDEX) over a rank's micro-batches (host tensors: no sync)."""
+    return sum(int((targets != IGNORE_INDEX).sum()) for _, targets in micro_batches)
+
+
+def step_divisor(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], cp: int, device: torch.device) -> float:
+    """A rank's loss divisor for one step of masked data, from the counted targets of the whole global batch.
+
+    DDP / FSDP average gradients over the dp x cp ranks, so each rank divides its summed loss by
+    global_count / (dp x cp): the average is then the gradient of the mean over every counted target of the
+    global batch, however unevenly the masks spread them over ranks and micro-batches. Every rank of a dp
+    replica (its cp, tp and pp ranks) reads the same batch, so the world's sum of the ranks' counts is
+    global_count x world / dp, and the divisor is that sum / (world x cp). One all-reduce and one host sync
+    per step; 0 when no target of the global batch counts (the step is skipped).
+    """
+    count = torch.tensor(float(counted_targets(micro_batches)), dtype=torch.float64, device=device)
+    world = 1
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size()
+        dist.all_reduce(count)
+    return count.item() / (world * cp)
+
+
 class TokenLoss:
     """One micro-batch's training loss: its summed cross-entropy over the tokens of the rank's whole step.
 
@@ -34,7 +62,7 @@ class TokenLoss:
     both go through `normalize`.
     """
 
-    def __init__(self, rank_tokens: int):
+    def __init__(self, rank_tokens: float):
         self.rank_tokens = rank_tokens
 
     def normalize(self, summed: torch.Tensor) -> torch.Tensor:

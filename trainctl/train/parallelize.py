@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import wrapping_of
+from trainctl.models.build import family_parallel
 from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.context_parallel import expand_kv_heads_for_cp
 from trainctl.train.errors import WorkerConfigError
@@ -91,25 +92,18 @@ def apply_fsdp(
     model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy,
     cpu_offload: bool = False,
 ) -> None:
-    """fully_shard the embedding, each block, and norm + output as their own units, then the root.
+    """fully_shard the family's units (models/<family>/parallel.fsdp_units: for llama the embedding, each block,
+    and norm + output), then the root.
 
     Separate units let FSDP all-gather a large vocabulary matrix only around its own use and
-    free it afterwards. A tied embedding is one parameter used at both ends: it stays in the
-    root unit. cpu_offload: the sharded parameters, their gradients (hence the optimizer step
+    free it afterwards. cpu_offload: the sharded parameters, their gradients (hence the optimizer step
     and its states) live in host memory; each unit is copied to the device for its all-gather.
     """
     # Pinned host memory makes the host-device copies asynchronous; it needs a CUDA runtime.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
-    tied = getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings
-    if getattr(model, "tok_embeddings", None) is not None and not tied:
-        shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward)
-    for block in transformer_blocks(model).values():
-        shard(block, reshard_after_forward=reshard_after_forward)
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    if head and not tied:
-        # Used last in forward and first in backward: resharding in between would only re-gather.
-        shard(head, reshard_after_forward=False)
+    for unit, may_reshard in family_parallel(model.cfg).fsdp_units(model, transformer_blocks(model)):
+        shard(unit, reshard_after_forward=reshard_after_forward and may_reshard)
     shard(model, reshard_after_forward=False)
 
 

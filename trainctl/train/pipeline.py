@@ -36,7 +36,8 @@ from torch.distributed.pipelining import (
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.stages import local_stage_ids, stage_layers
-from trainctl.models.llama import Llama, build_model
+from trainctl.models.build import family_parallel
+from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.train.loss import TokenLoss
 from trainctl.train.micro_batch import MicroBatchContext
 from trainctl.train.parallelize import parallelize
@@ -67,18 +68,10 @@ class Pipeline:
     loss_fn: StageLoss  # the last stage's loss; holds the unscaled microbatch losses of the last call
 
 
-def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) -> Llama:
-    """A meta-device Llama holding only `layers` (global keys kept), the embedding if first, the head if last."""
-    model = build_model(cfg, "meta")
-    for key in list(model.layers.keys()):
-        if int(key) not in layers:
-            del model.layers[key]
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
-    return model
+def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) -> nn.Module:
+    """A meta-device model holding only `layers` (global keys kept), the embedding if first, the head if last
+    (the family's stage builder, models/<family>/parallel.py)."""
+    return family_parallel(cfg).build_stage_model(cfg, layers, first, last)
 
 
 class StageLoss:
@@ -172,8 +165,12 @@ def sum_over_stages(value: torch.Tensor, pipeline: Pipeline) -> torch.Tensor:
 
 
 def pipeline_forward_backward(pipeline: Pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                              contexts: MicroBatchContext) -> torch.Tensor:
-    """One schedule step over this rank's micro-batches; returns the rank's mean token loss, same on every pp rank."""
+                              contexts: MicroBatchContext, divisor: float | None = None) -> torch.Tensor:
+    """One schedule step over this rank's micro-batches; returns the rank's mean token loss, same on every pp rank.
+
+    divisor: masked data's (loss.step_divisor: the step's counted targets); None: every target counts.
+    """
+    pipeline.loss_fn.token_loss = TokenLoss(pipeline.rank_tokens if divisor is None else divisor)
     losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches, contexts.forward)
     total = torch.stack(losses).sum().detach() if pipeline.is_last else torch.zeros((), device=pipeline.device)
     return sum_over_stages(total, pipeline)
@@ -188,6 +185,7 @@ def pipeline_eval_totals(pipeline: Pipeline, batches: list[tuple[torch.Tensor, t
     groups of that size, the last group padded with copies whose losses are dropped.
     """
     totals = torch.zeros(2, device=pipeline.device, dtype=torch.float64)
+    pipeline.loss_fn.token_loss = TokenLoss(pipeline.rank_tokens)  # multiplied back below
     n = pipeline.n_microbatches
     for start in range(0, len(batches), n):
         group = batches[start : start + n]
@@ -197,7 +195,7 @@ def pipeline_eval_totals(pipeline: Pipeline, batches: list[tuple[torch.Tensor, t
         if pipeline.is_last:
             # The loss function divides by rank_tokens; multiply back for the plain sum.
             totals[0] += torch.stack(losses[:real]).double().sum() * pipeline.rank_tokens
-        totals[1] += sum(targets.numel() for _, targets in group)
+        totals[1] += sum(int((targets != IGNORE_INDEX).sum()) for _, targets in group)
     totals[0] = sum_over_stages(totals[0].clone(), pipeline)
     return totals
 

@@ -3,6 +3,8 @@
 `train_step`: micro-batches (plain, or one pipeline schedule step) -> unscale (fp16) -> clip -> one
 all-reduce that agrees on loss, norm and stop -> the guard decides -> optimizer step -> zero gradients.
 Every micro-batch runs under the one MicroBatchContext (micro_batch.py); the loss is loss.TokenLoss.
+With masked data the step first agrees on its counted targets (loss.step_divisor); a step where none counts
+is skipped (weights unchanged), counted and warned by the guard.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.train.guards import agreed_step
 from trainctl.train.job import Job
-from trainctl.train.loss import TokenLoss, token_loss_sum
+from trainctl.train.loss import TokenLoss, step_divisor, token_loss_sum
 from trainctl.train.loss_scaling import DynamicLossScaler
 from trainctl.train.memory_stats import memory_record
 from trainctl.train.micro_batch import MicroBatchContext
@@ -41,13 +44,18 @@ def train_step(job: Job, step: int) -> StepResult:
     lr = lr_at(step, job.cfg.optim.lr, job.cfg.schedule, job.cfg.train.steps)
     set_lr(job.optimizer, lr)
     micro_batches = job.train_data.micro_batches(step)
+    divisor = None  # unmasked: every target counts, the count is known without a sync
+    if job.train_data.masked:
+        divisor = step_divisor(micro_batches, job.contexts.cp, job.world.device)
+        if divisor == 0:
+            return skip_empty_step(job, step, lr)
     # One step's peak is measured, once optimizer states exist and DDP has rebuilt its buckets.
     measured = step == memory_step(job.start.step, job.cfg.train.steps)
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
     if job.pipeline is None:
-        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale)
+        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor)
     else:
-        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts)
+        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor)
     job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
     local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))
     # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
@@ -62,13 +70,29 @@ def train_step(job: Job, step: int) -> StepResult:
     return StepResult(step + 1, loss, grad_norm, lr, stop, memory)
 
 
+def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
+    """A step whose masks leave no counted target anywhere: no forward, no optimizer step; the stop request
+    is still agreed (the same all-reduce as a real step), and the guard counts and warns."""
+    zero = torch.zeros((), device=job.world.device)
+    _, _, stop = agreed_step(zero, zero, job.stop.wanted(step + 1))
+    job.guard.note_empty(step + 1)
+    job.optimizer.zero_grad(set_to_none=True)
+    return StepResult(step + 1, 0.0, 0.0, lr, stop)
+
+
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     contexts: MicroBatchContext, scale_loss=lambda loss: loss) -> torch.Tensor:
-    """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync)."""
+                     contexts: MicroBatchContext, scale_loss=lambda loss: loss,
+                     divisor: float | None = None) -> torch.Tensor:
+    """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync).
+
+    divisor: masked data's (loss.step_divisor); None: every target counts.
+    """
     device = contexts.device
-    # Every micro-batch is full (no padding), so the count is known without a device sync;
-    # a cp rank holds 1/cp of each sequence.
-    token_loss = TokenLoss(sum(targets.numel() for _, targets in micro_batches) // contexts.cp)
+    if divisor is None:
+        # Every micro-batch is full (no padding), so the count is known without a device sync;
+        # a cp rank holds 1/cp of each sequence.
+        divisor = sum(targets.numel() for _, targets in micro_batches) // contexts.cp
+    token_loss = TokenLoss(divisor)
     total = torch.zeros((), device=device)
     for index, (inputs, targets) in enumerate(micro_batches):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -123,5 +147,5 @@ def eval_totals(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor
         inputs, targets = inputs.to(contexts.device), targets.to(contexts.device)
         with contexts.sequences(inputs, targets) as freqs, contexts.autocast():
             totals[0] += token_loss_sum(model, inputs, targets, freqs).double()
-        totals[1] += targets.numel()  # after the call: a cp rank's own slice
+        totals[1] += (targets != IGNORE_INDEX).sum()  # after the call: a cp rank's own slice; masks honoured
     return totals

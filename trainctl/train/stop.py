@@ -159,7 +159,12 @@ def requeue_slurm_job() -> bool:
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return False
-    proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        # A container without Slurm's client: the job's batch shell requeues it after the workers exit.
+        log.warning("scontrol requeue %s is not possible here (%s); the batch script requeues the job", job, exc)
+        return False
     if proc.returncode != 0:
         log.error("scontrol requeue %s failed: %s", job, proc.stderr.strip())
         return False

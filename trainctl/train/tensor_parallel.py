@@ -1,5 +1,7 @@
 """Tensor parallelism with sequence parallelism (Megatron-style), on DTensor's `parallelize_module`.
 
+The styles per module are the family's (trainctl/models/<family>/parallel.py: root_plan, block_plan).
+
 Inside a block the matmuls are split over the tp ranks: wq/wk/wv and w1/w3 by output
 columns (each rank owns n_heads/tp query heads, n_kv_heads/tp kv heads and ffn_dim/tp
 hidden units), wo and w2 by input rows (their partial sums are reduce-scattered).
@@ -22,97 +24,24 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
+
+from trainctl.models.build import family_parallel
 
 log = logging.getLogger("trainctl.train")
 
 
-def root_plan(model: nn.Module) -> dict:
-    """Embedding, final norm and output projection (the parts outside the blocks) that `model` holds.
-
-    A pipeline stage may lack some of them; between stages the hidden states stay sequence-sharded,
-    so each tp rank sends and receives its own [batch, seq/tp, dim] slice.
-    """
-    plan = {
-        # Rowwise over the vocab: each rank embeds the ids it owns; the sum is reduce-scattered on seq.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
-    }
-    return {name: style for name, style in plan.items() if getattr(model, name, None) is not None}
-
-
-def _is_float8(module: nn.Module | None) -> bool:
-    return type(module).__name__ == "Float8Linear"
-
-
-def linear_styles(float8_tensorwise: bool):
-    """(Colwise, Rowwise, PrepareInput) classes: torchao's float8 ones move activations in float8."""
-    if float8_tensorwise:
-        from torchao.float8.float8_tensor_parallel import (
-            Float8ColwiseParallel,
-            Float8RowwiseParallel,
-            PrepareFloat8ModuleInput,
-        )
-
-        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
-
-
-def block_plan(block: nn.Module | None = None, float8_tensorwise: bool = False) -> dict:
-    """One transformer block: sequence-parallel norms, column- then row-parallel matmuls.
-
-    With float8 (tensorwise) a sub-layer whose Linears are all Float8Linear uses torchao's float8
-    styles: its input is cast to float8 before the sequence all-gather (half the bytes). Layers
-    left in bf16 (excluded, unaligned) and the rowwise recipe use the plain styles.
-    """
-
-    def styles(*names: str):
-        layers = [block.get_submodule(n) for n in names] if block is not None else []
-        return linear_styles(float8_tensorwise and bool(layers) and all(_is_float8(m) for m in layers))
-
-    attn_col, attn_row, attn_in = styles("attention.wq", "attention.wk", "attention.wv", "attention.wo")
-    mlp_col, mlp_row, mlp_in = styles("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-    # Qwen3's per-head q/k norms see this rank's heads ([batch, seq, heads/tp, head_dim]): their input is a shard
-    # on the heads dim and their weight a replicated DTensor, whose gradient DTensor sums over the tp ranks
-    # (each saw only its heads); a plain weight would take a different gradient on every rank and drift apart.
-    qk_norms = {} if block is None or getattr(block.attention, "q_norm", None) is None else {
-        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
-    return {
-        **qk_norms,
-        "attention_norm": SequenceParallel(),
-        # (x, freqs): gather x to the full sequence; the RoPE table is a plain, replicated buffer.
-        "attention": attn_in(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": attn_col(),
-        "attention.wk": attn_col(),
-        "attention.wv": attn_col(),
-        "attention.wo": attn_row(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": mlp_in(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": mlp_col(),
-        "feed_forward.w2": mlp_row(output_layouts=Shard(1)),
-        "feed_forward.w3": mlp_col(),
-    }
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tensorwise: bool = False) -> None:
-    """Shard the meta-device Llama's weights over `tp_mesh` in place (after float8, before AC and FSDP)."""
+    """Shard the meta-device model's weights over `tp_mesh` in place (after float8, before AC and FSDP)."""
     ends = model.output is not None and model.tok_embeddings is not None
     tied = ends and model.output.weight is model.tok_embeddings.weight
-    parallelize_module(model, tp_mesh, root_plan(model))
+    plans = family_parallel(model.cfg)
+    parallelize_module(model, tp_mesh, plans.root_plan(model))
     if model.output is not None:
         # Its weight is vocab-sharded and its hooks gather the logits: the model computes the dense loss.
         model.output.chunked = False
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block, float8_tensorwise))
+        parallelize_module(block, tp_mesh, plans.block_plan(block, float8_tensorwise))
     if tied:
         # Both plans shard the [vocab, dim] weight on dim 0, but each made its own DTensor: tie them again.
         model.output.weight = model.tok_embeddings.weight

@@ -22,7 +22,8 @@ from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.wrapping import wrapping_of
-from trainctl.models.llama import attention_backends, build_model
+from trainctl.models.build import build_model
+from trainctl.models.llama.model import attention_backends
 from trainctl.plan.flops import flops_per_token
 from trainctl.train import distributed
 from trainctl.train import state as checkpoint_state
@@ -286,7 +287,7 @@ def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: Checkpoint
 
 
 def init_from_hf(cfg: RunConfig, model: nn.Module, world: distributed.World) -> None:
-    """A fresh run starts from a Hugging Face Llama's weights (checkpoint.init_from); a resume never does."""
+    """A fresh run starts from a Hugging Face model's weights (checkpoint.init_from); a resume never does."""
     from trainctl.models.hf import HFWeightsError, load_hf_weights
 
     try:
@@ -305,7 +306,7 @@ def report_stop(job: Job, run_dir: Path, step: int) -> None:
     if stop.signal_name:  # a stop no signal asked for (one a test requests) has nothing to record
         rundir.record_stop(run_dir, step, stop.signal_name, saved.name)
     # The early preemption warning (not a plain SIGTERM, e.g. scancel): back to the queue.
-    if stop.preempted and cfg.cluster.launcher == "slurm" and cfg.cluster.preemption.requeue and requeue_slurm_job():
+    if stop.preempted and cfg.cluster.requeues and requeue_slurm_job():
         return
     by = f" by {stop.signal_name}" if stop.signal_name else ""
     log.warning("stopped%s after step %d: checkpoint %s committed; continue with `trainctl resume %s`",
@@ -322,7 +323,7 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
     world = distributed.init_distributed(cfg.cluster, cpu_collectives=cfg.sharding.cpu_offload)
     job = None
     try:
-        job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.preemption.signal))
+        job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.stop_signal))
         with attention_backends(cfg.train.attention):  # cuDNN, flash, efficient, math: set, not left to chance
             summary = train_loop(job)
         if summary["stopped"]:

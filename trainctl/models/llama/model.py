@@ -1,7 +1,9 @@
-"""A Llama-style decoder, readable in one sitting.
+"""A Llama-style decoder, readable in one sitting: the llama family's module, and the base of the others.
 
 Token embedding -> N x (RMSNorm -> grouped-query attention with RoPE -> residual,
 RMSNorm -> SwiGLU MLP -> residual) -> RMSNorm -> output projection. No biases.
+Other families subclass the pieces: `Attention.project` (q, k, v before RoPE), `TransformerBlock.attention_class`,
+`Llama.block_class`; their shapes are in each family's spec.py.
 
 Built on the meta device (no memory), parallelized, then materialized with
 `model.to_empty(device=...)` and `model.init_weights()`: `to_empty` leaves
@@ -24,7 +26,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from trainctl.config.schema import ModelConfig, head_dim_of
+from trainctl.config.schema import ModelConfig
+from trainctl.models.llama.spec import SPEC
 from trainctl.models.loss_head import OutputHead, dense_loss_sum
 
 INIT_STD = 0.02
@@ -85,35 +88,33 @@ def _rng_for(name: str, seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None,
-                     cfg: ModelConfig | None = None) -> torch.Tensor:
-    """cos and sin of the rotary angles, shape [max_seq_len, head_dim // 2, 2] in fp32; cfg: its RoPE scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    if cfg is not None:
-        inv_freq = scaled_inverse_frequencies(inv_freq, cfg)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1)
-
-
-def scaled_inverse_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The rotary frequencies under cfg.rope_scaling, as Meta's Llama 3.1 reference and transformers compute them.
-
-    linear: every frequency / factor (positions stretched). llama3: wavelengths longer than
-    original_max / low_freq_factor are divided by the factor, those shorter than original_max /
-    high_freq_factor are kept, and the band between interpolates smoothly in 1 / wavelength.
-    """
+def scaled_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig | None) -> torch.Tensor:
+    """RoPE scaling of the inverse frequencies as transformers computes it (fp32): `linear` divides them all by
+    the factor; `llama3` divides the low frequencies (wavelength past original/low_freq_factor), keeps the high
+    ones (below original/high_freq_factor) and blends in between."""
+    if cfg is None or cfg.rope_scaling == "none":
+        return inv_freq
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_factor
-    if cfg.rope_scaling != "llama3":
-        return inv_freq
-    factor, low, high, original = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                                   cfg.rope_original_max_seq_len)
-    wavelength = 2 * math.pi / inv_freq
-    smooth = (original / wavelength - low) / (high - low)
-    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
-    medium = (wavelength >= original / high) & (wavelength <= original / low)
-    return torch.where(medium, ramp, scaled)
+    assert cfg.rope_scaling == "llama3", cfg.rope_scaling  # validate refuses the rest
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None,
+                     scaling: ModelConfig | None = None) -> torch.Tensor:
+    """cos and sin of the rotary angles, shape [max_seq_len, head_dim // 2, 2] in fp32 (`scaling`: the config
+    whose rope_scaling keys apply)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = scaled_frequencies(inv_freq, scaling)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -143,18 +144,15 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention: n_kv_heads key/value heads shared by n_heads query heads."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
-        self.head_dim = head_dim_of(cfg)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.head_dim = SPEC.head_dim(cfg)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        # Qwen3: each head's q and k normalized over head_dim (one weight shared by the heads) before RoPE.
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.repeat_kv = False  # context parallelism: copy kv heads up front (see train/context_parallel.py)
 
     def init_weights(self, out_std: float) -> None:
@@ -163,17 +161,15 @@ class Attention(nn.Module):
             if linear.bias is not None:
                 _fill(linear.bias, nn.init.zeros_)
         _normal(self.wo.weight, out_std)
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.reset_parameters()
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [batch, seq, heads, head_dim] before RoPE (a tp rank sees its own heads only)."""
+        batch, seq_len, _ = x.shape
+        return tuple(linear(x).view(batch, seq_len, -1, self.head_dim) for linear in (self.wq, self.wk, self.wv))
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         grouped = self.n_kv_heads != self.n_heads
@@ -204,10 +200,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    attention_class: type[Attention] = Attention
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = self.attention_class(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
@@ -223,11 +221,13 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    block_class: type[TransformerBlock] = TransformerBlock
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_class(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -237,7 +237,7 @@ class Llama(nn.Module):
 
     def _rope_table(self, device) -> torch.Tensor:
         c = self.cfg
-        return rope_frequencies(head_dim_of(c), c.max_seq_len, c.rope_theta, device=device, cfg=c)
+        return rope_frequencies(SPEC.head_dim(c), c.max_seq_len, c.rope_theta, device=device, scaling=c)
 
     @torch.no_grad()
     def init_weights(self) -> None:

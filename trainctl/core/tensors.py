@@ -1,0 +1,21 @@
+"""A parameter tensor's name and shape, as the plan counts it (torch-free; the family specs list them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str  # as in model.named_parameters(), e.g. layers.3.attention.wq.weight
+    rows: int
+    cols: int  # 1 for vectors (norm weights, biases)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def is_matmul(self) -> bool:
+        """Used in a matmul (autocast casts it, float8 may convert it): not a norm, not the embedding lookup."""
+        return self.cols > 1 and not self.name.startswith("tok_embeddings")

@@ -1,0 +1,132 @@
+"""The Slurm backend (`cluster=slurm`): an sbatch script per run (a job array per sweep), submitted and watched
+through Slurm's clients. The script is `launch/slurm.py`'s, the queries `launch/slurm_jobs.py`'s."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from trainctl.config.schema import ClusterConfig, RunConfig
+from trainctl.core import rundir
+from trainctl.launch import slurm, slurm_jobs
+from trainctl.launch.backends import register
+from trainctl.launch.backends.base import Backend, Launched, StateTuple
+from trainctl.launch.errors import LaunchError
+
+REQUEUE_TIMEOUT_S = 30
+
+
+def attempt_records(run_dir: Path, job_id: str) -> list[dict]:
+    return [r for r in rundir.read_jsonl(run_dir / slurm.ATTEMPTS_FILE) if str(r.get("job_id")) == job_id]
+
+
+def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool, str]:
+    """A Slurm run's final state from what the job wrote, for jobs Slurm no longer reports."""
+    records = attempt_records(run_dir, job_id)
+    if records and records[-1].get("event") == "end":
+        code = records[-1].get("exit_code")
+        return ("COMPLETED", False, "") if code == 0 else ("FAILED", False, f"exit code {code}")
+    if records:
+        attempt = records[-1].get("attempt")
+        return "UNKNOWN", False, f"{why}; attempt {attempt} started but never recorded its end (cancelled or killed)"
+    if rundir.result(run_dir) is not None:
+        return "COMPLETED", False, ""
+    return "UNKNOWN", False, why
+
+
+def slurm_state(
+    run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = ""
+) -> tuple[str, bool, str]:
+    if info is not None:
+        detail = info.reason if info.state == "PENDING" else ", ".join(x for x in (info.nodes, info.reason) if x)
+        if info.exit_code and info.exit_code != "0:0":
+            detail = ", ".join(x for x in (detail, f"exit {info.exit_code}") if x)
+        return info.state, info.active, detail
+    if unreachable:
+        # Nothing is known: the job may well be running. The run's own records can still tell an ended attempt.
+        state, active, detail = state_from_records(run_dir, job_id, unreachable)
+        return (state, active, detail) if state != "UNKNOWN" else ("UNKNOWN", False, unreachable)
+    why = f"Slurm no longer knows job {job_id}" if slurm_jobs.slurm_available() else "squeue not found on PATH"
+    return state_from_records(run_dir, job_id, why)
+
+
+def slurm_log_path(run_dir: Path, job_id: str) -> Path:
+    """A Slurm job's newest attempt (the workers' output), else the batch script's own output."""
+    attempts = [int(r.get("attempt", 0)) for r in attempt_records(run_dir, job_id)]
+    attempt_log = run_dir / "logs" / slurm.attempt_log_name(job_id, max(attempts, default=0))
+    batch_log = run_dir / "logs" / f"slurm-{job_id}.out"
+    # Before srun starts only the batch log exists (and holds any error of the script's own lines).
+    return attempt_log if attempt_log.exists() or not batch_log.exists() else batch_log
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+
+    def preflight(self, cfg: RunConfig, *, dry_run: bool, machine=None) -> list[str]:
+        return slurm.setup_problems(cfg)
+
+    def submit_problems(self, cfg: RunConfig) -> list[str]:
+        if shutil.which("sbatch") is None:
+            return ["cluster.launcher=slurm: sbatch was not found on PATH; "
+                    "run on a Slurm login node, use cluster=local, or pass --dry-run"]
+        return []
+
+    def render(self, cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
+        return slurm.render_sbatch(cfg, run_dir, workdir)
+
+    def argv(self, cluster: ClusterConfig, run_dir: Path) -> list[str]:
+        return slurm.slurm_argv(cluster, run_dir)
+
+    def start_command(self, script: Path) -> list[str]:
+        return ["sbatch", str(script)]
+
+    def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None) -> Launched:
+        try:
+            job_id = slurm.submit(run_dir)
+        except LaunchError:
+            if new:  # nothing was queued: a run directory nobody can start is not kept
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        follow = shlex.join(["trainctl", "logs", str(run_dir), "--follow"])
+        return Launched(job_id=job_id, message=f"submitted Slurm job {job_id}; follow it with: {follow}")
+
+    def sweep_problems(self, cfgs: list[RunConfig]) -> list[str]:
+        return slurm.array_problems(cfgs)
+
+    def write_sweep(self, cfg: RunConfig, name: str, folder: Path, run_dirs: list[Path]) -> Path | None:
+        return slurm.write_array(cfg, name, folder, run_dirs)
+
+    def start_sweep(self, cfg: RunConfig, name: str, folder: Path, run_dirs: list[Path]) -> Launched | None:
+        array_id = slurm.submit_array(cfg, name, folder, run_dirs)
+        return Launched(job_id=array_id, message=f"submitted Slurm job array {array_id} ({len(run_dirs)} tasks); "
+                        f"watch it with: trainctl runs --sweep {name}")
+
+    def states(self, records: dict[Path, dict]) -> dict[Path, StateTuple]:
+        """One squeue (and at most one sacct) call for all the runs."""
+        queried = [str(r["job_id"]) for r in records.values() if isinstance(r.get("job_id"), str | int)]
+        infos, unreachable = slurm_jobs.query_jobs(queried) if queried else ({}, "")
+        job_ids = {d: str(r.get("job_id", "")) for d, r in records.items()}
+        return {d: slurm_state(d, job_ids[d], infos.get(job_ids[d]), unreachable) for d in records}
+
+    def log_path(self, run_dir: Path, record: dict) -> Path:
+        return slurm_log_path(run_dir, str(record.get("job_id")))
+
+    def job_label(self, job_id: str) -> str:
+        return f"Slurm job {job_id}"
+
+    def cancel(self, run_dir: Path, job_id: str) -> None:
+        slurm_jobs.cancel_job(job_id)
+
+    def requeue(self, run_dir: Path, job_id: str) -> None:
+        try:
+            done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                                  timeout=REQUEUE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise LaunchError(f"scontrol requeue {job_id}: {exc}; is Slurm reachable from here?") from None
+        if done.returncode != 0:
+            raise LaunchError(f"scontrol requeue {job_id} refused: {' '.join(done.stderr.split())}")
+
+
+register(SlurmBackend())

@@ -1,0 +1,28 @@
+"""The worker's door to the families: the module and parallel plan of `model.family` (torch side).
+
+The launcher side asks trainctl/models/registry.py (torch-free specs) instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from torch import nn
+
+from trainctl.config.schema import ModelConfig
+
+
+def family_module(cfg: ModelConfig) -> ModuleType:
+    """trainctl/models/<family>/model.py: build_model(cfg, device) and the module classes."""
+    return importlib.import_module(f"trainctl.models.{cfg.family}.model")
+
+
+def family_parallel(cfg: ModelConfig) -> ModuleType:
+    """trainctl/models/<family>/parallel.py: root_plan, block_plan, fsdp_units, build_stage_model."""
+    return importlib.import_module(f"trainctl.models.{cfg.family}.parallel")
+
+
+def build_model(cfg: ModelConfig, device="meta") -> nn.Module:
+    """The family's model on `device` (meta by default: shapes only, no memory, no init)."""
+    return family_module(cfg).build_model(cfg, device)
