@@ -52,6 +52,8 @@ CPU_DEFAULT = ["recipe=tiny_cpu", "sharding=none", "train.seq_len=256", "train.m
 class FixedBatches:
     """Stands in for TokenBatches: the same pre-generated micro-batches every step (no data cost in either arm)."""
 
+    masked = False  # every target counts (synthetic tokens): no per-step count of loss tokens
+
     def __init__(self, batches):
         self._batches = batches
 
