@@ -230,3 +230,19 @@ def test_the_cli_refuses_document_mask_on_text_data_in_one_line(chat_and_text, t
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: data.document_mask=true: ") and "Traceback" not in proc.stderr
+
+
+def test_the_plan_notes_the_masks_memory_and_kernel(chat_and_text):
+    from trainctl.plan import build as build_plan
+    from trainctl.plan.attention_kernel import predicted_kernel
+
+    chat, _ = chat_and_text
+    cfg = _composed("data=memmap", f"data.datasets=[{chat}]", "data.document_mask=true", "cluster.device=cuda",
+                    "precision=bf16", "train.seq_len=4096", "model.max_seq_len=4096", "train.eval_every=0")
+    notes = [n for n in build_plan(cfg).notes if n.startswith("document_mask:")]
+    square = cfg.train.micro_batch * 4096**2
+    assert len(notes) == 1 and f"({square / 2**30:.2f} GiB)" in notes[0]
+    assert f"~{square * 2 * cfg.model.n_layers / 2**30:.2f} GiB over" in notes[0]
+    assert predicted_kernel(cfg)[0] == "efficient"
+    plain = _composed("data=memmap", f"data.datasets=[{chat}]", "cluster.device=cuda", "precision=bf16")
+    assert not [n for n in build_plan(plain).notes if n.startswith("document_mask:")]
