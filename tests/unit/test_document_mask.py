@@ -246,3 +246,25 @@ def test_the_plan_notes_the_masks_memory_and_kernel(chat_and_text):
     assert predicted_kernel(cfg)[0] == "efficient"
     plain = _composed("data=memmap", f"data.datasets=[{chat}]", "cluster.device=cuda", "precision=bf16")
     assert not [n for n in build_plan(plain).notes if n.startswith("document_mask:")]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
+def test_activation_checkpointing_keeps_the_mask(mode):
+    """The mask reaches the blocks by keyword: a checkpointed block recomputes with it, the same gradients."""
+    from trainctl.train.activations import apply_activation_checkpointing
+
+    _, row, positions = _packed_row()
+    targets = torch.roll(row, -1, dims=1)
+
+    def loss_and_grads(checkpointing: str | None):
+        model = _model(BASE).train()
+        if checkpointing:
+            apply_activation_checkpointing(model, checkpointing, 2)
+        loss = token_loss_sum(model, row, targets, positions=positions)
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()]
+
+    (got, got_grads), (want, want_grads) = loss_and_grads(mode), loss_and_grads(None)
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
