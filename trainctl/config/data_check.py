@@ -129,6 +129,32 @@ def datasets_problems(d: DataConfig, model_vocab: int, train: TrainConfig) -> li
     return list(dict.fromkeys(problems))
 
 
+def document_mask_problems(d: DataConfig, pp: int, cp: int) -> list[str]:
+    """data.document_mask=true needs every document's first token marked (the mask files of prepared chat and
+    instruction datasets), and a layout that hands the per-token positions to every attention layer."""
+    if not d.document_mask:
+        return []
+    problems = []
+    if d.kind != "memmap" or not d.datasets:
+        problems.append(f"data.document_mask=true: data.kind={d.kind} marks no document starts; use data=memmap "
+                        "data.datasets=[DIR] prepared with `trainctl data prepare --format chat` (or instruction)")
+    for path in d.datasets:
+        try:
+            meta = dataset.read_meta(path)
+        except dataset.DatasetError:
+            continue  # datasets_problems reports it
+        if not meta.masked:
+            problems.append(f"data.document_mask=true: {path} marks no document starts (no mask files: text or "
+                            "format v1 data); prepare it with --format chat or instruction, or set "
+                            "data.document_mask=false")
+    # A pipeline schedule hands only hidden states from stage to stage; cp's ring attention has no mask.
+    for key, degree in (("pp", pp), ("cp", cp)):
+        if degree > 1:
+            problems.append(f"data.document_mask=true: not implemented with sharding.{key}={degree} yet; use "
+                            f"sharding.{key}=1 or data.document_mask=false")
+    return problems
+
+
 def _tokenizers_of(d: DataConfig) -> dict[str, dataset.TokenizerInfo]:
     """Each readable dataset's tokenizer (an unreadable one is reported by dataset_problems)."""
     found = {}

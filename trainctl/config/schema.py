@@ -220,6 +220,8 @@ class DataConfig:
     datasets: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # blend weights of `datasets` (default: by their tokens)
     vocab_size: int = 256  # largest token id + 1 the data can contain; 0: the model's vocab_size
+    # Packed documents attend only to themselves, RoPE restarting at each (needs datasets with document starts)
+    document_mask: bool = False
     val_fraction: float = 0.05  # stdlib: share of files held out
     cache_dir: str = "~/.cache/trainctl"
 

@@ -13,7 +13,7 @@ import math
 import re
 
 from trainctl.config import hf_config, schema
-from trainctl.config.data_check import datasets_problems, model_tokenizer_problems
+from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
@@ -44,6 +44,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
         problems += check_context_parallel(dims, cfg.cluster, train)
         problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
+        problems += document_mask_problems(cfg.data, dims.pp, dims.cp)
         problems += model_tokenizer_problems(cfg.data, cfg.checkpoint.init_from or cfg.model.path)
     problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:

@@ -6,6 +6,7 @@ cuDNN out). SDPA takes the first kernel whose constraints the call meets; the on
   heads up for it, since enable_gqa runs only in flash and math);
 - grouped-query attention (fewer kv heads) passes enable_gqa: flash takes it; whether cuDNN does depends on
   the torch release (pytorch#139586), so the prediction names both and the GPU run says which ran;
+- data.document_mask passes an explicit boolean mask, which flash never takes: the memory-efficient kernel;
 - cuDNN takes head dims that are multiples of 8 up to 128, flash up to 256.
 On CPU SDPA runs its own flash kernel (_scaled_dot_product_flash_attention_for_cpu). The GPU test
 (tests/gpu/test_cuda_training.py) checks the prediction against the profiler's kernel names.
@@ -28,6 +29,8 @@ def predicted_kernel(cfg: RunConfig) -> tuple[str, str]:
         return "cpu-flash", "SDPA's CPU flash kernel"
     if cfg.precision.compute_dtype == "fp32":
         return "efficient", "fp32 runs neither cuDNN nor flash"
+    if cfg.data.document_mask:  # the worker copies the kv heads up for it, as for fp32
+        return "efficient", "data.document_mask's explicit block-causal mask: flash takes none (unchecked on a GPU)"
     gqa = m.n_kv_heads != m.n_heads
     if cfg.train.attention == "cudnn" and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM:
         if gqa:

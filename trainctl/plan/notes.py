@@ -58,6 +58,17 @@ def strategy_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[
     return notes
 
 
+def document_mask_note(cfg: RunConfig) -> str:
+    """SDPA's block-causal mask is dense: its bytes grow with seq^2, outside the activation formula."""
+    t, c = cfg.train, cfg.precision.compute_dtype
+    square = t.micro_batch * t.seq_len**2
+    bias = square * (4 if c == "fp32" else 2) * cfg.model.n_layers
+    return (f"document_mask: SDPA gets a boolean [micro_batch, 1, seq, seq] mask per micro-batch "
+            f"({_gib(square)}); on CUDA it rules out the flash and cuDNN kernels, and the memory-efficient one turns "
+            f"it into a {c} bias that each block keeps for backward (~{_gib(bias)} over {cfg.model.n_layers} blocks, "
+            "not counted above); a shorter train.seq_len or micro_batch shrinks both")
+
+
 def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     t, s = cfg.train, cfg.sharding
     if not mem.loss_buffers:
@@ -83,6 +94,8 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
         notes.append(f"pp: schedule {s.pp_schedule} keeps {mem.in_flight:g} micro-batches of this rank's activations "
                      "alive at once (trainctl/plan/stages.py); the last stage also keeps its output logits until "
                      "backward")
+    if cfg.data.document_mask:
+        notes.append(document_mask_note(cfg))
     if t.activation_checkpointing == "op":
         notes.append("op checkpointing keeps matmul and attention outputs; the row-parallel outputs (wo, w2) are full "
                      "size under tp (partial sums before the reduce-scatter)")

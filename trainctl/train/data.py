@@ -11,6 +11,11 @@ Three sources, chosen by `data.kind`:
 Prepared chat / instruction datasets carry a mask file per shard (data/format.py): a window's targets whose
 mask lacks the LOSS bit become IGNORE_INDEX, which the loss skips; datasets without masks count every target.
 
+With `data.document_mask` each micro-batch also carries every input token's position in its document
+(MicroBatch.positions): 0 at each DOC_START flag and at a row's first token (a row that starts inside a
+document starts a segment there: its earlier tokens are outside the window). A target that begins the next
+document is IGNORE_INDEX: no document learns to predict another one's first token.
+
 Sampling: sample j (0 <= j < global_batch) of a step starts at the j-th offset drawn by
 `np.random.default_rng([seed, step])`; rank r, micro-batch a, row b reads j = r*(A*M) + a*M + b. The union
 over ranks and micro-batches is therefore the same global batch whatever the dp / accumulation split.
@@ -33,7 +38,7 @@ import numpy as np
 import torch
 
 from trainctl.config.schema import DATA_KINDS, TOKEN_DTYPES, DataConfig
-from trainctl.data.format import LOSS
+from trainctl.data.format import DOC_START, LOSS
 from trainctl.models.loss_head import IGNORE_INDEX
 
 SEPARATOR = 0  # appended after every stdlib file; never occurs in Python source
@@ -424,16 +429,41 @@ TokenSource = FlatTokens | BlendedTokens
 # ---------------------------------------------------------------- batches
 
 
-def _to_inputs_targets(samples: np.ndarray, flags: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+class MicroBatch(tuple):
+    """An (inputs, targets) pair, unpacked as one everywhere, that also carries `positions` [rows, seq] (int64):
+    each input token's position in its packed document under data.document_mask, else None."""
+
+    positions: torch.Tensor | None
+
+    def __new__(cls, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None):
+        pair = super().__new__(cls, (inputs, targets))
+        pair.positions = positions
+        return pair
+
+
+def document_positions(flags: np.ndarray) -> np.ndarray:
+    """[rows, seq] position of each token in its document: 0 where DOC_START is set and at each row's first token."""
+    index = np.arange(flags.shape[1])
+    # The latest start at or before each token; index 0 stands in for a row that begins inside a document.
+    return index - np.maximum.accumulate(np.where((flags & DOC_START) != 0, index, 0), axis=1)
+
+
+def _to_inputs_targets(samples: np.ndarray, flags: np.ndarray | None = None,
+                       document_mask: bool = False) -> MicroBatch:
     """Split [rows, seq_len+1] tokens into int64 (inputs, targets), targets shifted by one token; a target whose
-    flags lack LOSS (a prompt token, a chat's separator) becomes IGNORE_INDEX."""
+    flags lack LOSS (a prompt token, a chat's separator) becomes IGNORE_INDEX, and so does, with
+    `document_mask`, one that starts a document (the inputs' positions come along)."""
     batch = torch.from_numpy(samples.astype(np.int64))
     inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-    if flags is not None:
-        # A copy: for one row both slices are already contiguous views of `batch`, overlapping the inputs.
-        targets = targets.clone()
-        targets[torch.from_numpy((flags[:, 1:] & LOSS) == 0)] = IGNORE_INDEX
-    return inputs, targets
+    if flags is None:
+        return MicroBatch(inputs, targets)
+    # A copy: for one row both slices are already contiguous views of `batch`, overlapping the inputs.
+    targets = targets.clone()
+    targets[torch.from_numpy((flags[:, 1:] & LOSS) == 0)] = IGNORE_INDEX
+    if not document_mask:
+        return MicroBatch(inputs, targets)
+    targets[torch.from_numpy((flags[:, 1:] & DOC_START) != 0)] = IGNORE_INDEX
+    return MicroBatch(inputs, targets, torch.from_numpy(document_positions(flags[:, :-1])))
 
 
 class TokenBatches:
@@ -452,9 +482,15 @@ class TokenBatches:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._base_step = self._base_sample = 0  # see resume_at
         self.vocab_size = STDLIB_VOCAB if data_cfg.kind == "stdlib" else data_cfg.vocab_size
+        self.document_mask = data_cfg.document_mask
         self._tokens: TokenSource | None = None  # None: synthetic
+        if data_cfg.kind == "synthetic" and self.document_mask:
+            raise DataError("data.document_mask=true: synthetic data has no documents; use prepared chat datasets")
         if data_cfg.kind != "synthetic":
             self._tokens, self._key = _open_split(data_cfg, split)
+            if data_cfg.document_mask and not self._tokens.masked:
+                raise DataError(f"data.document_mask=true: {self._key} marks no document starts; use datasets "
+                                "prepared with --format chat or instruction, or data.document_mask=false")
             if self._tokens.size < seq_len + 1:
                 raise DataError(f"{self._key}: the {split} split has {self._tokens.size} tokens, "
                                 f"fewer than train.seq_len+1="
@@ -483,7 +519,7 @@ class TokenBatches:
         """Stream index of the first sample of `step`'s global batch."""
         return self._base_sample + (step - self._base_step) * self.global_batch
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, step: int) -> list[MicroBatch]:
         """This rank's `grad_accum` (inputs, targets) pairs of shape [micro_batch, seq_len] for `step`."""
         assert step >= self._base_step, (step, self._base_step)
         per_rank = self.grad_accum * self.micro_batch
@@ -499,7 +535,7 @@ class TokenBatches:
             out.append(self._checked_pair(rows))
         return out
 
-    def eval_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, n: int) -> list[MicroBatch]:
         """`n` fixed micro-batches for this rank: independent of seed and step, disjoint across dp ranks.
 
         Eval sample j = dp_rank * n * micro_batch + i * micro_batch + b, so the union over ranks is the
@@ -541,7 +577,7 @@ class TokenBatches:
         rng = np.random.default_rng(seed_words)
         return rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int64)
 
-    def _checked_pair(self, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _checked_pair(self, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> MicroBatch:
         samples = np.stack([tokens for tokens, _ in rows])
         flags = np.stack([f for _, f in rows]) if self.masked else None
         # One max over the rows we read anyway: an out-of-range id would otherwise surface as an opaque
@@ -549,4 +585,4 @@ class TokenBatches:
         if self._tokens is not None and int(samples.max()) >= self.vocab_size:
             raise DataError(f"{self._key}: token id {int(samples.max())} >= data.vocab_size={self.vocab_size}; "
                             f"set data.vocab_size (and model.vocab_size) above the largest id")
-        return _to_inputs_targets(samples, flags)
+        return _to_inputs_targets(samples, flags, self.document_mask)

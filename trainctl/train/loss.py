@@ -25,11 +25,13 @@ from trainctl.models.loss_head import IGNORE_INDEX, dense_loss_sum
 
 
 def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                   freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed next-token cross-entropy of one micro-batch, fp32; freqs: a context-parallel slice's RoPE rows."""
+                   freqs: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy of one micro-batch, fp32; freqs: a context-parallel slice's RoPE rows;
+    positions: the tokens' positions in their packed documents (data.document_mask)."""
+    extra = {} if positions is None else {"positions": positions}  # without: the very call of before
     if freqs is None:
-        return model(inputs, targets=targets)
-    return model(inputs, freqs, targets=targets)
+        return model(inputs, targets=targets, **extra)
+    return model(inputs, freqs, targets=targets, **extra)
 
 
 def counted_targets(micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -69,8 +71,8 @@ class TokenLoss:
         return summed / self.rank_tokens
 
     def of_model(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                 freqs: torch.Tensor | None = None) -> torch.Tensor:
-        return self.normalize(token_loss_sum(model, inputs, targets, freqs))
+                 freqs: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.normalize(token_loss_sum(model, inputs, targets, freqs, positions))
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.normalize(dense_loss_sum(logits, targets))

@@ -94,15 +94,22 @@ def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, t
         divisor = sum(targets.numel() for _, targets in micro_batches) // contexts.cp
     token_loss = TokenLoss(divisor)
     total = torch.zeros((), device=device)
-    for index, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    for index, batch in enumerate(micro_batches):
+        inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+        positions = _positions_on(batch, device)
         # Under cp the backward stays inside around_backward: it runs the ring's backward.
         with contexts.around_backward(inputs, targets, last=index == len(micro_batches) - 1) as freqs:
             with contexts.forward():
-                loss = token_loss.of_model(model, inputs, targets, freqs)
+                loss = token_loss.of_model(model, inputs, targets, freqs, positions)
             scale_loss(loss).backward()
         total += loss.detach()
     return total
+
+
+def _positions_on(batch: tuple, device: torch.device) -> torch.Tensor | None:
+    """A micro-batch's document positions (data.document_mask; train.data.MicroBatch) on `device`, else None."""
+    positions = getattr(batch, "positions", None)
+    return None if positions is None else positions.to(device, non_blocking=True)
 
 
 def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -143,9 +150,10 @@ def eval_totals(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor
                 contexts: MicroBatchContext) -> torch.Tensor:
     """(summed token loss, tokens) of this rank's held-out batches, float64."""
     totals = torch.zeros(2, device=contexts.device, dtype=torch.float64)
-    for inputs, targets in batches:
-        inputs, targets = inputs.to(contexts.device), targets.to(contexts.device)
+    for batch in batches:
+        inputs, targets = (t.to(contexts.device) for t in batch)
+        positions = _positions_on(batch, contexts.device)
         with contexts.sequences(inputs, targets) as freqs, contexts.autocast():
-            totals[0] += token_loss_sum(model, inputs, targets, freqs).double()
+            totals[0] += token_loss_sum(model, inputs, targets, freqs, positions).double()
         totals[1] += (targets != IGNORE_INDEX).sum()  # after the call: a cp rank's own slice; masks honoured
     return totals

@@ -118,13 +118,33 @@ def rope_frequencies(head_dim: int, max_seq_len: int, theta: float, device=None,
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] by the position's angles."""
-    seq_len = x.shape[1]
-    cos, sin = freqs[:seq_len, None, :, 0], freqs[:seq_len, None, :, 1]  # [seq, 1, head_dim/2]
+    """Rotate pairs (x[2i], x[2i+1]) of x [batch, seq, heads, head_dim] by the position's angles.
+
+    freqs: the table's rows 0.. [>= seq, head_dim/2, 2], or one row per token [batch, seq, head_dim/2, 2]
+    (document masking: positions restart at each document).
+    """
+    if freqs.dim() == 4:
+        cos, sin = freqs[:, :, None, :, 0], freqs[:, :, None, :, 1]  # [batch, seq, 1, head_dim/2]
+    else:
+        seq_len = x.shape[1]
+        cos, sin = freqs[:seq_len, None, :, 0], freqs[:seq_len, None, :, 1]  # [seq, 1, head_dim/2]
     pairs = x.float().unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_positions_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Block-causal attention mask [batch, 1, seq, seq] (True: may attend) of packed documents.
+
+    positions [batch, seq]: each token's position in its document, 0 where a document starts; a token sees
+    only the tokens of its own document up to itself, as if each document were a row of its own.
+    """
+    documents = torch.cumsum(positions == 0, dim=1)  # a document's number within its row
+    same = documents[:, :, None] == documents[:, None, :]
+    seq_len = positions.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions.device).tril()
+    return (same & causal)[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -167,17 +187,22 @@ class Attention(nn.Module):
         batch, seq_len, _ = x.shape
         return tuple(linear(x).view(batch, seq_len, -1, self.head_dim) for linear in (self.wq, self.wk, self.wv))
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: a boolean [batch, 1, seq, seq] (document_positions_mask) instead of plain causal attention."""
         batch, seq_len, _ = x.shape
         q, k, v = self.project(x)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         grouped = self.n_kv_heads != self.n_heads
-        if grouped and (self.repeat_kv or expands_kv(q)):
+        # An explicit mask rules out flash and cuDNN on CUDA; copied kv heads let the memory-efficient kernel run.
+        if grouped and (self.repeat_kv or expands_kv(q) or (mask is not None and q.is_cuda)):
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
             grouped = False
         # The kv heads are shared by groups of query heads (enable_gqa avoids materializing copies).
-        out = functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        if mask is None:
+            out = functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        else:
+            out = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -215,8 +240,9 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(out_std)
         self.feed_forward.init_weights(out_std)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs)
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # mask by keyword: TP's PrepareModuleInput lays out the positional (x, freqs) only.
+        h = x + self.attention(self.attention_norm(x), freqs, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -272,18 +298,23 @@ class Llama(nn.Module):
                 _normal(self.output.weight, 1 / math.sqrt(self.cfg.dim))
 
     def forward(self, tokens: torch.Tensor, freqs: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] for tokens [batch, seq]; position t sees only tokens <= t.
 
         freqs: the RoPE rows of the tokens' positions (context parallelism passes its shard);
         default: positions 0..seq-1. targets [batch, seq]: return the summed next-token cross-entropy
         instead (fp32 scalar), chunked over tokens where the output head allows (models/loss_head.py).
+        positions [batch, seq] (data.document_mask): each token's position in its packed document; RoPE
+        restarts and attention stays inside each document (block-causal). None: one causal sequence per row.
         """
         # A pipeline stage may lack the embedding (it receives hidden states) or the head (it returns them).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs = self.freqs if freqs is None else freqs
+        mask = None
+        if positions is not None:
+            freqs, mask = freqs[positions], document_positions_mask(positions)  # the mask: once for every block
         for block in self.layers.values():
-            h = block(h, freqs)
+            h = block(h, freqs) if mask is None else block(h, freqs, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
