@@ -731,6 +731,30 @@ def generate(
     _worker_module("trainctl.models.generate", run_dir, options, {"--chat": chat})
 
 
+@app.command("eval")
+def eval_command(
+    run: str = RUN,
+    data: str = typer.Option(..., "--data", help="A prepared dataset (trainctl data prepare) with a val split.",
+                             show_default=False),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints "
+                                   "(default: the newest that verifies).", show_default=False),
+    batches: int = typer.Option(None, "--batches", help="Val batches of the run's micro_batch x seq_len (default: "
+                                "train.eval_batches x the run's data-parallel ranks).", show_default=False),
+    as_json: bool = AS_JSON,
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: the GPU if there is one).",
+                               show_default=False),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
+    """Loss and perplexity of a checkpoint over a dataset's val split.  Example: trainctl eval RUN --data tok"""
+    from trainctl.launch import runs
+
+    if batches is not None and batches < 1:
+        raise UserError([f"--batches {batches}: must be at least 1"])
+    run_dir = runs.find_run(run, runs_dir)
+    options = {"--data": data, "--checkpoint": checkpoint, "--batches": batches, "--device": device}
+    _worker_module("trainctl.train.evaluate", run_dir, options, {"--json": as_json})
+
+
 @data_app.command("prepare")
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="Text files, folders or glob patterns (.txt .md .jsonl .parquet).",
