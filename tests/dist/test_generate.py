@@ -94,6 +94,9 @@ def test_cached_logits_equal_the_full_forward_for_every_family(tmp_path, family)
     prompt = tokens[0, :5].tolist()
     assert generate_ids(loaded, prompt, Sampling(30), []) == generate_ids(loaded, prompt, Sampling(30), [],
                                                                            use_cache=False)
+    greedy = generate_ids(loaded, prompt, Sampling(30), [])
+    assert generate_ids(loaded, prompt, Sampling(30), [greedy[4]])[-1] == greedy[4]  # stops at an eos id
+    assert generate_ids(loaded, prompt, Sampling(30), [], stop=lambda new: len(new) == 3) == greedy[:3]
 
 
 def test_sampling_is_reproducible_by_seed(trained):

@@ -64,3 +64,15 @@ def test_a_recorded_hf_tokenizer_encodes_and_stops_at_every_eos(hf_run):
     tokens = run_tokens(hf_run)
     assert tokens.kind == "hf" and tokens.eos_ids == [2, 3]
     assert tokens.encode("hello world") == [0, 1]
+
+
+@pytest.mark.parametrize("name, end", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")])
+def test_chat_stops_at_the_templates_end_of_turn(tmp_path, name, end):
+    """Byte tokens spell the end-of-turn marker out (no eos id for it): --chat stops at its text."""
+    from trainctl.data.chat_template import load_template
+    from trainctl.models.run_tokens import RunTokens
+
+    (tmp_path / "meta.json").write_text(json.dumps({"chat_template": load_template(name, None).record()}))
+    tokens = RunTokens("bytes", [0], dataset=tmp_path)
+    assert tokens.end_of_turn() == end
+    assert tokens.chat_prompt("hi").endswith("assistant\n" if name == "chatml" else "assistant<|end_header_id|>\n\n")

@@ -21,6 +21,7 @@ import json
 import stat
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +96,10 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 @torch.no_grad()
 def generate_ids(model: nn.Module, prompt: list[int], sampling: Sampling, eos_ids: list[int],
-                 use_cache: bool = True, device: torch.device | None = None) -> list[int]:
-    """The new ids after `prompt` (an end-of-sequence id included when it stopped there)."""
+                 use_cache: bool = True, device: torch.device | None = None,
+                 stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """The new ids after `prompt` (an end-of-sequence id included when it stopped there); `stop(new ids)`: stop
+    early when it says so (--chat's end-of-turn text)."""
     device = device or model.freqs.device
     generator = None
     if sampling.temperature > 0:
@@ -108,7 +111,7 @@ def generate_ids(model: nn.Module, prompt: list[int], sampling: Sampling, eos_id
         logits = forward_cached(model, tokens, cache) if use_cache else model(tokens)
         token = next_token(logits[0, -1], sampling, generator)
         out.append(token)
-        if token in eos_ids:
+        if token in eos_ids or (stop is not None and stop(out)):
             break
         step = torch.tensor([[token]], dtype=torch.long, device=device)
         tokens = step if use_cache else torch.cat([tokens, step], dim=1)
@@ -218,10 +221,14 @@ def run(args: argparse.Namespace) -> None:
     vocab = model.cfg.vocab_size
     if max(max(ids) for ids in encoded) >= vocab:
         raise GenerateError([f"--prompt-ids: an id is >= model.vocab_size={vocab}; use ids below it"])
+    end = tokens.end_of_turn() if args.chat else None
+    stop = (lambda new: end in tokens.decode(new)) if end else None
     for text, ids in zip(prompts, encoded, strict=True):
-        new = generate_ids(model, ids, fit_to_context(ids, sampling, model.cfg.max_seq_len), tokens.eos_ids)
+        new = generate_ids(model, ids, fit_to_context(ids, sampling, model.cfg.max_seq_len), tokens.eos_ids,
+                           stop=stop)
         shown = new[:-1] if new and new[-1] in tokens.eos_ids else new
         completion = tokens.decode(shown) if args.prompt_ids is None else " ".join(map(str, shown))
+        completion = completion.split(end)[0] if end else completion  # the answer, without the end-of-turn text
         if args.prompts is None:
             print(completion, flush=True)
         else:

@@ -65,6 +65,18 @@ class RunTokens:
         except TemplateRefusal as exc:
             raise TokenizerError([f"--chat: the chat template ({template.source}) refuses the prompt: {exc}"]) from None
 
+    def end_of_turn(self) -> str | None:
+        """The text the chat template puts after an assistant's message (e.g. `<|im_end|>`), where --chat stops
+        when it is no end-of-sequence id (byte tokens spell it out); None when the template shows none."""
+        sentinel = "\ue000answer\ue000"  # private-use characters: never in a template's own text
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": sentinel}]
+        try:
+            text = render(self.template(), messages)
+        except TemplateRefusal:
+            return None
+        after = text[text.find(sentinel) + len(sentinel):].strip() if sentinel in text else ""
+        return after or None
+
     def template(self) -> ChatTemplate:
         if self.folder is not None:
             try:
