@@ -222,7 +222,9 @@ def run(args: argparse.Namespace) -> None:
     if max(max(ids) for ids in encoded) >= vocab:
         raise GenerateError([f"--prompt-ids: an id is >= model.vocab_size={vocab}; use ids below it"])
     end = tokens.end_of_turn() if args.chat else None
-    stop = (lambda new: end in tokens.decode(new)) if end else None
+    # Each new token holds at least one byte of text: the last len(end) bytes' worth of tokens is enough to look at.
+    tail = len(end.encode("utf-8")) + 1 if end else 0
+    stop = (lambda new: end in tokens.decode(new[-tail:])) if end else None
     for text, ids in zip(prompts, encoded, strict=True):
         new = generate_ids(model, ids, fit_to_context(ids, sampling, model.cfg.max_seq_len), tokens.eos_ids,
                            stop=stop)
