@@ -53,7 +53,7 @@ def test_greedy_equals_transformers_on_the_export_with_and_without_the_cache(tra
     transformers = pytest.importorskip("transformers")
     run_dir, _ = trained
     assert export_module.main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     model, _ = load_model(run_dir, None, CPU)
     # Two chat prompts (the answer is learnt) and one cut mid-prompt (the model is unsure: near-ties are likely).
     for prompt in (chat_prompt("7"), chat_prompt("31415"), list(b"<|im_start|>user\n12")):
@@ -169,3 +169,32 @@ def test_user_errors_are_one_line_and_exit_2(trained, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (name, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_text_prompt_with_the_runs_bpe_tokenizer_equals_transformers(tmp_path, data_cache, capsys):
+    """The text path end to end: a BPE dataset, the worker, the export's tokenizer and model in transformers."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from trainctl.data.prepare import prepare
+
+    text = "".join(f"the cat number {i} sat on the mat and looked at the dog.\n" for i in range(400))
+    (tmp_path / "cats.txt").write_text(text)
+    prepare([str(tmp_path / "cats.txt")], tmp_path / "bpe", workers=1, val_fraction=0.1, train_tokenizer=True,
+            vocab_size=300)
+    cfg = base_config(data_cache, steps=30, eval_every=0)
+    cfg = replace(cfg, name="bpe", data=DataConfig(kind="memmap", datasets=[str(tmp_path / "bpe")], vocab_size=300),
+                  model=replace(cfg.model, vocab_size=300), optim=replace(cfg.optim, lr=3e-3))
+    run_dir = train_and_check(tmp_path, cfg, None)
+    assert export_module.main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    prompt = "the cat number 7"
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    want = hf.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:]
+    capsys.readouterr()
+    from trainctl.models.generate import main as generate_main
+
+    assert generate_main([str(run_dir), "--prompt", prompt, "--max-new-tokens", "20", "--device", "cpu"]) == 0
+    shown = [t for t in want.tolist() if t != tokenizer.eos_token_id]
+    assert capsys.readouterr().out == tokenizer.decode(shown) + "\n"
+    assert "sat" in tokenizer.decode(shown)  # trained: the comparison is not of noise
