@@ -220,7 +220,9 @@ def run(args: argparse.Namespace) -> None:
     model, ckpt = load_model(args.run_dir, args.checkpoint, device)
     vocab = model.cfg.vocab_size
     if max(max(ids) for ids in encoded) >= vocab:
-        raise GenerateError([f"--prompt-ids: an id is >= model.vocab_size={vocab}; use ids below it"])
+        key = "--prompt-ids" if args.prompt_ids is not None else "the run's tokenizer"
+        raise GenerateError([f"{key}: token id {max(max(ids) for ids in encoded)} >= model.vocab_size={vocab}; "
+                             "the model has no embedding for it (use ids below it)"])
     end = tokens.end_of_turn() if args.chat else None
     # Each new token holds at least one byte of text: the last len(end) bytes' worth of tokens is enough to look at.
     tail = len(end.encode("utf-8")) + 1 if end else 0
