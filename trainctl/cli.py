@@ -670,6 +670,91 @@ def export(
     raise typer.Exit(subprocess.run(args).returncode)
 
 
+def _worker_module(module: str, run_dir: Path, options: dict[str, object], flags: dict[str, bool]) -> None:
+    """Run `python -m MODULE RUN_DIR --option value... --flag...` (it imports torch: the CLI stays torch-free); it
+    prints its own output and one-line errors (exit 2); its exit code is the command's."""
+    import subprocess
+
+    args = [sys.executable, "-m", module, str(run_dir)]
+    for flag, value in options.items():
+        args += [flag, str(value)] if value is not None else []
+    args += [flag for flag, on in flags.items() if on]
+    raise typer.Exit(subprocess.run(args).returncode)
+
+
+def _regular_file(key: str, path: str) -> None:
+    """A named input that is not a regular file (a FIFO would block the reader forever) is refused here."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise UserError([f"{key} {path}: {exc.strerror or exc}; pass a text file, one prompt per line"]) from None
+    if not stat.S_ISREG(mode):
+        raise UserError([f"{key} {path}: not a regular file; pass a text file, one prompt per line"])
+
+
+@app.command()
+def generate(
+    run: str = RUN,
+    prompt: str = typer.Option(None, "--prompt", help="The text to continue.", show_default=False),
+    prompts: str = typer.Option(None, "--prompts", help="A text file, one prompt per line (prints JSON lines).",
+                                show_default=False),
+    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Token ids instead of text (e.g. 1,2,3): for runs "
+                                   "without a tokenizer (synthetic data).", show_default=False),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints "
+                                   "(default: the newest that verifies).", show_default=False),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to add to each prompt."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above: sample."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens this likely."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the sampling: the same seed gives the same text."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the run's chat template."),
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: the GPU if there is one).",
+                               show_default=False),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
+    """Continue a prompt with a run's checkpoint, on one device.  Example: trainctl generate RUN --prompt 'def '"""
+    from trainctl.launch import runs
+
+    given = [key for key, value in (("--prompt", prompt), ("--prompts", prompts), ("--prompt-ids", prompt_ids))
+             if value is not None]
+    if len(given) != 1:
+        raise UserError([f"{' and '.join(given) or 'no prompt'}: give exactly one of --prompt TEXT, "
+                         "--prompts FILE or --prompt-ids 1,2,3"])
+    run_dir = runs.find_run(run, runs_dir)
+    if prompts is not None:
+        _regular_file("--prompts", prompts)
+    options = {"--prompt": prompt, "--prompts": prompts, "--prompt-ids": prompt_ids, "--checkpoint": checkpoint,
+               "--max-new-tokens": max_new_tokens, "--temperature": temperature, "--top-p": top_p, "--seed": seed,
+               "--device": device}
+    _worker_module("trainctl.models.generate", run_dir, options, {"--chat": chat})
+
+
+@app.command("eval")
+def eval_command(
+    run: str = RUN,
+    data: str = typer.Option(..., "--data", help="A prepared dataset (trainctl data prepare) with a val split.",
+                             show_default=False),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints "
+                                   "(default: the newest that verifies).", show_default=False),
+    batches: int = typer.Option(None, "--batches", help="Val batches of the run's micro_batch x seq_len (default: "
+                                "train.eval_batches x the run's data-parallel ranks).", show_default=False),
+    as_json: bool = AS_JSON,
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: the GPU if there is one).",
+                               show_default=False),
+    runs_dir: Path = RUNS_DIR,
+) -> None:
+    """Loss and perplexity of a checkpoint over a dataset's val split.  Example: trainctl eval RUN --data tok"""
+    from trainctl.launch import runs
+
+    if batches is not None and batches < 1:
+        raise UserError([f"--batches {batches}: must be at least 1"])
+    run_dir = runs.find_run(run, runs_dir)
+    options = {"--data": data, "--checkpoint": checkpoint, "--batches": batches, "--device": device}
+    _worker_module("trainctl.train.evaluate", run_dir, options, {"--json": as_json})
+
+
 @data_app.command("prepare")
 def data_prepare(
     inputs: list[str] = typer.Argument(..., help="Text files, folders or glob patterns (.txt .md .jsonl .parquet).",
