@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from worker_runs import TINY, base_config, records, run_worker, write_run_dir
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import torchrun_cmd, worker_env
-from trainctl.config.schema import CheckpointConfig, LoRAConfig, OptimConfig, ShardingConfig, TrainConfig
+from tests.helpers import run_cli, torchrun_cmd, worker_env
+from trainctl.config.schema import CheckpointConfig, LoRAConfig, OptimConfig, ShardingConfig
 from trainctl.core import checkpoints
 from trainctl.core.lora import is_adapter
 from trainctl.models.build import build_model
@@ -36,6 +36,7 @@ HF_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_
 LAYOUTS = {
     "ddp": (ShardingConfig(strategy="ddp", dp_replicate=2), "none"),
     "fsdp+ac": (ShardingConfig(strategy="zero3", dp_shard=2), "full"),
+    "zero1": (ShardingConfig(strategy="zero1", dp_replicate=2), "none"),  # AdamW states sharded, adapters only
 }
 STEPS = 16
 
@@ -103,10 +104,11 @@ def test_lora_trains_only_the_adapters_from_an_hf_model(trained, hf_base, layout
     assert sum(t.numel() for t in adapters.values()) == lora_formula_count(cfg.model) == 2 * 4 * (
         (64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
     assert all(adapters[n].abs().max() > 0 for n in adapters if n.endswith("lora_b"))  # B starts at 0: it trained
-    # Only the adapters have optimizer state.
+    # Only the adapters have optimizer state (zero1 keeps its shards in each rank's own file instead).
     metadata = FileSystemReader(str(checkpoints.newest_valid(run_dir).path)).read_metadata()
     moments = [k for k in metadata.state_dict_metadata if k.startswith("optim.state.") and "exp_avg" in k]
-    assert moments and all(".lora_a." in k or ".lora_b." in k for k in moments), moments[:3]
+    assert all(".lora_a." in k or ".lora_b." in k for k in moments), moments[:3]
+    assert moments or layout == "zero1"
     got = losses(run_dir)
     assert len(got) == STEPS
     first, last = sum(got[s] for s in (1, 2)) / 2, sum(got[s] for s in (STEPS - 1, STEPS)) / 2
@@ -130,6 +132,19 @@ def test_lora_resume_after_a_stop_equals_a_straight_run(tmp_path, data_cache, hf
     assert losses(resumed) == losses(straight)
     a, b = (checkpoint_tensors(run, replace(TINY, lora=lora)) for run in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.cli
+def test_cli_refuses_lora_export_without_a_mode_and_lora_with_tp(trained, tmp_path):
+    run_dir, _ = trained["ddp"]
+    both = run_cli("export", str(run_dir), "--merged", "--adapter", "--out", str(tmp_path / "x"))
+    plain = run_cli("export", str(run_dir), "--out", str(tmp_path / "y"))
+    tp = run_cli("launch", "recipe=tiny_cpu", "model.lora.rank=8", "sharding.tp=2", "cluster.procs_per_node=2",
+                 "--name", "lora-tp", cwd=tmp_path)
+    expected = ((both, "pick one"), (plain, "pass --merged"), (tp, "model.lora.rank=8: LoRA with sharding.tp=2"))
+    for proc, words in expected:
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())  # no export folder, no run directory
 
 
 def export(run_dir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
