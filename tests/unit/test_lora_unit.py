@@ -14,10 +14,11 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import LoRAConfig, ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.config.validate import resolve
 from trainctl.core.dims import ParallelDims
+from trainctl.core.errors import UserError
 from trainctl.models.build import build_model
 from trainctl.models.hf import to_hf
 from trainctl.models.lora import LoRALinear, init_adapters, trainable_count
-from trainctl.models.lora_export import merge
+from trainctl.models.lora_export import check_mode, merge
 from trainctl.plan import memory
 from trainctl.plan.flops import lora_formula_count, param_count
 from trainctl.plan.runplan import build as build_plan
@@ -79,6 +80,17 @@ def test_plan_shows_the_trainable_count():
         ["recipe=tiny_cpu", "model.lora.rank=8", "model.lora.targets=[q,v]"]).model) > 0
     assert plan.params_trainable < param_count(plan_cfg) // 10
     assert "LoRA rank 8" in plan.model
+    assert any(note.startswith("LoRA (rank 8 on q,v)") and "upper bound" in note for note in plan.notes)
+
+
+def test_export_needs_a_mode_for_lora_and_none_without():
+    lora = ModelConfig(lora=LoRAConfig(rank=4))
+    for cfg, mode, words in ((lora, None, "pass --merged"), (ModelConfig(), "merged", "--merged: this run has no")):
+        with pytest.raises(UserError) as info:
+            check_mode(cfg, mode)
+        assert len(info.value.problems) == 1 and words in info.value.problems[0]
+    check_mode(lora, "adapter")
+    check_mode(ModelConfig(), None)
 
 
 @pytest.mark.parametrize(("strategy", "degrees"), [("none", {}), ("ddp", {"dp_replicate": 4}),
