@@ -180,3 +180,19 @@ def test_peft_adapter_logits_equal_the_merged_export(trained, hf_base, tmp_path)
     assert (peft_logits - base_logits).abs().max() > 1e-2  # the adapters matter: a lost B would show
     assert (peft_logits - merged_logits).abs().max() <= 1e-5
     assert (our_logits - merged_logits).abs().max() <= 1e-4
+
+
+def test_lora_run_starts_from_a_full_runs_checkpoint(tmp_path, data_cache):
+    """checkpoint.resume=RUN with load_only=model: the base weights come from a trainctl run without LoRA, the
+    adapters start fresh (B = 0), and the base stays bitwise the source's."""
+    full = replace(base_config(data_cache, steps=4), name="full", model=TINY)
+    source = write_run_dir(tmp_path, full)
+    ok(run_worker(source, None), source)
+    lora = replace(full, name="lora", model=replace(TINY, lora=LORA), optim=OptimConfig(lr=1e-2),
+                   checkpoint=CheckpointConfig(resume=str(source), load_only="model"))
+    run_dir = write_run_dir(tmp_path, lora)
+    ok(run_worker(run_dir, None), run_dir)
+    before, after = checkpoint_tensors(source, TINY), checkpoint_tensors(run_dir, lora.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(after[n].abs().max() > 0 for n in after if n.endswith("lora_b"))
+    assert "LoRA adapters start fresh" in (run_dir / "logs" / "rank0.log").read_text()
