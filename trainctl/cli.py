@@ -646,6 +646,9 @@ def export(
     verify: bool = typer.Option(
         False, "--verify", help="Load the export with transformers and compare every tensor and the logits with "
         "trainctl's model before calling it done (exit 1 and nothing written if they differ)."),
+    merged: bool = typer.Option(False, "--merged", help="A LoRA run: full weights with the adapters folded in."),
+    adapter: bool = typer.Option(
+        False, "--adapter", help="A LoRA run: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."),
     runs_dir: Path = RUNS_DIR,
 ) -> None:
     """Write a verified checkpoint's model as safetensors.  Example: trainctl export tiny_cpu-20250101-120000"""
@@ -658,6 +661,8 @@ def export(
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise UserError([f"--dtype {dtype}: not an export dtype; use one of {', '.join(EXPORT_DTYPES)} "
                          "(quantized formats are not written)"])
+    if merged and adapter:
+        raise UserError(["--merged and --adapter: pick one (full weights, or a PEFT adapter folder)"])
     run_dir = runs.find_run(run, runs_dir)
     # The exporter imports torch: a child process keeps this side of the wall torch-free. It prints its own
     # one-line errors (exit 2) and warnings; its exit code is this command's.
@@ -667,6 +672,7 @@ def export(
         if value is not None:
             args += [flag, str(value)]
     args += ["--verify"] if verify else []
+    args += ["--merged"] if merged else ["--adapter"] if adapter else []
     raise typer.Exit(subprocess.run(args).returncode)
 
 

@@ -36,6 +36,16 @@ SPIKE_POLICIES = ("off", "warn", "skip")
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the decoder's projections (rank 0: off, every weight trains)."""
+
+    rank: int = 0  # r of every adapter; 0: no LoRA
+    alpha: float = 16.0  # the update is scaled by alpha / rank (peft's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter's input (peft's lora_dropout)
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])  # any of q, k, v, o, gate, up, down
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder. `family` picks trainctl/models/<family>/ (its spec, module and parallel plan); the
     family-specific keys below default to plain Llama (full attention, plain RoPE, head_dim = dim / n_heads)."""
@@ -60,6 +70,7 @@ class ModelConfig:
     rope_original_max_seq_len: int = 8192  # llama3: the context the model was first trained with
     sliding_window: int = 0  # 0: full attention; else refused unless it covers train.seq_len
     path: str = ""  # a Hugging Face folder whose config.json gives the family and shape (model=hf)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,10 @@ import re
 from trainctl.config import hf_config, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
+from trainctl.core import lora
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
+from trainctl.core.support import lora_unsupported
 from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters
 from trainctl.models import registry
 
@@ -32,6 +34,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
     problems += check_names(cfg) + check_offload(cfg.sharding)
+    problems += lora.problems(cfg.model.lora)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
@@ -39,6 +42,8 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += topo_problems
     if dims is not None:
         problems += check_model_parallel(dims, cfg.model)
+        resolved = dataclasses.replace(cfg.sharding, **dims.as_dict())
+        problems += lora_unsupported(cfg.model.lora, resolved, cfg.precision)
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)

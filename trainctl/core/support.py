@@ -24,3 +24,19 @@ def unsupported(sharding, precision) -> list[str]:
                            "implemented in the worker yet; use sharding=zero2 or sharding=fsdp with pp"),
     ]
     return [message for wanted, message in later if wanted]
+
+
+def lora_unsupported(lora, sharding, precision) -> list[str]:
+    """One line per layout LoRA (model.lora.rank > 0) does not compose with in the worker yet."""
+    if lora.rank <= 0:
+        return []
+    later = [
+        # Tensor and pipeline parallelism swap or split the projections LoRA wraps; float8 swaps them too.
+        (sharding.tp > 1, f"sharding.tp={sharding.tp}"),
+        (sharding.pp > 1, f"sharding.pp={sharding.pp}"),
+        (sharding.cp > 1, f"sharding.cp={sharding.cp}"),
+        (precision.fp8, "precision.fp8=true"),
+    ]
+    return [f"model.lora.rank={lora.rank}: LoRA with {key} is not implemented in the worker yet; use "
+            "data parallelism (sharding=ddp, zero1, zero2, fsdp or hsdp) without fp8, or model.lora.rank=0"
+            for wanted, key in later if wanted]

@@ -24,5 +24,8 @@ def family_parallel(cfg: ModelConfig) -> ModuleType:
 
 
 def build_model(cfg: ModelConfig, device="meta") -> nn.Module:
-    """The family's model on `device` (meta by default: shapes only, no memory, no init)."""
-    return family_module(cfg).build_model(cfg, device)
+    """The family's model on `device` (meta by default: shapes only, no memory, no init), with model.lora's
+    adapters when its rank is positive (models/lora.py; the base weights are then frozen)."""
+    from trainctl.models.lora import apply_lora
+
+    return apply_lora(family_module(cfg).build_model(cfg, device), cfg.lora)

@@ -38,6 +38,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from trainctl.config.schema import ModelConfig, load_run_config
 from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
+from trainctl.models import lora_export
 from trainctl.models.build import build_model
 from trainctl.models.hf import hf_config, to_hf
 from trainctl.models.verify import VerifyError, verify_export
@@ -258,11 +260,13 @@ def _readable_like_other_files(path: Path) -> None:
 
 
 def write_weights(ckpt: Path, entries: dict, names: list[str], out: Path, max_shard_size: int,
-                  cfg: ModelConfig, dtype: torch.dtype | None = None) -> int:
+                  cfg: ModelConfig, dtype: torch.dtype | None = None, read=None) -> int:
     """Write the safetensors file(s) in Hugging Face's names and rotary layout (and the index when sharded).
 
-    Returns the total bytes. `dtype`: cast every tensor to it (default: as saved).
+    Returns the total bytes. `dtype`: cast every tensor to it (default: as saved). `read(names)`: the tensors
+    by name (default: as checkpointed; a LoRA --merged export folds the adapters in).
     """
+    read = read or (lambda shard: read_tensors(ckpt, entries, shard))
     from safetensors.torch import save_file
 
     scale = (lambda item: dtype.itemsize / item.properties.dtype.itemsize) if dtype else (lambda item: 1)
@@ -272,7 +276,7 @@ def write_weights(ckpt: Path, entries: dict, names: list[str], out: Path, max_sh
     for index, shard in enumerate(shards):
         filename = shard_file(index, len(shards))
         tensors = dict(to_hf(name, t if dtype is None else t.to(dtype), cfg)
-                       for name, t in read_tensors(ckpt, entries, shard).items())
+                       for name, t in read(shard).items())
         save_file(tensors, str(out / filename), metadata={"format": "pt"})
         _readable_like_other_files(out / filename)
         weight_map.update(dict.fromkeys(tensors, filename))
@@ -396,7 +400,7 @@ def missing_parents(path: Path) -> list[Path]:
 
 def export(
     run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-    dtype: torch.dtype | None = None, verify: bool = False,
+    dtype: torch.dtype | None = None, verify: bool = False, lora_mode: str | None = None,
 ) -> tuple[Path, str | None]:
     """Export one verified checkpoint of `run_dir` (default: the newest valid one).
 
@@ -407,6 +411,9 @@ def export(
     ckpt = find_checkpoint(run_dir, checkpoint)
     entries = model_entries(ckpt)
     names = check_against_config(entries, cfg, ckpt)
+    lora_export.check_mode(cfg, lora_mode)
+    if lora_mode == "adapter" and verify:
+        raise ExportError("--verify loads full weights with transformers; use it with --merged, not --adapter")
     out = out or default_out(run_dir, ckpt)
     if not out.absolute().name or out.absolute() == Path.cwd():
         raise ExportError(f"--out {str(out) or repr('')}: the current folder or the filesystem root; name a new "
@@ -418,11 +425,11 @@ def export(
     try:
         check_out(out, run_dir, ckpt)
         tmp.mkdir(parents=True)
-        write_weights(ckpt, entries, names, tmp, max_shard_size, cfg, dtype)
-        saved = dtype or entries[names[0]][1].properties.dtype
-        write_config(cfg, ckpt, tmp, saved, tokens)
-        write_tokenizer(tokens, cfg, tmp)
-        verified = verify_export(tmp, read_tensors(ckpt, entries, names), cfg, dtype).line() if verify else None
+        if lora_mode == "adapter":
+            write_adapter_folder(run_dir, ckpt, entries, names, tmp, cfg, dtype, tokens)
+            verified = None
+        else:
+            verified = write_full(ckpt, entries, names, tmp, max_shard_size, cfg, dtype, tokens, verify)
         tmp.rename(out)  # onto an empty folder or a free name; never a half-written folder at `out`
         done = True
     except (OSError, SafetensorError) as exc:  # writing the output; reads of the checkpoint raise ExportError
@@ -437,6 +444,29 @@ def export(
     return out, verified
 
 
+def write_full(ckpt: Path, entries: dict, names: list[str], out: Path, max_shard_size: int, cfg: ModelConfig,
+               dtype: torch.dtype | None, tokens: dict | None, verify: bool) -> str | None:
+    """The Hugging Face folder (a LoRA run's with its adapters merged); with `verify`, what the check found."""
+    read = partial(read_tensors, ckpt, entries)
+    if cfg.lora.rank > 0:
+        read = lora_export.merged_reader(names, read, cfg.lora)
+        names, cfg = lora_export.base_names(names), lora_export.base_config(cfg)
+    write_weights(ckpt, entries, names, out, max_shard_size, cfg, dtype, read)
+    write_config(cfg, ckpt, out, dtype or entries[names[0]][1].properties.dtype, tokens)
+    write_tokenizer(tokens, cfg, out)
+    return verify_export(out, read(names), cfg, dtype).line() if verify else None
+
+
+def write_adapter_folder(run_dir: Path, ckpt: Path, entries: dict, names: list[str], out: Path, cfg: ModelConfig,
+                         dtype: torch.dtype | None, tokens: dict | None) -> None:
+    """A LoRA run's PEFT adapter folder (models/lora_export.py), with the run's tokenizer."""
+    adapters = read_tensors(ckpt, entries, [n for n in names if n not in lora_export.base_names(names)])
+    adapters = {n: t if dtype is None else t.to(dtype) for n, t in adapters.items()}
+    init_from = load_run_config(run_dir).checkpoint.init_from
+    lora_export.write_adapter(adapters, cfg, out, init_from)
+    write_tokenizer(tokens, cfg, out)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainctl.models.export",
                                      description="Export a checkpoint's model as safetensors.")
@@ -449,6 +479,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE),
                         help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
     parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast the weights (default: as saved)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--merged", dest="lora_mode", action="store_const", const="merged",
+                      help="a LoRA run: full weights with the adapters folded in")
+    mode.add_argument("--adapter", dest="lora_mode", action="store_const", const="adapter",
+                      help="a LoRA run: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
     parser.add_argument("--verify", action="store_true",
                         help="load the export with transformers and compare tensors and logits before calling it done")
     return parser.parse_args(argv)
@@ -460,16 +495,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
         out, verified = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size), dtype,
-                               verify=args.verify)
-    except ExportError as exc:
+                               verify=args.verify, lora_mode=args.lora_mode)
+    except UserError as exc:  # ExportError, and lora_export's
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except VerifyError as exc:  # not the user's mistake: the conversion is wrong, and nothing was left at --out
         print(f"error: export --verify failed, nothing written: {exc}", file=sys.stderr)
         return 1
     files = sorted(p.name for p in out.iterdir())
-    step = json.loads((out / "config.json").read_text())["trainctl_checkpoint"]["step"]
-    print(f"exported step {step} to {out}: {', '.join(files)}")
+    config = out / "config.json"  # a PEFT adapter folder has none
+    step = json.loads(config.read_text())["trainctl_checkpoint"]["step"] if config.exists() else None
+    print(f"exported {f'step {step} ' if step is not None else 'the adapters '}to {out}: {', '.join(files)}")
     if verified:
         print(verified)
     return 0

@@ -20,6 +20,7 @@ from torch import nn
 
 from trainctl.config.hf_config import weight_files
 from trainctl.config.schema import ModelConfig
+from trainctl.core.lora import is_adapter
 from trainctl.models import registry
 from trainctl.models.llama.model import _fill
 
@@ -117,7 +118,8 @@ def load_hf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int
     """
     from safetensors import safe_open
 
-    params = local_parameters(model)
+    # LoRA's adapters are not in a Hugging Face folder: they keep their init (B = 0, so the model starts as loaded).
+    params = {name: p for name, p in local_parameters(model).items() if not is_adapter(name)}
     done: set[str] = set()
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:

@@ -7,6 +7,7 @@ published counts of the named models (tests/dist/test_families.py builds transfo
 from __future__ import annotations
 
 from trainctl.config.schema import ModelConfig
+from trainctl.core.lora import target_paths
 from trainctl.models.registry import spec
 
 
@@ -41,6 +42,19 @@ def matmul_params(m: ModelConfig) -> int:
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of forward + backward per token (6N plus the attention term; the family's spec)."""
     return spec(m.family).flops_per_token(m, seq_len)
+
+
+def lora_formula_count(m: ModelConfig) -> int:
+    """LoRA's trainable parameters: per target, rank x (in + out), in every layer; 0 without model.lora."""
+    if m.lora.rank <= 0:
+        return 0
+    shapes = linear_shapes(m)
+    return m.n_layers * sum(m.lora.rank * sum(shapes[path]) for path in target_paths(m.lora))
+
+
+def trainable_count(m: ModelConfig) -> int:
+    """What the optimizer steps: the adapters with model.lora, else every parameter."""
+    return lora_formula_count(m) if m.lora.rank > 0 else param_count(m)
 
 
 FP8_ALIGNMENT = 16  # torchao float8 converts a Linear only when both of its dimensions are multiples of this

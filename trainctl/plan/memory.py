@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
+from trainctl.core.lora import is_adapter
 from trainctl.core.loss_head import chunked_loss
 from trainctl.core.wrapping import Wrapping, float8_all_gather, wrapping
 from trainctl.plan import activations as act
@@ -188,9 +189,23 @@ def model_states(
 ) -> dict[str, int]:
     """Bytes of the live parameter, gradient and optimizer tensors on one rank (what memory_stats measures)."""
     tensors = local_tensors(m, stage, dims.tp)
-    stored, stepped, count = stored_elements(tensors, wrapping(sharding.strategy, dims), dims, dp_rank)
+    wrap = wrapping(sharding.strategy, dims)
+    stored = stored_elements(tensors, wrap, dims, dp_rank)[0]
+    _, stepped, count = stored_elements(trainable(tensors), wrap, dims, dp_rank)
     optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
-    return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * stored, "optimizer_bytes": optimizer}
+    grads = stored_of(trainable(tensors), wrap, dims)
+    return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * grads, "optimizer_bytes": optimizer}
+
+
+def trainable(tensors: list[Tensor]) -> list[Tensor]:
+    """The tensors that get gradients and optimizer states: LoRA's adapters when there are any, else all."""
+    adapters = [t for t in tensors if is_adapter(t.name)]
+    return adapters or tensors
+
+
+def trainable_of(part: list[Tensor], learn: list[Tensor]) -> list[Tensor]:
+    names = {t.name for t in learn}
+    return [t for t in part if t.name in names]
 
 
 def fsdp_units(m: ModelConfig, stage: RankStages, tp: int) -> dict[str, int]:
@@ -329,9 +344,12 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     c, r = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.reduce_dtype]
     tensors = local_tensors(m, stage, dims.tp)
     local = sum(t.numel for t in tensors)
-    stored, stepped, count = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims))
+    learn = trainable(tensors)  # with LoRA only the adapters have gradients, DDP buckets and AdamW states
+    learn_local = sum(t.numel for t in learn)
+    stored = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims))[0]
+    _, stepped, count = stored_elements(learn, wrap, dims, busiest_dp_rank(learn, wrap, dims))
     fsdp = wrap.fully_shard
-    params, grads = FP32 * stored, FP32 * stored
+    params, grads = FP32 * stored, FP32 * stored_of(learn, wrap, dims)
     optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
     tokens = train.micro_batch * train.seq_len // dims.cp
     lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp), train.compile,
@@ -345,7 +363,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     first_part, head_part = end_parts(tensors, stage)
     at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r, precision)
     accumulating = train.grad_accum > 1
-    unsharded = max(c, r) * local if fsdp and accumulating else 0
+    unsharded = max(c, r) * learn_local if fsdp and accumulating else 0
     step_temp = 0 if device == "cuda" and not sharding.cpu_offload else FP32 * stepped
     host = saved.host
     if sharding.cpu_offload:
@@ -355,7 +373,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         params=params,
         grads=grads,
         optimizer=optimizer,
-        ddp_buckets=FP32 * local if wrap.ddp else 0,
+        ddp_buckets=FP32 * learn_local if wrap.ddp else 0,
         host=host,
         gathered_loss=at_loss,
         gathered_block=during_block,
@@ -371,8 +389,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         grad_temp=int(act.block_grad_bytes(m, lay) * tokens) if stage.layers else 0,
         head_activations=saved.head,
         last_block_activations=saved.first_block,
-        grads_head=0 if sharding.cpu_offload else FP32 * stored_of(head_part, wrap, dims),
-        grads_tail=0 if sharding.cpu_offload else grads - FP32 * stored_of(first_part, wrap, dims),
+        grads_head=0 if sharding.cpu_offload else FP32 * stored_of(trainable_of(head_part, learn), wrap, dims),
+        grads_tail=0 if sharding.cpu_offload else grads - FP32 * stored_of(trainable_of(first_part, learn), wrap, dims),
         step_temp=step_temp,
         tokens_per_micro_batch=tokens,
         in_flight=stage.in_flight,

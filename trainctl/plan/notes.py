@@ -145,7 +145,17 @@ def throughput_notes(cfg: RunConfig) -> list[str]:
             "forward of the wrapped blocks, about +1/3 of their FLOPs; op: +3% for re-run pointwise ops)"]
 
 
+def lora_notes(cfg: RunConfig) -> list[str]:
+    lora = cfg.model.lora
+    if lora.rank <= 0:
+        return []
+    return [f"LoRA (rank {lora.rank} on {','.join(lora.targets)}): grads, ddp_buckets and optimizer count the "
+            "adapters only; activations and FSDP's gathered gradients are counted as for full training (an upper "
+            "bound: autograd saves no input for a frozen projection without an adapter), and FLOPs/MFU count the "
+            "full 6N though frozen weights compute no weight gradient"]
+
+
 def notes_for(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     """Every note that applies to this config, strategy first."""
     return (strategy_notes(cfg, dims, mem) + activation_notes(cfg, dims, mem) + device_notes(cfg, dims)
-            + throughput_notes(cfg))
+            + lora_notes(cfg) + throughput_notes(cfg))

@@ -17,7 +17,7 @@ from trainctl.core.gpus import GPUS
 from trainctl.core.support import unsupported
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
-from trainctl.plan.flops import flops_per_token, param_count
+from trainctl.plan.flops import flops_per_token, param_count, trainable_count
 from trainctl.plan.throughput import DEFAULT_MFU, StepTime, attention_flops_causal, hours
 
 ASSUMED_MFU = DEFAULT_MFU  # kept for callers of the earlier name
@@ -48,6 +48,7 @@ class RunPlan:
     dims: ParallelDims
     batch: BatchMath
     params_total: int
+    params_trainable: int  # what the optimizer steps: model.lora's adapters (rank x (in + out) per target), or all
     params_per_mp_rank: int  # parameters of the busiest tensor x pipeline rank (norms replicated over tp)
     flops_per_token: float  # model FLOPs, forward + backward (attention over the full sequence, as MFU counts it)
     attention_flops_causal: float  # per token: what causal attention kernels execute (half the full-sequence term)
@@ -109,8 +110,9 @@ class RunPlan:
 def model_label(m: ModelConfig) -> str:
     """What the worker builds, in one line: `qwen2 (name): 24 layers x 896, 14/2 heads, vocab 151936`."""
     named = f" ({m.name})" if m.name and m.name != m.family else ""
+    lora = f", LoRA rank {m.lora.rank} on {','.join(m.lora.targets)}" if m.lora.rank > 0 else ""
     return (f"{m.family}{named}: {m.n_layers} layers x {m.dim}, {m.n_heads}/{m.n_kv_heads} heads, "
-            f"vocab {m.vocab_size}")
+            f"vocab {m.vocab_size}{lora}")
 
 
 def world_size(cluster: ClusterConfig) -> int:
@@ -225,6 +227,7 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
         dims=dims,
         batch=batch,
         params_total=param_count(cfg.model),
+        params_trainable=trainable_count(cfg.model),
         params_per_mp_rank=max(m.local_params for m in a.per_pp_rank),
         flops_per_token=per_token,
         attention_flops_causal=attention_flops_causal(cfg.model, cfg.train.seq_len),

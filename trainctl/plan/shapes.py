@@ -17,6 +17,7 @@ output projection, a tied output is the embedding (counted once).
 from __future__ import annotations
 
 from trainctl.config.schema import ModelConfig
+from trainctl.core.lora import adapter_tensors
 from trainctl.core.tensors import Tensor
 from trainctl.models.registry import spec
 
@@ -26,8 +27,9 @@ __all__ = ["Tensor", "block_tensors", "embedding_tensor", "fsdp_local_numel", "f
 
 
 def block_tensors(m: ModelConfig, index: int) -> list[Tensor]:
-    """One transformer block's weights in registration order (the family's spec)."""
-    return spec(m.family).block_tensors(m, index)
+    """One transformer block's weights in registration order (the family's spec), then model.lora's adapters."""
+    block = spec(m.family).block_tensors(m, index)
+    return block + adapter_tensors(block, m.lora)
 
 
 def embedding_tensor(m: ModelConfig) -> Tensor:

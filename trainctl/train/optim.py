@@ -32,10 +32,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # An empty group (LoRA: every adapter is a matrix) breaks DCP's loading of the flattened optimizer state.
+    return [group for group in groups if group["params"]]
 
 
 def zero1_group(wrap: Wrapping, mesh: DeviceMesh) -> torch.distributed.ProcessGroup | None:

@@ -35,6 +35,7 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import family_parallel
+from trainctl.models.lora import init_adapters
 from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.context_parallel import expand_kv_heads_for_cp
 from trainctl.train.errors import WorkerConfigError
@@ -115,6 +116,7 @@ def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = Fals
     """
     model.to_empty(device="cpu" if cpu_offload else device)
     model.init_weights()
+    init_adapters(model)  # LoRA's A and B (none without model.lora)
     if cpu_offload:
         move_buffers(model, device)
 

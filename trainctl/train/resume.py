@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainctl.config.schema import CheckpointConfig
+from trainctl.core.lora import is_adapter
 from trainctl.train import state
 from trainctl.train.checkpoint import META, CheckpointError, CheckpointManager, checkpoint_dir
 
@@ -58,11 +59,35 @@ def find_source(cfg: CheckpointConfig, run_dir: Path, manager: CheckpointManager
     return path, cfg.load_only
 
 
+def fresh_adapters(path: Path, model) -> frozenset[str]:
+    """LoRA adapters of the live model that the checkpoint lacks (a LoRA run from a full run's weights): they keep
+    their init (B = 0: the run starts at those weights)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    adapters = {n for n, _ in state.named_view(model).named_parameters() if is_adapter(_clean(n))}
+    if not adapters:
+        return frozenset()
+    try:
+        saved = {k.removeprefix("model.") for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    except Exception:  # noqa: BLE001 (unreadable metadata: manager.load reports it in its own words)
+        return frozenset()
+    missing = frozenset(n for n in adapters if _clean(n) not in saved)
+    if missing:
+        log.info("LoRA adapters start fresh: %d adapter tensors are not in %s", len(missing), path)
+    return missing
+
+
+def _clean(name: str) -> str:
+    wrappers = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+    return ".".join(p for p in name.split(".") if p not in wrappers)
+
+
 def restore(manager: CheckpointManager, path: Path, load_only: str, model, optimizer, world_size: int) -> StartPoint:
     """Load `path` into the live model/optimizer (resharding as needed); returns where to continue."""
     parts = _PARTS[load_only]
+    skip = fresh_adapters(path, model) if load_only == "model" else frozenset()
     # Stateful parts in the current layout: DCP loads them (from any layout) into the live model and optimizer.
-    meta, own_rank_state = manager.load(path, state.app_state(model, optimizer, parts))
+    meta, own_rank_state = manager.load(path, state.app_state(model, optimizer, parts, skip))
     if load_only != "all":
         log.info("started from %s (%s only)", path, load_only)
         state.apply_rank_state(None, optimizer, load_optim=False)

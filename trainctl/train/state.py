@@ -16,6 +16,7 @@ and the optimizer's itself, on save and on load; meta.json is CheckpointMeta's s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -67,16 +68,21 @@ def _options() -> StateDictOptions:
 
 
 class ModelState(Stateful):
-    """The model's DCP state under the full model's names (see named_view)."""
+    """The model's DCP state under the full model's names (see named_view).
 
-    def __init__(self, view: nn.Module):
-        self.view = view
+    skip: names left out (LoRA adapters a full run's checkpoint lacks, when a LoRA run starts from its weights);
+    DCP still refuses a checkpoint that lacks any other tensor.
+    """
+
+    def __init__(self, view: nn.Module, skip: frozenset[str] = frozenset()):
+        self.view, self.skip = view, skip
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.view, options=_options())
+        return {k: v for k, v in get_model_state_dict(self.view, options=_options()).items() if k not in self.skip}
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.view, state, options=_options())
+        options = dataclasses.replace(_options(), strict=not self.skip)
+        set_model_state_dict(self.view, state, options=options)
 
 
 class OptimizerState(Stateful):
@@ -92,12 +98,13 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.view, self.optimizer, state, options=_options())
 
 
-def app_state(model: nn.Module, optimizer: torch.optim.Optimizer, parts: Sequence[str] = ("model", "optim")) -> dict:
+def app_state(model: nn.Module, optimizer: torch.optim.Optimizer, parts: Sequence[str] = ("model", "optim"),
+              skip: frozenset[str] = frozenset()) -> dict:
     """The DCP-saved state (see module doc): the selected parts of {"model", "optim"}, as Stateful objects."""
     view = named_view(model)
     state: dict[str, Stateful] = {}
     if "model" in parts:
-        state["model"] = ModelState(view)
+        state["model"] = ModelState(view, skip)
     if "optim" in parts and not isinstance(optimizer, ZeroRedundancyOptimizer):
         state["optim"] = OptimizerState(view, optimizer)
     return state

@@ -21,10 +21,11 @@ from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
+from trainctl.core.support import lora_unsupported
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import build_model
 from trainctl.models.llama.model import attention_backends
-from trainctl.plan.flops import flops_per_token
+from trainctl.plan.flops import flops_per_token, lora_formula_count
 from trainctl.train import distributed
 from trainctl.train import state as checkpoint_state
 from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir, step_name
@@ -233,9 +234,17 @@ def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> 
     return parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, device), None
 
 
+def check_lora_supported(cfg: RunConfig) -> None:
+    """The launcher refuses these layouts with LoRA; a hand-edited config.yaml meets the same line here."""
+    missing = lora_unsupported(cfg.model.lora, cfg.sharding, cfg.precision)
+    if missing:
+        raise WorkerConfigError("; ".join(missing))
+
+
 def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopRequest) -> Job:
     """The whole Job of this rank: mesh, model, optimizer, data, metrics, checkpoints, and where to start."""
     check_supported(cfg.sharding, cfg.precision)
+    check_lora_supported(cfg)
     check_cp_device(cfg.sharding.cp, world.device)
     threads = distributed.set_cpu_threads(cfg.cluster, world.local_world_size)
     distributed.enable_tf32(world.device)
@@ -246,6 +255,9 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     scaler = build_loss_scaler(cfg.precision, world.device)
     model, pipeline = build_parallel_model(cfg, mesh, world.device, scaler)
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(wrap, mesh))
+    if cfg.model.lora.rank > 0:
+        print0(f"lora: rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}; "
+               f"{lora_formula_count(cfg.model):,} trainable parameters, the rest frozen", world.is_main)
     register_float8_scale_precompute(optimizer, model, cfg.precision, wrap.fsdp)
     train_data, val_data = build_data(cfg, mesh, world)
     metrics = MetricsLogger(run_dir, cfg.logging, train.steps, world.is_main, asdict(cfg))

@@ -1,0 +1,73 @@
+"""LoRA's names, shapes and checks, torch-free: the plan, the validation, the worker and the export share them.
+
+An adapter on a projection `W` [out, in] adds `scale * B @ A` with A [rank, in] and B [out, rank],
+scale = alpha / rank (peft's convention). trainctl keeps `W` under its own name (`...wq.weight`) and adds
+`...wq.lora_a` and `...wq.lora_b` beside it, so the base weights load, checkpoint and export by the names they
+always had.
+"""
+
+from __future__ import annotations
+
+from trainctl.core.tensors import Tensor
+
+# model.lora.targets -> the projection's module path inside a block (every family shares the llama layout).
+TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+# peft's target_modules for them (Hugging Face's module names).
+HF_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+
+
+def enabled(lora) -> bool:
+    return lora.rank > 0
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (trainctl's) is a LoRA adapter's A or B."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def problems(lora) -> list[str]:
+    """One line per bad model.lora key (model.lora: config.schema.LoRAConfig)."""
+    out = []
+    if lora.rank < 0:
+        out.append(f"model.lora.rank={lora.rank}: must be 0 (no LoRA) or positive, e.g. 8 or 16")
+    if not lora.alpha > 0:
+        out.append(f"model.lora.alpha={lora.alpha}: must be positive (the update is scaled by alpha / rank), e.g. 16")
+    if not 0 <= lora.dropout < 1:
+        out.append(f"model.lora.dropout={lora.dropout}: must be in [0, 1), e.g. 0.05")
+    unknown = [t for t in lora.targets if t not in TARGETS]
+    if unknown:
+        out.append(f"model.lora.targets={list(lora.targets)}: unknown {', '.join(map(str, unknown))}; "
+                   f"choose from {', '.join(TARGETS)}")
+    elif len(set(lora.targets)) != len(lora.targets):
+        out.append(f"model.lora.targets={list(lora.targets)}: names a projection twice; list each once")
+    elif lora.rank > 0 and not lora.targets:
+        out.append("model.lora.targets=[]: no projection to adapt; name some of " + ", ".join(TARGETS))
+    return out
+
+
+def target_paths(lora) -> list[str]:
+    """The module paths inside a block that carry adapters, in the order of model.lora.targets."""
+    return [TARGETS[t] for t in lora.targets]
+
+
+def adapter_tensors(block: list[Tensor], lora) -> list[Tensor]:
+    """The A and B tensors the adapters add to one block (`block`: the block's weights, the family's spec)."""
+    if not enabled(lora):
+        return []
+    shapes = {t.name: t for t in block}
+    out = []
+    for tensor in block:
+        path, _, leaf = tensor.name.rpartition(".")
+        if leaf == "weight" and any(path.endswith("." + p) for p in target_paths(lora)):
+            out += [Tensor(f"{path}.lora_a", lora.rank, shapes[tensor.name].cols),
+                    Tensor(f"{path}.lora_b", shapes[tensor.name].rows, lora.rank)]
+    return out
+
+
+def peft_name(trainctl_hf_weight: str, which: str) -> str:
+    """peft's key for an adapter: `model.layers.0.self_attn.q_proj.weight`, "A" ->
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return f"base_model.model.{trainctl_hf_weight.removesuffix('.weight')}.lora_{which}.weight"

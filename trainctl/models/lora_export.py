@@ -1,0 +1,103 @@
+"""Export of a LoRA run: `--merged` folds the adapters into the weights, `--adapter` writes a PEFT folder.
+
+Merged: each adapted weight becomes W + scale * B @ A (in fp32, cast back to the checkpoint's dtype), and the
+export goes on as for any run (Hugging Face names, q/k rows reordered, --verify).
+Adapter: adapter_config.json (peft_type LORA, r, lora_alpha, lora_dropout, target_modules in Hugging Face's
+names) and adapter_model.safetensors with peft's keys (`base_model.model.model.layers.N.self_attn.q_proj.lora_A
+.weight`). trainctl's q and k rows are in interleaved rotary order: B (the rows of the update) gets the row
+reordering its base weight gets (models/hf.py); A (the columns) is untouched. `peft.PeftModel.from_pretrained`
+loads it onto the base model with the merged export's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from trainctl.config.schema import LoRAConfig, ModelConfig
+from trainctl.core.errors import UserError
+from trainctl.core.lora import HF_TARGETS, is_adapter, peft_name
+from trainctl.models.hf import to_hf, to_hf_name
+
+MODES = ("merged", "adapter")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def check_mode(cfg: ModelConfig, mode: str | None) -> None:
+    """A LoRA run needs --merged or --adapter (neither is a silent default); a full run takes neither."""
+    if cfg.lora.rank > 0 and mode is None:
+        raise UserError([f"model.lora.rank={cfg.lora.rank}: this run trained LoRA adapters; pass --merged (full "
+                         "Hugging Face weights with the adapters folded in) or --adapter (a PEFT adapter folder)"])
+    if cfg.lora.rank <= 0 and mode is not None:
+        raise UserError([f"--{mode}: this run has no LoRA adapters (model.lora.rank=0); export without --{mode}"])
+
+
+def base_config(cfg: ModelConfig) -> ModelConfig:
+    """The model without adapters: what a merged export holds."""
+    return dataclasses.replace(cfg, lora=LoRAConfig())
+
+
+def base_names(names: list[str]) -> list[str]:
+    return [n for n in names if not is_adapter(n)]
+
+
+def adapters_of(weight: str) -> tuple[str, str]:
+    """`layers.0.attention.wq.weight` -> (its lora_a name, its lora_b name)."""
+    path = weight.removesuffix(".weight")
+    return f"{path}.lora_a", f"{path}.lora_b"
+
+
+def merged_reader(names: list[str], read: Callable[[list[str]], dict[str, torch.Tensor]],
+                  lora: LoRAConfig) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """A reader of base tensors that reads each adapted weight's A and B with it and folds them in."""
+    present = set(names)
+
+    def read_merged(shard: list[str]) -> dict[str, torch.Tensor]:
+        extra = [a for n in shard for a in adapters_of(n) if a in present]
+        tensors = read(shard + extra)
+        return {n: t for n, t in merge(tensors, lora).items() if n in shard}
+    return read_merged
+
+
+def merge(tensors: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """Base tensors by name, each adapted weight as W + (alpha / rank) * B @ A (adapters dropped)."""
+    scale = lora.alpha / lora.rank
+    out = {}
+    for name, tensor in tensors.items():
+        if is_adapter(name):
+            continue
+        a_name, b_name = adapters_of(name)
+        if a_name in tensors:
+            update = tensors[b_name].double() @ tensors[a_name].double()
+            tensor = (tensor.double() + scale * update).to(tensor.dtype)
+        out[name] = tensor
+    return out
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, base_model: str = "") -> None:
+    """The PEFT folder: adapter_model.safetensors (peft's names, q/k rows of B reordered) and adapter_config.json."""
+    from safetensors.torch import save_file
+
+    weights = {}
+    for name, tensor in tensors.items():
+        weight = name.rsplit(".", 1)[0] + ".weight"
+        if name.endswith(".lora_b"):
+            hf_weight, tensor = to_hf(weight, tensor, cfg)  # the rows of the update follow W's rows
+            weights[peft_name(hf_weight, "B")] = tensor.contiguous()
+        else:
+            weights[peft_name(to_hf_name(weight, cfg), "A")] = tensor.contiguous()
+    save_file(weights, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg.lora, base_model), indent=2) + "\n")
+
+
+def adapter_config(lora: LoRAConfig, base_model: str) -> dict:
+    """What peft's LoraConfig reads; everything else at peft's defaults."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": sorted(HF_TARGETS[t] for t in lora.targets), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "modules_to_save": None}
