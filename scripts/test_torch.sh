@@ -34,7 +34,7 @@ if ! have_torch; then
   "$PYTHON" -m venv "$VENV"
   "$PY" -m pip install --quiet --disable-pip-version-check --no-index -f "$CACHE" "torch==$VERSION" numpy
 fi
-if ! "$PY" -c "import trainctl, hydra, pytest, torchao, transformers, tokenizers" >/dev/null 2>&1 \
+if ! "$PY" -c "import trainctl, hydra, pytest, torchao, transformers, tokenizers, peft" >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$VENV/.trainctl-installed" ]; then
   echo "[torch $VERSION] installing trainctl (editable) with dev and fp8 extras"
   "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev,fp8]"
