@@ -79,6 +79,8 @@ def test_plan_shows_the_trainable_count():
     assert plan.params_trainable == lora_formula_count(plan_cfg := compose(
         ["recipe=tiny_cpu", "model.lora.rank=8", "model.lora.targets=[q,v]"]).model) > 0
     assert plan.params_trainable < param_count(plan_cfg) // 10
+    # the total is what the worker builds (base + adapters): on one rank, the busiest rank's count
+    assert plan.params_total == param_count(plan_cfg) + plan.params_trainable == plan.params_per_mp_rank
     assert "LoRA rank 8" in plan.model
     assert any(note.startswith("LoRA (rank 8 on q,v)") and "upper bound" in note for note in plan.notes)
 

@@ -17,7 +17,7 @@ from trainctl.core.gpus import GPUS
 from trainctl.core.support import unsupported
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
-from trainctl.plan.flops import flops_per_token, param_count, trainable_count
+from trainctl.plan.flops import flops_per_token, lora_formula_count, param_count, trainable_count
 from trainctl.plan.throughput import DEFAULT_MFU, StepTime, attention_flops_causal, hours
 
 ASSUMED_MFU = DEFAULT_MFU  # kept for callers of the earlier name
@@ -47,7 +47,7 @@ class RunPlan:
     model: str  # the architecture the worker builds: family (Hugging Face model_type) and shape
     dims: ParallelDims
     batch: BatchMath
-    params_total: int
+    params_total: int  # every parameter the worker builds: the model's, plus model.lora's adapters
     params_trainable: int  # what the optimizer steps: model.lora's adapters (rank x (in + out) per target), or all
     params_per_mp_rank: int  # parameters of the busiest tensor x pipeline rank (norms replicated over tp)
     flops_per_token: float  # model FLOPs, forward + backward (attention over the full sequence, as MFU counts it)
@@ -226,7 +226,7 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
         model=model_label(cfg.model),
         dims=dims,
         batch=batch,
-        params_total=param_count(cfg.model),
+        params_total=param_count(cfg.model) + (lora_formula_count(cfg.model) if cfg.model.lora.rank > 0 else 0),
         params_trainable=trainable_count(cfg.model),
         params_per_mp_rank=max(m.local_params for m in a.per_pp_rank),
         flops_per_token=per_token,
