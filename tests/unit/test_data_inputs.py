@@ -84,7 +84,7 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
 
 
 @pytest.mark.parametrize(("record", "words"), [
-    ({"text": 5}, "field 'text' is a int, not a string"),
+    ({"text": 5}, "field 'text' is a number, not a string"),
     ({"text": ["a", "b"]}, "field 'text' is a list"),
     ({"body": "x"}, "no text field 'text'"),
     ("just a string", "no text field 'text'"),

@@ -49,7 +49,8 @@ def test_a_bad_record_part_way_leaves_the_folder_as_it_was(tmp_path, tokenizer, 
         out.mkdir(parents=True)
     options = dict(train_tokenizer=True, vocab_size=270) if tokenizer == "train" else {}
     # Small units: several are written before the bad one (with a trained tokenizer, its training reads it first).
-    assert "is a int" in one_line(lambda: prepare([str(source)], out, workers=1, unit_bytes=200, **options))
+    problem = one_line(lambda: prepare([str(source)], out, workers=1, unit_bytes=200, **options))
+    assert "is a number, not a string" in problem
     if existing:
         assert out.is_dir() and list(out.iterdir()) == []
     else:

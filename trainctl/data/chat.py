@@ -24,7 +24,7 @@ import numpy as np
 
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, assistant_spans, load_template
 from trainctl.data.format import DOC_START, LOSS, DatasetError
-from trainctl.data.inputs import BOM, JSON_LINES, Unit, _decoded, _parquet, open_regular
+from trainctl.data.inputs import BOM, JSON_LINES, Unit, _decoded, _parquet, json_kind, open_regular
 from trainctl.data.split import is_val
 
 FORMATS = ("text", "chat", "instruction")
@@ -135,7 +135,7 @@ def _string_field(record: dict, name: str, option: str) -> str:
         raise ValueError(f"no field {name!r} (fields: {', '.join(map(str, record)) or 'none'}); name it with "
                          f"{option}")
     if not isinstance(record[name], str):
-        raise ValueError(f"field {name!r} is a {type(record[name]).__name__}, not a string")
+        raise ValueError(f"field {name!r} is {json_kind(record[name])}, not a string")
     return record[name]
 
 
@@ -145,15 +145,15 @@ def _messages(record: dict, name: str) -> list[dict]:
                          "conversation's field with --messages-field")
     messages = record[name]
     if not isinstance(messages, list):
-        raise ValueError(f"field {name!r} is a {type(messages).__name__}, not a list of {{role, content}}")
+        raise ValueError(f"field {name!r} is {json_kind(messages)}, not a list of {{role, content}}")
     if not messages:
         raise ValueError(f"field {name!r} is an empty list: no conversation; drop the record")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"message {i} is a {type(message).__name__}, not an object with role and content")
+            raise ValueError(f"message {i} is {json_kind(message)}, not an object with role and content")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                what = "missing" if message.get(key) is None else f"a {type(message[key]).__name__}"
+                what = "missing" if message.get(key) is None else json_kind(message[key])
                 raise ValueError(f"message {i}: {key} is {what}, not a string")
     return messages
 

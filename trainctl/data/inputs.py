@@ -51,6 +51,13 @@ class Unit:
         return self.end - self.start
 
 
+JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+
+
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words (`a number`, `an object`), for one-line errors."""
+    return JSON_KINDS.get(type(value), "null" if value is None else f"a {type(value).__name__}")
+
 def expand_inputs(inputs: list[str], out: Path | None = None) -> list[Path]:
     """Files named, found in folders, or matched by globs: sorted, each once; a pattern matching nothing fails.
 
@@ -221,7 +228,7 @@ def _json_text(line: bytes, field: str, path: Path, offset: int) -> str | None:
         raise DatasetError(f"{path}: byte {offset}: no text field {field!r}; name the field with --text-field")
     value = record[field]
     if value is not None and not isinstance(value, str):
-        raise DatasetError(f"{path}: byte {offset}: field {field!r} is a {type(value).__name__}, not a string; "
+        raise DatasetError(f"{path}: byte {offset}: field {field!r} is {json_kind(value)}, not a string; "
                            "name a text field with --text-field")
     if value and "\\u" in text and _has_lone_surrogate(value):
         raise DatasetError(f"{path}: byte {offset}: field {field!r} holds an unpaired \\uD800-\\uDFFF escape, "
