@@ -8,13 +8,14 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import torch
 from torch import nn
 
 from trainctl.config.schema import ModelConfig
 
 
 def family_module(cfg: ModelConfig) -> ModuleType:
-    """trainctl/models/<family>/model.py: build_model(cfg, device) and the module classes."""
+    """trainctl/models/<family>/model.py: its MODEL class (built from a ModelConfig) and the module classes."""
     return importlib.import_module(f"trainctl.models.{cfg.family}.model")
 
 
@@ -28,4 +29,6 @@ def build_model(cfg: ModelConfig, device="meta") -> nn.Module:
     adapters when its rank is positive (models/lora.py; the base weights are then frozen)."""
     from trainctl.models.lora import apply_lora
 
-    return apply_lora(family_module(cfg).build_model(cfg, device), cfg.lora)
+    with torch.device(device):
+        model = family_module(cfg).MODEL(cfg)
+    return apply_lora(model, cfg.lora)

@@ -325,8 +325,11 @@ class Llama(nn.Module):
         return dense_loss_sum(self.output(h), targets)
 
 
+MODEL = Llama  # what models/build.py builds for model.family=llama
+
+
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Llama:
-    """The model on `device` (meta by default: shapes only, no memory, no init)."""
+    """A Llama on `device` (meta by default: shapes only, no memory, no init); any family: models/build.py."""
     with torch.device(device):
         return Llama(cfg)
 

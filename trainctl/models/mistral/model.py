@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from trainctl.models.llama.model import build_model
+from trainctl.models.llama.model import Llama
 
-__all__ = ["build_model"]
+MODEL = Llama  # what models/build.py builds for model.family=mistral

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from trainctl.config.schema import ModelConfig
 from trainctl.models.llama.model import Attention, Llama, TransformerBlock
 
@@ -21,7 +19,4 @@ class Qwen2(Llama):
     block_class = Qwen2Block
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Qwen2:
-    """The model on `device` (meta by default: shapes only, no memory, no init)."""
-    with torch.device(device):
-        return Qwen2(cfg)
+MODEL = Qwen2  # what models/build.py builds for model.family=qwen2

@@ -32,7 +32,4 @@ class Qwen3(Llama):
     block_class = Qwen3Block
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Qwen3:
-    """The model on `device` (meta by default: shapes only, no memory, no init)."""
-    with torch.device(device):
-        return Qwen3(cfg)
+MODEL = Qwen3  # what models/build.py builds for model.family=qwen3
