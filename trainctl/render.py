@@ -1,9 +1,18 @@
-"""Rich rendering of a run plan (`RunPlan.to_dict()`): run, dims, batch, memory per rank, throughput, notes, advice."""
+"""Everything the CLI shows, rendered with rich: a run plan (`RunPlan.to_dict()`: run, dims, batch, memory per rank,
+throughput, notes, advice), the plan comparison, and the values `trainctl.api` returns about runs (the runs table,
+one run's status, a sweep's ranking). Tables go to a terminal as rich tables, to a pipe as tab-separated lines."""
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
+from rich.table import Column, Table
 
 GIB = 1024**3
 
@@ -165,3 +174,113 @@ def compare_table(axis: str, rows: list[dict]) -> Table:
         sizes = (f"{r[key] / GIB:.1f}" for key in ("activations_bytes", "peak_bytes", "need_bytes"))
         table.add_row(r["variant"], *sizes, headroom, f"[{style}]{r['verdict']}[/]", step, change)
     return table
+
+
+# ---------------------------------------------------------------- runs, status, sweeps (values from trainctl.api)
+
+
+def finite_json(value):
+    """Strict JSON for scripts: NaN and infinities (a diverged loss) become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def print_json(value) -> None:
+    sys.stdout.write(json.dumps(finite_json(value), indent=2) + "\n")
+
+
+def plain_table(header: tuple[str, ...], rows) -> Table:
+    """A borderless table with a bold header; the cells are user text (shown as written, no markup)."""
+    table = Table(*header, box=None, header_style="bold")
+    for row in rows:
+        table.add_row(*map(escape, row))
+    return table
+
+
+def table_or_lines(console: Console, header: list[str] | None, rows: list[list[str]], *columns: Column) -> None:
+    """A rich table on a terminal; for grep, cut and awk: whole values, tab-separated, never cut."""
+    if not console.is_terminal:
+        sys.stdout.write("".join("\t".join(row) + "\n" for row in ([header] if header else []) + rows))
+        return
+    console.print(plain_table(columns or tuple(header or ()), rows))
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _step(state) -> str:
+    if state.step is None:
+        return "-"
+    return f"{state.step}/{state.steps}" if state.steps else str(state.step)
+
+
+RUN_COLUMNS = ("run", "launcher", "job", "state", "step", "loss", "eval", "tok/s")
+
+
+def runs_table(console: Console, infos: list) -> None:
+    """`trainctl runs`: one row per run (api.RunInfo); measured figures next to the plan's once some run has them:
+    "38.2% (plan 40%)", "61.2 GiB (plan 60.3)"."""
+    shown = any(i.figures.mfu is not None or i.figures.peak_bytes is not None for i in infos)
+    rows = []
+    for i in infos:
+        st, f = i.state, i.figures
+        rows.append([st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), _fmt(f.loss, ".4g"),
+                     _fmt(f.val_loss, ".4g"), _fmt(f.tokens_per_s, ".0f"),
+                     *((f.mfu_text(), f.peak_text()) if shown else ()), st.detail])
+    header = [*RUN_COLUMNS, *(("mfu", "peak") if shown else ()), "detail"]
+    table_or_lines(console, header, rows, *(Column(h, no_wrap=h != "detail") for h in header))
+
+
+def sweep_table(console: Console, ranking) -> None:
+    """`trainctl runs --sweep NAME` (api.SweepRanking): finished points ranked, unfinished ones last, marked."""
+    header = ["rank", "run", "state", "train loss", "eval loss", "swept"]
+    cells = [[str(i + 1) if r["finished"] else "-", r["run"], r["state"] + ("" if r["finished"] else " (unfinished)"),
+              _fmt(r["train_loss"], ".4f"), _fmt(r["val_loss"], ".4f"), " ".join(r["swept"])]
+             for i, r in enumerate(ranking.rows)]
+    if console.is_terminal:
+        ranked_by = "eval loss" if ranking.metric == "val_loss" else "train loss"
+        console.print(f"sweep {ranking.name}: ranked by final {ranked_by}; unfinished points last", markup=False,
+                      highlight=False)
+    table_or_lines(console, header, cells)
+
+
+def duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def status_panel(console: Console, info) -> None:
+    """`trainctl status RUN` (api.RunInfo): one `key value` line for each thing known."""
+    from trainctl.launch.figures import sparkline
+
+    st, f = info.state, info.figures
+    peak = f.peak_text() + (f", by {f.peak_source}" if f.peak_source else "")
+    rows = [("run", str(st.path)), ("launcher", st.launcher or "- (not launched)"), ("job", st.job_id),
+            ("state", st.state), ("detail", st.detail), ("step", _step(st)),
+            ("loss", f"{_fmt(f.loss, '.4f')}  {sparkline(f.losses)}".strip() if f.loss is not None else ""),
+            ("eval", _fmt(f.val_loss, ".4f") if f.val_loss is not None else ""),
+            ("speed", f"{f.tokens_per_s:,.0f} tokens/s" if f.tokens_per_s is not None else ""),
+            ("eta", duration(info.eta_s) if info.eta_s is not None else ""),
+            ("mfu", f.mfu_text()), ("peak", peak), ("log", str(info.log))]
+    for key, value in rows:
+        if value:
+            console.print(f"{key:9}{value}", highlight=False, soft_wrap=True, markup=False)
+
+
+@contextmanager
+def progress_bar(console: Console, description: str) -> Iterator[Callable[[int, int | None], None]]:
+    """A transient byte-progress bar on a terminal (nothing elsewhere); yields `update(done, total)`."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -1,5 +1,5 @@
-"""Packages depend one way: core <- data <- specs <- config <- plan <- launch <- render <- cli; the worker (train,
-models) on the left.
+"""Packages depend one way: core <- data <- specs <- config <- plan <- launch <- api <- render <- cli_tools <- cli;
+the worker (train, models) on the left.
 
 `specs` is the torch-free part of models/ that the launcher side may import: the family registry
 (models/registry.py) and each family's models/<family>/spec.py; the rest of models/ is the worker's.
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # The launcher side, lowest first: a package imports only its own layer and those before it.
-LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "render", "cli")
+LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "api", "render", "cli_tools", "cli")
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
 WORKER = {"train": ("core", "data", "specs", "config", "plan", "models", "train"),
           "models": ("core", "data", "specs", "config", "models")}
@@ -106,7 +106,8 @@ def allowed(source: str, target: str) -> bool:
 def test_the_parser_sees_the_imports_it_must_judge():
     edges = package_edges()
     # Known one-way edges: if these vanish the parser is broken, and the checks below would pass vacuously.
-    assert ("plan", "config") in edges and ("train", "core") in edges and ("cli", "launch") in edges
+    assert ("plan", "config") in edges and ("train", "core") in edges and ("cli", "api") in edges
+    assert ("api", "launch") in edges
     assert ("plan", "specs") in edges and ("config", "specs") in edges and ("models", "specs") in edges
 
 
@@ -246,3 +247,32 @@ def test_the_backend_interface_is_torch_free_and_below_render_and_cli():
     for path in sorted((ROOT / "launch" / "backends").glob("*.py")):
         names = [name for name, _ in imported_modules(path)]
         assert not [n for n in names if n.split(".")[0] == "torch" or package_of(n) in ("render", "cli", "train")]
+
+
+# ---------------------------------------------------------------- the Python API
+
+def third_party_imports(paths) -> dict[str, list[str]]:
+    """Top-level third-party modules these files import (lazy ones included): name -> 'file:line'."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(paths):
+        for name, line in imported_modules(path):
+            top = name.split(".")[0]
+            if top not in ("trainctl", "__future__"):
+                found.setdefault(top, []).append(f"{path.relative_to(ROOT.parent)}:{line}")
+    return found
+
+
+def test_the_api_imports_no_torch_and_renders_nothing():
+    """api returns values and prints nothing: no rich, typer or torch (a notebook imports it on a login node)."""
+    assert {"rich", "typer"} <= set(third_party_imports([ROOT / "cli.py"]))  # the finder sees such imports
+    found = third_party_imports((ROOT / "api").rglob("*.py"))
+    assert {name: where for name, where in found.items() if name in ("torch", "rich", "typer", "wandb")} == {}
+
+
+def test_nothing_imports_the_cli():
+    """The CLI is the top: nothing in trainctl (api, render, the worker) imports trainctl.cli."""
+    wrong = [f"{path.relative_to(ROOT.parent)}:{line}: {name}" for path in sorted(ROOT.rglob("*.py"))
+             if module_name(path) != "trainctl.cli"
+             for name, line in imported_modules(path) if name == "trainctl.cli" or name.startswith("trainctl.cli.")]
+    assert wrong == []
+    assert any(name == "trainctl.api" for name, _ in imported_modules(ROOT / "cli.py"))  # the parser sees cli's

@@ -183,3 +183,12 @@ def test_continuation_of_a_stretched_cosine_warns_with_the_rates():
 
 def test_an_unchanged_schedule_continues_without_a_warning():
     assert continuation(37, (1e-3, COSINE, 100), (1e-3, COSINE, 100))[1] is None
+
+
+def test_an_override_nested_too_deeply_for_the_parser_is_one_line():
+    """Hydra's override grammar recurses per nesting level: a RecursionError, not a HydraException, comes out."""
+    deep = "train.steps=" + "[" * 3000 + "1" + "]" * 3000
+    with pytest.raises(ConfigError) as exc:
+        resumer.apply_overrides(compose(["recipe=tiny_cpu"]), [deep])
+    assert exc.value.problems == ["an override nests too deeply to parse; a resume takes key=value overrides, "
+                                  "e.g. train.steps=2000"]

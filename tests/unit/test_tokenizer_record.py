@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from trainctl import cli
+from trainctl import api
 from trainctl.config.schema import CheckpointConfig, RunConfig
 from trainctl.core import rundir as layout
 from trainctl.launch import tokenizer_record
@@ -61,4 +61,4 @@ def test_a_fifo_among_the_tokenizer_files_is_left_out_not_waited_on(tmp_path):
 
 
 def test_the_clis_export_dtypes_are_the_exporters():
-    assert set(cli.EXPORT_DTYPES) == set(export.EXPORT_DTYPES)
+    assert set(api.EXPORT_DTYPES) == set(export.EXPORT_DTYPES)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -226,26 +226,33 @@ def lock(run_dir: Path) -> rundir.TrainerLock:
 
 
 def run(
-    run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0, held: rundir.TrainerLock | None = None
+    run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0, held: rundir.TrainerLock | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> int:
     """Run RUN_DIR/launch.sh to completion holding the run's trainer lock; returns the exit code (0 on success).
 
     Refuses (LaunchError) before writing anything when another process trains in this run directory;
     `held`: the caller took the lock already (and this call releases it).
     With `total_steps` and a terminal on stdout, a progress bar with ETA stays under the output.
+    `report`: takes the last line of a run that did not complete (default: printed on stderr).
     """
     script = run_dir / rundir.SCRIPT
     try:
         if not script.is_file():
             raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
         held = held or lock(run_dir)
-        return _run_locked(run_dir, script, held, out, total_steps)
+        return _run_locked(run_dir, script, held, out, total_steps, report)
     finally:
         if held is not None:
             held.release()
 
 
-def _run_locked(run_dir: Path, script: Path, lock: rundir.TrainerLock, out: BinaryIO | None, total_steps: int) -> int:
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run_locked(run_dir: Path, script: Path, lock: rundir.TrainerLock, out: BinaryIO | None, total_steps: int,
+                report_to: Callable[[str], None] | None = None) -> int:
     rundir.clear_stop(run_dir)  # a stop record from an earlier attempt must not describe this one
     started_at = time.time()
     record = start_record(run_dir)
@@ -277,5 +284,5 @@ def _run_locked(run_dir: Path, script: Path, lock: rundir.TrainerLock, out: Bina
             record["failure"] = failure.to_dict()
         write_launch_record(run_dir, record)
     if state != "COMPLETED":
-        print(report(state, exit_code, failure, run_dir), file=sys.stderr, flush=True)
+        (report_to or _to_stderr)(report(state, exit_code, failure, run_dir))
     return exit_code

@@ -85,6 +85,9 @@ def _parsed(overrides: list[str]):
     except HydraException as exc:
         first = str(exc).strip().splitlines()[0]
         raise ConfigError([f"{first}; a resume takes key=value overrides, e.g. train.steps=2000"]) from None
+    except RecursionError:  # the grammar's parser recurses once per nesting level: `[[[...1]]]` thousands deep
+        raise ConfigError(["an override nests too deeply to parse; a resume takes key=value overrides, "
+                           "e.g. train.steps=2000"]) from None
 
 
 def _override_problem(o) -> str | None:

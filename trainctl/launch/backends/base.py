@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import BinaryIO, ClassVar
 
 from trainctl.config.schema import ClusterConfig, RunConfig
 from trainctl.launch.errors import LaunchError
@@ -66,8 +66,9 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None) -> Launched:
-        """Start the run in `run_dir`. `new`: this command wrote it (a refusal removes it); `held`: its lock."""
+    def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None, out: BinaryIO | None = None) -> Launched:
+        """Start the run in `run_dir`. `new`: this command wrote it (a refusal removes it); `held`: its lock;
+        `out`: where a run started here writes its console output (default: this process's stdout)."""
 
     def sweep_problems(self, cfgs: list[RunConfig]) -> list[str]:
         return []

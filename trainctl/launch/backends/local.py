@@ -32,9 +32,15 @@ class LocalBackend(Backend):
     def lock_before_start(self, run_dir: Path):
         return local.lock(run_dir)
 
-    def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None) -> Launched:
+    def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None, out=None) -> Launched:
         steps = cfg.train.steps if cfg.logging.progress else 0
-        return Launched(exit_code=local.run(run_dir, total_steps=steps, held=held))
+        if out is None:
+            return Launched(exit_code=local.run(run_dir, total_steps=steps, held=held))
+        said: list[str] = []  # the launcher's last line goes to the caller with the output, not to stderr
+        code = local.run(run_dir, out=out, held=held, report=said.append)
+        if said:
+            out.write(f"{said[-1]}\n".encode())
+        return Launched(exit_code=code, message=said[-1] if said else "")
 
     def states(self, records: dict[Path, dict]) -> dict[Path, StateTuple]:
         return {run_dir: runs.local_state(run_dir, record) for run_dir, record in records.items()}

@@ -82,7 +82,7 @@ class SlurmBackend(Backend):
     def start_command(self, script: Path) -> list[str]:
         return ["sbatch", str(script)]
 
-    def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None) -> Launched:
+    def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None, out=None) -> Launched:
         try:
             job_id = slurm.submit(run_dir)
         except LaunchError:
