@@ -107,7 +107,7 @@ class FakeBackend(Backend):
     def submit_problems(self, cfg) -> list[str]:
         return []
 
-    def start(self, run_dir: Path, cfg, *, new: bool, held=None) -> Launched:
+    def start(self, run_dir: Path, cfg, *, new: bool, held=None, out=None) -> Launched:
         self.calls.append(("start", run_dir.name, new))
         rundir.write_json_atomic(run_dir / rundir.LAUNCH, {"launcher": "fake", "job_id": "pod-7"})
         return Launched(job_id="pod-7", message=f"queued pod-7 in {cfg.cluster.namespace}")
