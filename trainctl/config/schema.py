@@ -17,11 +17,13 @@ from typing import ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainctl.core import optimizers
+
 # Allowed values of the string-valued choices, checked by `validate`.
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDING_STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = optimizers.names()
 DEVICES = ("cpu", "cuda")
 DATA_KINDS = ("stdlib", "memmap", "synthetic")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -120,15 +122,16 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW; weight decay never applies to norms and biases."""
+    """The optimizer `name` picks (core/optimizers.py); weight decay never applies to norms and biases."""
 
     name: str = "adamw"
     lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # adamw only
+    beta2: float = 0.95  # adamw only
+    eps: float = 1e-8  # adamw only
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    beta2_decay: float = -0.8  # adafactor only: its second-moment decay 1 - step^beta2_decay (<= 0)
 
 
 @dataclass(frozen=True)

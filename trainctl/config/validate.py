@@ -15,11 +15,11 @@ import re
 from trainctl.config import hf_config, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
-from trainctl.core import lora
+from trainctl.core import lora, optimizers
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import lora_unsupported
-from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters
+from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters, wrapping
 from trainctl.models import registry
 
 
@@ -34,7 +34,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
     problems += check_names(cfg) + check_offload(cfg.sharding)
-    problems += lora.problems(cfg.model.lora)
+    problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
@@ -44,6 +44,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_model_parallel(dims, cfg.model)
         resolved = dataclasses.replace(cfg.sharding, **dims.as_dict())
         problems += lora_unsupported(cfg.model.lora, resolved, cfg.precision)
+        problems += optimizers.unsupported(cfg.optim.name, wrapping(cfg.sharding.strategy, dims), dims.tp)
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
@@ -158,6 +159,21 @@ def check_choices(cfg: schema.RunConfig) -> list[str]:
         + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
         + _gpu_choice(cfg.cluster.gpu)
     )
+
+
+# optim keys every optimizer uses (the loop clips gradients whatever steps them).
+_OPTIM_SHARED = ("name", "grad_clip")
+
+
+def check_optim_keys(o: schema.OptimConfig) -> list[str]:
+    """A key the chosen optimizer does not read, set away from its default, would be silently ignored: refuse it."""
+    if o.name not in optimizers.names():
+        return []  # check_choices names it
+    reads, default = optimizers.spec(o.name).reads, schema.OptimConfig()
+    ignored = [f.name for f in dataclasses.fields(o) if f.name not in reads + _OPTIM_SHARED
+               and getattr(o, f.name) != getattr(default, f.name)]
+    return [f"optim.{key}={getattr(o, key)}: optim.name={o.name} does not use it (it reads "
+            f"{', '.join(reads)}); drop it, or choose an optimizer that does" for key in ignored]
 
 
 def _gpu_choice(gpu: str) -> list[str]:

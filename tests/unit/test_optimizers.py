@@ -1,0 +1,110 @@
+"""The optimizer registry: optim.name dispatches (AdamW, Adafactor), the plan's state bytes equal the live state
+tensors of a real step, and the combinations an optimizer cannot run are refused at compose time in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from trainctl.config.compose import compose
+from trainctl.config.errors import ConfigError
+from trainctl.config.schema import OPTIMIZERS, LoRAConfig, ModelConfig, OptimConfig, ShardingConfig
+from trainctl.config.validate import resolve
+from trainctl.core import optimizers
+from trainctl.core.dims import ParallelDims
+from trainctl.models.build import build_model
+from trainctl.plan import memory
+from trainctl.plan.stages import rank_stages
+from trainctl.train.memory_stats import model_state_bytes
+from trainctl.train.optim import OPTIMIZER_BUILDERS, build_optimizer
+
+SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
+
+
+def stepped(model_cfg: ModelConfig, name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = build_model(model_cfg, "cpu")
+    if model_cfg.lora.rank == 0:
+        model.init_weights()
+    opt = build_optimizer(model, OptimConfig(name=name, lr=1e-3), "cpu")
+    model(torch.randint(0, model_cfg.vocab_size, (2, 16))).float().square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def planned_optimizer_bytes(model_cfg: ModelConfig, name: str) -> int:
+    sharding = ShardingConfig()
+    (stage,) = rank_stages(model_cfg, sharding, 1)
+    return memory.model_states(model_cfg, sharding, ParallelDims(), stage, 0, optim=name)["optimizer_bytes"]
+
+
+def test_the_registry_names_are_the_choices_and_every_one_has_a_builder():
+    assert OPTIMIZERS == optimizers.names() == tuple(OPTIMIZER_BUILDERS) == ("adamw", "adafactor")
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+@pytest.mark.parametrize("lora", [0, 4])
+def test_plan_optimizer_bytes_equal_the_live_state_of_a_real_step(name, lora):
+    model_cfg = dataclasses.replace(SMALL, lora=LoRAConfig(rank=lora, targets=["q", "v", "down"]))
+    model, opt = stepped(model_cfg, name)
+    measured = model_state_bytes(model, opt)["optimizer_bytes"]
+    assert measured == planned_optimizer_bytes(model_cfg, name)
+
+
+def test_optim_name_dispatches_to_the_optimizer_it_names():
+    _, adamw = stepped(SMALL, "adamw")
+    model, adafactor = stepped(SMALL, "adafactor")
+    assert type(adamw) is torch.optim.AdamW and type(adafactor) is torch.optim.Adafactor
+    wq = model.layers["0"].attention.wq.weight
+    state = adafactor.state[wq]
+    # Factored: one value per row and per column, not one per element as AdamW's moments.
+    assert state["row_var"].numel() + state["col_var"].numel() == wq.shape[0] + wq.shape[1]
+
+
+def test_adafactor_keeps_less_state_than_adamw_in_the_plan():
+    tiny = ModelConfig()
+    adamw, adafactor = planned_optimizer_bytes(tiny, "adamw"), planned_optimizer_bytes(tiny, "adafactor")
+    assert adafactor < adamw / 10  # the embedding and output are matrices too: factored
+
+
+def test_optim_adafactor_composes_from_its_yaml():
+    cfg = resolve(compose(["optim=adafactor"]))
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == ("adafactor", 1e-2, 0.0)
+
+
+@pytest.mark.parametrize("sharding", ["sharding=zero3", "sharding=zero2", "sharding.tp=2"])
+def test_adafactor_on_dtensor_parameters_is_refused_in_one_line(sharding):
+    overrides = ["recipe=tiny_cpu", "optim=adafactor", sharding, "cluster.procs_per_node=2"]
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(overrides))
+    (line,) = [p for p in err.value.problems if p.startswith("optim.name")]
+    assert "DTensor" in line and "optim.name=adamw" in line
+
+
+@pytest.mark.parametrize("sharding", ["sharding=ddp", "sharding=zero1", "sharding=none"])
+def test_adafactor_on_plain_parameters_is_accepted(sharding):
+    procs = "cluster.procs_per_node=1" if sharding == "sharding=none" else "cluster.procs_per_node=2"
+    assert resolve(compose(["recipe=tiny_cpu", "optim=adafactor", sharding, procs])).optim.name == "adafactor"
+
+
+def test_a_key_the_optimizer_does_not_read_is_refused_not_ignored():
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(["recipe=tiny_cpu", "optim=adafactor", "optim.beta1=0.8"]))
+    assert any(p.startswith("optim.beta1=0.8: optim.name=adafactor does not use it") for p in err.value.problems)
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(["recipe=tiny_cpu", "optim.beta2_decay=-0.5"]))
+    assert any(p.startswith("optim.beta2_decay=-0.5: optim.name=adamw does not use it") for p in err.value.problems)
+
+
+def test_plan_zero1_busiest_rank_counts_the_optimizers_own_bytes():
+    """zero1 with Adafactor: the busiest rank is the one with the most state bytes, not the most elements."""
+    tiny = ModelConfig()
+    sharding, dims = ShardingConfig(strategy="zero1", dp_replicate=2), ParallelDims(dp_replicate=2)
+    (stage,) = rank_stages(tiny, sharding, 1)
+    per_rank = [memory.model_states(tiny, sharding, dims, stage, r, optim="adafactor")["optimizer_bytes"]
+                for r in range(2)]
+    est = memory.estimate(tiny, resolve(compose([])).precision, sharding, resolve(compose([])).train, dims, stage,
+                          "cpu", "adafactor")
+    assert est.optimizer == max(per_rank)
