@@ -1,5 +1,6 @@
-"""The optimizer registry: optim.name dispatches (AdamW, Adafactor), the plan's state bytes equal the live state
-tensors of a real step, and the combinations an optimizer cannot run are refused at compose time in one line."""
+"""The optimizer and schedule registries: optim.name dispatches (AdamW, Adafactor), the plan's state bytes equal
+the live state tensors of a real step, the combinations an optimizer cannot run are refused at compose time in one
+line, and schedule.name dispatches through core/schedules.py."""
 
 from __future__ import annotations
 
@@ -10,12 +11,21 @@ import torch
 
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import OPTIMIZERS, LoRAConfig, ModelConfig, OptimConfig, ShardingConfig
+from trainctl.config.schema import (
+    OPTIMIZERS,
+    SCHEDULES,
+    LoRAConfig,
+    ModelConfig,
+    OptimConfig,
+    ScheduleConfig,
+    ShardingConfig,
+)
 from trainctl.config.validate import resolve
-from trainctl.core import optimizers
+from trainctl.core import optimizers, schedules
 from trainctl.core.dims import ParallelDims
 from trainctl.models.build import build_model
 from trainctl.plan import memory
+from trainctl.plan import schedule as plan_schedule
 from trainctl.plan.stages import rank_stages
 from trainctl.train.memory_stats import model_state_bytes
 from trainctl.train.optim import OPTIMIZER_BUILDERS, build_optimizer
@@ -108,3 +118,13 @@ def test_plan_zero1_busiest_rank_counts_the_optimizers_own_bytes():
     est = memory.estimate(tiny, resolve(compose([])).precision, sharding, resolve(compose([])).train, dims, stage,
                           "cpu", "adafactor")
     assert est.optimizer == max(per_rank)
+
+
+def test_schedule_names_are_the_registry_and_lr_at_dispatches_through_it(monkeypatch):
+    """A schedule added to core/schedules.py is a valid schedule.name and lr_at steps by its decay."""
+    assert SCHEDULES == schedules.names() == ("constant", "linear", "cosine", "wsd")
+    step_down = schedules.ScheduleSpec("halve", lambda progress: 0.5, schedules.SCHEDULES["linear"].decay_start, "")
+    monkeypatch.setitem(schedules.SCHEDULES, "halve", step_down)
+    monkeypatch.setattr(plan_schedule, "KINDS", schedules.names())
+    halve = ScheduleConfig(name="halve", warmup_steps=2, min_lr_ratio=0.0)
+    assert [plan_schedule.lr_at(s, 1.0, halve, 10) for s in (1, 2, 3, 9)] == [1.0, 1.0, 0.5, 0.5]

@@ -17,12 +17,12 @@ from typing import ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainctl.core import optimizers
+from trainctl.core import optimizers, schedules
 
 # Allowed values of the string-valued choices, checked by `validate`.
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDING_STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
-SCHEDULES = ("constant", "linear", "cosine", "wsd")
+SCHEDULES = schedules.names()
 OPTIMIZERS = optimizers.names()
 DEVICES = ("cpu", "cuda")
 DATA_KINDS = ("stdlib", "memmap", "synthetic")
