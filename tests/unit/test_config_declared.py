@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 
 from trainctl.config import schema
-from trainctl.config.compose import compose
 from trainctl.config.validate import declared_problems, resolve
 from trainctl.core import optimizers
 
@@ -64,7 +63,8 @@ def test_each_declared_field_refuses_a_value_past_it_in_one_line(key):
 def test_a_registered_optimizer_is_a_valid_choice_without_touching_the_schema(monkeypatch):
     """The field's choices are the registry's names, read when checked: one source."""
     monkeypatch.setitem(optimizers.OPTIMIZERS, "sgd", dataclasses.replace(optimizers.spec("adamw"), name="sgd"))
-    assert resolve(compose(["optim.name=sgd"])).optim.name == "sgd"
+    cfg = schema.RunConfig(optim=schema.OptimConfig(name="sgd"))
+    assert resolve(cfg).optim.name == "sgd"
     monkeypatch.delitem(optimizers.OPTIMIZERS, "sgd")
-    assert declared_problems(compose(["optim.name=sgd"])) == [
+    assert declared_problems(cfg) == [
         "optim.name='sgd': not a valid choice; use one of: adamw, adafactor"]
