@@ -349,7 +349,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     c, r = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.reduce_dtype]
     tensors = local_tensors(m, stage, dims.tp)
     local = sum(t.numel for t in tensors)
-    learn = trainable(tensors)  # with LoRA only the adapters have gradients, DDP buckets and AdamW states
+    learn = trainable(tensors)  # with LoRA only the adapters have gradients, DDP buckets and optimizer states
     learn_local = sum(t.numel for t in learn)
     stored = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims, optim))[0]
     stepped = stepped_tensors(learn, wrap, dims, busiest_dp_rank(learn, wrap, dims, optim))

@@ -30,7 +30,7 @@ def strategy_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[
                      "(gradient_as_bucket_view=False), so replicated gradients cost 8 bytes/param, not 4")
     if wrap.zero1 and dims.dp_replicate > 1:
         notes.append("optimizer (zero1): ZeroRedundancyOptimizer gives whole tensors to ranks (largest first), "
-                     "so the busiest rank holds more than 1/dp of the AdamW states")
+                     "so the busiest rank holds more than 1/dp of the optimizer states")
     if wrap.fsdp and not wrap.reshard_after_forward:
         notes.append("gathered_loss (zero2): FSDP2 with reshard_after_forward=False keeps every unit gathered from its "
                      "forward to its backward: a compute-dtype copy of the whole stage at the start of backward")
