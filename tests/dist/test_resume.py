@@ -95,7 +95,7 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
     assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
 
 
-ADAFACTOR = {"zero1": LAYOUTS["zero1"], "pp": LAYOUTS["pp"]}  # plain parameters: its zero1 shards; a pipeline's
+ADAFACTOR = {k: LAYOUTS[k] for k in ("ddp", "zero1", "pp")}  # its plain-parameter layouts (zero1: per-rank shards)
 
 
 @pytest.mark.parametrize("layout", list(ADAFACTOR))
