@@ -29,6 +29,7 @@ from trainctl.core.dims import ParallelDims
 from trainctl.models.build import build_model
 from trainctl.plan import memory
 from trainctl.plan import schedule as plan_schedule
+from trainctl.plan.runplan import build as build_plan
 from trainctl.plan.stages import rank_stages
 from trainctl.train.memory_stats import model_state_bytes
 from trainctl.train.optim import OPTIMIZER_BUILDERS, build_optimizer
@@ -155,3 +156,11 @@ def test_schedule_names_are_the_registry_and_lr_at_dispatches_through_it(monkeyp
     monkeypatch.setattr(plan_schedule, "KINDS", schedules.names())
     halve = ScheduleConfig(name="halve", warmup_steps=2, min_lr_ratio=0.0)
     assert [plan_schedule.lr_at(s, 1.0, halve, 10) for s in (1, 2, 3, 9)] == [1.0, 1.0, 0.5, 0.5]
+
+
+def test_the_plan_names_a_non_default_optimizers_state_in_a_note():
+    plain = ShardingConfig(strategy="ddp", dp_replicate=2)
+    adafactor = build_plan(resolve(run(plain, 2)))
+    assert any(n.startswith("optimizer ") and "(adafactor): Adafactor factored" in n for n in adafactor.notes)
+    adamw = build_plan(resolve(run(plain, 2, OptimConfig())))
+    assert not any(n.startswith("optimizer ") and "(adamw)" in n for n in adamw.notes)
