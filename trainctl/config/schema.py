@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainctl.config.fields import at_least, at_most, choice, positive, within
 from trainctl.core import optimizers, schedules
 
 # Allowed values of the string-valued choices that no registry lists (the fields below declare theirs).
@@ -41,31 +42,8 @@ REDUCE_DTYPES = ("fp32", "bf16")
 MAX_SEED = 2**32 - 1
 SEED_MESSAGE = f"must be an integer in [0, {MAX_SEED}] (numpy's seed range); e.g. train.seed=1234"
 
-# Choices and ranges are declared on their fields (below) with these helpers; config/validate.py checks every
-# declared field generically (`declared_problems`). A registry's names are its field's choices: pass the function
-# that lists them (evaluated at check time, so a backend or optimizer registered later counts).
-CHOICE_WORDING = "not a valid choice; use one of"
-
-
-def choice(default: str, names, wording: str = CHOICE_WORDING):
-    """A string field whose value must be one of `names` (a tuple, or a function returning one)."""
-    return field(default=default, metadata={"choices": names, "wording": wording})
-
-
-def positive(default):
-    return field(default=default, metadata={"range": (0, None), "open_low": True})
-
-
-def at_least(default, low, hint: str = "", message: str = ""):
-    return field(default=default, metadata={"range": (low, None), "hint": hint, "message": message})
-
-
-def at_most(default, high):
-    return field(default=default, metadata={"range": (None, high)})
-
-
-def within(default, low, high, open_low: bool = False, message: str = ""):
-    return field(default=default, metadata={"range": (low, high), "open_low": open_low, "message": message})
+# Choices and ranges are declared on their fields (below) with config/fields.py's helpers; validate checks every
+# declared field generically. A registry's names are its field's choices: pass the function that lists them.
 
 
 def _families() -> tuple[str, ...]:

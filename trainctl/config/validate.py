@@ -9,13 +9,13 @@ in (parallel degrees, batch math), which is what the worker receives.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 
 from trainctl.config import hf_config, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
+from trainctl.config.fields import declared_problems
 from trainctl.config.schema import MAX_SEED  # noqa: F401 (tests import it from here)
 from trainctl.core import lora, optimizers
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
@@ -131,62 +131,6 @@ def resolve_data_vocab(d: schema.DataConfig, m: schema.ModelConfig) -> schema.Da
 
 def world_size(cluster: schema.ClusterConfig) -> int:
     return cluster.nodes * cluster.procs_per_node
-
-
-def declared_problems(node, prefix: str = "") -> list[str]:
-    """Every field's declared choices and range (schema.choice, positive, at_least, at_most, within), walking the
-    config's dataclasses in schema order; one line per problem."""
-    problems = []
-    for name, meta, nested in _declared_fields(type(node)):
-        key, value = f"{prefix}.{name}" if prefix else name, getattr(node, name)
-        if nested:
-            problems += declared_problems(value, key)
-        elif "choices" in meta:
-            problems += _choice(key, value, meta)
-        elif "range" in meta:
-            problems += _range(key, value, meta)
-    return problems
-
-
-@functools.cache
-def _declared_fields(cls: type) -> tuple[tuple[str, dict, bool], ...]:
-    """(name, metadata, is a nested config) of each field that declares a check or holds a config (per class: once)."""
-    out = []
-    for f in dataclasses.fields(cls):
-        nested = dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type in _CONFIG_CLASSES)
-        if nested or "choices" in f.metadata or "range" in f.metadata:
-            out.append((f.name, dict(f.metadata), nested))
-    return tuple(out)
-
-
-# Field types are strings (postponed annotations): the schema's config classes by name.
-_CONFIG_CLASSES = {name for name, obj in vars(schema).items()
-                   if isinstance(obj, type) and dataclasses.is_dataclass(obj)}
-
-
-def _choice(key: str, value: str, meta: dict) -> list[str]:
-    allowed = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
-    if value in allowed:
-        return []
-    return [f"{key}={value!r}: {meta['wording']}: {', '.join(allowed)}"]
-
-
-def _range(key: str, value: float, meta: dict) -> list[str]:
-    low, high = meta["range"]
-    open_low = meta.get("open_low", False)
-    ok = (low is None or (value > low if open_low else value >= low)) and (high is None or value <= high)
-    if ok:
-        return []
-    if meta.get("message"):
-        return [f"{key}={value}: {meta['message']}"]
-    if high is None and open_low:
-        return [f"{key}={value}: must be > {low}"]
-    if high is None:
-        hint = meta.get("hint", "")
-        return [f"{key}={value}: must be >= {low}{'; ' + hint if hint else ''}"]
-    if low is None:
-        return [f"{key}={value}: must be <= {high}"]
-    return [f"{key}={value}: must be in {'(' if open_low else '['}{low}, {high}]"]
 
 
 def _positive(key: str, value: float) -> list[str]:
