@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from worker_runs import base_config, records, run_worker, write_run_dir
 
-from trainctl.config.schema import LoRAConfig, PrecisionConfig, ShardingConfig
+from trainctl.config.schema import LoRAConfig, OptimConfig, PrecisionConfig, ShardingConfig
 from trainctl.config.validate import resolve
 from trainctl.launch.command import plan_record
 from trainctl.plan import memory as plan_memory
@@ -61,6 +61,9 @@ RUNS = {
                  {"micro_batch": 4, "grad_accum": 1, "lora": LoRAConfig(rank=8, targets=["q", "v", "up", "down"])}),
     "lora_fsdp_accum": (2, ShardingConfig(strategy="fsdp", dp_shard=2), BF16,
                         {"micro_batch": 2, "grad_accum": 2, "lora": LoRAConfig(rank=8)}),
+    # Adafactor's factored states (rows + cols per matrix) in ZeroRedundancyOptimizer's partition.
+    "adafactor_zero1": (2, ShardingConfig(strategy="zero1", dp_replicate=2), PrecisionConfig(),
+                        {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="adafactor", weight_decay=0.0)}),
 }
 
 
@@ -68,7 +71,9 @@ def run_config(name: str, data_cache):
     nproc, sharding, precision, train = RUNS[name]
     train = dict(train)
     lora = train.pop("lora", LoRAConfig())
+    optim = train.pop("optim", None)
     cfg = base_config(data_cache, steps=STEPS, **train)
+    cfg = replace(cfg, optim=optim) if optim else cfg
     model = replace(cfg.model, n_layers=4, ffn_dim=512) if sharding.tp > 1 else replace(cfg.model, lora=lora)
     cfg = replace(cfg, name=name, model=model, sharding=sharding, precision=precision, cluster=replace(cfg.cluster, procs_per_node=nproc))
     return resolve(replace(cfg, train=replace(cfg.train, global_batch=-1))), nproc
@@ -97,7 +102,7 @@ def planned_states(cfg, rank: int, world: int) -> dict:
     per_stage = world // dims.pp
     within = rank % per_stage  # the rank inside its stage: (dp_replicate, dp_shard, cp, tp) row-major
     dp_rank = within // (dims.cp * dims.tp)
-    return plan_memory.model_states(cfg.model, cfg.sharding, dims, stages[rank // per_stage], dp_rank)
+    return plan_memory.model_states(cfg.model, cfg.sharding, dims, stages[rank // per_stage], dp_rank, cfg.optim.name)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

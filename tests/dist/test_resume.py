@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import torchrun_cmd, worker_env
-from trainctl.config.schema import CheckpointConfig, GuardsConfig, ShardingConfig
+from trainctl.config.schema import CheckpointConfig, GuardsConfig, OptimConfig, ShardingConfig
 from trainctl.train.checkpoint import list_committed, verify
 
 pytestmark = pytest.mark.dist
@@ -92,6 +93,41 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     result = json.loads((resumed / "result.json").read_text())
     assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
+
+
+ADAFACTOR = {k: LAYOUTS[k] for k in ("ddp", "zero1", "pp")}  # its plain-parameter layouts (zero1: per-rank shards)
+
+
+@pytest.mark.parametrize("layout", list(ADAFACTOR))
+def test_adafactor_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
+    """optim.name=adafactor: its factored states (row_var, col_var, step) go through DCP and come back exactly."""
+    sharding, nproc, micro = ADAFACTOR[layout]
+
+    def adafactor(name):
+        cfg = config(data_cache, name, sharding, micro)
+        return replace(cfg, optim=OptimConfig(name="adafactor", lr=1e-2, weight_decay=0.0))
+
+    straight = write_run_dir(tmp_path, adafactor("straight"))
+    ok(launch(straight, nproc), straight)
+    resumed = write_run_dir(tmp_path, adafactor("resumed"))
+    ok(launch(resumed, nproc, **fault_env(stop_after_step=STOP_AT)), resumed)
+    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
+    ok(launch(resumed, nproc), resumed)
+    assert [r["step"] for r in records(resumed, "resume")] == [STOP_AT]
+    assert losses(resumed) == losses(straight) and len(losses(straight)) == STEPS
+    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "col_var" in _optimizer_state_keys(resumed)  # the states that went through the checkpoint were Adafactor's
+
+
+def _optimizer_state_keys(run_dir: Path) -> set[str]:
+    """Names of the optimizer state entries of the newest checkpoint: DCP's, or zero1's per-rank shards."""
+    (_, path), = list_committed(run_dir / "checkpoints")[-1:]
+    keys = {k.rsplit(".", 1)[-1] for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    for rank_file in path.glob("rank-*.pt"):
+        shard = torch.load(rank_file, weights_only=False).get("zero1_shard", {"state": {}})
+        keys |= {name for state in shard["state"].values() for name in state}
+    return keys
 
 
 @pytest.fixture(scope="module")

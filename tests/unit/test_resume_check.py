@@ -76,7 +76,7 @@ def test_steps_below_the_newest_checkpoint_are_refused(tmp_path):
     ("model.dim=64", "model.dim"), ("train.seq_len=128", "train.seq_len"), ("train.seed=3", "train.seed"),
     ("data.kind=stdlib", "data.kind"), ("sharding.strategy=fsdp", "sharding.strategy"),
     ("cluster.procs_per_node=4", "cluster.procs_per_node"), ("train.global_batch=32", "train.global_batch"),
-    ("precision.compute_dtype=bf16", "precision.compute_dtype"),
+    ("precision.compute_dtype=bf16", "precision.compute_dtype"), ("optim.name=adafactor", "optim.name"),
 ])
 def test_keys_that_would_make_it_another_run_are_refused(tmp_path, override, key):
     run_dir = make_run(tmp_path, finished=False, step=5)

@@ -17,11 +17,14 @@ from typing import ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-# Allowed values of the string-valued choices, checked by `validate`.
+from trainctl.config.fields import at_least, at_most, choice, positive, within
+from trainctl.core import optimizers, schedules
+
+# Allowed values of the string-valued choices that no registry lists (the fields below declare theirs).
 PRECISIONS = ("fp32", "bf16", "fp16")
 SHARDING_STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
-SCHEDULES = ("constant", "linear", "cosine", "wsd")
-OPTIMIZERS = ("adamw",)
+SCHEDULES = schedules.names()
+OPTIMIZERS = optimizers.names()
 DEVICES = ("cpu", "cuda")
 DATA_KINDS = ("stdlib", "memmap", "synthetic")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -33,6 +36,28 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 LOAD_ONLY = ("all", "model", "model_optim")
 NONFINITE_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("off", "warn", "skip")
+REDUCE_DTYPES = ("fp32", "bf16")
+
+# The worker seeds numpy's global generator with train.seed (np.random.seed takes 0 .. 2**32 - 1).
+MAX_SEED = 2**32 - 1
+SEED_MESSAGE = f"must be an integer in [0, {MAX_SEED}] (numpy's seed range); e.g. train.seed=1234"
+
+# Choices and ranges are declared on their fields (below) with config/fields.py's helpers; validate checks every
+# declared field generically. A registry's names are its field's choices: pass the function that lists them.
+
+
+def _families() -> tuple[str, ...]:
+    from trainctl.models import registry
+
+    return registry.names()
+
+
+def _gpus() -> tuple[str, ...]:
+    """cluster.gpu: empty (unknown device) or a key of the GPU table."""
+    from trainctl.core.gpus import GPUS
+
+    return ("", *GPUS)
+
 
 
 @dataclass(frozen=True)
@@ -51,24 +76,27 @@ class ModelConfig:
     family-specific keys below default to plain Llama (full attention, plain RoPE, head_dim = dim / n_heads)."""
 
     name: str = "tiny"
-    family: str = "llama"  # llama | qwen2 | qwen3 | mistral (the folders of trainctl/models with a spec.py)
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 704  # SwiGLU hidden size (w1/w3 output, w2 input)
-    vocab_size: int = 256
-    max_seq_len: int = 1024
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    # llama | qwen2 | qwen3 | mistral (the folders of trainctl/models with a spec.py)
+    family: str = choice("llama", _families, "unknown family; choose one of")
+    dim: int = positive(256)
+    n_layers: int = positive(4)
+    n_heads: int = positive(8)
+    n_kv_heads: int = positive(4)
+    ffn_dim: int = positive(704)  # SwiGLU hidden size (w1/w3 output, w2 input)
+    vocab_size: int = positive(256)
+    max_seq_len: int = positive(1024)
+    norm_eps: float = positive(1e-5)
+    rope_theta: float = positive(10000.0)
     tie_embeddings: bool = False
-    head_dim: int = 0  # per-head size of q, k, v; 0: dim // n_heads (Qwen3 0.6B sets 128 with dim 1024, 16 heads)
+    # per-head size of q, k, v; 0: dim // n_heads (Qwen3 0.6B sets 128 with dim 1024, 16 heads)
+    head_dim: int = at_least(0, 0, message="must be 0 (the default) or positive")
     rope_scaling: str = "none"  # none | linear | llama3 (Llama 3.1 / 3.2)
     rope_factor: float = 1.0  # linear and llama3: positions (llama3: low frequencies) are stretched by it
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are scaled fully
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are not scaled
-    rope_original_max_seq_len: int = 8192  # llama3: the context the model was first trained with
-    sliding_window: int = 0  # 0: full attention; else refused unless it covers train.seq_len
+    rope_original_max_seq_len: int = positive(8192)  # llama3: the context the model was first trained with
+    # 0: full attention; else refused unless it covers train.seq_len
+    sliding_window: int = at_least(0, 0, message="must be 0 (the default) or positive")
     path: str = ""  # a Hugging Face folder whose config.json gives the family and shape (model=hf)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
@@ -77,15 +105,15 @@ class ModelConfig:
 class PrecisionConfig:
     """Mixed precision: compute dtype under autocast; master weights stay fp32."""
 
-    compute_dtype: str = "fp32"  # fp32 | bf16 | fp16
-    reduce_dtype: str = "fp32"  # gradient reduction dtype
+    compute_dtype: str = choice("fp32", PRECISIONS)  # fp32 | bf16 | fp16
+    reduce_dtype: str = choice("fp32", REDUCE_DTYPES)  # gradient reduction dtype
     fp8: bool = False  # torchao float8 linear layers on top of bf16
-    fp8_recipe: str = "tensorwise"
+    fp8_recipe: str = choice("tensorwise", FP8_RECIPES)
     # Linear layers whose name contains one of these stay in bf16 (the output layer is
     # sensitive; torchao also skips layers whose dims are not multiples of 16).
     fp8_exclude: list[str] = field(default_factory=lambda: ["output"])
     loss_scaling: bool = False  # dynamic loss scaling (required for fp16)
-    init_scale: float = 65536.0  # first loss scale of the dynamic scaler
+    init_scale: float = positive(65536.0)  # first loss scale of the dynamic scaler
 
 
 @dataclass(frozen=True)
@@ -96,14 +124,14 @@ class ShardingConfig:
     pipeline microbatch: the schedule runs grad_accum of them per optimizer step.
     """
 
-    strategy: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp
+    strategy: str = choice("none", SHARDING_STRATEGIES)  # none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble
-    pp_stages_per_rank: int = 1  # >1 for the interleaved schedules (virtual stages)
+    pp_schedule: str = choice("1f1b", PP_SCHEDULES)  # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble
+    pp_stages_per_rank: int = at_least(1, 1)  # >1 for the interleaved schedules (virtual stages)
     pp_layers: list[int] = field(default_factory=list)  # layers per stage, in order; []: split evenly
     cpu_offload: bool = False  # FSDP2 offload of parameters, gradients and optimizer states to CPU
 
@@ -112,23 +140,24 @@ class ShardingConfig:
 class ScheduleConfig:
     """Learning-rate schedule: linear warmup, then the named decay."""
 
-    name: str = "cosine"  # constant | linear | cosine | wsd
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of optim.lr
-    decay_fraction: float = 0.2  # wsd only: share of the steps spent decaying
+    name: str = choice("cosine", schedules.names)  # constant | linear | cosine | wsd
+    warmup_steps: int = at_least(10, 0)
+    min_lr_ratio: float = within(0.1, 0, 1)  # floor of the decay, as a fraction of optim.lr
+    decay_fraction: float = within(0.2, 0, 1, open_low=True)  # wsd only: share of the steps spent decaying
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW; weight decay never applies to norms and biases."""
+    """The optimizer `name` picks (core/optimizers.py); weight decay never applies to norms and biases."""
 
-    name: str = "adamw"
-    lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    name: str = choice("adamw", optimizers.names)
+    lr: float = positive(3e-4)
+    beta1: float = within(0.9, 0, 0.999999)  # adamw only
+    beta2: float = within(0.95, 0, 0.999999)  # adamw only
+    eps: float = positive(1e-8)  # adamw only
+    weight_decay: float = at_least(0.1, 0)
+    grad_clip: float = at_least(1.0, 0, "0 disables clipping")  # global-norm clipping; 0 disables
+    beta2_decay: float = at_most(-0.8, 0)  # adafactor only: its second-moment decay 1 - step^beta2_decay (<= 0)
 
 
 @dataclass(frozen=True)
@@ -146,16 +175,18 @@ class ClusterConfig:
     # Whether a run may span several nodes (`cluster.nodes` > 1).
     multi_node: ClassVar[bool] = False
 
-    launcher: str = "local"  # the backend: local | slurm | any registered one
-    nodes: int = 1
-    procs_per_node: int = 1  # torchrun --nproc_per_node: GPUs (or CPU workers) per node
-    device: str = "cpu"  # cpu | cuda
+    launcher: str = choice("local", lambda: launchers())  # the backend: local | slurm | any registered one
+    nodes: int = at_least(1, 1)
+    procs_per_node: int = at_least(1, 1)  # torchrun --nproc_per_node: GPUs (or CPU workers) per node
+    device: str = choice("cpu", DEVICES)  # cpu | cuda
     # Accelerator model for peak FLOPs and memory (h100_sxm, h100_pcie, h200, a100_80gb, a100_40gb, ...); "" unknown.
-    gpu: str = ""
-    assumed_mfu: float = 0.0  # MFU the plan's step time assumes; 0: the plan's default (0.4, see plan/throughput.py)
-    max_restarts: int = 0  # torchrun --max-restarts (whole-group restarts after a worker failure)
-    rdzv_port: int = 29500
-    cpu_threads: int = 0  # torch threads per CPU worker; 0: cores / procs_per_node
+    gpu: str = choice("", _gpus)
+    # MFU the plan's step time assumes; 0: the plan's default (0.4, see plan/throughput.py)
+    assumed_mfu: float = within(0.0, 0, 1)
+    max_restarts: int = at_least(0, 0)  # torchrun --max-restarts (whole-group restarts after a worker failure)
+    rdzv_port: int = within(29500, 1, 65535)
+    # torch threads per CPU worker; 0: cores / procs_per_node
+    cpu_threads: int = at_least(0, 0, "0 picks cores / workers")
 
     def __post_init__(self) -> None:
         # A config of one backend naming another would be read by the wrong backend.
@@ -223,17 +254,18 @@ def launchers() -> tuple[str, ...]:
 class DataConfig:
     """Token source. Byte-level tokens for the embedded corpus."""
 
-    kind: str = "stdlib"  # stdlib | memmap | synthetic
+    kind: str = choice("stdlib", DATA_KINDS)  # stdlib | memmap | synthetic
     train_path: str = ""  # memmap: pre-tokenized token file
     val_path: str = ""  # memmap: held-out token file
-    token_dtype: str = "uint16"  # memmap: uint16 | uint32
+    token_dtype: str = choice("uint16", TOKEN_DTYPES)  # memmap: uint16 | uint32
     # memmap: prepared datasets (`trainctl data prepare`), all their shards; instead of train_path/val_path
     datasets: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # blend weights of `datasets` (default: by their tokens)
-    vocab_size: int = 256  # largest token id + 1 the data can contain; 0: the model's vocab_size
+    # largest token id + 1 the data can contain; 0: the model's vocab_size
+    vocab_size: int = at_least(256, 0, "0 means the model's vocab_size")
     # Packed documents attend only to themselves, RoPE restarting at each (needs datasets with document starts)
     document_mask: bool = False
-    val_fraction: float = 0.05  # stdlib: share of files held out
+    val_fraction: float = within(0.05, 0, 0.5, open_low=True)  # stdlib: share of files held out
     cache_dir: str = "~/.cache/trainctl"
 
 
@@ -241,32 +273,38 @@ class DataConfig:
 class TrainConfig:
     """The loop: steps, batch math, memory options, evaluation cadence."""
 
-    steps: int = 100
-    seq_len: int = 256
+    steps: int = positive(100)
+    seq_len: int = positive(256)
     global_batch: int = -1  # sequences per optimizer step; -1: micro_batch x grad_accum x dp
     micro_batch: int = 1  # sequences per rank per forward; -1: derive
     grad_accum: int = 1  # micro-batches per optimizer step; -1: derive
-    seed: int = 0
-    activation_checkpointing: str = "none"  # none | full | selective (every k-th block) | op (per-op: keep matmuls)
-    ac_every: int = 2  # selective: checkpoint every k-th block
+    seed: int = within(0, 0, MAX_SEED, message=SEED_MESSAGE)
+    # none | full | selective (every k-th block) | op (per-op: keep matmuls)
+    activation_checkpointing: str = choice("none", AC_MODES)
+    ac_every: int = at_least(2, 1)  # selective: checkpoint every k-th block
     activation_offload: bool = False  # keep saved activations in CPU memory until backward
     compile: bool = False
-    attention: str = "cudnn"  # cudnn | flash: the SDPA kernel tried first on CUDA (flash: never cuDNN)
-    eval_every: int = 50  # also at step 0 and the last step; 0: no evaluation at all
+    # cudnn | flash: the SDPA kernel tried first on CUDA (flash: never cuDNN)
+    attention: str = choice("cudnn", ATTENTION_KERNELS)
+    # also at step 0 and the last step; 0: no evaluation at all
+    eval_every: int = at_least(50, 0, "0 disables evaluation")
     eval_batches: int = 8
-    gc_every: int = 50  # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes
+    # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes
+    gc_every: int = at_least(50, 0, "0 leaves Python's garbage collector alone")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Distributed checkpoints under RUN_DIR/checkpoints/step-NNNNNNNN, committed atomically."""
 
-    every: int = 0  # save every N optimizer steps; 0: only at the end and on a stop request
-    keep_last: int = 2  # committed checkpoints kept (>= 2); older ones pruned after a newer commit
+    # save every N optimizer steps; 0: only at the end and on a stop request
+    every: int = at_least(0, 0, "0 saves only at the end and on a stop request")
+    # committed checkpoints kept (>= 2); older ones pruned after a newer commit
+    keep_last: int = at_least(2, 2, "the newest checkpoint may be damaged; keep one to fall back on")
     save_final: bool = True  # save after the last step
     async_save: bool = False  # write in the background while the loop continues
     resume: str = "auto"  # auto: newest valid checkpoint of this run | never | a checkpoint or run directory
-    load_only: str = "all"  # resume from a path: all | model | model_optim (a fresh run otherwise)
+    load_only: str = choice("all", LOAD_ONLY)  # resume from a path: all | model | model_optim (a fresh run otherwise)
     init_from: str = ""  # a Hugging Face model folder (any family): its weights start a fresh run (a resume ignores it)
 
 
@@ -274,16 +312,17 @@ class CheckpointConfig:
 class GuardsConfig:
     """What the loop does with bad numbers, agreed across ranks before the optimizer step."""
 
-    nonfinite: str = "stop"  # stop | skip: a non-finite loss or gradient norm
-    max_consecutive_skips: int = 3  # skip: stop after this many skipped steps in a row
-    spike: str = "off"  # off | warn | skip: loss-spike detector (robust z-score over a window)
-    spike_window: int = 50  # steps of loss history for the median and MAD
-    spike_zscore: float = 6.0  # a loss this many robust deviations above the median is a spike
+    nonfinite: str = choice("stop", NONFINITE_POLICIES)  # stop | skip: a non-finite loss or gradient norm
+    max_consecutive_skips: int = at_least(3, 1)  # skip: stop after this many skipped steps in a row
+    spike: str = choice("off", SPIKE_POLICIES)  # off | warn | skip: loss-spike detector (robust z-score over a window)
+    # steps of loss history for the median and MAD
+    spike_window: int = at_least(50, 5, "the median and MAD need a few steps of history")
+    spike_zscore: float = positive(6.0)  # a loss this many robust deviations above the median is a spike
 
 
 @dataclass(frozen=True)
 class WandbConfig:
-    mode: str = "disabled"  # online | offline | disabled
+    mode: str = choice("disabled", WANDB_MODES)  # online | offline | disabled
     project: str = "trainctl"
     entity: str = ""
     tags: list[str] = field(default_factory=list)
@@ -291,7 +330,7 @@ class WandbConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_every: int = 10
+    log_every: int = positive(10)
     progress: bool = True
     tensorboard: bool = True  # event files under RUN_DIR/tensorboard when the tensorboard package is installed
     wandb: WandbConfig = field(default_factory=WandbConfig)

@@ -15,11 +15,13 @@ import re
 from trainctl.config import hf_config, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
-from trainctl.core import lora
+from trainctl.config.fields import declared_problems
+from trainctl.config.schema import MAX_SEED  # noqa: F401 (tests import it from here)
+from trainctl.core import lora, optimizers
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import lora_unsupported
-from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters
+from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical, shards_parameters, wrapping
 from trainctl.models import registry
 
 
@@ -31,10 +33,10 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     # A blank runs_dir (an empty or blank $TRAINCTL_RUNS_DIR) means the default, as `runs` reads it.
     cfg = dataclasses.replace(cfg, model=model, runs_dir=cfg.runs_dir.strip() or "runs")
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
-    problems = check_choices(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
+    problems = declared_problems(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
     problems += check_names(cfg) + check_offload(cfg.sharding)
-    problems += lora.problems(cfg.model.lora)
+    problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
@@ -44,6 +46,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_model_parallel(dims, cfg.model)
         resolved = dataclasses.replace(cfg.sharding, **dims.as_dict())
         problems += lora_unsupported(cfg.model.lora, resolved, cfg.precision)
+        problems += optimizers.unsupported(cfg.optim.name, wrapping(cfg.sharding.strategy, dims), dims.tp)
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
@@ -130,102 +133,29 @@ def world_size(cluster: schema.ClusterConfig) -> int:
     return cluster.nodes * cluster.procs_per_node
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> list[str]:
-    if value in allowed:
-        return []
-    return [f"{key}={value!r}: not a valid choice; use one of: {', '.join(allowed)}"]
-
-
-def check_choices(cfg: schema.RunConfig) -> list[str]:
-    """Every string-valued enumeration against its allowed values."""
-    return (
-        _choice("precision.compute_dtype", cfg.precision.compute_dtype, schema.PRECISIONS)
-        + _choice("precision.reduce_dtype", cfg.precision.reduce_dtype, ("fp32", "bf16"))
-        + _choice("precision.fp8_recipe", cfg.precision.fp8_recipe, schema.FP8_RECIPES)
-        + _choice("sharding.strategy", cfg.sharding.strategy, schema.SHARDING_STRATEGIES)
-        + _choice("schedule.name", cfg.schedule.name, schema.SCHEDULES)
-        + _choice("optim.name", cfg.optim.name, schema.OPTIMIZERS)
-        + _choice("cluster.launcher", cfg.cluster.launcher, schema.launchers())
-        + _choice("cluster.device", cfg.cluster.device, schema.DEVICES)
-        + _choice("data.kind", cfg.data.kind, schema.DATA_KINDS)
-        + _choice("data.token_dtype", cfg.data.token_dtype, schema.TOKEN_DTYPES)
-        + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing, schema.AC_MODES)
-        + _choice("train.attention", cfg.train.attention, schema.ATTENTION_KERNELS)
-        + _choice("sharding.pp_schedule", cfg.sharding.pp_schedule, schema.PP_SCHEDULES)
-        + _choice("logging.wandb.mode", cfg.logging.wandb.mode, schema.WANDB_MODES)
-        + _choice("checkpoint.load_only", cfg.checkpoint.load_only, schema.LOAD_ONLY)
-        + _choice("guards.nonfinite", cfg.guards.nonfinite, schema.NONFINITE_POLICIES)
-        + _choice("guards.spike", cfg.guards.spike, schema.SPIKE_POLICIES)
-        + _gpu_choice(cfg.cluster.gpu)
-    )
-
-
-def _gpu_choice(gpu: str) -> list[str]:
-    """cluster.gpu: empty (unknown device) or a key of the GPU table."""
-    return [] if not gpu or gpu in GPUS else _choice("cluster.gpu", gpu, ("", *GPUS))
-
-
-def _at_least(key: str, value: float, low: float, hint: str = "") -> list[str]:
-    if value >= low:
-        return []
-    return [f"{key}={value}: must be >= {low}{'; ' + hint if hint else ''}"]
-
-
 def _positive(key: str, value: float) -> list[str]:
     return [] if value > 0 else [f"{key}={value}: must be > 0"]
 
 
-def _within(key: str, value: float, low: float, high: float, *, open_low: bool = False) -> list[str]:
-    ok = (value > low if open_low else value >= low) and value <= high
-    bracket = "(" if open_low else "["
-    return [] if ok else [f"{key}={value}: must be in {bracket}{low}, {high}]"]
+# optim keys every optimizer uses (the loop clips gradients whatever steps them).
+_OPTIM_SHARED = ("name", "grad_clip")
 
 
-# The worker seeds numpy's global generator with train.seed (np.random.seed takes 0 .. 2**32 - 1).
-MAX_SEED = 2**32 - 1
-
-
-def _seed_range(seed: int) -> list[str]:
-    if 0 <= seed <= MAX_SEED:
-        return []
-    return [f"train.seed={seed}: must be an integer in [0, {MAX_SEED}] (numpy's seed range); e.g. train.seed=1234"]
+def check_optim_keys(o: schema.OptimConfig) -> list[str]:
+    """A key the chosen optimizer does not read, set away from its default, would be silently ignored: refuse it."""
+    if o.name not in optimizers.names():
+        return []  # declared_problems names it
+    reads, default = optimizers.spec(o.name).reads, schema.OptimConfig()
+    ignored = [f.name for f in dataclasses.fields(o) if f.name not in reads + _OPTIM_SHARED
+               and getattr(o, f.name) != getattr(default, f.name)]
+    return [f"optim.{key}={getattr(o, key)}: optim.name={o.name} does not use it (it reads "
+            f"{', '.join(reads)}); drop it, or choose an optimizer that does" for key in ignored]
 
 
 def check_ranges(cfg: schema.RunConfig) -> list[str]:
-    """Rates, counts and ratios: no zero or negative where it makes no sense."""
-    t, o, sch, lg, c = cfg.train, cfg.optim, cfg.schedule, cfg.logging, cfg.cluster
-    problems = (
-        _positive("train.steps", t.steps)
-        + _positive("train.seq_len", t.seq_len)
-        + _seed_range(t.seed)
-        + _at_least("train.eval_every", t.eval_every, 0, "0 disables evaluation")
-        + _at_least("train.gc_every", t.gc_every, 0, "0 leaves Python's garbage collector alone")
-        + _at_least("train.ac_every", t.ac_every, 1)
-        + _positive("optim.lr", o.lr)
-        + _at_least("optim.weight_decay", o.weight_decay, 0)
-        + _at_least("optim.grad_clip", o.grad_clip, 0, "0 disables clipping")
-        + _within("optim.beta1", o.beta1, 0, 0.999999)
-        + _within("optim.beta2", o.beta2, 0, 0.999999)
-        + _positive("optim.eps", o.eps)
-        + _at_least("schedule.warmup_steps", sch.warmup_steps, 0)
-        + _within("schedule.min_lr_ratio", sch.min_lr_ratio, 0, 1)
-        + _within("schedule.decay_fraction", sch.decay_fraction, 0, 1, open_low=True)
-        + _positive("logging.log_every", lg.log_every)
-        + _at_least("cluster.nodes", c.nodes, 1)
-        + _at_least("cluster.procs_per_node", c.procs_per_node, 1)
-        + _at_least("cluster.max_restarts", c.max_restarts, 0)
-        + _at_least("cluster.cpu_threads", c.cpu_threads, 0, "0 picks cores / workers")
-        + _within("cluster.rdzv_port", c.rdzv_port, 1, 65535)
-        + _within("cluster.assumed_mfu", c.assumed_mfu, 0, 1)
-        + _at_least("sharding.pp_stages_per_rank", cfg.sharding.pp_stages_per_rank, 1)
-        + _positive("precision.init_scale", cfg.precision.init_scale)
-        + _at_least("checkpoint.every", cfg.checkpoint.every, 0, "0 saves only at the end and on a stop request")
-        + _at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 2,
-                    "the newest checkpoint may be damaged; keep one to fall back on")
-        + _at_least("guards.max_consecutive_skips", cfg.guards.max_consecutive_skips, 1)
-        + _at_least("guards.spike_window", cfg.guards.spike_window, 5, "the median and MAD need a few steps of history")
-        + _positive("guards.spike_zscore", cfg.guards.spike_zscore)
-    )
+    """What one field's declared range cannot say: conditions between keys."""
+    t, sch = cfg.train, cfg.schedule
+    problems = []
     if not cfg.checkpoint.resume:
         problems.append("checkpoint.resume='': use auto (newest checkpoint of this run), never, or a checkpoint/run "
                         "directory")
@@ -242,21 +172,12 @@ MAX_LAYERS = 10_000  # the plan works layer by layer: an absurd count would hang
 
 def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
     """Shapes that must agree: heads vs kv-heads vs dim, sequence vs model limit, and the family's own checks."""
-    if m.family not in registry.names():
-        return [f"model.family={m.family!r}: unknown family; choose one of: {', '.join(registry.names())}"]
-    problems = []
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                "rope_original_max_seq_len"):
-        problems += _positive(f"model.{key}", getattr(m, key))
-    for key in ("head_dim", "sliding_window"):
-        if getattr(m, key) < 0:
-            problems.append(f"model.{key}={getattr(m, key)}: must be 0 (the default) or positive")
-    problems += _positive("model.norm_eps", m.norm_eps) + _positive("model.rope_theta", m.rope_theta)
+    if declared_problems(m, "model"):
+        return []  # an unknown family or a shape out of its declared range: declared_problems names them
     if m.n_layers > MAX_LAYERS:
-        problems.append(f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
-                        "the largest published models have under 200")
-    if problems:
-        return problems
+        return [f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
+                "the largest published models have under 200"]
+    problems = []
     problems += registry.spec(m.family).problems(m, t.seq_len)
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query "
@@ -272,8 +193,7 @@ def _divisors(n: int) -> str:
 
 
 def check_data(d: schema.DataConfig, m: schema.ModelConfig) -> list[str]:
-    problems = _at_least("data.vocab_size", d.vocab_size, 0, "0 means the model's vocab_size")
-    problems += _within("data.val_fraction", d.val_fraction, 0, 0.5, open_low=True)
+    problems = []
     if d.kind == "memmap" and not d.datasets:
         for key in ("train_path", "val_path"):
             if not getattr(d, key):

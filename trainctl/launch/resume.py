@@ -40,11 +40,12 @@ from trainctl.core import rundir as layout
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.schedule import continuation
 
-# Keys a resume keeps: the model and its weights' layout, the data and the order it is read in, the world.
+# Keys a resume keeps: the model and its weights' layout, the data and the order it is read in, the world, and
+# the optimizer (its checkpointed states are that optimizer's: AdamW's moments do not load into Adafactor).
 # Changing one would not continue this run; a new run can start from its checkpoint (checkpoint.resume=PATH).
-FROZEN = ("model.", "data.", "sharding.", "precision.", "train.seq_len", "train.global_batch", "train.seed",
-          "cluster.nodes", "cluster.procs_per_node", "cluster.launcher", "cluster.device", "checkpoint.resume",
-          "checkpoint.load_only", "checkpoint.init_from", "name", "recipe", "runs_dir")
+FROZEN = ("model.", "data.", "sharding.", "precision.", "optim.name", "train.seq_len", "train.global_batch",
+          "train.seed", "cluster.nodes", "cluster.procs_per_node", "cluster.launcher", "cluster.device",
+          "checkpoint.resume", "checkpoint.load_only", "checkpoint.init_from", "name", "recipe", "runs_dir")
 NEW_RUN_HINT = "launch a new run starting from this one's checkpoint with checkpoint.resume=RUN_DIR"
 
 

@@ -3,7 +3,7 @@
 Model states are counted tensor by tensor (trainctl/plan/shapes.py), so the predicted parameter,
 gradient and optimizer bytes are those of the live tensors on each rank (tests/dist checks it):
 
-    strategy          weights (fp32)      grads (fp32, after backward)   AdamW (2 x fp32 + step)
+    strategy          weights (fp32)      grads (fp32, after backward)   optimizer (core/optimizers.py)
     none, ddp         local               local                          local
     zero1             local               local                          ZeroRedundancyOptimizer's
                                                                          whole-tensor partition
@@ -32,9 +32,9 @@ textbook ZeRO table (the worker wins):
   (trainctl/plan/activations.py).
 - cpu_offload moves weights, gradients and optimizer states to host memory; the device keeps
   the gathered units and their gradients.
-- The optimizer step: fused AdamW on CUDA allocates nothing; the foreach AdamW used elsewhere
-  (CPU, or CUDA parameters under cpu_offload run on the host) allocates one fp32 temporary per
-  stepped element.
+- The optimizer step: its temporaries are the optimizer's (core/optimizers.py): fused AdamW on CUDA
+  allocates nothing; the foreach AdamW used elsewhere (CPU, or CUDA parameters under cpu_offload
+  run on the host) allocates one fp32 temporary per stepped element.
 Phases: the peak is the largest of (loss) the start of backward, (block) the first block's
 backward, (end) the end of backward, and (step) the optimizer step; each phase lists what is
 alive then. Gradients are conservatively counted as fully present from the end of backward on,
@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.lora import is_adapter
 from trainctl.core.loss_head import chunked_loss
@@ -56,16 +57,15 @@ from trainctl.plan.shapes import (
     block_tensors,
     embedding_tensor,
     fsdp_local_numel,
+    fsdp_rows,
     head_tensors,
     stage_tensors,
     tp_local,
-    zero1_partition,
+    zero1_assignment,
 )
 from trainctl.plan.stages import RankStages
 
 FP32 = 4
-ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
-STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar tensor)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30
 
@@ -78,7 +78,7 @@ class RankMemory:
     pp_rank: int
     params: int  # fp32 master weights stored on this rank
     grads: int  # fp32 gradients stored after backward
-    optimizer: int  # AdamW states (and step scalars) of the tensors this rank steps
+    optimizer: int  # optimizer states (and step scalars) of the tensors this rank steps (core/optimizers.py)
     ddp_buckets: int
     host: int  # in host memory (cpu_offload); not part of any phase
     gathered_loss: int  # FSDP units gathered at the start of backward (compute dtype)
@@ -151,23 +151,27 @@ def local_tensors(m: ModelConfig, stage: RankStages, tp: int) -> list[Tensor]:
     return [tp_local(t, tp, m.family) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
 
 
+def stepped_tensors(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, dp_rank: int = 0) -> list[Tensor]:
+    """The (local) tensors whose optimizer states data-parallel rank `dp_rank` holds and steps.
+
+    FSDP2: each tensor's dim-0 chunk (rank 0's are the full ones); zero1: the whole tensors of
+    ZeroRedundancyOptimizer's partition; otherwise every tensor.
+    """
+    if wrap.fsdp:
+        shard_rank = dp_rank % dims.dp_shard
+        return [Tensor(t.name, fsdp_rows(t.rows, dims.dp_shard, shard_rank), t.cols) for t in tensors]
+    if wrap.zero1:
+        return zero1_assignment(tensors, dims.dp_replicate)[dp_rank]
+    return tensors
+
+
 def stored_elements(
     tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, dp_rank: int = 0
 ) -> tuple[int, int, int]:
-    """(weight/gradient elements, optimizer elements, stepped tensors) that data-parallel rank `dp_rank` stores.
-
-    Rank 0 is the busiest under FSDP2 (the first chunks are the full ones); under zero1 the
-    busiest rank is the largest share of the partition.
-    """
-    full = sum(t.numel for t in tensors)
-    if wrap.fsdp:
-        shard_rank = dp_rank % dims.dp_shard
-        local = [fsdp_local_numel(t, dims.dp_shard, shard_rank) for t in tensors]
-        return sum(local), sum(local), sum(1 for n in local if n > 0)
-    if wrap.zero1:
-        elements, count = zero1_partition(tensors, dims.dp_replicate)[dp_rank]
-        return full, elements, count
-    return full, full, len(tensors)
+    """(weight/gradient elements, optimizer elements, stepped tensors) that data-parallel rank `dp_rank` stores."""
+    stepped = [t.numel for t in stepped_tensors(tensors, wrap, dims, dp_rank)]
+    full = sum(stepped) if wrap.fsdp else sum(t.numel for t in tensors)
+    return full, sum(stepped), sum(1 for n in stepped if n > 0)
 
 
 def stored_of(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -> int:
@@ -177,22 +181,23 @@ def stored_of(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -> int:
     return sum(t.numel for t in tensors)
 
 
-def busiest_dp_rank(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -> int:
+def busiest_dp_rank(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, optim: str = "adamw") -> int:
+    """Rank 0 under FSDP2 (the first chunks are the full ones); under zero1 the rank with the most state bytes."""
     if wrap.zero1:
-        shares = zero1_partition(tensors, dims.dp_replicate)
+        shares = [optimizers.state_bytes(optim, mine) for mine in zero1_assignment(tensors, dims.dp_replicate)]
         return shares.index(max(shares))
     return 0
 
 
 def model_states(
-    m: ModelConfig, sharding: ShardingConfig, dims: ParallelDims, stage: RankStages, dp_rank: int
+    m: ModelConfig, sharding: ShardingConfig, dims: ParallelDims, stage: RankStages, dp_rank: int,
+    optim: str = "adamw",
 ) -> dict[str, int]:
     """Bytes of the live parameter, gradient and optimizer tensors on one rank (what memory_stats measures)."""
     tensors = local_tensors(m, stage, dims.tp)
     wrap = wrapping(sharding.strategy, dims)
     stored = stored_elements(tensors, wrap, dims, dp_rank)[0]
-    _, stepped, count = stored_elements(trainable(tensors), wrap, dims, dp_rank)
-    optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
+    optimizer = optimizers.state_bytes(optim, stepped_tensors(trainable(tensors), wrap, dims, dp_rank))
     grads = stored_of(trainable(tensors), wrap, dims)
     return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * grads, "optimizer_bytes": optimizer}
 
@@ -338,19 +343,19 @@ def gathered_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: 
 
 
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,
-             dims: ParallelDims, stage: RankStages, device: str = "cuda") -> RankMemory:
-    """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout."""
+             dims: ParallelDims, stage: RankStages, device: str = "cuda", optim: str = "adamw") -> RankMemory:
+    """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout and optimizer (optim.name)."""
     wrap = wrapping(sharding.strategy, dims, precision)
     c, r = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.reduce_dtype]
     tensors = local_tensors(m, stage, dims.tp)
     local = sum(t.numel for t in tensors)
-    learn = trainable(tensors)  # with LoRA only the adapters have gradients, DDP buckets and AdamW states
+    learn = trainable(tensors)  # with LoRA only the adapters have gradients, DDP buckets and optimizer states
     learn_local = sum(t.numel for t in learn)
-    stored = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims))[0]
-    _, stepped, count = stored_elements(learn, wrap, dims, busiest_dp_rank(learn, wrap, dims))
+    stored = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims, optim))[0]
+    stepped = stepped_tensors(learn, wrap, dims, busiest_dp_rank(learn, wrap, dims, optim))
     fsdp = wrap.fully_shard
     params, grads = FP32 * stored, FP32 * stored_of(learn, wrap, dims)
-    optimizer = ADAMW_STATE_BYTES * stepped + STEP_BYTES * count
+    optimizer = optimizers.state_bytes(optim, stepped)
     tokens = train.micro_batch * train.seq_len // dims.cp
     lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp), train.compile,
                             device)
@@ -364,7 +369,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r, precision)
     accumulating = train.grad_accum > 1
     unsharded = max(c, r) * learn_local if fsdp and accumulating else 0
-    step_temp = 0 if device == "cuda" and not sharding.cpu_offload else FP32 * stepped
+    step_temp = optimizers.spec(optim).step_temp_bytes(stepped, device == "cuda" and not sharding.cpu_offload)
     host = saved.host
     if sharding.cpu_offload:
         host, params, grads, optimizer, step_temp = host + params + grads + optimizer, 0, 0, 0, 0

@@ -7,6 +7,7 @@ behind them are in memory.py, activations.py, fit.py and throughput.py.
 from __future__ import annotations
 
 from trainctl.config.schema import RunConfig
+from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.loss_head import chunk_tokens, chunked_loss
@@ -30,7 +31,7 @@ def strategy_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[
                      "(gradient_as_bucket_view=False), so replicated gradients cost 8 bytes/param, not 4")
     if wrap.zero1 and dims.dp_replicate > 1:
         notes.append("optimizer (zero1): ZeroRedundancyOptimizer gives whole tensors to ranks (largest first), "
-                     "so the busiest rank holds more than 1/dp of the AdamW states")
+                     "so the busiest rank holds more than 1/dp of the optimizer states")
     if wrap.fsdp and not wrap.reshard_after_forward:
         notes.append("gathered_loss (zero2): FSDP2 with reshard_after_forward=False keeps every unit gathered from its "
                      "forward to its backward: a compute-dtype copy of the whole stage at the start of backward")
@@ -155,7 +156,15 @@ def lora_notes(cfg: RunConfig) -> list[str]:
             "full 6N though frozen weights compute no weight gradient"]
 
 
+def optimizer_notes(cfg: RunConfig, mem: RankMemory) -> list[str]:
+    """What `optimizer` holds when it is not AdamW's two moments (the default every other figure assumes)."""
+    if cfg.optim.name == "adamw":
+        return []
+    return [f"optimizer {_gib(mem.optimizer)} ({cfg.optim.name}): {optimizers.spec(cfg.optim.name).summary}, "
+            "counted tensor by tensor"]
+
+
 def notes_for(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     """Every note that applies to this config, strategy first."""
-    return (strategy_notes(cfg, dims, mem) + activation_notes(cfg, dims, mem) + device_notes(cfg, dims)
-            + lora_notes(cfg) + throughput_notes(cfg))
+    return (strategy_notes(cfg, dims, mem) + optimizer_notes(cfg, mem) + activation_notes(cfg, dims, mem)
+            + device_notes(cfg, dims) + lora_notes(cfg) + throughput_notes(cfg))

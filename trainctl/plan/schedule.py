@@ -6,50 +6,40 @@ schedule does at the step the run continues from (a cosine re-stretched, a WSD d
 
 from __future__ import annotations
 
-import math
-
 from trainctl.config.schema import ScheduleConfig
+from trainctl.core import schedules
 
-KINDS = ("constant", "linear", "cosine", "wsd")
-
-
-def _decay(kind: str, progress: float) -> float:
-    """Multiplier in [0, 1] going from 1 (progress 0) to 0 (progress 1)."""
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0 - progress  # linear and the wsd decay phase
+KINDS = schedules.names()
 
 
 def decay_start(schedule: ScheduleConfig, total_steps: int) -> int:
     """The last step at the peak rate before the decay (warmup's end; for wsd, where its decay begins)."""
-    warmup = schedule.warmup_steps
-    if schedule.name != "wsd":
-        return warmup
-    decay_steps = max(1, round(schedule.decay_fraction * total_steps))
-    return max(warmup, total_steps - 1 - decay_steps)
+    return schedules.spec(schedule.name).decay_start(schedule.warmup_steps, schedule.decay_fraction, total_steps)
 
 
 def lr_at(step: int, lr: float, schedule: ScheduleConfig, total_steps: int) -> float:
     """Learning rate for 0-indexed optimizer step `step` of `total_steps`.
 
     Linear warmup: step w (< warmup_steps) gets lr * (w + 1) / warmup_steps, so it starts
-    near zero and the last warmup step reaches lr. Then `constant` stays at lr; `linear`
-    and `cosine` decay from lr right after warmup to min_lr_ratio * lr at the last step;
-    `wsd` holds lr and decays linearly to the floor over the last decay_fraction of steps.
+    near zero and the last warmup step reaches lr. Then the schedule `schedule.name` picks
+    (core/schedules.py): `constant` stays at lr; `linear` and `cosine` decay from lr right after
+    warmup to min_lr_ratio * lr at the last step; `wsd` holds lr and decays linearly to the
+    floor over the last decay_fraction of steps.
     """
     warmup = schedule.warmup_steps
     if step < warmup:
         return lr * (step + 1) / warmup
     if schedule.name not in KINDS:
         raise ValueError(f"schedule.name={schedule.name!r}: unknown schedule; use {', '.join(KINDS)}")
-    if schedule.name == "constant":
+    decay = schedules.spec(schedule.name).decay
+    if decay is None:
         return lr
     floor = schedule.min_lr_ratio * lr
     start, last = decay_start(schedule, total_steps), total_steps - 1
     if step <= start:
         return lr
     progress = min(1.0, (step - start) / max(1, last - start))
-    return floor + (lr - floor) * _decay(schedule.name, progress)
+    return floor + (lr - floor) * decay(progress)
 
 
 # A step-to-step change of the rate beyond this share is a jump, not the schedule's own slope.
@@ -78,22 +68,24 @@ def continuation(step: int, before: tuple[float, ScheduleConfig, int], after: tu
 
 def _describe(lr: float, s: ScheduleConfig, steps: int, step: int, old_steps: int) -> str:
     floor = s.min_lr_ratio * lr
-    if s.name == "constant":
-        return f"constant at {lr:.3g}"
-    if s.name in ("linear", "cosine"):
+    kind = schedules.spec(s.name)
+    if kind.decay is None:
+        return f"{s.name} at {lr:.3g}"
+    if kind.stretches:
         stretched = f", re-stretched from {old_steps} to {steps} steps" if steps != old_steps else ""
         return f"{s.name} decay from {lr:.3g} to {floor:.3g} at step {steps}{stretched}"
     start = decay_start(s, steps)
     continued = f" (the stable phase continues past step {old_steps})" if steps > old_steps else ""
-    return f"wsd: stable at {lr:.3g} until step {start + 1}, then decays to {floor:.3g} by step {steps}{continued}"
+    return f"{s.name}: stable at {lr:.3g} until step {start + 1}, then decays to {floor:.3g} by step {steps}{continued}"
 
 
 def _jump_cause(s0: ScheduleConfig, s1: ScheduleConfig, n0: int, n1: int, step: int, lr0: float, lr1: float) -> str:
     if lr0 != lr1 or s0 != s1:
         return ": optim.lr or schedule.* changed"
-    if s1.name == "wsd" and step - 1 > decay_start(s0, n0):
-        return (f": the run had begun its wsd decay at step {decay_start(s0, n0) + 2}; a checkpoint from before it "
-                "continues the stable phase without a jump (a new run with checkpoint.resume=PATH)")
+    kind = schedules.spec(s1.name)
+    if kind.decay is not None and not kind.stretches and step - 1 > decay_start(s0, n0):
+        return (f": the run had begun its {s1.name} decay at step {decay_start(s0, n0) + 2}; a checkpoint from before "
+                "it continues the stable phase without a jump (a new run with checkpoint.resume=PATH)")
     if n1 != n0:
         return f": the {s1.name} decay is re-stretched from {n0} to {n1} steps"
     return ""

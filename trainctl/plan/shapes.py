@@ -22,7 +22,7 @@ from trainctl.core.tensors import Tensor
 from trainctl.models.registry import spec
 
 __all__ = ["Tensor", "block_tensors", "embedding_tensor", "fsdp_local_numel", "fsdp_rows", "head_tensors",
-           "stage_tensors", "tp_local", "zero1_partition"]
+           "stage_tensors", "tp_local", "zero1_assignment", "zero1_partition"]
 
 
 
@@ -77,20 +77,25 @@ def fsdp_local_numel(t: Tensor, shards: int, rank: int = 0) -> int:
     return fsdp_rows(t.rows, shards, rank) * t.cols
 
 
-def zero1_partition(tensors: list[Tensor], ranks: int) -> list[tuple[int, int]]:
-    """(elements, tensors) each rank's ZeroRedundancyOptimizer steps.
+def zero1_assignment(tensors: list[Tensor], ranks: int) -> list[list[Tensor]]:
+    """The tensors each rank's ZeroRedundancyOptimizer steps.
 
     Whole tensors, largest first, each to the emptiest rank.
 
     torch partitions each parameter group in turn with running totals shared across groups;
     the worker's two groups are the decayed matmul weights and the rest (norms, embedding).
     """
-    sizes, counts = [0] * ranks, [0] * ranks
+    sizes, owned = [0] * ranks, [[] for _ in range(ranks)]
     decayed = [t for t in tensors if t.is_matmul]
     rest = [t for t in tensors if not t.is_matmul]
     for group in (decayed, rest):
         for t in sorted(group, key=lambda t: t.numel, reverse=True):
             rank = sizes.index(min(sizes))
             sizes[rank] += t.numel
-            counts[rank] += 1
-    return list(zip(sizes, counts, strict=True))
+            owned[rank].append(t)
+    return owned
+
+
+def zero1_partition(tensors: list[Tensor], ranks: int) -> list[tuple[int, int]]:
+    """(elements, tensors) each rank's ZeroRedundancyOptimizer steps (`zero1_assignment`)."""
+    return [(sum(t.numel for t in mine), len(mine)) for mine in zero1_assignment(tensors, ranks)]

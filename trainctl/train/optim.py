@@ -1,4 +1,4 @@
-"""AdamW with decay / no-decay parameter groups, and the learning-rate schedules.
+"""The optimizers (AdamW, Adafactor) with decay / no-decay parameter groups, and the learning-rate schedules.
 
 Weight decay applies to the matmul weights only. Norm weights and biases (1-D) are
 never decayed: shrinking them toward zero fights the normalization. The token
@@ -6,8 +6,8 @@ embedding is not decayed either (as in OLMo): each row is updated only when its
 token appears, so decay would pull rare tokens to zero between their updates.
 With tied embeddings the output projection is the embedding and follows it.
 
-ZeRO-1 (sharding.strategy=zero1) keeps DDP for the gradients and wraps AdamW in torch's
-ZeroRedundancyOptimizer: each data-parallel rank holds the AdamW states of its share of
+ZeRO-1 (sharding.strategy=zero1) keeps DDP for the gradients and wraps the optimizer in torch's
+ZeroRedundancyOptimizer: each data-parallel rank holds the optimizer states of its share of
 the (whole) parameter tensors, steps them, and broadcasts the updated ones to the others.
 """
 
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from trainctl.config.schema import OptimConfig, ScheduleConfig
 from trainctl.core.wrapping import Wrapping
@@ -25,7 +26,7 @@ from trainctl.train.errors import WorkerConfigError
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed matmul weights, and everything else with weight_decay=0."""
+    """Two groups: decayed matmul weights, and everything else with weight_decay=0."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():  # yields a tied weight once
@@ -45,22 +46,43 @@ def zero1_group(wrap: Wrapping, mesh: DeviceMesh) -> torch.distributed.ProcessGr
     return mesh["dp_replicate"].get_group() if wrap.zero1 else None
 
 
+def _adamw(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], dict]:
+    """Fused kernels on CUDA, multi-tensor (foreach) elsewhere."""
+    return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
+                                   foreach=not fused)
+
+
+def _adafactor(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], dict]:
+    """torch's Adafactor: no fused kernel; foreach on CUDA, the for-loop elsewhere (torch's defaults)."""
+    return torch.optim.Adafactor, dict(lr=cfg.lr, beta2_decay=cfg.beta2_decay, foreach=fused or None)
+
+
+# The builder of each optimizer core.optimizers describes (same names): its class and keyword arguments.
+OPTIMIZER_BUILDERS = {"adamw": _adamw, "adafactor": _adafactor}
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device_type: str, shard_group: torch.distributed.ProcessGroup | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`: fused kernels on CUDA, multi-tensor (foreach) elsewhere.
+    """The optimizer `cfg.name` names (OPTIMIZER_BUILDERS) over `param_groups`.
 
     With `shard_group` (zero1) it is a ZeroRedundancyOptimizer over that group. Its
     `param_groups` still list every parameter with its lr and weight decay (set_lr and
-    clipping work unchanged); it copies them to its local AdamW at each step.
+    clipping work unchanged); it copies them to its local optimizer at each step.
     """
+    if cfg.name not in OPTIMIZER_BUILDERS:
+        raise WorkerConfigError(f"optim.name={cfg.name!r}: unknown optimizer; use one of: "
+                                f"{', '.join(OPTIMIZER_BUILDERS)}")
     groups = param_groups(model, cfg.weight_decay)
+    if cfg.name != "adamw" and any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+        raise WorkerConfigError(f"optim.name={cfg.name}: cannot step sharded (DTensor) parameters; "
+                                "use sharding=ddp or zero1 without tp/pp, or optim.name=adamw")
     # FSDP2 CPU offload keeps the parameters in host memory: the step runs there (no CUDA kernels).
     fused = device_type == "cuda" and all(p.device.type == "cuda" for g in groups for p in g["params"])
-    hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=not fused)
+    cls, hyper = OPTIMIZER_BUILDERS[cfg.name](cfg, fused)
     if shard_group is None:
-        return torch.optim.AdamW(groups, **hyper)
-    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=shard_group, **hyper)
+        return cls(groups, **hyper)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=shard_group, **hyper)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -1,0 +1,166 @@
+"""The optimizer and schedule registries: optim.name dispatches (AdamW, Adafactor), the plan's state bytes equal
+the live state tensors of a real step, the combinations an optimizer cannot run are refused at compose time in one
+line, and schedule.name dispatches through core/schedules.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from trainctl.config.compose import compose
+from trainctl.config.errors import ConfigError
+from trainctl.config.schema import (
+    OPTIMIZERS,
+    SCHEDULES,
+    LoRAConfig,
+    ModelConfig,
+    OptimConfig,
+    PrecisionConfig,
+    RunConfig,
+    ScheduleConfig,
+    ShardingConfig,
+    TrainConfig,
+)
+from trainctl.config.validate import resolve
+from trainctl.core import optimizers, schedules
+from trainctl.core.dims import ParallelDims
+from trainctl.models.build import build_model
+from trainctl.plan import memory
+from trainctl.plan import schedule as plan_schedule
+from trainctl.plan.runplan import build as build_plan
+from trainctl.plan.stages import rank_stages
+from trainctl.train.memory_stats import model_state_bytes
+from trainctl.train.optim import OPTIMIZER_BUILDERS, build_optimizer
+
+SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
+
+
+def stepped(model_cfg: ModelConfig, name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = build_model(model_cfg, "cpu")
+    if model_cfg.lora.rank == 0:
+        model.init_weights()
+    opt = build_optimizer(model, OptimConfig(name=name, lr=1e-3), "cpu")
+    model(torch.randint(0, model_cfg.vocab_size, (2, 16))).float().square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def planned_optimizer_bytes(model_cfg: ModelConfig, name: str) -> int:
+    sharding = ShardingConfig()
+    (stage,) = rank_stages(model_cfg, sharding, 1)
+    return memory.model_states(model_cfg, sharding, ParallelDims(), stage, 0, optim=name)["optimizer_bytes"]
+
+
+def test_the_registry_names_are_the_choices_and_every_one_has_a_builder():
+    assert OPTIMIZERS == optimizers.names() == tuple(OPTIMIZER_BUILDERS) == ("adamw", "adafactor")
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+@pytest.mark.parametrize("lora", [0, 4])
+def test_plan_optimizer_bytes_equal_the_live_state_of_a_real_step(name, lora):
+    model_cfg = dataclasses.replace(SMALL, lora=LoRAConfig(rank=lora, targets=["q", "v", "down"]))
+    model, opt = stepped(model_cfg, name)
+    measured = model_state_bytes(model, opt)["optimizer_bytes"]
+    assert measured == planned_optimizer_bytes(model_cfg, name)
+
+
+def test_optim_name_dispatches_to_the_optimizer_it_names():
+    _, adamw = stepped(SMALL, "adamw")
+    model, adafactor = stepped(SMALL, "adafactor")
+    assert type(adamw) is torch.optim.AdamW and type(adafactor) is torch.optim.Adafactor
+    wq = model.layers["0"].attention.wq.weight
+    state = adafactor.state[wq]
+    # Factored: one value per row and per column, not one per element as AdamW's moments.
+    assert state["row_var"].numel() + state["col_var"].numel() == wq.shape[0] + wq.shape[1]
+
+
+def test_adafactor_keeps_less_state_than_adamw_in_the_plan():
+    tiny = ModelConfig()
+    adamw, adafactor = planned_optimizer_bytes(tiny, "adamw"), planned_optimizer_bytes(tiny, "adafactor")
+    assert adafactor < adamw / 10  # the embedding and output are matrices too: factored
+
+
+def test_optim_adafactor_composes_from_its_yaml():
+    cfg = resolve(compose(["optim=adafactor"]))
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == ("adafactor", 1e-2, 0.0)
+
+
+ADAFACTOR = OptimConfig(name="adafactor", lr=1e-2, weight_decay=0.0)
+
+
+def run(sharding: ShardingConfig, procs: int, optim: OptimConfig = ADAFACTOR) -> RunConfig:
+    """A RunConfig built directly (resolve takes a fraction of a millisecond; compose a few hundred)."""
+    cluster = dataclasses.replace(RunConfig().cluster, procs_per_node=procs)
+    return RunConfig(optim=optim, sharding=sharding, cluster=cluster)
+
+
+DTENSOR_LAYOUTS = {
+    "zero3": ShardingConfig(strategy="zero3", dp_shard=2),
+    "zero2": ShardingConfig(strategy="zero2", dp_shard=2),
+    "tp": ShardingConfig(strategy="none", tp=2),
+    "ddp+pp": ShardingConfig(strategy="ddp", pp=2),  # FSDP2 as DDP
+}
+
+
+@pytest.mark.parametrize("layout", list(DTENSOR_LAYOUTS))
+def test_adafactor_on_dtensor_parameters_is_refused_in_one_line(layout):
+    with pytest.raises(ConfigError) as err:
+        resolve(run(DTENSOR_LAYOUTS[layout], 2))
+    (line,) = [p for p in err.value.problems if p.startswith("optim.name")]
+    assert "DTensor" in line and "optim.name=adamw" in line
+
+
+PLAIN_LAYOUTS = {
+    "none": ShardingConfig(strategy="none"),
+    "ddp": ShardingConfig(strategy="ddp", dp_replicate=2),
+    "zero1": ShardingConfig(strategy="zero1", dp_replicate=2),
+    "pp": ShardingConfig(strategy="none", pp=2, pp_schedule="gpipe"),
+}
+
+
+@pytest.mark.parametrize("layout", list(PLAIN_LAYOUTS))
+def test_adafactor_on_plain_parameters_is_accepted(layout):
+    procs = 1 if layout == "none" else 2
+    assert resolve(run(PLAIN_LAYOUTS[layout], procs)).optim.name == "adafactor"
+
+
+def test_a_key_the_optimizer_does_not_read_is_refused_not_ignored():
+    with pytest.raises(ConfigError) as err:
+        resolve(run(ShardingConfig(), 1, dataclasses.replace(ADAFACTOR, beta1=0.8)))
+    assert err.value.problems == ["optim.beta1=0.8: optim.name=adafactor does not use it (it reads lr, weight_decay, "
+                                  "beta2_decay); drop it, or choose an optimizer that does"]
+    with pytest.raises(ConfigError) as err:
+        resolve(run(ShardingConfig(), 1, OptimConfig(beta2_decay=-0.5)))
+    assert any(p.startswith("optim.beta2_decay=-0.5: optim.name=adamw does not use it") for p in err.value.problems)
+
+
+def test_plan_zero1_busiest_rank_counts_the_optimizers_own_bytes():
+    """zero1 with Adafactor: the busiest rank is the one with the most state bytes, not the most elements."""
+    tiny = ModelConfig()
+    sharding, dims = ShardingConfig(strategy="zero1", dp_replicate=2), ParallelDims(dp_replicate=2)
+    (stage,) = rank_stages(tiny, sharding, 1)
+    per_rank = [memory.model_states(tiny, sharding, dims, stage, r, optim="adafactor")["optimizer_bytes"]
+                for r in range(2)]
+    est = memory.estimate(tiny, PrecisionConfig(), sharding, TrainConfig(), dims, stage, "cpu", "adafactor")
+    assert est.optimizer == max(per_rank) and min(per_rank) > 0
+
+
+def test_schedule_names_are_the_registry_and_lr_at_dispatches_through_it(monkeypatch):
+    """A schedule added to core/schedules.py is a valid schedule.name and lr_at steps by its decay."""
+    assert SCHEDULES == schedules.names() == ("constant", "linear", "cosine", "wsd")
+    step_down = schedules.ScheduleSpec("halve", lambda progress: 0.5, schedules.SCHEDULES["linear"].decay_start, "")
+    monkeypatch.setitem(schedules.SCHEDULES, "halve", step_down)
+    monkeypatch.setattr(plan_schedule, "KINDS", schedules.names())
+    halve = ScheduleConfig(name="halve", warmup_steps=2, min_lr_ratio=0.0)
+    assert [plan_schedule.lr_at(s, 1.0, halve, 10) for s in (1, 2, 3, 9)] == [1.0, 1.0, 0.5, 0.5]
+
+
+def test_the_plan_names_a_non_default_optimizers_state_in_a_note():
+    plain = ShardingConfig(strategy="ddp", dp_replicate=2)
+    adafactor = build_plan(resolve(run(plain, 2)))
+    assert any(n.startswith("optimizer ") and "(adafactor): Adafactor factored" in n for n in adafactor.notes)
+    adamw = build_plan(resolve(run(plain, 2, OptimConfig())))
+    assert not any(n.startswith("optimizer ") and "(adamw)" in n for n in adamw.notes)
