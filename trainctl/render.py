@@ -20,7 +20,7 @@ GIB = 1024**3
 MEMORY_ROWS = (
     ("params_bytes", "weights (fp32 master)"),
     ("grads_bytes", "gradients (fp32)"),
-    ("optimizer_bytes", "AdamW states"),
+    ("optimizer_bytes", "optimizer states"),
     ("ddp_buckets_bytes", "DDP gradient buckets"),
     ("gathered_loss_bytes", "FSDP gathered, at loss"),
     ("gathered_block_bytes", "FSDP gathered, block backward"),
