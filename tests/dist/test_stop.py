@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
-from tests.helpers import torchrun_cmd, wait_or_fail, worker_env
+from tests.helpers import torchrun_cmd, wait_for, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.core import rundir
 from trainctl.core.checkpoints import checkpoint_dir, list_committed, step_name, verify
@@ -93,7 +93,7 @@ class Torchrun:
 
     def wait_for(self, condition, what: str, timeout: float = WORKER_TIMEOUT_S):
         """Poll `condition`; fail, with the tail of torchrun's output, if torchrun exits or time runs out first."""
-        return wait_or_fail(condition, what, timeout, proc=self.proc, report=lambda: self.text()[-3000:])
+        return wait_for(condition, what, timeout, proc=self.proc, report=lambda: self.text()[-3000:])
 
     def finish(self, timeout: float = WORKER_TIMEOUT_S) -> int | None:
         try:

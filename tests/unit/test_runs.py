@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, write_exe
+from tests.helpers import run_cli, wait_for, write_exe
 from trainctl.launch import runs, slurm_jobs
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.rundir import check_name
@@ -107,10 +107,8 @@ def hold_lock(run_dir: Path, start: str | None = None) -> subprocess.Popen:
               f'"{sys.executable}" -m trainctl.core.rundir hold "{run_dir}" $$; sleep 60; true')
     proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
     holder = run_dir / "trainer.json"
-    deadline = time.monotonic() + 10
-    while not (holder.is_file() and json.loads(holder.read_text() or "{}").get("pid") == proc.pid):
-        assert time.monotonic() < deadline, "the holder never recorded itself"
-        time.sleep(0.05)
+    wait_for(lambda: holder.is_file() and json.loads(holder.read_text() or "{}").get("pid") == proc.pid,
+             "the holder to record itself", timeout=10, proc=proc)
     if start is not None:
         holder.write_text(json.dumps({**json.loads(holder.read_text()), "pid_start": start}))
     return proc
