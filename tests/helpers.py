@@ -166,6 +166,47 @@ def wait_for(predicate: Callable[[], T], what: str, timeout: float = 120.0, *, p
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{details()}")
 
 
+# --- run directories -------------------------------------------------------------------------------
+
+def make_run(runs_dir: Path, name: str, *, overrides: list[str] | None = None, steps: int = 10,
+             launch: dict | None = None, metrics: list[dict] | None = None, progress: int | None = None,
+             result: dict | None = None, checkpoints: tuple[int, ...] = (), workdir: Path | None = None) -> Path:
+    """The run directory `runs_dir/name` in a given state, its files named by trainctl.core.rundir.
+
+    overrides: the records a real launch writes (config, plan, launch.sh, ...), composed from them; without it,
+    only what the run tables read: a config.yaml with `train.steps: steps` and an empty logs folder.
+    launch, result: those records; metrics: the lines of metrics.jsonl; progress: progress.json's step;
+    checkpoints: committed step folders (a manifest each, no tensors). Nothing is written for what is None.
+    """
+    from trainctl.core import rundir
+    from trainctl.core.checkpoints import step_name
+
+    if overrides is not None:
+        from trainctl.config.compose import compose
+        from trainctl.config.validate import resolve
+        from trainctl.launch.rundir import create
+        from trainctl.plan import build
+
+        cfg = resolve(compose(overrides))
+        run_dir = create(cfg, build(cfg), runs_dir, name, overrides, workdir=workdir or runs_dir.parent)
+    else:
+        run_dir = runs_dir / name
+        (run_dir / rundir.LOGS).mkdir(parents=True)
+        (run_dir / rundir.CONFIG).write_text(f"train:\n  steps: {steps}\n")
+    records = {rundir.LAUNCH: launch, rundir.RESULT: result, rundir.PROGRESS: None if progress is None else
+               {"step": progress}}
+    for file, record in records.items():
+        if record is not None:
+            (run_dir / file).write_text(json.dumps(record))
+    if metrics is not None:
+        (run_dir / rundir.METRICS).write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    for step in checkpoints:
+        folder = run_dir / rundir.CHECKPOINTS / step_name(step)
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text("{}")
+    return run_dir
+
+
 # --- files -----------------------------------------------------------------------------------------
 
 def write_exe(path: Path, body: str) -> None:
