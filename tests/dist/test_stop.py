@@ -241,13 +241,10 @@ def test_workers_die_with_a_killed_torchrun(root, data_cache):
         pids = worker_pids(run_dir)
         assert len(pids) == 2 and all(map(alive, pids))
         os.kill(run.proc.pid, signal.SIGKILL)  # torchrun alone: the workers are in sessions of their own
-        deadline = time.monotonic() + 5
-        while any(map(alive, pids)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [pid for pid in pids if alive(pid)]
+        wait_for(lambda: not any(map(alive, pids)), "the workers to die with their torchrun", timeout=5,
+                 report=lambda: f"alive: {[pid for pid in pids if alive(pid)]}")
     finally:
         run.finish(timeout=5)
-    assert left == [], "workers outlived their torchrun"
 
 
 def test_data_error_on_rank0_is_the_first_failure(root, data_cache):
