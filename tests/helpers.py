@@ -91,11 +91,25 @@ finally:
 """
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict | None = None):
-    """`trainctl ARGS` as a user runs it: a CompletedProcess whose `.probe` is {"code", "heavy"} (None if
-    the CLI crashed before reporting) and whose `.stderr` is what the user saw, without the probe's line."""
-    cmd = [sys.executable, "-c", PROBE, *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def cli_env(**extra: object) -> dict[str, str]:
+    """The CLI's environment in tests: this checkout importable, one thread per rank, wandb off, no inherited rank."""
+    return worker_env(WANDB_MODE="disabled", **extra)
+
+
+def _cli_cmd(args: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-c", PROBE, *args]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict | None = None,
+            **env_extra: object) -> subprocess.CompletedProcess:
+    """`trainctl ARGS` as a user runs it, in a fresh interpreter, to the end (at most `timeout` seconds).
+
+    A CompletedProcess whose `.probe` is {"code", "heavy"} (None if the CLI crashed before reporting) and whose
+    `.stderr` is what the user saw, without the probe's line. env: the whole environment (default: `cli_env`);
+    env_extra: variables added to it.
+    """
+    env = {**(cli_env() if env is None else env), **{k: str(v) for k, v in env_extra.items()}}
+    proc = subprocess.run(_cli_cmd(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = proc.stderr.splitlines()
     reports = [line for line in lines if line.startswith(PROBE_PREFIX)]
     proc.probe = json.loads(reports[-1][len(PROBE_PREFIX):]) if reports else None
@@ -103,22 +117,40 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120, env: dict
     return proc
 
 
+def start_cli(*args: str, cwd: Path | None = None, env: dict | None = None, **popen: object) -> subprocess.Popen:
+    """`trainctl ARGS` started in the background (text output piped unless `popen` says otherwise).
+
+    Its stderr ends with the probe's line (see run_cli); the caller owns the process: wait, kill, or read it.
+    """
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+    return subprocess.Popen(_cli_cmd(args), cwd=cwd, env=cli_env() if env is None else env, **popen)
+
+
+def cli_in_process(monkeypatch: pytest.MonkeyPatch, capture, *args: str) -> tuple[int, str, str]:
+    """`trainctl ARGS` in this process (the unit tier starts no process): exit code, stdout, stderr.
+
+    capture: pytest's capsys, or capsysbinary where the output may hold bytes that are not UTF-8 (decoded with
+    replacement). A traceback is not caught: it fails the test.
+    """
+    from trainctl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["trainctl", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capture.readouterr()
+    if isinstance(out, bytes):
+        out, err = out.decode(errors="replace"), err.decode(errors="replace")
+    return code, out, err
+
+
 # --- waits -----------------------------------------------------------------------------------------
 
-def wait_for(predicate: Callable[[], T], timeout: float = 120.0, interval: float = 0.05) -> T | None:
-    """The predicate's first true value, or None once `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
-
-
-def wait_or_fail(predicate: Callable[[], T], what: str, timeout: float, proc: subprocess.Popen | None = None,
-                 report: Callable[[], str] | None = None, interval: float = 0.02) -> T:
-    """The predicate's first true value; the test fails if `proc` exits or time runs out first.
+def wait_for(predicate: Callable[[], T], what: str, timeout: float = 120.0, *, proc: subprocess.Popen | None = None,
+             report: Callable[[], str] | None = None, interval: float = 0.02) -> T:
+    """The predicate's first true value; the test fails, naming `what`, if `proc` exits or time runs out first.
 
     report: what to add to the failure message (logs, the queue).
     """
@@ -132,6 +164,47 @@ def wait_or_fail(predicate: Callable[[], T], what: str, timeout: float, proc: su
             pytest.fail(f"process {proc.pid} exited ({proc.returncode}) while waiting for {what}{details()}")
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{details()}")
+
+
+# --- run directories -------------------------------------------------------------------------------
+
+def make_run(runs_dir: Path, name: str, *, overrides: list[str] | None = None, steps: int = 10,
+             launch: dict | None = None, metrics: list[dict] | None = None, progress: int | None = None,
+             result: dict | None = None, checkpoints: tuple[int, ...] = (), workdir: Path | None = None) -> Path:
+    """The run directory `runs_dir/name` in a given state, its files named by trainctl.core.rundir.
+
+    overrides: the records a real launch writes (config, plan, launch.sh, ...), composed from them; without it,
+    only what the run tables read: a config.yaml with `train.steps: steps` and an empty logs folder.
+    launch, result: those records; metrics: the lines of metrics.jsonl; progress: progress.json's step;
+    checkpoints: committed step folders (a manifest each, no tensors). Nothing is written for what is None.
+    """
+    from trainctl.core import rundir
+    from trainctl.core.checkpoints import step_name
+
+    if overrides is not None:
+        from trainctl.config.compose import compose
+        from trainctl.config.validate import resolve
+        from trainctl.launch.rundir import create
+        from trainctl.plan import build
+
+        cfg = resolve(compose(overrides))
+        run_dir = create(cfg, build(cfg), runs_dir, name, overrides, workdir=workdir or runs_dir.parent)
+    else:
+        run_dir = runs_dir / name
+        (run_dir / rundir.LOGS).mkdir(parents=True)
+        (run_dir / rundir.CONFIG).write_text(f"train:\n  steps: {steps}\n")
+    records = {rundir.LAUNCH: launch, rundir.RESULT: result, rundir.PROGRESS: None if progress is None else
+               {"step": progress}}
+    for file, record in records.items():
+        if record is not None:
+            (run_dir / file).write_text(json.dumps(record))
+    if metrics is not None:
+        (run_dir / rundir.METRICS).write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    for step in checkpoints:
+        folder = run_dir / rundir.CHECKPOINTS / step_name(step)
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text("{}")
+    return run_dir
 
 
 # --- files -----------------------------------------------------------------------------------------

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from worker_runs import TINY_OVERRIDES
 
 from tests.faults.worker_faults import FAULTS_ENV, fault_env
+from tests.helpers import cli_env, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -27,10 +26,7 @@ SMALL = [
 
 
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    trainctl = Path(sys.executable).parent / "trainctl"
-    return subprocess.run([str(trainctl), "launch", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_cli("launch", *args, cwd=tmp_path, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +94,14 @@ def test_worker_failure_names_the_first_rank_and_its_own_message_without_a_trace
 
 def test_resume_relaunches_a_stopped_run_from_its_checkpoint(tmp_path):
     # The test-side stop fault acts like a preemption signal after step 12: checkpoint, exit 0, no result.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **fault_env(stop_after_step=12)}
-    trainctl = str(Path(sys.executable).parent / "trainctl")
+    env = cli_env(**fault_env(stop_after_step=12))
     args = ["launch", "recipe=tiny_cpu", f"data.cache_dir={tmp_path / 'cache'}", *SMALL, "--name", "stopped"]
-    first = subprocess.run([trainctl, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    first = run_cli(*args, cwd=tmp_path, env=env, timeout=300)
     run_dir = tmp_path / "runs" / "stopped"
     assert first.returncode == 0, first.stderr[-3000:]
     assert not (run_dir / "result.json").exists() and (run_dir / "checkpoints" / "step-00000012").is_dir()
     env.pop(FAULTS_ENV)
-    again = subprocess.run([trainctl, "resume", "stopped"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=300)
+    again = run_cli("resume", "stopped", cwd=tmp_path, env=env, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "from step-00000012" in again.stdout
     result = json.loads((run_dir / "result.json").read_text())
@@ -116,6 +110,5 @@ def test_resume_relaunches_a_stopped_run_from_its_checkpoint(tmp_path):
     assert "resume" in kinds
     # A finished run has nothing left to train; an unknown run is a user error.
     for run, message in (("stopped", "already finished"), ("no-such-run", "no-such-run")):
-        bad = subprocess.run([trainctl, "resume", run], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=60)
+        bad = run_cli("resume", run, cwd=tmp_path, env=env, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -24,7 +24,7 @@ import pytest
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, run_worker, write_run_dir
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import torchrun_cmd, truncate, wait_or_fail, worker_env
+from tests.helpers import torchrun_cmd, truncate, wait_for, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.launch.command import TORCHRUN_ENV  # what the launch scripts export: restarts need it
 from trainctl.train.checkpoint import checkpoint_dir, list_committed, step_name, verify
@@ -142,9 +142,9 @@ def kill_leftover_workers(run_dir: Path) -> None:
                 pass
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str):
+def wait_on(condition, proc: subprocess.Popen, what: str):
     """Poll `condition` until it returns something true; fail if torchrun exits or time runs out first."""
-    return wait_or_fail(condition, what, WORKER_TIMEOUT_S, proc=proc, interval=0.01)
+    return wait_for(condition, what, WORKER_TIMEOUT_S, proc=proc, interval=0.01)
 
 
 def process_state(pid: int) -> str:
@@ -198,7 +198,7 @@ def test_killed_worker_restarts_and_matches(root, data_cache, reference, seed):
     run_dir = write_run_dir(root, ddp_config(data_cache, f"kill-seed{seed}"))
     proc, output = start_torchrun(run_dir, max_restarts=2)
     try:
-        pids = wait_for(lambda: first_pids(run_dir), proc, "both workers to start")
+        pids = wait_on(lambda: first_pids(run_dir), proc, "both workers to start")
         killed_after = freeze_after_step(run_dir, pids, kill_step)
         committed_at_kill = [step for step, _ in list_committed(checkpoint_dir(run_dir))]
         os.kill(pids[victim], signal.SIGKILL)

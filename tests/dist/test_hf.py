@@ -11,15 +11,14 @@ whose logits equal the trained checkpoint's in trainctl, and which generates.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from tests.helpers import REPO, run_torchrun
+from tests.helpers import run_cli, run_torchrun
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: installed by scripts/_setup.sh
 
@@ -133,11 +132,8 @@ def test_imported_logits_equal_transformers_in_every_layout(name, layout, tmp_pa
     assert diff <= TOL, f"{name}/{layout}: max |logits - transformers'| = {diff:.3g}"
 
 
-def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env_cmd = [sys.executable, "-m", "trainctl.cli", *args]
-    return subprocess.run(env_cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-                               "PYTHONPATH": str(REPO)})
+# Training and exporting through the CLI: longer than run_cli's default limit.
+trainctl = partial(run_cli, timeout=600)
 
 
 def trained_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:

@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
 from trainctl.config.schema import ClusterConfig
 from trainctl.launch import local
 from trainctl.launch.command import local_argv, shell_join
@@ -71,10 +71,8 @@ def test_ctrl_c_stops_torchrun_and_its_workers(tmp_path):
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"started{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and runner.poll() is None, "workers did not start"
-            time.sleep(0.1)
+        wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in (0, 1)), "both workers to start",
+                 timeout=60, proc=runner, interval=0.1)
         runner.send_signal(signal.SIGINT)
         runner.communicate(timeout=60)
     finally:

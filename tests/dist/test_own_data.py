@@ -4,24 +4,20 @@ that transformers loads with its tokenizer; bad data refused by `plan` in one li
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 WORDS = ["river", "stone", "light", "garden", "window", "paper", "signal", "orange", "market", "silver"]
 
 
-def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+# Training through the CLI: longer than run_cli's default limit.
+trainctl = partial(run_cli, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from worker_runs import TINY_OVERRIDES
 
-from tests.helpers import REL
+from tests.helpers import REL, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -21,9 +19,7 @@ SMALL = [*TINY_OVERRIDES, "recipe=tiny_cpu", "schedule=constant", "schedule.warm
 
 
 def trainctl(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    exe = Path(sys.executable).parent / "trainctl"
-    return subprocess.run([str(exe), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return run_cli(*args, cwd=tmp_path, timeout=300)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -12,19 +12,17 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from worker_runs import TINY_OVERRIDES
 
-from tests.helpers import wait_for
+from tests.helpers import cli_env, run_cli, start_cli, wait_for
 from trainctl.core.checkpoints import list_committed, verify
 
 pytestmark = pytest.mark.dist
 
-TRAINCTL = str(Path(sys.executable).parent / "trainctl")
 SMALL = [
     "recipe=tiny_cpu",
     *TINY_OVERRIDES,
@@ -35,16 +33,12 @@ SMALL = [
 ]
 
 
-def env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-
-
 def trainctl(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([TRAINCTL, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, cwd=cwd, timeout=timeout)
 
 
 def start(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([TRAINCTL, *args], cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_cli(*args, cwd=cwd)
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -90,11 +84,11 @@ def test_a_second_trainer_is_refused_before_it_touches_anything(workdir, data_ca
     first = start(workdir, "launch", *SMALL, cache(data_cache), "train.steps=400", "checkpoint.every=5", "--name", "x")
     run_dir = workdir / "runs" / "x"
     try:
-        assert wait_for(lambda: len(list_committed(run_dir / "checkpoints")) >= 1), first.stderr
+        wait_for(lambda: len(list_committed(run_dir / "checkpoints")) >= 1, "a committed checkpoint", proc=first)
         records = {name: (run_dir / name).read_bytes() for name in ("launch.json", "trainer.json")}
         # The README's relaunch, while the launch trains: refused in one line naming the holder, exit 2.
-        again = subprocess.run(["bash", str(run_dir / "launch.sh")], cwd=workdir, env=env(), capture_output=True, text=True,
-                               timeout=60)
+        again = subprocess.run(["bash", str(run_dir / "launch.sh")], cwd=workdir, env=cli_env(), capture_output=True,
+                               text=True, timeout=60)
         assert again.returncode == 2, again.stderr
         assert "is being trained by pid" in again.stderr and "Traceback" not in again.stderr
         resumed = trainctl(workdir, "resume", "x", timeout=60)
@@ -102,7 +96,7 @@ def test_a_second_trainer_is_refused_before_it_touches_anything(workdir, data_ca
         # The refused ones wrote nothing, and the running trainer keeps going.
         assert {name: (run_dir / name).read_bytes() for name in records} == records
         steps_now = max(train_steps(run_dir))
-        assert wait_for(lambda: max(train_steps(run_dir)) > steps_now + 3)
+        wait_for(lambda: max(train_steps(run_dir)) > steps_now + 3, "three more steps", proc=first)
         cancelled = trainctl(workdir, "cancel", "x", timeout=60)
         assert cancelled.returncode == 0, cancelled.stderr
         code, _, err = finish(first)
@@ -123,7 +117,7 @@ def interrupted(workdir: Path, data_cache: Path, name: str, steps: int, after: i
     proc = start(workdir, "launch", *SMALL, cache(data_cache), f"train.steps={steps}", "checkpoint.every=0", "--name", name)
     run_dir = workdir / "runs" / name
     try:
-        assert wait_for(lambda: len(train_steps(run_dir)) >= after), proc.stderr
+        wait_for(lambda: len(train_steps(run_dir)) >= after, f"{after} training steps", proc=proc)
         proc.send_signal(sig)
         code, _, err = finish(proc)
     finally:
@@ -199,7 +193,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(workdir, data_cache):
     proc = start(workdir, "launch", *SMALL, cache(data_cache), "train.steps=100000", "checkpoint.every=0", "--name", "twice")
     run_dir = workdir / "runs" / "twice"
     try:
-        assert wait_for(lambda: len(train_steps(run_dir)) >= 2), proc.stderr
+        wait_for(lambda: len(train_steps(run_dir)) >= 2, "2 training steps", proc=proc)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)  # two signals sent at once would merge into one pending signal
         proc.send_signal(signal.SIGINT)
@@ -210,7 +204,8 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(workdir, data_cache):
     assert code != 0 and "second stop signal" in err, err[-3000:]
     assert "Traceback" not in err
     # Nothing of the run is left running: torchrun was killed, and its workers died with it.
-    assert wait_for(lambda: not processes_naming(run_dir), timeout=20), processes_naming(run_dir)
+    wait_for(lambda: not processes_naming(run_dir), "every process of the run to exit", timeout=20,
+             report=lambda: "\n".join(processes_naming(run_dir)))
     assert run_state(workdir, "twice")["state"] != "RUNNING"
 
 
@@ -230,13 +225,13 @@ def test_a_run_whose_launcher_was_killed_can_still_be_cancelled_and_saves(workdi
     proc = start(workdir, "launch", *SMALL, cache(data_cache), "train.steps=100000", "checkpoint.every=0", "--name", "orphan")
     run_dir = workdir / "runs" / "orphan"
     try:
-        assert wait_for(lambda: len(train_steps(run_dir)) >= 3), proc.stderr
+        wait_for(lambda: len(train_steps(run_dir)) >= 3, "3 training steps", proc=proc)
         proc.kill()  # the launcher dies; torchrun (its own session) trains on and keeps the lock
         proc.wait()
         assert run_state(workdir, "orphan")["state"] == "RUNNING"
         cancelled = trainctl(workdir, "cancel", "orphan", timeout=60)
         assert cancelled.returncode == 0, cancelled.stderr
-        assert wait_for(lambda: run_state(workdir, "orphan")["state"] == "CANCELLED", timeout=60)
+        wait_for(lambda: run_state(workdir, "orphan")["state"] == "CANCELLED", "the state CANCELLED", timeout=60)
     finally:
         for line in processes_naming(run_dir):
             os.kill(int(line.split(":")[0]), signal.SIGKILL)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
-from tests.helpers import torchrun_cmd, wait_or_fail, worker_env
+from tests.helpers import torchrun_cmd, wait_for, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.core import rundir
 from trainctl.core.checkpoints import checkpoint_dir, list_committed, step_name, verify
@@ -93,7 +93,7 @@ class Torchrun:
 
     def wait_for(self, condition, what: str, timeout: float = WORKER_TIMEOUT_S):
         """Poll `condition`; fail, with the tail of torchrun's output, if torchrun exits or time runs out first."""
-        return wait_or_fail(condition, what, timeout, proc=self.proc, report=lambda: self.text()[-3000:])
+        return wait_for(condition, what, timeout, proc=self.proc, report=lambda: self.text()[-3000:])
 
     def finish(self, timeout: float = WORKER_TIMEOUT_S) -> int | None:
         try:
@@ -241,13 +241,10 @@ def test_workers_die_with_a_killed_torchrun(root, data_cache):
         pids = worker_pids(run_dir)
         assert len(pids) == 2 and all(map(alive, pids))
         os.kill(run.proc.pid, signal.SIGKILL)  # torchrun alone: the workers are in sessions of their own
-        deadline = time.monotonic() + 5
-        while any(map(alive, pids)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [pid for pid in pids if alive(pid)]
+        wait_for(lambda: not any(map(alive, pids)), "the workers to die with their torchrun", timeout=5,
+                 report=lambda: f"alive: {[pid for pid in pids if alive(pid)]}")
     finally:
         run.finish(timeout=5)
-    assert left == [], "workers outlived their torchrun"
 
 
 def test_data_error_on_rank0_is_the_first_failure(root, data_cache):

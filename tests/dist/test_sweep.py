@@ -4,14 +4,12 @@ one bad point and nothing starts."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 TINY = ["recipe=tiny_cpu", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -20,10 +18,8 @@ TINY = ["recipe=tiny_cpu", "model.dim=64", "model.n_layers=2", "model.n_heads=4"
         "logging.progress=false"]
 
 
-def trainctl(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+# Training through the CLI: longer than run_cli's default limit.
+trainctl = partial(run_cli, timeout=600)
 
 
 def test_a_2x2_sweep_trains_four_runs_and_ranks_them(tmp_path):

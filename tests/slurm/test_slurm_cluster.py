@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_or_fail
+from tests.helpers import run_cli, start_cli, wait_for
 from trainctl.launch import runs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
@@ -31,9 +31,7 @@ SLURM_CPU = ["cluster=slurm", "cluster.device=cpu", "cluster.gpu=", "cluster.cpu
              "cluster.time_limit=10", f"cluster.python={sys.executable}"]
 
 
-def trainctl(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+trainctl = run_cli
 
 
 def launch(cwd: Path, name: str, *overrides: str) -> Path:
@@ -49,9 +47,9 @@ def cluster_report(run_dir: Path) -> str:
     return f"{runs.run_state(run_dir)}\n{queue}\n{nodes}\n{failure_report(run_dir)}"
 
 
-def wait_for(predicate, what: str, run_dir: Path, timeout: float = JOB_TIMEOUT_S):
+def wait_on_slurm(predicate, what: str, run_dir: Path, timeout: float = JOB_TIMEOUT_S):
     """The predicate's first true value; on a timeout the test fails with what Slurm and the run say."""
-    return wait_or_fail(predicate, what, timeout, report=lambda: cluster_report(run_dir), interval=0.5)
+    return wait_for(predicate, what, timeout, report=lambda: cluster_report(run_dir), interval=0.5)
 
 
 def wait_done(run_dir: Path) -> runs.RunState:
@@ -59,7 +57,7 @@ def wait_done(run_dir: Path) -> runs.RunState:
         state = runs.run_state(run_dir)
         return None if state.active else state
 
-    return wait_for(finished, f"run {run_dir.name} to end", run_dir)
+    return wait_on_slurm(finished, f"run {run_dir.name} to end", run_dir)
 
 
 def train_losses(run_dir: Path) -> list[float]:
@@ -110,15 +108,14 @@ def test_status_logs_and_cancel_a_running_job(tmp_path):
         state = runs.run_state(run_dir)
         return state if (state.step or 0) >= 2 or not state.active else None
 
-    state = wait_for(trained_or_ended, "two training steps", run_dir)
+    state = wait_on_slurm(trained_or_ended, "two training steps", run_dir)
     assert state.active, f"the job ended early\n{cluster_report(run_dir)}"
 
     status = trainctl("status", "long", cwd=tmp_path)
     assert status.returncode == 0 and "RUNNING" in status.stdout and "node[1-2]" in status.stdout
     assert "step 1/" in trainctl("logs", "long", cwd=tmp_path).stdout
     assert "rank1" in trainctl("logs", "long", "--rank", "1", cwd=tmp_path).stdout
-    follower = subprocess.Popen([sys.executable, "-m", "trainctl.cli", "logs", "long", "--follow"], cwd=tmp_path,
-                                stdout=subprocess.PIPE, text=True)
+    follower = start_cli("logs", "long", "--follow", cwd=tmp_path)
 
     cancelled = trainctl("cancel", "long", cwd=tmp_path)
     assert cancelled.returncode == 0 and "cancelled Slurm job" in cancelled.stdout, cancelled.stderr
@@ -169,14 +166,14 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
     steps = f"train.steps={total}"
     run_dir = launch(tmp_path, "preempted", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=1", steps)
     job_id = json.loads((run_dir / "launch.json").read_text())["job_id"]
-    wait_for(lambda: len(_last_per_step(run_dir)) >= 5 if (run_dir / "metrics.jsonl").exists() else False,
+    wait_on_slurm(lambda: len(_last_per_step(run_dir)) >= 5 if (run_dir / "metrics.jsonl").exists() else False,
              "5 training steps", run_dir)
     # The early warning Slurm sends before the time limit, sent now to every job step (as --signal does).
     sent = subprocess.run(["scancel", "--signal=USR2", job_id], capture_output=True, text=True)
     assert sent.returncode == 0, sent.stderr
     local = launch(tmp_path, "local-ref", "cluster=local", "cluster.procs_per_node=2", "cluster.cpu_threads=1", steps)
-    wait_for(lambda: _requeued_and_released(job_id, run_dir), "the job to be requeued", run_dir)
-    wait_for(lambda: (run_dir / "result.json").is_file(), "the requeued job to finish", run_dir,
+    wait_on_slurm(lambda: _requeued_and_released(job_id, run_dir), "the job to be requeued", run_dir)
+    wait_on_slurm(lambda: (run_dir / "result.json").is_file(), "the requeued job to finish", run_dir,
              timeout=2 * JOB_TIMEOUT_S)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumes = [r for r in records if r["kind"] == "resume"]

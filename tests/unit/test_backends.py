@@ -8,14 +8,13 @@ outside this file knows it exists.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
-from trainctl import cli
+from tests.helpers import cli_in_process
 from trainctl.config import schema
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
@@ -141,12 +140,7 @@ def fake(tmp_path):
         schema.unregister_cluster("fake")
 
 
-def run(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["trainctl", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+run = cli_in_process
 
 
 def test_a_fake_backend_plugs_in_without_touching_other_files(fake, tmp_path, monkeypatch, capsys):

@@ -7,14 +7,13 @@ import json
 import logging
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tests.helpers import truncate
+from tests.helpers import truncate, wait_for
 from trainctl.train import checkpoint as ckpt
 from trainctl.train.checkpoint import CheckpointError, CheckpointManager, checkpoint_dir, step_name, verify
 
@@ -186,10 +185,12 @@ def test_async_save_roundtrip_with_poll_wait_and_stats(tmp_path):
     manager.save(3, state, {"position": 3}, {"tokens_seen": 30})
     state["model"]["w"].add_(100.0)  # the loop goes on; DCP staged a copy before save returned
     assert names(manager) == []  # committed by poll(), never inside save()
-    deadline = time.monotonic() + 20
-    while not manager.committed() and time.monotonic() < deadline:
+
+    def committed():
         manager.poll()
-        time.sleep(0.005)
+        return manager.committed()
+
+    wait_for(committed, "the async save to commit", timeout=20, interval=0.005)
     assert names(manager) == ["step-00000003"]
     target = small_state(0.0, size=256)
     manager.load(tmp_path / step_name(3), target)

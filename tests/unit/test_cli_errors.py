@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from trainctl import cli
+from tests.helpers import cli_in_process
 
 
 def answer(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["trainctl", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    return exit_info.value.code, capsys.readouterr().err
+    code, _, err = cli_in_process(monkeypatch, capsys, *argv)
+    return code, err
 
 
 def test_brackets_in_an_error_line_are_printed_literally(monkeypatch, capsys):

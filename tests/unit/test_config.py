@@ -325,3 +325,43 @@ def test_fp16_with_pipeline_is_supported():
 
     cfg = resolve(compose(["recipe=tiny_3d_cpu", "precision=fp16"]))
     assert unsupported(cfg.sharding, cfg.precision) == []
+
+
+# ---------------------------------------------------------------- the cached schema template
+
+
+def test_a_changed_schema_node_does_not_reach_the_next_caller():
+    """structured_schema() hands out copies of one cached template: what a caller merges or sets stays its own."""
+    first = schema.structured_schema()
+    first.train.steps = 987654
+    first.cluster.env["LEAKED"] = "yes"  # a user-named map: open to new keys
+    second = schema.structured_schema()
+    assert second.train.steps != 987654
+    assert "LEAKED" not in second.cluster.env
+    with pytest.raises(Exception, match="nosuchkey"):  # the copy keeps struct mode: unknown keys still fail
+        second.train.nosuchkey = 1
+
+
+def test_one_compose_does_not_leak_into_the_next():
+    default_steps = compose([]).train.steps
+    changed = compose(["cluster=slurm", f"train.steps={default_steps + 7}", "cluster.env.LEAKED=1"])
+    assert changed.train.steps == default_steps + 7 and changed.cluster.env["LEAKED"] == "1"
+    assert compose([]).train.steps == default_steps
+    assert "LEAKED" not in compose(["cluster=slurm"]).cluster.env
+
+
+def test_a_backend_registered_later_gets_its_keys_in_the_schema():
+    """The template is keyed by the registered backends: one added after the first compose is not missed."""
+
+    @dataclasses.dataclass(frozen=True)
+    class LaterCluster(schema.ClusterConfig):
+        NAME = "later_test_backend"
+        later_only_key: int = 3
+
+    schema.structured_schema()
+    schema.register_cluster(LaterCluster)
+    try:
+        assert schema.structured_schema().cluster.later_only_key == 3
+    finally:
+        schema.unregister_cluster(LaterCluster.NAME)
+    assert "later_only_key" not in schema.structured_schema().cluster

@@ -403,14 +403,14 @@ def test_a_composition_ended_by_a_signal_leaves_nothing_in_tmpdir(tmp_path, sig)
     import subprocess
     import sys
 
-    from tests.helpers import wait_or_fail, worker_env
+    from tests.helpers import wait_for, worker_env
 
     tmp, ready = tmp_path / "tmp", tmp_path / "ready"
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", BLOCKED_COMPOSE, str(ready)], env=worker_env(TMPDIR=tmp),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_or_fail(ready.exists, "the composition to start", timeout=60, proc=proc)
+        wait_for(ready.exists, "the composition to start", timeout=60, proc=proc)
         proc.send_signal(sig)
         proc.wait(timeout=30)
     finally:

@@ -4,13 +4,12 @@ answers only (from one encoding's offsets), and every refusal in one line with n
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from trainctl import cli
+from tests.helpers import cli_in_process
 from trainctl.data import format as dataset
 from trainctl.data.chat import RecordOptions
 from trainctl.data.chat_template import BUILTIN, ChatTemplate, assistant_spans, load_template, render
@@ -165,10 +164,8 @@ def test_instruction_counts_completion_and_eos(tmp_path):
 
 
 def answer(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["trainctl", "data", "prepare", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    return exit_info.value.code, capsys.readouterr().err
+    code, _, err = cli_in_process(monkeypatch, capsys, "data", "prepare", *argv)
+    return code, err
 
 
 GOOD = {"messages": CHATS[0]}
@@ -325,17 +322,15 @@ def test_an_interrupted_chat_prepare_resumes_to_the_same_bytes(tmp_path, how):
 
 def test_meta_counts_loss_tokens_and_the_cli_says_so(tmp_path, monkeypatch, capsys):
     source = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}] * 3)
-    monkeypatch.setattr(sys, "argv", ["trainctl", "data", "prepare", str(source), "--out", str(tmp_path / "out"),
-                                      "--format", "chat", "--chat-template", "chatml", "--val-fraction", "0",
-                                      "--workers", "1"])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    assert exit_info.value.code == 0
+    code, out, _ = cli_in_process(monkeypatch, capsys, "data", "prepare", str(source), "--out", str(tmp_path / "out"),
+                                  "--format", "chat", "--chat-template", "chatml", "--val-fraction", "0",
+                                  "--workers", "1")
+    assert code == 0
     meta = dataset.read_meta(tmp_path / "out")
     _, flags = read_split(tmp_path / "out")
     per_record = len("Paris.<|im_end|>\n")
     assert meta.splits["train"].loss_tokens == int((flags & 1).sum()) == 3 * per_record
-    assert "of them in the loss" in capsys.readouterr().out
+    assert "of them in the loss" in out
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["chat_template"]["source"] == "built-in chatml"
 
 

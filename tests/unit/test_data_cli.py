@@ -8,20 +8,15 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, wait_or_fail
-from trainctl import cli
+from tests.helpers import cli_in_process, start_cli, wait_for
 
 
 def answer(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["trainctl", "data", "prepare", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    return exit_info.value.code, capsys.readouterr().err
+    code, _, err = cli_in_process(monkeypatch, capsys, "data", "prepare", *argv)
+    return code, err
 
 
 @pytest.mark.parametrize("case", ["under-a-file", "gzip", "empty-out", "workers"])
@@ -42,12 +37,10 @@ def test_refusals_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
 
 def test_an_empty_val_split_is_said_after_the_summary(tmp_path, monkeypatch, capsys):
     (tmp_path / "a.txt").write_text("some text")
-    monkeypatch.setattr(sys, "argv", ["trainctl", "data", "prepare", str(tmp_path / "a.txt"), "--out",
-                                      str(tmp_path / "out"), "--val-fraction", "0"])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    assert exit_info.value.code in (0, None)
-    assert "no val split: train with train.eval_every=0" in capsys.readouterr().out
+    code, out, _ = cli_in_process(monkeypatch, capsys, "data", "prepare", str(tmp_path / "a.txt"), "--out",
+                                  str(tmp_path / "out"), "--val-fraction", "0")
+    assert code == 0
+    assert "no val split: train with train.eval_every=0" in out
 
 
 # ---------------------------------------------------------------- with processes
@@ -70,10 +63,7 @@ def corpus(root, files: int = 240, words: int = 12000):
             "--shard-tokens", "500000"]
 
 
-def trainctl(*args, cwd, **kwargs):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "trainctl.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+trainctl = start_cli
 
 
 def units_done(out) -> int:
@@ -90,7 +80,7 @@ def test_ctrl_c_then_the_same_command_gives_the_bytes_of_an_uninterrupted_run(tm
     assert clean.wait(timeout=300) == 0, clean.stderr.read()
     # Ctrl-C at a terminal signals the whole foreground group: the CLI and its worker processes.
     first = trainctl(*args, "--out", "out", cwd=tmp_path, start_new_session=True)
-    wait_or_fail(lambda: units_done(tmp_path / "out") >= 3, "three units written", timeout=120, proc=first)
+    wait_for(lambda: units_done(tmp_path / "out") >= 3, "three units written", timeout=120, proc=first)
     os.killpg(first.pid, signal.SIGINT)
     _, err = first.communicate(timeout=120)
     assert first.returncode == 130 and "Traceback" not in err and "run the same command again" in err, err

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_runs import cli, make_run
+from test_runs import cli
 
+from tests.helpers import make_run
 from trainctl.launch.figures import Figures, figures
 
 GIB = 2**30
@@ -22,7 +23,7 @@ def write_figures(run_dir, device="cuda", train_mfus=(0.30, 0.36, 0.38, 0.37)) -
 
 
 def test_figures_read_the_memory_record_and_the_recent_mfu(tmp_path):
-    run_dir = make_run(tmp_path, "a", {"launcher": "local", "exit_code": 0})
+    run_dir = make_run(tmp_path / "runs", "a", launch={"launcher": "local", "exit_code": 0})
     write_figures(run_dir)
     f = figures(run_dir)
     assert f.mfu == (0.36 + 0.37) / 2  # the median of the train records
@@ -32,7 +33,7 @@ def test_figures_read_the_memory_record_and_the_recent_mfu(tmp_path):
 
 
 def test_a_run_without_metrics_shows_only_the_plan(tmp_path):
-    run_dir = make_run(tmp_path, "b", {"launcher": "local", "exit_code": 0})
+    run_dir = make_run(tmp_path / "runs", "b", launch={"launcher": "local", "exit_code": 0})
     (run_dir / "plan.json").write_text(json.dumps({"device": "cpu", "assumed_mfu": 0.4, "memory": {"peak_bytes": GIB}}))
     f = figures(run_dir)
     assert f == Figures(plan_peak_bytes=GIB)  # no MFU is planned on CPU (no peak FLOP/s)
@@ -41,7 +42,8 @@ def test_a_run_without_metrics_shows_only_the_plan(tmp_path):
 
 @pytest.mark.cli
 def test_runs_and_status_show_measured_next_to_planned(tmp_path):
-    write_figures(make_run(tmp_path, "done", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 0}))
+    done = make_run(tmp_path / "runs", "done", launch={"launcher": "local", "pid": 1, "host": "h", "exit_code": 0})
+    write_figures(done)
     listing = cli("runs", cwd=tmp_path)
     assert listing.returncode == 0 and "heavy: []" in listing.stderr
     assert "36.5% (plan 40%)" in listing.stdout and "61.2 GiB (plan 60.3)" in listing.stdout

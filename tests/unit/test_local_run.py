@@ -161,7 +161,7 @@ def test_signal_stops_the_whole_child_group(tmp_path, sig):
     runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(run_dir)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     try:
-        assert wait_for(pid_file.exists) and wait_for(lambda: pid_file.read_text().strip() != "")
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the grandchild's pid", proc=runner)
         child, grandchild = int((tmp_path / "child.pid").read_text()), int(pid_file.read_text())
         runner.send_signal(sig)
         out, _ = runner.communicate(timeout=60)  # generous: a loaded CI machine starts Python slowly
@@ -170,7 +170,8 @@ def test_signal_stops_the_whole_child_group(tmp_path, sig):
             runner.kill()
     assert runner.returncode == 128 + sig  # the child died of the forwarded signal
     assert b"not reached" not in out
-    assert wait_for(lambda: not alive(grandchild)) and not alive(child)
+    wait_for(lambda: not alive(grandchild), "the grandchild to exit")
+    assert not alive(child)
     assert json.loads((run_dir / "launch.json").read_text())["exit_code"] == 128 + sig
 
 

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import make_run, run_cli
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.plot import plot, series
 
 pytest.importorskip("matplotlib")
 
 
-def make_run(root, name: str, scale: float, steps: int = 30):
-    run_dir = root / name
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(f"train:\n  steps: {steps}\n")
+def a_run(root, name: str, scale: float, steps: int = 30):
     def train(s: int, loss: float) -> dict:
         return {"kind": "train", "step": s, "loss": loss, "lr": 1e-3 * (1 - s / steps), "tokens_per_s": 1000 + 10 * s,
                 "grad_norm": 1.0 / s}
@@ -26,8 +21,7 @@ def make_run(root, name: str, scale: float, steps: int = 30):
     records = [train(s, scale * 5 / s) for s in range(1, 6)] + [train(s, 99.0) for s in range(6, 9)]
     records += [train(s, scale * 5 / s) for s in range(5, steps + 1)]
     records += [{"kind": "eval", "step": s, "val_loss": scale * 6 / s} for s in (10, 20, 30)]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return run_dir
+    return make_run(root, name, steps=steps, metrics=records)
 
 
 def colored_pixels(png, rgb: tuple[float, float, float]) -> int:
@@ -38,7 +32,7 @@ def colored_pixels(png, rgb: tuple[float, float, float]) -> int:
 
 
 def test_two_runs_overlaid_in_one_png(tmp_path):
-    a, b = make_run(tmp_path, "a", 1.0), make_run(tmp_path, "b", 2.0)
+    a, b = a_run(tmp_path, "a", 1.0), a_run(tmp_path, "b", 2.0)
     out = plot([a, b], tmp_path / "sweep.png")
     assert out.stat().st_size > 20_000
     # matplotlib's first two colors (C0 blue, C1 orange): each run drew curves.
@@ -58,7 +52,7 @@ def test_nothing_to_plot_is_one_line(tmp_path):
 
 @pytest.mark.cli
 def test_the_cli_writes_the_png_next_to_the_run(tmp_path):
-    make_run(tmp_path / "runs", "a", 1.0)
+    a_run(tmp_path / "runs", "a", 1.0)
     proc = run_cli("plot", "a", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "runs" / "a" / "plot.png").stat().st_size > 10_000

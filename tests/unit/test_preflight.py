@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from array import array
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import cli_in_process
 from trainctl.config.data_check import SAMPLE_BYTES, data_file_problems, sampled_max_token
 from trainctl.config.schema import ClusterConfig, DataConfig, WandbConfig
 from trainctl.config.slurm import SlurmClusterConfig
@@ -182,14 +182,7 @@ def test_the_sample_is_bounded(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- through the CLI, in this process
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from trainctl.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["trainctl", *args])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    captured = capsys.readouterr()
-    return exc.value.code or 0, captured.out, captured.err
+run_cli = cli_in_process
 
 
 SMALL = ["train.steps=2", "schedule.warmup_steps=0", "train.eval_every=0"]

@@ -7,6 +7,7 @@ import json
 
 from rich.console import Console
 
+from tests.helpers import wait_for
 from trainctl.launch.progress import ProgressSink
 
 
@@ -50,7 +51,6 @@ def test_a_bad_line_never_stops_the_output_and_a_rewritten_file_is_followed(tmp_
 
 
 def test_the_bar_moves_every_step_from_progress_json(tmp_path):
-    import time
 
     from trainctl.core import rundir
 
@@ -58,12 +58,8 @@ def test_the_bar_moves_every_step_from_progress_json(tmp_path):
     sink = ProgressSink(tmp_path, total_steps=40, console=Console(file=screen, force_terminal=True, width=100),
                         poll_s=0.01)
     rundir.write_json_atomic(tmp_path / rundir.PROGRESS, {"step": 3})  # no train record yet (log_every=10)
-    deadline = time.monotonic() + 5
-    while sink.step != 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sink.step == 3
+    wait_for(lambda: sink.step == 3, "the bar at step 3", timeout=5)
     rundir.write_json_atomic(tmp_path / rundir.PROGRESS, {"step": 4})
-    while sink.step != 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: sink.step == 4, "the bar at step 4", timeout=5)
     sink.close()
     assert sink.step == 4 and "4/40" in screen.getvalue()

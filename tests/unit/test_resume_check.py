@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from trainctl.config.compose import compose
+from tests import helpers
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import ScheduleConfig, load_run_config
-from trainctl.config.validate import resolve
 from trainctl.core import rundir as layout
 from trainctl.launch import resume as resumer
 from trainctl.launch import rundir
 from trainctl.launch.errors import LaunchError
-from trainctl.plan import build
 from trainctl.plan.schedule import continuation, lr_at
 
 SMALL = ["recipe=tiny_cpu", "train.steps=10", "train.eval_every=5", "schedule.warmup_steps=2", "data=synthetic"]
@@ -26,14 +24,11 @@ SMALL = ["recipe=tiny_cpu", "train.steps=10", "train.eval_every=5", "schedule.wa
 def make_run(tmp_path: Path, *overrides: str, step: int | None = 10, finished: bool = True,
              workdir: Path | None = None) -> Path:
     """A run directory as a launch writes it, with a committed checkpoint at `step` and, if finished, its result."""
-    cfg = resolve(compose([*SMALL, *overrides]))
-    run_dir = rundir.create(cfg, build(cfg), tmp_path / "runs", "r", [*SMALL, *overrides], workdir=workdir or tmp_path)
-    if step is not None:
-        ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
-        ckpt.mkdir(parents=True)
-        (ckpt / "manifest.json").write_text("{}")
+    run_dir = helpers.make_run(tmp_path / "runs", "r", overrides=[*SMALL, *overrides], workdir=workdir or tmp_path,
+                               checkpoints=() if step is None else (step,))
     if finished:
-        (run_dir / layout.RESULT).write_text(json.dumps({"steps": cfg.train.steps, "final_train_loss": 2.0}))
+        steps = load_run_config(run_dir).train.steps
+        (run_dir / layout.RESULT).write_text(json.dumps({"steps": steps, "final_train_loss": 2.0}))
     return run_dir
 
 

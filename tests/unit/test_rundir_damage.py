@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from trainctl import cli
+from tests.helpers import cli_in_process
 from trainctl.config.schema import ClusterConfig, RunConfig, TrainConfig
 from trainctl.core import rundir as layout
 from trainctl.launch import local, rundir
@@ -74,17 +73,12 @@ def template(tmp_path_factory) -> Path:
 
 def cli_answers(monkeypatch, capsysbinary, *argv: str) -> tuple[int, str]:
     """Run the console entry in this process; a traceback would propagate and fail the test."""
-    monkeypatch.setattr(sys, "argv", ["trainctl", *argv])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    captured = capsysbinary.readouterr()
-    return code, (captured.out + captured.err).decode(errors="replace")
+    code, out, err = cli_in_process(monkeypatch, capsysbinary, *argv)
+    return code, out + err
 
 
-@pytest.mark.parametrize("seed", range(6))
+# One seed in the unit tier; the other five (~2 s each: 40 CLI answers over damaged copies) in the fuzz tier.
+@pytest.mark.parametrize("seed", [0, *(pytest.param(seed, marks=pytest.mark.fuzz) for seed in range(1, 6))])
 def test_damaged_files_never_raise(tmp_path, template, monkeypatch, capsysbinary, seed):
     rng = random.Random(seed)
     monkeypatch.chdir(tmp_path)

@@ -12,26 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, write_exe
+from tests.helpers import make_run, run_cli, wait_for, write_exe
 from trainctl.launch import runs, slurm_jobs
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.rundir import check_name
 
 
-def make_run(root: Path, name: str, launch: dict | None = None, steps: int = 10) -> Path:
-    run_dir = root / "runs" / name
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(f"train:\n  steps: {steps}\n")
-    if launch is not None:
-        (run_dir / "launch.json").write_text(json.dumps(launch))
-    return run_dir
-
-
 def test_state_of_a_queued_and_a_running_job_comes_from_squeue(tmp_path, slurm_bin):
     write_exe(slurm_bin / "squeue",
               f'echo "$@" > {tmp_path}/squeue_args\necho "11|PENDING|Resources|"\necho "12|RUNNING|None|node[1-2]"\n')
-    a = make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "11"})
-    b = make_run(tmp_path, "b", {"launcher": "slurm", "job_id": "12"})
+    a = make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "11"})
+    b = make_run(tmp_path / "runs", "b", launch={"launcher": "slurm", "job_id": "12"})
     (b / "metrics.jsonl").write_text('{"kind": "train", "step": 3}\n{"kind": "eval", "step": 3}\n{"kind": "train", "st')
     states = runs.run_states([a, b])
     assert [(s.state, s.active, s.detail) for s in states] == [
@@ -42,7 +33,7 @@ def test_state_of_a_queued_and_a_running_job_comes_from_squeue(tmp_path, slurm_b
 
 def test_sacct_answers_for_jobs_squeue_forgot(tmp_path, slurm_bin):
     write_exe(slurm_bin / "sacct", 'echo "21|CANCELLED by 0|node1|0:15"\n')
-    state = runs.run_state(make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "21"}))
+    state = runs.run_state(make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "21"}))
     assert (state.state, state.active) == ("CANCELLED", False)
     assert "exit 0:15" in state.detail
 
@@ -57,7 +48,7 @@ def test_sacct_answers_for_jobs_squeue_forgot(tmp_path, slurm_bin):
     ],
 )
 def test_jobs_slurm_no_longer_knows_are_judged_by_their_records(tmp_path, slurm_bin, records, state):
-    run_dir = make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "31"})
+    run_dir = make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "31"})
     lines = [{"event": e, "job_id": "31", "attempt": 0, "exit_code": code} for e, code in records]
     lines.append({"event": "end", "job_id": "30", "attempt": 0, "exit_code": 0})  # another job of the same run
     (run_dir / "slurm-attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -69,34 +60,36 @@ def test_jobs_slurm_no_longer_knows_are_judged_by_their_records(tmp_path, slurm_
 
 def test_without_slurm_clients_the_records_still_answer(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    run_dir = make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "41"})
+    run_dir = make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "41"})
     (run_dir / "result.json").write_text("{}")
     assert runs.run_state(run_dir).state == "COMPLETED"
     assert slurm_jobs.job_infos(["41"]) == {}
 
 
 def test_local_states_come_from_the_runs_own_records(tmp_path):
-    assert runs.run_state(make_run(tmp_path, "dry")).state == "NOT_STARTED"
-    done = make_run(tmp_path, "ok", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 1})
+    assert runs.run_state(make_run(tmp_path / "runs", "dry")).state == "NOT_STARTED"
+    done = make_run(tmp_path / "runs", "ok", launch={"launcher": "local", "pid": 1, "host": "h", "exit_code": 1})
     (done / "result.json").write_text("{}")
     assert runs.run_state(done).state == "COMPLETED"  # torchrun's exit code does not decide
     failure = {"rank": 0, "local_rank": 0, "exit_code": 2, "log": "", "message": "data.train_path: not found\nmore"}
     record = {"launcher": "local", "exit_code": 2, "state": "FAILED", "failure": failure}
-    failed = runs.run_state(make_run(tmp_path, "bad", record))
+    failed = runs.run_state(make_run(tmp_path / "runs", "bad", launch=record))
     assert (failed.state, failed.detail) == ("FAILED", "exit code 2, rank 0 failed first: data.train_path: not found")
-    stopped = make_run(tmp_path, "int", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 1})
+    stopped = make_run(tmp_path / "runs", "int", launch={"launcher": "local", "pid": 1, "host": "h", "exit_code": 1})
     (stopped / "stopped.json").write_text(json.dumps({"step": 20, "signal": "SIGINT", "checkpoint": "step-00000020"}))
     got = runs.run_state(stopped)
     assert (got.state, got.active) == ("CANCELLED", False) and "SIGINT at step 20" in got.detail
     # pid 1 is alive but nobody holds the run's lock: the record is stale, not running
     import socket
 
-    stale = runs.run_state(make_run(tmp_path, "stale", {"launcher": "local", "pid": 1, "host": socket.gethostname()}))
+    stale = runs.run_state(make_run(tmp_path / "runs", "stale",
+                                    launch={"launcher": "local", "pid": 1, "host": socket.gethostname()}))
     assert (stale.state, stale.active) == ("UNKNOWN", False)
 
 
 def test_a_copied_run_is_not_the_original(tmp_path):
-    original = make_run(tmp_path, "a", {"launcher": "local", "pid": 1, "host": "h", "run_dir": "/elsewhere/a"})
+    original = make_run(tmp_path / "runs", "a",
+                        launch={"launcher": "local", "pid": 1, "host": "h", "run_dir": "/elsewhere/a"})
     got = runs.run_state(original)
     assert (got.state, got.active) == ("UNKNOWN", False) and "copied or moved from /elsewhere/a" in got.detail
 
@@ -107,10 +100,8 @@ def hold_lock(run_dir: Path, start: str | None = None) -> subprocess.Popen:
               f'"{sys.executable}" -m trainctl.core.rundir hold "{run_dir}" $$; sleep 60; true')
     proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
     holder = run_dir / "trainer.json"
-    deadline = time.monotonic() + 10
-    while not (holder.is_file() and json.loads(holder.read_text() or "{}").get("pid") == proc.pid):
-        assert time.monotonic() < deadline, "the holder never recorded itself"
-        time.sleep(0.05)
+    wait_for(lambda: holder.is_file() and json.loads(holder.read_text() or "{}").get("pid") == proc.pid,
+             "the holder to record itself", timeout=10, proc=proc)
     if start is not None:
         holder.write_text(json.dumps({**json.loads(holder.read_text()), "pid_start": start}))
     return proc
@@ -118,7 +109,7 @@ def hold_lock(run_dir: Path, start: str | None = None) -> subprocess.Popen:
 
 @pytest.fixture
 def local_launch(tmp_path):
-    run_dir = make_run(tmp_path, "live", {})
+    run_dir = make_run(tmp_path / "runs", "live", launch={})
     proc = hold_lock(run_dir)
     yield run_dir, proc
     proc.kill()
@@ -137,7 +128,7 @@ def test_running_local_launch_is_seen_and_cancelled(local_launch):
 
 @pytest.mark.cli
 def test_cancel_never_signals_a_reused_pid(tmp_path):
-    run_dir = make_run(tmp_path, "live", {})
+    run_dir = make_run(tmp_path / "runs", "live", launch={})
     proc = hold_lock(run_dir, start="another-boot:12345")  # the recorded process is not the one alive under that pid
     try:
         with pytest.raises(LaunchError, match="not a process on this machine"):
@@ -150,11 +141,11 @@ def test_cancel_never_signals_a_reused_pid(tmp_path):
 
 def test_slurm_cancel_calls_scancel_and_refuses_finished_runs(tmp_path, slurm_bin):
     write_exe(slurm_bin / "squeue", 'echo "51|RUNNING|None|node1"\n')
-    runs.cancel(make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "51"}))
+    runs.cancel(make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "51"}))
     assert (tmp_path / "scancel_args").read_text().split() == ["51"]
     write_exe(slurm_bin / "squeue", 'echo "52|COMPLETED|None|node1"\n')
     with pytest.raises(LaunchError, match="not active \\(COMPLETED"):
-        runs.cancel(make_run(tmp_path, "b", {"launcher": "slurm", "job_id": "52"}))
+        runs.cancel(make_run(tmp_path / "runs", "b", launch={"launcher": "slurm", "job_id": "52"}))
 
 
 def test_scancel_refusal_is_reported(tmp_path, slurm_bin):
@@ -162,11 +153,11 @@ def test_scancel_refusal_is_reported(tmp_path, slurm_bin):
     write_exe(slurm_bin / "scancel",
               'echo "scancel: error: Kill job error on job id 61: Access/permission denied" >&2; exit 1\n')
     with pytest.raises(LaunchError, match="Access/permission denied"):
-        runs.cancel(make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "61"}))
+        runs.cancel(make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "61"}))
 
 
 def test_log_path_picks_the_newest_attempt_of_a_slurm_run(tmp_path):
-    run_dir = make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "71"})
+    run_dir = make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "71"})
     logs = run_dir / "logs"
     assert runs.log_path(run_dir, None) == logs / "slurm-71.0.out"  # not there yet: what will come
     (logs / "slurm-71.out").write_text("batch\n")
@@ -176,7 +167,7 @@ def test_log_path_picks_the_newest_attempt_of_a_slurm_run(tmp_path):
     (logs / "slurm-71.1.out").write_text("attempt 1\n")
     assert runs.log_path(run_dir, None) == logs / "slurm-71.1.out"
     assert runs.log_path(run_dir, 3) == logs / "rank3.log"
-    local_run = make_run(tmp_path, "b", {"launcher": "local"})
+    local_run = make_run(tmp_path / "runs", "b", launch={"launcher": "local"})
     assert runs.log_path(local_run, None) == tmp_path / "runs" / "b" / "logs" / "rank0.log"
 
 
@@ -200,7 +191,7 @@ def test_follow_copies_a_growing_log_and_stops_when_the_run_ends(tmp_path):
 
 
 def test_find_and_list_runs(tmp_path):
-    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    a, b = make_run(tmp_path / "runs", "a"), make_run(tmp_path / "runs", "b")
     (tmp_path / "runs" / ".a.tmp").mkdir()
     assert runs.find_run("a", tmp_path / "runs") == a.resolve()
     assert runs.find_run(str(b), tmp_path / "elsewhere") == b.resolve()
@@ -225,7 +216,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.cli
 def test_cli_runs_status_logs_cancel_without_torch(tmp_path):
-    run_dir = make_run(tmp_path, "done", {"launcher": "local", "pid": 1, "host": "h", "exit_code": 0})
+    run_dir = make_run(tmp_path / "runs", "done", launch={"launcher": "local", "pid": 1, "host": "h", "exit_code": 0})
     (run_dir / "logs" / "rank0.log").write_text("hello from rank 0\n")
     listing = cli("runs", cwd=tmp_path)
     assert listing.returncode == 0 and "done" in listing.stdout and "COMPLETED" in listing.stdout
@@ -243,5 +234,5 @@ def test_cli_runs_status_logs_cancel_without_torch(tmp_path):
 def test_an_unreachable_controller_is_said_not_a_forgotten_job(tmp_path, slurm_bin):
     write_exe(slurm_bin / "squeue",
               'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1\n')
-    state = runs.run_state(make_run(tmp_path, "a", {"launcher": "slurm", "job_id": "71"}))
+    state = runs.run_state(make_run(tmp_path / "runs", "a", launch={"launcher": "slurm", "job_id": "71"}))
     assert state.state == "UNKNOWN" and "unreachable" in state.detail and "no longer knows" not in state.detail

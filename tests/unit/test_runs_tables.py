@@ -8,33 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import make_run, run_cli
 from trainctl.launch.figures import figures, sparkline
 
 pytestmark = pytest.mark.cli
 LONG = "a-rather-long-run-name-that-a-table-would-cut-20261124-120000"
 
 
-def make_run(root: Path, name: str, losses: list[float], val: float | None, finished: bool) -> Path:
-    run_dir = root / name
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text("train:\n  steps: 10\n")
-    (run_dir / "launch.json").write_text(json.dumps({"launcher": "local", "exit_code": 0 if finished else None}))
+def a_run(root: Path, name: str, losses: list[float], val: float | None, finished: bool) -> Path:
     records = [{"kind": "train", "step": i + 1, "loss": loss, "tokens_per_s": 1000.0 + i, "step_time_s": 0.5}
                for i, loss in enumerate(losses)]
     if val is not None:
         records.append({"kind": "eval", "step": len(losses), "val_loss": val})
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    if finished:
-        (run_dir / "result.json").write_text(json.dumps({"steps": 10}))
-    return run_dir
+    return make_run(root, name, launch={"launcher": "local", "exit_code": 0 if finished else None}, metrics=records,
+                    result={"steps": 10} if finished else None)
 
 
 @pytest.fixture
 def runs_dir(tmp_path):
     root = tmp_path / "elsewhere"
-    make_run(root, LONG, [4.0, 3.0, 2.5], 2.4, finished=True)
-    make_run(root, "short", [5.0, 4.5], None, finished=True)
+    a_run(root, LONG, [4.0, 3.0, 2.5], 2.4, finished=True)
+    a_run(root, "short", [5.0, 4.5], None, finished=True)
     return root
 
 

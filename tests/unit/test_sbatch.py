@@ -6,12 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_exe
+from tests.helpers import wait_for, write_exe
 from trainctl.config.schema import RunConfig, ShardingConfig, TrainConfig
 from trainctl.config.slurm import PreemptionConfig, SlurmClusterConfig
 from trainctl.launch import slurm
@@ -357,9 +356,8 @@ def test_the_batch_script_refuses_to_train_while_another_trainer_holds_the_run(t
     env = {**os.environ, "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "2"}  # the lock is taken after the exports
     holder = subprocess.Popen(["flock", str(run_dir / "trainer.lock"), "sleep", "30"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 10
-        while subprocess.run(["flock", "-n", str(run_dir / "trainer.lock"), "true"]).returncode == 0:
-            assert time.monotonic() < deadline
+        wait_for(lambda: subprocess.run(["flock", "-n", str(run_dir / "trainer.lock"), "true"]).returncode != 0,
+                 "the holder to take the lock", timeout=10, proc=holder)
         refused = subprocess.run(["bash", str(tmp_path / "head.sh")], capture_output=True, text=True, env=env)
         assert refused.returncode == 2 and "is being trained by" in refused.stderr and "locked" not in refused.stdout
     finally:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from trainctl import cli
+from tests.helpers import cli_in_process
 from trainctl.config.errors import ConfigError
 from trainctl.launch.grid import MAX_POINTS
 from trainctl.launch.sweep import expand
@@ -108,11 +107,10 @@ def test_launch_m_globs_the_config_folders_and_refuses_a_huge_range_writing_noth
     runs = tmp_path / "runs"
 
     def launch(*overrides: str) -> tuple[int, str]:
-        monkeypatch.setattr(sys, "argv", ["trainctl", "launch", "-m", "--dry-run", "recipe=tiny_cpu",
-                                          f"runs_dir={runs}", *overrides])
-        with deadline(60), pytest.raises(SystemExit) as exit_info:
-            cli.main()
-        return exit_info.value.code, capsys.readouterr().err
+        with deadline(60):
+            code, _, err = cli_in_process(monkeypatch, capsys, "launch", "-m", "--dry-run", "recipe=tiny_cpu",
+                                          f"runs_dir={runs}", *overrides)
+        return code, err
 
     code, err = launch("train.seed=range(0,1e300)")
     assert code == 2 and err.startswith("error: train.seed=range(0,1e300): ") and not runs.exists()

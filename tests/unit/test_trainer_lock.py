@@ -10,14 +10,8 @@ import time
 
 import pytest
 
+from tests.helpers import wait_for
 from trainctl.core import rundir
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def test_a_second_taker_is_refused_naming_the_first(tmp_path):
@@ -41,7 +35,7 @@ lock = rundir.acquire({str(tmp_path)!r})
 time.sleep(60)
 """])
     try:
-        wait_until(lambda: rundir.lock_holder(tmp_path) is not None)
+        wait_for(lambda: rundir.lock_holder(tmp_path) is not None, "the holder to be recorded", timeout=10)
         with pytest.raises(rundir.LockHeld):
             rundir.acquire(tmp_path)
         holder.send_signal(signal.SIGKILL)
