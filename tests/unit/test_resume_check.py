@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests import helpers
+from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import ScheduleConfig, load_run_config
 from trainctl.core import rundir as layout
