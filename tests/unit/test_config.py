@@ -365,3 +365,33 @@ def test_a_backend_registered_later_gets_its_keys_in_the_schema():
     finally:
         schema.unregister_cluster(LaterCluster.NAME)
     assert "later_only_key" not in schema.structured_schema().cluster
+
+
+def test_a_recipe_rewritten_in_the_same_tick_at_the_same_size_composes_afresh(tmp_path):
+    """Composition is cached by the content of the files it may load, never by their timestamps."""
+    import os
+
+    from trainctl.config.sources import SearchPath
+
+    (tmp_path / "recipes").mkdir()
+    recipe = tmp_path / "recipes" / "mine.yaml"
+    sp = SearchPath(user_dirs=(tmp_path,))
+    recipe.write_text("# @package _global_\ndefaults:\n  - tiny_cpu\ntrain:\n  steps: 111\n")
+    stamp = recipe.stat()
+    assert compose(["recipe=mine"], sp).train.steps == 111
+    recipe.write_text("# @package _global_\ndefaults:\n  - tiny_cpu\ntrain:\n  steps: 222\n")
+    os.utime(recipe, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # as if written within one timestamp tick
+    assert recipe.stat().st_size == stamp.st_size and recipe.stat().st_mtime_ns == stamp.st_mtime_ns
+    assert compose(["recipe=mine"], sp).train.steps == 222
+    assert compose([f"recipe={recipe}"]).train.steps == 222  # the same file named by path
+
+
+def test_a_cached_composition_is_a_copy_and_failures_are_not_cached():
+    first = compose(["recipe=tiny_cpu", "logging.wandb.tags=[a,b]"])
+    first.logging.wandb.tags.append("leaked")  # a list inside the frozen config is the caller's own
+    assert compose(["recipe=tiny_cpu", "logging.wandb.tags=[a,b]"]).logging.wandb.tags == ["a", "b"]
+    for _ in range(2):  # the second call fails the same way: nothing of the first was kept
+        with pytest.raises(ConfigError, match="train.steps"):
+            compose(["recipe=tiny_cpu", "train.steps=abc"])
+    assert schema.from_dict({"train": {"steps": 5}}).train.steps == 5
+    assert schema.from_dict({"train": {"steps": 6}}).train.steps == 6  # another mapping, another entry

@@ -8,6 +8,8 @@ keys and wrong types fail with the key's full path. Every failure becomes a
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import re
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from omegaconf.errors import (
 )
 
 from trainctl.config import interpolations, yaml_files
-from trainctl.config.errors import ConfigError
+from trainctl.config.errors import ConfigError, ConfigFileError
 from trainctl.config.hydra_source import (
     SCHEMA_NAME,
     config_file,
@@ -34,10 +36,18 @@ from trainctl.config.hydra_source import (
     initialize_catalog,
     own_group_includer,
 )
-from trainctl.config.schema import GROUPS, RunConfig, escape_interpolations, from_dict, structured_schema
+from trainctl.config.schema import (
+    GROUPS,
+    RunConfig,
+    cluster_configs,
+    escape_interpolations,
+    from_dict,
+    structured_schema,
+)
 from trainctl.config.sources import (
     ENV_VAR,
     PRIMARY_NAME,
+    Catalog,
     SearchPath,
     catalog,
     is_path_like,
@@ -84,15 +94,49 @@ def _register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=structured_schema())
 
 
+# Successful compositions by (overrides, the content of every file they may load, the registered backends): Hydra
+# rebuilds its defaults tree and re-reads every file per call (~130 ms); a hit is a deep copy. Content, not stat:
+# a file rewritten within one timestamp tick at the same size must still compose afresh. Interpolations
+# (${oc.env:...}) are resolved by the caller after this, so they never come from the cache. Failures are not cached.
+_COMPOSED: dict[tuple, DictConfig] = {}
+_COMPOSED_MAX = 64
+
+
+def _files_key(cat: Catalog) -> tuple:
+    """Each file the composition may load, with a digest of its bytes (None: unreadable, Hydra will say why)."""
+    paths = [cat.primary, *(opt.path for group in cat.groups.values() for opt in group.values())]
+    digests = []
+    for path in paths:
+        try:  # bounded, and a FIFO is refused rather than waited on
+            digest = hashlib.blake2b(yaml_files.read_text(Path(path), syntax_errors=False).encode(),
+                                     digest_size=16).digest()
+        except (ConfigFileError, UnicodeDecodeError):
+            digest = None
+        digests.append((str(path), digest))
+    return tuple(digests)
+
+
 def compose_dictconfig(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> DictConfig:
-    """Hydra composition of the primary config with `overrides`; raises ConfigError."""
+    """Hydra composition of the primary config with `overrides` (a fresh copy the caller may change); raises
+    ConfigError."""
     check_override_shapes(overrides)
     overrides, sp = _take_recipe_file(list(overrides), sp)
     _check_group_choices(overrides, sp)
+    cat = catalog(sp)
+    key = (tuple(overrides), _files_key(cat), tuple(cluster_configs().items()))
+    if key not in _COMPOSED:
+        composed = _hydra_compose(overrides, sp, cat)
+        if len(_COMPOSED) >= _COMPOSED_MAX:
+            _COMPOSED.pop(next(iter(_COMPOSED)))
+        _COMPOSED[key] = composed
+    return copy.deepcopy(_COMPOSED[key])
+
+
+def _hydra_compose(overrides: list[str], sp: SearchPath, cat: Catalog) -> DictConfig:
     _register_schema()
     GlobalHydra.instance().clear()
     try:
-        with initialize_catalog(catalog(sp)):
+        with initialize_catalog(cat):
             return hydra_compose(config_name=PRIMARY, overrides=overrides)
     except ConfigError:
         raise  # a file's own problems, already lines naming it (hydra_source, yaml_files)

@@ -463,12 +463,42 @@ def _build_schema(clusters: dict[str, type[ClusterConfig]]) -> DictConfig:
 _USER_MAPS = ("env",)  # cluster keys whose entries the user names
 
 
+# RunConfigs built from plain mappings, by the mapping's typed canonical form (1, 1.0, "1" and True stay apart),
+# `strict` and the registered backends: OmegaConf's typed merge costs ~100 ms; a hit is a deep copy of frozen
+# dataclasses. Failures are not cached.
+_FROM_DICT: dict[tuple, RunConfig] = {}
+_FROM_DICT_MAX = 128
+
+
 def from_dict(data: dict | DictConfig, strict: bool = True) -> RunConfig:
     """Type-check a mapping against the schema and build a frozen RunConfig, its cluster the backend's class.
 
     `strict`: a key of another backend, set to anything but its default, is an error (a ConfigError naming
     the backend that has it); otherwise it is dropped (a run directory written before the split).
     """
+    import copy
+
+    if not isinstance(data, dict):
+        return _from_dict(data, strict)
+    key = (_canonical(data), strict, tuple(cluster_configs().items()))
+    if key not in _FROM_DICT:
+        built = _from_dict(data, strict)
+        if len(_FROM_DICT) >= _FROM_DICT_MAX:
+            _FROM_DICT.pop(next(iter(_FROM_DICT)))
+        _FROM_DICT[key] = built
+    return copy.deepcopy(_FROM_DICT[key])
+
+
+def _canonical(value):
+    """A hashable form of a plain mapping in which values of different types never meet (1, 1.0, "1", True)."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((type(k).__name__, repr(k)), _canonical(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_canonical(v) for v in value))
+    return (type(value).__name__, repr(value))
+
+
+def _from_dict(data: dict | DictConfig, strict: bool) -> RunConfig:
     schema = structured_schema()
     merged = OmegaConf.merge(schema, data)
     cluster = cluster_from_dict(OmegaConf.to_container(merged.cluster), OmegaConf.to_container(schema.cluster),
