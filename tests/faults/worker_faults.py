@@ -69,7 +69,7 @@ def nan_at_step(step: int) -> dict[str, Callable]:
 
         set_attr(module.TokenLoss, "normalize", poisoned)
 
-    return {"trainctl.train.loss": poison_loss, "trainctl.train.step": _track_step}
+    return {"trainctl.train.loop.loss": poison_loss, "trainctl.train.loop.step": _track_step}
 
 
 def inf_at_step(step: int) -> dict[str, Callable]:
@@ -89,7 +89,7 @@ def inf_at_step(step: int) -> dict[str, Callable]:
         set_attr(cls, "scale", scaled)
         set_attr(cls, "step", stepped)
 
-    return {"trainctl.train.loss_scaling": overflow}
+    return {"trainctl.train.loop.loss_scaling": overflow}
 
 
 def stop_after_step(step: int) -> dict[str, Callable]:
@@ -97,7 +97,7 @@ def stop_after_step(step: int) -> dict[str, Callable]:
         wanted = module.StopRequest.wanted
         set_attr(module.StopRequest, "wanted", lambda self, done: wanted(self, done) or done == step)
 
-    return {"trainctl.train.stop": stop_there}
+    return {"trainctl.train.loop.stop": stop_there}
 
 
 def die_before_commit(step: int) -> dict[str, Callable]:
@@ -112,7 +112,7 @@ def die_before_commit(step: int) -> dict[str, Callable]:
 
         set_attr(module.CheckpointManager, "_commit", dying)
 
-    return {"trainctl.train.checkpoint": die}
+    return {"trainctl.train.checkpoint.store": die}
 
 
 def offload_probe(directory: str) -> dict[str, Callable]:
@@ -143,7 +143,7 @@ def offload_probe(directory: str) -> dict[str, Callable]:
         out = Path(directory) / f"offload-rank{os.environ.get('RANK', '0')}.json"
         atexit.register(lambda: out.write_text(json.dumps(counts)))
 
-    return {"trainctl.train.activations": count}
+    return {"trainctl.train.parallel.activations": count}
 
 
 FAULTS = {f.__name__: f for f in (nan_at_step, inf_at_step, stop_after_step, die_before_commit, offload_probe)}

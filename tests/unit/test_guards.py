@@ -11,9 +11,9 @@ import torch
 
 from tests.faults import worker_faults
 from trainctl.config.schema import GuardsConfig
-from trainctl.train import step as step_module
-from trainctl.train.guards import NonFiniteError, StepGuard, agreed_step
-from trainctl.train.loss import TokenLoss
+from trainctl.train.loop import step as step_module
+from trainctl.train.loop.guards import NonFiniteError, StepGuard, agreed_step
+from trainctl.train.loop.loss import TokenLoss
 
 NAN, INF = float("nan"), float("inf")
 

@@ -13,8 +13,8 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig
 from trainctl.models.llama.model import build_model
 from trainctl.models.loss_head import OutputHead
 from trainctl.train.errors import WorkerConfigError
-from trainctl.train.float8 import apply_float8, count_float8_linears, wants_float8
-from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
+from trainctl.train.loop.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
+from trainctl.train.parallel.float8 import apply_float8, count_float8_linears, wants_float8
 
 FP16 = PrecisionConfig(compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
 # dim 64, kv heads 2 x 16, ffn 96: every block Linear is 16-aligned.

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from trainctl.config.schema import LoggingConfig
-from trainctl.train import stop as stop_module
-from trainctl.train.metrics import MetricsLogger
-from trainctl.train.stop import StopRequest, exit_code_of
+from trainctl.train.loop import stop as stop_module
+from trainctl.train.loop.stop import StopRequest, exit_code_of
+from trainctl.train.observe.metrics import MetricsLogger
 
 
 class Exited(Exception):

@@ -13,7 +13,7 @@ Preemption: Slurm sends `cluster.preemption.signal` lead_s seconds before the ti
 to every job step (not `B:`, which reaches only the batch shell); torchrun forwards it to
 its workers (`--signals-to-handle`). An attempt started after more than `max_requeues`
 requeues stops at once. The workers checkpoint on the signal and rank 0 requeues the job
-(trainctl/train/stop.py); the next attempt resumes from that checkpoint.
+(trainctl/train/loop/stop.py); the next attempt resumes from that checkpoint.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def report(err: BaseException, log_path: Path | None) -> tuple[int, str]:
 
 def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
     """The exit code; a failure is reported (log, stderr, error file) the moment it reaches the top."""
-    from trainctl.train.stop import StopRequest, die_with_parent
+    from trainctl.train.loop.stop import StopRequest, die_with_parent
 
     die_with_parent()  # first: a torchrun killed from now on takes this worker along
     # Which machine each rank ran on: the first thing to know when one node misbehaves.
@@ -174,7 +174,7 @@ def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
         if rank == 0:
             rundir.clear_stop(run_dir)  # a new attempt: an earlier stop no longer describes the run
         # Imported after logging is set up: torch import warnings land in the rank's log.
-        from trainctl.train.trainer import run
+        from trainctl.train.loop.trainer import run
 
         summary = run(cfg, run_dir, stop, on_error=lambda exc: reported.append(report(exc, log_path)))
     except BaseException as err:
@@ -209,10 +209,10 @@ def failed(err: BaseException) -> tuple[int, str]:
 def user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
     """(errors the user fixes in the run directory, errors that stop a run on purpose); () where they fail to import."""
     try:
-        from trainctl.train.checkpoint import CheckpointError
-        from trainctl.train.data import DataError
+        from trainctl.train.checkpoint.store import CheckpointError
         from trainctl.train.errors import WorkerConfigError
-        from trainctl.train.guards import NonFiniteError
+        from trainctl.train.loop.data import DataError
+        from trainctl.train.loop.guards import NonFiniteError
     except Exception:  # the import itself is what failed: every error is unexpected then
         return (), ()
     return (WorkerConfigError, DataError), (NonFiniteError, CheckpointError)

@@ -24,10 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainctl.config.schema import PrecisionConfig
 from trainctl.core.wrapping import Wrapping
-from trainctl.train.activations import activation_offload
-from trainctl.train.context_parallel import sharded_sequences
-from trainctl.train.parallelize import gradient_sync, unwrap
-from trainctl.train.precision import autocast_for
+from trainctl.train.parallel.activations import activation_offload
+from trainctl.train.parallel.context_parallel import sharded_sequences
+from trainctl.train.parallel.parallelize import gradient_sync, unwrap
+from trainctl.train.parallel.precision import autocast_for
 
 
 @dataclass(frozen=True)

@@ -26,27 +26,27 @@ from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import build_model
 from trainctl.models.llama.model import attention_backends
 from trainctl.plan.flops import flops_per_token, lora_formula_count
-from trainctl.train import distributed
-from trainctl.train import state as checkpoint_state
-from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir, step_name
-from trainctl.train.context_parallel import check_cp_device, cp_mesh_of
-from trainctl.train.data import DataError, TokenBatches, check_vocab, prepare_data
+from trainctl.train.checkpoint import state as checkpoint_state
+from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
+from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
+from trainctl.train.checkpoint.store import CheckpointManager, checkpoint_dir, step_name
 from trainctl.train.errors import WorkerConfigError
-from trainctl.train.float8 import register_float8_scale_precompute
-from trainctl.train.gc_schedule import collect_every
-from trainctl.train.guards import StepGuard
-from trainctl.train.job import Job
-from trainctl.train.loss import token_loss_sum  # noqa: F401  (re-exported: tests measure the loop's own loss)
-from trainctl.train.loss_scaling import build_loss_scaler
-from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
-from trainctl.train.micro_batch import MicroBatchContext
+from trainctl.train.loop.data import DataError, TokenBatches, check_vocab, prepare_data
+from trainctl.train.loop.gc_schedule import collect_every
+from trainctl.train.loop.guards import StepGuard
+from trainctl.train.loop.job import Job
+from trainctl.train.loop.loss import token_loss_sum  # noqa: F401  (re-exported: tests measure the loop's own loss)
+from trainctl.train.loop.loss_scaling import build_loss_scaler
+from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.loop.step import StepResult, evaluate, train_step
+from trainctl.train.loop.stop import StopRequest, requeue_slurm_job
+from trainctl.train.observe.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, zero1_group
-from trainctl.train.parallelize import check_supported, parallelize
-from trainctl.train.pipeline import Pipeline, build_pipeline
-from trainctl.train.resume import StartPoint, find_source, restore
-from trainctl.train.state import CheckpointMeta, TrainProgress
-from trainctl.train.step import StepResult, evaluate, train_step
-from trainctl.train.stop import StopRequest, requeue_slurm_job
+from trainctl.train.parallel import distributed
+from trainctl.train.parallel.context_parallel import check_cp_device, cp_mesh_of
+from trainctl.train.parallel.float8 import register_float8_scale_precompute
+from trainctl.train.parallel.parallelize import check_supported, parallelize
+from trainctl.train.parallel.pipeline import Pipeline, build_pipeline
 
 log = logging.getLogger("trainctl.train")
 

@@ -16,15 +16,20 @@ import torch.distributed as dist
 from torch import nn
 
 from trainctl.models.loss_head import IGNORE_INDEX
-from trainctl.train.guards import agreed_step
-from trainctl.train.job import Job
-from trainctl.train.loss import TokenLoss, step_divisor, token_loss_sum
-from trainctl.train.loss_scaling import DynamicLossScaler
-from trainctl.train.memory_stats import memory_record
-from trainctl.train.micro_batch import MicroBatchContext
+from trainctl.train.loop.guards import agreed_step
+from trainctl.train.loop.job import Job
+from trainctl.train.loop.loss import TokenLoss, step_divisor, token_loss_sum
+from trainctl.train.loop.loss_scaling import DynamicLossScaler
+from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.observe.memory_stats import memory_record
+from trainctl.train.observe.peak_memory import PeakMeter, memory_step
 from trainctl.train.optim import lr_at, set_lr
-from trainctl.train.peak_memory import PeakMeter, memory_step
-from trainctl.train.pipeline import norm_over_stages, pipeline_eval_totals, pipeline_forward_backward, pp_group_of
+from trainctl.train.parallel.pipeline import (
+    norm_over_stages,
+    pipeline_eval_totals,
+    pipeline_forward_backward,
+    pp_group_of,
+)
 
 
 @dataclass(frozen=True)

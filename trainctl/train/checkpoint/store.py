@@ -62,8 +62,8 @@ from trainctl.core.checkpoints import (  # noqa: F401  (checkpoint_dir, step_nam
     step_name,
     verify,
 )
-from trainctl.train.checkpoint_failure import SAVE_ERRORS, Part, describe, human
-from trainctl.train.manifest import fsync_dir, hash_files, write_bytes
+from trainctl.train.checkpoint.failure import SAVE_ERRORS, Part, describe, human
+from trainctl.train.checkpoint.manifest import fsync_dir, hash_files, write_bytes
 
 log = logging.getLogger("trainctl.train")
 

@@ -21,9 +21,9 @@ import torch
 from trainctl.config.schema import LoggingConfig, PrecisionConfig
 from trainctl.core import rundir
 from trainctl.core.gpus import match_gpu, peak_flops
-from trainctl.train.console import console_line
-from trainctl.train.peak_memory import read_prediction, with_prediction
-from trainctl.train.scalars import TensorBoard, scalars, tensorboard_available
+from trainctl.train.observe.console import console_line
+from trainctl.train.observe.peak_memory import read_prediction, with_prediction
+from trainctl.train.observe.scalars import TensorBoard, scalars, tensorboard_available
 
 log = logging.getLogger("trainctl.train")
 PROGRESS_INTERVAL_S = 0.5

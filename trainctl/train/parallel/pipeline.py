@@ -38,9 +38,9 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.core.stages import local_stage_ids, stage_layers
 from trainctl.models.build import family_parallel
 from trainctl.models.loss_head import IGNORE_INDEX
-from trainctl.train.loss import TokenLoss
-from trainctl.train.micro_batch import MicroBatchContext
-from trainctl.train.parallelize import parallelize
+from trainctl.train.loop.loss import TokenLoss
+from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.parallel.parallelize import parallelize
 
 # Single-stage schedules take one stage; the interleaved ones a list (several stages per rank).
 SCHEDULES = {
