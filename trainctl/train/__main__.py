@@ -21,13 +21,11 @@ import time
 from pathlib import Path
 
 from trainctl.core import rundir
+from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerError
 
 log = logging.getLogger("trainctl.train")
 
-EXIT_CONFIG = 2  # the run directory asks for something we cannot do
-EXIT_FAILURE = 1
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-ERROR_FILE_KEY = "trainctl"  # our fields in the error file, next to torchelastic's own "message"; see launch/failure.py
 _MESSAGE_CHARS = 2000
 
 
@@ -80,7 +78,7 @@ def write_error_file(message: str, exit_code: int, log_path: Path | None) -> Non
     now = time.time()
     data = {
         "message": {"message": message, "extraInfo": {"timestamp": str(int(now))}},
-        ERROR_FILE_KEY: {
+        rundir.ERROR_FILE_KEY: {
             "rank": int(os.environ.get("RANK", 0)),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
             "exit_code": exit_code,
@@ -192,30 +190,13 @@ def failed(err: BaseException) -> tuple[int, str]:
     if isinstance(err, SystemExit):
         code = err.code if isinstance(err.code, int) else EXIT_FAILURE
         return code, "" if code == 0 else f"exited with code {code}"
-    config_errors, stop_errors = user_errors()
-    if isinstance(err, config_errors):
-        message, code = one_line(err, True), EXIT_CONFIG
-    elif isinstance(err, stop_errors):
-        # Stopped on purpose with a message that says why and what to do: no traceback.
-        message, code = one_line(err, True), EXIT_FAILURE
-    else:
-        message, code = one_line(err, False), EXIT_FAILURE
-        log.error("training failed: %s", message, exc_info=err)
-        return code, message
-    log.error("%s", message)
-    return code, message
-
-
-def user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """(errors the user fixes in the run directory, errors that stop a run on purpose); () where they fail to import."""
-    try:
-        from trainctl.train.checkpoint.store import CheckpointError
-        from trainctl.train.errors import WorkerConfigError
-        from trainctl.train.loop.data import DataError
-        from trainctl.train.loop.guards import NonFiniteError
-    except Exception:  # the import itself is what failed: every error is unexpected then
-        return (), ()
-    return (WorkerConfigError, DataError), (NonFiniteError, CheckpointError)
+    if isinstance(err, WorkerError):  # its message says what happened and what to do: no traceback
+        message = one_line(err, True)
+        log.error("%s", message)
+        return err.exit_code, message
+    message = one_line(err, False)
+    log.error("training failed: %s", message, exc_info=err)
+    return EXIT_FAILURE, message
 
 
 if __name__ == "__main__":

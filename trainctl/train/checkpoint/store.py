@@ -64,12 +64,13 @@ from trainctl.core.checkpoints import (  # noqa: F401  (checkpoint_dir, step_nam
 )
 from trainctl.train.checkpoint.failure import SAVE_ERRORS, Part, describe, human
 from trainctl.train.checkpoint.manifest import fsync_dir, hash_files, write_bytes
+from trainctl.train.errors import WorkerError
 
 log = logging.getLogger("trainctl.train")
 
 
 
-class CheckpointError(Exception):
+class CheckpointError(WorkerError):  # exit 1: the run stopped on purpose
     """A checkpoint could not be saved or loaded; the one-line message says why and what to do."""
 
 
