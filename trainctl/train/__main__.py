@@ -121,13 +121,13 @@ def main(argv: list[str]) -> int:
         return fail("usage: python -m trainctl.train RUN_DIR", EXIT_CONFIG, None)
     run_dir = Path(argv[0]).resolve()
     if not rundir.is_run_dir(run_dir):
-        message = f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`"
+        message = f"{run_dir}: not a run directory (no {rundir.CONFIG}); create one with `trainctl launch`"
         return fail(message, EXIT_CONFIG, None)
     expected = os.environ.get(rundir.RUN_DIR_ENV)
     if expected and Path(expected).resolve() != run_dir:
         # launch.sh names the directory it found itself in; training anywhere else would write another run.
         message = (f"{run_dir}: the launch script runs from {expected}; "
-                   f"relaunch with {expected}/launch.sh or `trainctl resume`")
+                   f"relaunch with {expected}/{rundir.SCRIPT} or `trainctl resume`")
         return fail(message, EXIT_CONFIG, None)
     rank = int(os.environ.get("RANK", 0))
     try:

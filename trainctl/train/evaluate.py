@@ -70,7 +70,7 @@ def check_dataset(run_dir: Path, data_dir: str, vocab_size: int) -> dataset.Data
 
 def dp_degree(run_dir: Path, cfg: RunConfig) -> int:
     """How many data-parallel ranks evaluated disjoint samples: plan.json's, else the config's positive sizes."""
-    dims = layout.read_json(run_dir / "plan.json").get("dims") or {}
+    dims = layout.read_json(run_dir / layout.PLAN).get("dims") or {}
     if isinstance(dims.get("dp"), int) and dims["dp"] > 0:
         return dims["dp"]
     return max(1, cfg.sharding.dp_replicate) * max(1, cfg.sharding.dp_shard)
