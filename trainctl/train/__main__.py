@@ -172,9 +172,11 @@ def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
         if rank == 0:
             rundir.clear_stop(run_dir)  # a new attempt: an earlier stop no longer describes the run
         # Imported after logging is set up: torch import warnings land in the rank's log.
+        from trainctl.train.loop.hooks import hooks_from_env
         from trainctl.train.loop.trainer import run
 
-        summary = run(cfg, run_dir, stop, on_error=lambda exc: reported.append(report(exc, log_path)))
+        summary = run(cfg, run_dir, stop, on_error=lambda exc: reported.append(report(exc, log_path)),
+                      hooks=hooks_from_env())
     except BaseException as err:
         return reported[0][0] if reported else report(err, log_path)[0]
     # The stop handlers stay until the process exits: torchrun's SIGTERM to a failed rank's peers must not

@@ -9,6 +9,7 @@ is skipped (weights unchanged), counted and warned by the guard.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +58,12 @@ def train_step(job: Job, step: int) -> StepResult:
     # One step's peak is measured, once optimizer states exist and DDP has rebuilt its buckets.
     measured = step == memory_step(job.start.step, job.cfg.train.steps)
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
+    on_loss = job.hooks.on_loss
+    adjust = None if on_loss is None else functools.partial(on_loss, step)
     if job.pipeline is None:
-        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor)
+        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust)
     else:
-        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor)
+        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust)
     job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
     local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))
     # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
@@ -87,17 +90,17 @@ def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                      contexts: MicroBatchContext, scale_loss=lambda loss: loss,
-                     divisor: float | None = None) -> torch.Tensor:
+                     divisor: float | None = None, adjust=None) -> torch.Tensor:
     """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync).
 
-    divisor: masked data's (loss.step_divisor); None: every target counts.
+    divisor: masked data's (loss.step_divisor); None: every target counts. adjust: hooks.on_loss of this step.
     """
     device = contexts.device
     if divisor is None:
         # Every micro-batch is full (no padding), so the count is known without a device sync;
         # a cp rank holds 1/cp of each sequence.
         divisor = sum(targets.numel() for _, targets in micro_batches) // contexts.cp
-    token_loss = TokenLoss(divisor)
+    token_loss = TokenLoss(divisor, adjust)
     total = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         inputs, targets = (t.to(device, non_blocking=True) for t in batch)

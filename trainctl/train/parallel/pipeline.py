@@ -165,12 +165,13 @@ def sum_over_stages(value: torch.Tensor, pipeline: Pipeline) -> torch.Tensor:
 
 
 def pipeline_forward_backward(pipeline: Pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                              contexts: MicroBatchContext, divisor: float | None = None) -> torch.Tensor:
+                              contexts: MicroBatchContext, divisor: float | None = None,
+                              adjust=None) -> torch.Tensor:
     """One schedule step over this rank's micro-batches; returns the rank's mean token loss, same on every pp rank.
 
     divisor: masked data's (loss.step_divisor: the step's counted targets); None: every target counts.
     """
-    pipeline.loss_fn.token_loss = TokenLoss(pipeline.rank_tokens if divisor is None else divisor)
+    pipeline.loss_fn.token_loss = TokenLoss(pipeline.rank_tokens if divisor is None else divisor, adjust)
     losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches, contexts.forward)
     total = torch.stack(losses).sum().detach() if pipeline.is_last else torch.zeros((), device=pipeline.device)
     return sum_over_stages(total, pipeline)
