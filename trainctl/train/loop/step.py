@@ -67,7 +67,7 @@ def train_step(job: Job, step: int) -> StepResult:
     job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
     local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))
     # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
-    loss, grad_norm, stop = agreed_step(local_loss, local_norm, job.stop.wanted(step + 1))
+    loss, grad_norm, stop = agreed_step(local_loss, local_norm, job.stop.requested)
     # Under fp16 an overflowing gradient is routine: the loss scaler skips that step itself.
     guard_norm = 0.0 if isinstance(job.scaler, DynamicLossScaler) else grad_norm
     if job.guard.decide(step + 1, loss, guard_norm) == "ok":  # steps are named as logged: 1-based
@@ -82,7 +82,7 @@ def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
     """A step whose masks leave no counted target anywhere: no forward, no optimizer step; the stop request
     is still agreed (the same all-reduce as a real step), and the guard counts and warns."""
     zero = torch.zeros((), device=job.world.device)
-    _, _, stop = agreed_step(zero, zero, job.stop.wanted(step + 1))
+    _, _, stop = agreed_step(zero, zero, job.stop.requested)
     job.guard.note_empty(step + 1)
     job.optimizer.zero_grad(set_to_none=True)
     return StepResult(step + 1, 0.0, 0.0, lr, stop)

@@ -341,6 +341,8 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
     job = None
     try:
         job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.stop_signal), hooks)
+        if hooks.on_setup is not None:
+            hooks.on_setup(job)
         with attention_backends(cfg.train.attention):  # cuDNN, flash, efficient, math: set, not left to chance
             summary = train_loop(job)
         if summary["stopped"]:
