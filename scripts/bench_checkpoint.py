@@ -6,7 +6,7 @@ then, `--repeats` times, each into a fresh directory under --dir:
     sync       CheckpointManager(async_save=False).save(): DCP write + hash + manifest + fsync + rename
     async      CheckpointManager(async_save=True).save() until it returns (what the training loop waits for),
                and until wait() has committed it (write + hash + commit in the background)
-    verify     trainctl.train.checkpoint.verify of the committed checkpoint (what a resume pays first)
+    verify     trainctl.train.checkpoint.store.verify of the committed checkpoint (what a resume pays first)
     raw write  the same number of bytes written `dd if=/dev/zero bs=4M conv=fsync` style, every rank its
                share at once (with --nproc N, as many writers as DCP has), into the same directory
 
@@ -35,10 +35,10 @@ import torch.nn.functional as F
 
 from trainctl.config.schema import ClusterConfig, ModelConfig, OptimConfig
 from trainctl.models.llama.model import build_model, count_params
-from trainctl.train import distributed
-from trainctl.train import state as checkpoint_state
-from trainctl.train.checkpoint import CheckpointManager, list_committed, verify
+from trainctl.train.checkpoint import state as checkpoint_state
+from trainctl.train.checkpoint.store import CheckpointManager, list_committed, verify
 from trainctl.train.optim import build_optimizer
+from trainctl.train.parallel import distributed
 
 BLOCK = 4 << 20  # dd's bs=4M
 ARGS_ENV = "BENCH_CHECKPOINT_ARGS"  # the command line, for the ranks torchrun starts

@@ -37,14 +37,14 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import CheckpointConfig, DataConfig, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.models.llama.model import attention_backends, build_model
-from trainctl.train import distributed
-from trainctl.train.activations import apply_activation_checkpointing
-from trainctl.train.float8 import apply_float8
+from trainctl.train.loop.stop import StopRequest
+from trainctl.train.loop.trainer import setup, train_loop
 from trainctl.train.optim import build_optimizer
-from trainctl.train.parallelize import apply_compile
-from trainctl.train.precision import DTYPES
-from trainctl.train.stop import StopRequest
-from trainctl.train.trainer import setup, train_loop
+from trainctl.train.parallel import distributed
+from trainctl.train.parallel.activations import apply_activation_checkpointing
+from trainctl.train.parallel.float8 import apply_float8
+from trainctl.train.parallel.parallelize import apply_compile
+from trainctl.train.parallel.precision import DTYPES
 
 CPU_DEFAULT = ["recipe=tiny_cpu", "sharding=none", "train.seq_len=256", "train.micro_batch=8", "train.grad_accum=1"]
 

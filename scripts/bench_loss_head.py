@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from trainctl.models import loss_head  # noqa: E402
 from trainctl.models.loss_head import IGNORE_INDEX, dense_loss_sum, linear_cross_entropy  # noqa: E402
-from trainctl.train.peak_memory import _allocation_events, largest_rise, stderr_silenced  # noqa: E402
+from trainctl.train.observe.peak_memory import _allocation_events, largest_rise, stderr_silenced  # noqa: E402
 
 DEFAULT_SIZES = ["4096x2048x32768", "8192x4096x128256"]
 QUICK_SIZE = "512x128x4096"

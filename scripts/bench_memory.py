@@ -3,7 +3,7 @@
 Each variant is `trainctl launch RECIPE <base> train.activation_checkpointing=MODE
 train.micro_batch=MB train.grad_accum=-1 --force` (--force: a variant the plan says does not fit
 is still measured; an out-of-memory crash is reported as such). The worker logs one step's peak
-per rank in its `kind: memory` record (trainctl/train/peak_memory.py: torch.cuda.max_memory_allocated
+per rank in its `kind: memory` record (trainctl/train/observe/peak_memory.py: torch.cuda.max_memory_allocated
 on CUDA, the CPU allocator's events on CPU) next to the plan's prediction for that rank, read from
 the run's plan.json. The table shows the busiest rank of each run: predicted, measured, their ratio,
 and the plan's verdict (which adds the framework allowance to the prediction).

@@ -10,7 +10,7 @@ import sys
 
 import cpu_ring_attention
 
-import trainctl.train.trainer as trainer
+import trainctl.train.loop.trainer as trainer
 from trainctl.train.__main__ import main
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.core.dims import ParallelDims
 from trainctl.models.build import build_model
 from trainctl.models.hf import load_hf_weights
-from trainctl.train.distributed import build_mesh
-from trainctl.train.parallelize import parallelize
+from trainctl.train.parallel.distributed import build_mesh
+from trainctl.train.parallel.parallelize import parallelize
 
 LAYOUTS = {
     "ddp": ShardingConfig(strategy="ddp", dp_replicate=2),
@@ -35,7 +35,7 @@ LAYOUTS = {
 
 def pipeline_logits(cfg, hf_dir, mesh, sharding, train, device, tokens) -> tuple[torch.Tensor | None, int]:
     """(the last stage's logits, None on the other rank; parameters this rank loaded) through the schedule."""
-    from trainctl.train.pipeline import build_pipeline
+    from trainctl.train.parallel.pipeline import build_pipeline
 
     pipeline = build_pipeline(cfg, mesh, sharding, train, PrecisionConfig(), device)
     loaded = load_hf_weights(pipeline.parts, hf_dir, cfg)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import run_torchrun
-from trainctl.train import checkpoint as ckpt
-from trainctl.train.checkpoint import CheckpointError, CheckpointManager, step_name
+from trainctl.train.checkpoint import store as ckpt
+from trainctl.train.checkpoint.store import CheckpointError, CheckpointManager, step_name
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

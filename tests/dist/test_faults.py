@@ -27,7 +27,7 @@ from tests.faults.worker_faults import fault_env
 from tests.helpers import torchrun_cmd, truncate, wait_for, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.launch.command import TORCHRUN_ENV  # what the launch scripts export: restarts need it
-from trainctl.train.checkpoint import checkpoint_dir, list_committed, step_name, verify
+from trainctl.train.checkpoint.store import checkpoint_dir, list_committed, step_name, verify
 
 pytestmark = pytest.mark.dist
 

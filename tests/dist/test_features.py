@@ -55,7 +55,7 @@ def test_wandb_offline_writes_under_run_dir(full_ac_with_wandb):
     (history,) = offline_runs[0].glob("run-*.wandb")
     # The offline history is protobuf records; the logged keys and the run name are stored as plain strings.
     data = history.read_bytes()
-    # Namespaced as in TensorBoard (trainctl/train/scalars.py).
+    # Namespaced as in TensorBoard (trainctl/train/observe/scalars.py).
     for needle in (b"train/grad_norm", b"perf/tokens_per_s", b"eval/loss", full_ac_with_wandb.name.encode()):
         assert needle in data, needle
 

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from trainctl.config.schema import ModelConfig
 from trainctl.models.llama.model import build_model
-from trainctl.train.parallelize import apply_fsdp
+from trainctl.train.parallel.parallelize import apply_fsdp
 
 # A process group (a world of one, in this process): the dist tier, not unit.
 pytestmark = pytest.mark.dist

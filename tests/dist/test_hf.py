@@ -210,7 +210,7 @@ def test_pipeline_stages_each_load_their_own_pieces(hf_llama):
     from trainctl.config.hf_config import model_fields
     from trainctl.config.schema import ModelConfig
     from trainctl.models.hf import load_hf_weights
-    from trainctl.train.pipeline import build_stage_model
+    from trainctl.train.parallel.pipeline import build_stage_model
 
     name, folder, tokens, expected = hf_llama
     cfg = ModelConfig(**model_fields(folder))

@@ -18,8 +18,8 @@ from tests.unit.test_masked_loss import chat_set
 from trainctl.config.schema import DataConfig, ShardingConfig
 from trainctl.data.chat import RecordOptions
 from trainctl.data.prepare import prepare
-from trainctl.train.data import TokenBatches
-from trainctl.train.loss import counted_targets
+from trainctl.train.loop.data import TokenBatches
+from trainctl.train.loop.loss import counted_targets
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

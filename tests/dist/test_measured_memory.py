@@ -1,7 +1,7 @@
 """Activation checkpointing modes and activation offload, in one process (no torchrun):
 each mode computes the same loss and gradients as none, and keeps fewer activation bytes.
 
-Two counts of the bytes a forward keeps for backward (see trainctl.train.memory_stats):
+Two counts of the bytes a forward keeps for backward (see trainctl.train.observe.memory_stats):
 - saved: distinct storages autograd's pack hook sees (saved_tensors_hooks). Inside a
   checkpointed block checkpointing's own hooks take over, so this misses what it keeps
   (the block input, the op-level cache): full and op count the same here.
@@ -29,9 +29,9 @@ from trainctl.models.build import build_model as build_family_model
 from trainctl.models.llama.model import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.stages import rank_stages
-from trainctl.train.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
-from trainctl.train.memory_stats import retained_activation_bytes, saved_tensor_bytes
-from trainctl.train.trainer import token_loss_sum
+from trainctl.train.parallel.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
+from trainctl.train.observe.memory_stats import retained_activation_bytes, saved_tensor_bytes
+from trainctl.train.loop.trainer import token_loss_sum
 
 # One process, no process group, but real forward/backward passes (~15 s): the dist tier, not unit.
 pytestmark = pytest.mark.dist

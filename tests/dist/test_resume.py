@@ -21,7 +21,7 @@ from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 from tests.faults.worker_faults import fault_env
 from tests.helpers import torchrun_cmd, worker_env
 from trainctl.config.schema import CheckpointConfig, GuardsConfig, OptimConfig, ShardingConfig
-from trainctl.train.checkpoint import list_committed, verify
+from trainctl.train.checkpoint.store import list_committed, verify
 
 pytestmark = pytest.mark.dist
 

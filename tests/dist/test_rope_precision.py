@@ -20,9 +20,9 @@ from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.llama.model import build_model
-from trainctl.train.distributed import build_mesh
-from trainctl.train.parallelize import parallelize, unwrap
-from trainctl.train.precision import autocast_for
+from trainctl.train.parallel.distributed import build_mesh
+from trainctl.train.parallel.parallelize import parallelize, unwrap
+from trainctl.train.parallel.precision import autocast_for
 
 pytestmark = pytest.mark.dist
 

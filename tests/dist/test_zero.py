@@ -2,7 +2,7 @@
 process, and the per-rank model-state bytes the ZeRO arithmetic promises (and the plan estimates).
 
 Every run logs one `kind: memory` record after its first optimizer step, before zero_grad
-(trainctl.train.memory_stats): bytes of the LOCAL parameters, gradients and optimizer states
+(trainctl.train.observe.memory_stats): bytes of the LOCAL parameters, gradients and optimizer states
 of each rank. Expected per rank, with P parameters, fp32, AdamW, dp = 2:
 
     strategy   params   grads   optimizer

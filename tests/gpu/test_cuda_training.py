@@ -148,10 +148,10 @@ def test_attention_runs_the_kernel_the_plan_predicts(first, n_kv_heads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_one_host_sync_per_training_step(tmp_path, data_cache, monkeypatch):
-    from trainctl.train import distributed
-    from trainctl.train.step import train_step
-    from trainctl.train.stop import StopRequest
-    from trainctl.train.trainer import setup
+    from trainctl.train.loop.step import train_step
+    from trainctl.train.loop.stop import StopRequest
+    from trainctl.train.loop.trainer import setup
+    from trainctl.train.parallel import distributed
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -185,7 +185,7 @@ def test_op_checkpointing_keeps_float8_matmul_outputs():
     float8 = pytest.importorskip("torchao.float8")
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trainctl.train.activations import checkpoint_block
+    from trainctl.train.parallel.activations import checkpoint_block
 
     class Count(TorchDispatchMode):
         calls = 0

@@ -14,8 +14,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tests.helpers import truncate, wait_for
-from trainctl.train import checkpoint as ckpt
-from trainctl.train.checkpoint import CheckpointError, CheckpointManager, checkpoint_dir, step_name, verify
+from trainctl.train.checkpoint import store as ckpt
+from trainctl.train.checkpoint.store import CheckpointError, CheckpointManager, checkpoint_dir, step_name, verify
 
 # DCP warns on every call without a process group that it assumes a single process: that is the case here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -117,7 +117,7 @@ def _peak_rise(fn) -> int:
     """The largest rise of CPU allocator memory while `fn` runs (torch's memory profiler, as PeakMeter uses)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from trainctl.train.peak_memory import _allocation_events, largest_rise
+    from trainctl.train.observe.peak_memory import _allocation_events, largest_rise
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

@@ -25,10 +25,10 @@ def test_figures_of_a_made_up_package(tmp_path):
     health = load_script()
     write(tmp_path, "config/a.py", "from trainctl.plan import b\n\ndef f():\n    x = 1\n    return x\n")
     write(tmp_path, "plan/b.py", "from ..config import a\n# " + "x" * 130 + "\nHOOK = 'TRAINCTL_TEST_X'\n")
-    write(tmp_path, "train/trainer.py", "def train_loop():\n" + "    pass\n" * 9)
+    write(tmp_path, "train/loop/trainer.py", "def train_loop():\n" + "    pass\n" * 9)
     figures = health.measure(tmp_path)
     assert figures["train_loop_lines"] == 10
-    assert figures["longest_functions"][0] == "trainctl/train/trainer.py:train_loop (10)"
+    assert figures["longest_functions"][0] == "trainctl/train/loop/trainer.py:train_loop (10)"
     assert figures["lines_over_120"] == 1
     assert figures["package_cycles"] == ["config -> plan -> config"]
     assert figures["imports_against_layers"] == ["config -> plan"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainctl.train.parallelize import apply_compile
+from trainctl.train.parallel.parallelize import apply_compile
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@ peak memory of a CUDA step in TensorBoard, W&B and `status`)."""
 
 from __future__ import annotations
 
-from trainctl.train.console import console_line
+from trainctl.train.observe.console import console_line
 
 TRAIN = {"kind": "train", "step": 100, "loss": 2.028, "lr": 3e-4, "grad_norm": 0.4601, "tokens_per_s": 9187.2,
          "step_time_s": 0.4458, "tokens_seen": 409600, "guard_skipped_steps": 0, "guard_loss_spikes": 0,

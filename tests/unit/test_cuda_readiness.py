@@ -14,8 +14,9 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import RunConfig
 from trainctl.config.validate import resolve
 from trainctl.train import __main__ as worker_main
-from trainctl.train import gc_schedule, parallelize
 from trainctl.train.errors import WorkerConfigError
+from trainctl.train.loop import gc_schedule
+from trainctl.train.parallel import parallelize
 
 pytestmark = pytest.mark.unit
 

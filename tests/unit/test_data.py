@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from trainctl.config.schema import DataConfig
-from trainctl.train import data
-from trainctl.train.data import DataError, TokenBatches, check_vocab, prepare_data
+from trainctl.train.loop import data
+from trainctl.train.loop.data import DataError, TokenBatches, check_vocab, prepare_data
 
 SEQ = 16
 

@@ -13,8 +13,8 @@ from trainctl.config.schema import ModelConfig
 from trainctl.data.format import DOC_START, LOSS
 from trainctl.models.build import build_model, family_module
 from trainctl.models.loss_head import IGNORE_INDEX
-from trainctl.train.data import _to_inputs_targets, document_positions
-from trainctl.train.loss import token_loss_sum
+from trainctl.train.loop.data import _to_inputs_targets, document_positions
+from trainctl.train.loop.loss import token_loss_sum
 
 BASE = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=97, max_seq_len=64)
 FAMILIES = {
@@ -202,7 +202,7 @@ def test_what_document_mask_cannot_serve_is_refused_in_one_line(chat_and_text, o
 
 def test_chat_batches_carry_positions_that_restart_at_each_document(chat_and_text):
     from trainctl.config.schema import DataConfig
-    from trainctl.train.data import TokenBatches
+    from trainctl.train.loop.data import TokenBatches
 
     chat, _ = chat_and_text
     cfg = DataConfig(kind="memmap", datasets=[str(chat)], vocab_size=256, document_mask=True)
@@ -251,7 +251,7 @@ def test_the_plan_notes_the_masks_memory_and_kernel(chat_and_text):
 @pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_activation_checkpointing_keeps_the_mask(mode):
     """The mask reaches the blocks by keyword: a checkpointed block recomputes with it, the same gradients."""
-    from trainctl.train.activations import apply_activation_checkpointing
+    from trainctl.train.parallel.activations import apply_activation_checkpointing
 
     _, row, positions = _packed_row()
     targets = torch.roll(row, -1, dims=1)

@@ -10,7 +10,7 @@ import torch
 from trainctl.config.schema import ClusterConfig, PrecisionConfig, RunConfig
 from trainctl.core.gpus import GPUS, match_gpu
 from trainctl.plan.assess import device_peak
-from trainctl.train import metrics
+from trainctl.train.observe import metrics
 
 pytestmark = pytest.mark.unit
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -11,9 +12,8 @@ import torch
 
 from tests.faults import worker_faults
 from trainctl.config.schema import GuardsConfig
-from trainctl.train import step as step_module
-from trainctl.train.guards import NonFiniteError, StepGuard, agreed_step
-from trainctl.train.loss import TokenLoss
+from trainctl.train.loop.guards import NonFiniteError, StepGuard, agreed_step
+from trainctl.train.loop.loss import TokenLoss
 
 NAN, INF = float("nan"), float("inf")
 
@@ -185,23 +185,21 @@ def test_agreed_values_over_a_process_group_of_one():
         dist.destroy_process_group()
 
 
-def test_nan_fault_poisons_loss_and_gradients_at_that_step_only(monkeypatch):
-    # The test-side fault (tests/faults): the training loss of step 5 (1-based), nothing else.
+def test_nan_fault_poisons_loss_and_gradients_at_that_step_only():
+    # The test-side fault (tests/faults) through the worker's on_loss hook: the training loss of step 5 (1-based).
     weight = torch.ones(3, requires_grad=True)
     targets = torch.tensor([[0, 1]])
+    on_loss = worker_faults.hooks_of({"nan_at_step": 5}).on_loss
 
-    def loss_of(job, step):  # stands in for train_step: the training loss computed during `step` (0-based)
-        return TokenLoss(2)((weight * 2).expand(1, 2, 3), targets)
+    def loss_at(step):  # what train_step builds for `step` (0-based): a TokenLoss adjusted by the step's hook
+        return TokenLoss(2, functools.partial(on_loss, step))((weight * 2).expand(1, 2, 3), targets)
 
-    monkeypatch.setattr(step_module, "train_step", loss_of)
-    clean = loss_of(None, 0)
-    worker_faults.install({"nan_at_step": 5}, monkeypatch.setattr)
-    assert torch.equal(step_module.train_step(None, 3), clean)  # step 4
-    poisoned = step_module.train_step(None, 4)  # step 5
+    clean = TokenLoss(2)((weight * 2).expand(1, 2, 3), targets)
+    assert torch.equal(loss_at(3), clean) and torch.equal(loss_at(5), clean)  # steps 4 and 6
+    poisoned = loss_at(4)  # step 5
     assert math.isnan(poisoned.item())
     poisoned.backward()
     assert torch.isnan(weight.grad).all()
-    assert torch.equal(TokenLoss(2)((weight * 2).expand(1, 2, 3), targets), clean)  # outside a step
 
 
 def test_agreed_step_copies_nothing_from_the_host():

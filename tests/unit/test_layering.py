@@ -166,8 +166,8 @@ def test_what_imports_each_familys_modules():
             "trainctl.models.hf": ["trainctl.models.llama.model"],
             "trainctl.models.kv_cache": ["trainctl.models.llama.model"],  # apply_rope, for generate's decode path
             "trainctl.models.lora": ["trainctl.models.llama.model"],  # the sharding-independent init of A and B
-            "trainctl.train.context_parallel": ["trainctl.models.llama.model"],
-            "trainctl.train.trainer": ["trainctl.models.llama.model"],
+            "trainctl.train.parallel.context_parallel": ["trainctl.models.llama.model"],
+            "trainctl.train.loop.trainer": ["trainctl.models.llama.model"],
         }
 
 

@@ -13,8 +13,8 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig
 from trainctl.models.llama.model import build_model
 from trainctl.models.loss_head import OutputHead
 from trainctl.train.errors import WorkerConfigError
-from trainctl.train.float8 import apply_float8, count_float8_linears, wants_float8
-from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
+from trainctl.train.loop.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
+from trainctl.train.parallel.float8 import apply_float8, count_float8_linears, wants_float8
 
 FP16 = PrecisionConfig(compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
 # dim 64, kv heads 2 x 16, ffn 96: every block Linear is 16-aligned.
@@ -22,9 +22,15 @@ SMALL = ModelConfig(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_d
 LINEARS_PER_BLOCK = 7  # wq wk wv wo w1 w2 w3
 
 
-def one_step(scaler, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> float:
-    """The loop's order: scaled backward, unscale, norm (clip), step; returns the unscaled grad norm."""
+def one_step(scaler, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float = 0.0,
+             step: int = 0, on_loss=None) -> float:
+    """The loop's order: scaled backward, unscale, norm (clip), step; returns the unscaled grad norm.
+
+    on_loss: the worker's hook (hooks.py), called with `step` on the loss as the loop's TokenLoss calls it.
+    """
     loss = model(torch.ones(4, 8)).square().mean()
+    if on_loss is not None:
+        loss = on_loss(step, loss)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     params = list(model.parameters())
@@ -59,27 +65,35 @@ def test_unscaled_gradients_match_plain_fp32_backward():
     assert scaler.metrics() == {"loss_scale": 1024.0, "skipped_steps": 0}
 
 
-def test_injected_overflow_skips_the_step_and_halves_the_scale(monkeypatch):
-    worker_faults.install({"inf_at_step": 1}, monkeypatch.setattr)  # the test-side fault (tests/faults)
+def test_injected_overflow_skips_the_step_and_halves_the_scale():
+    on_loss = worker_faults.hooks_of({"inf_at_step": 1}).on_loss  # the test-side fault (tests/faults)
     scaler = build_loss_scaler(FP16, torch.device("cpu"))
     assert isinstance(scaler, DynamicLossScaler)
     model, optimizer = linear_and_sgd()
-    one_step(scaler, model, optimizer, max_norm=1.0)
+    one_step(scaler, model, optimizer, max_norm=1.0, step=0, on_loss=on_loss)
     before = model.weight.detach().clone()
-    norm = one_step(scaler, model, optimizer, max_norm=1.0)
+    norm = one_step(scaler, model, optimizer, max_norm=1.0, step=1, on_loss=on_loss)
     assert not torch.isfinite(torch.tensor(norm))
     assert torch.equal(model.weight.detach(), before), "an overflowed step must leave the weights unchanged"
     assert scaler.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}
-    one_step(scaler, model, optimizer, max_norm=1.0)
+    one_step(scaler, model, optimizer, max_norm=1.0, step=2, on_loss=on_loss)
     assert not torch.equal(model.weight.detach(), before), "training continues after the skipped step"
     assert scaler.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}
 
 
+def test_the_overflow_fault_keeps_the_forward_loss_true():
+    """inf_at_step overflows the gradient only: the loss the loop reports is the true one."""
+    on_loss = worker_faults.hooks_of({"inf_at_step": 0}).on_loss
+    weight = torch.ones(3, requires_grad=True)
+    loss = on_loss(0, (weight * 2).sum())
+    assert loss.item() == 6.0
+    loss.backward()
+    assert torch.isinf(weight.grad).all()
+
+
 def test_state_dict_round_trip_keeps_scale_and_skips():
-    with pytest.MonkeyPatch.context() as patch:
-        worker_faults.install({"inf_at_step": 0}, patch.setattr)
-        scaler = build_loss_scaler(FP16, torch.device("cpu"))
-        one_step(scaler, *linear_and_sgd())
+    scaler = build_loss_scaler(FP16, torch.device("cpu"))
+    one_step(scaler, *linear_and_sgd(), step=0, on_loss=worker_faults.hooks_of({"inf_at_step": 0}).on_loss)
     restored = build_loss_scaler(FP16, torch.device("cpu"))
     restored.load_state_dict(scaler.state_dict())
     assert restored.metrics() == {"loss_scale": 512.0, "skipped_steps": 1}

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from trainctl.train.activations import checkpoint_block, save_matmuls_policy
+from trainctl.train.parallel.activations import checkpoint_block, save_matmuls_policy
 
 pytestmark = pytest.mark.unit
 

@@ -31,7 +31,7 @@ from trainctl.plan import memory
 from trainctl.plan import schedule as plan_schedule
 from trainctl.plan.runplan import build as build_plan
 from trainctl.plan.stages import rank_stages
-from trainctl.train.memory_stats import model_state_bytes
+from trainctl.train.observe.memory_stats import model_state_bytes
 from trainctl.train.optim import OPTIMIZER_BUILDERS, build_optimizer
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)

@@ -167,8 +167,7 @@ def test_the_batch_shell_requeues_what_its_workers_stopped_for_preemption(tmp_pa
 
 @pytest.mark.cli  # it tries to start scontrol
 def test_a_worker_without_scontrol_leaves_the_requeue_to_the_batch_shell(monkeypatch, tmp_path):
-    from trainctl.train import stop
-
+    from trainctl.train.loop import stop
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol here
     assert stop.requeue_slurm_job() is False

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from trainctl.config.schema import LoggingConfig
-from trainctl.train import stop as stop_module
-from trainctl.train.metrics import MetricsLogger
-from trainctl.train.stop import StopRequest, exit_code_of
+from trainctl.train.loop import stop as stop_module
+from trainctl.train.loop.stop import StopRequest, exit_code_of
+from trainctl.train.observe.metrics import MetricsLogger
 
 
 class Exited(Exception):
@@ -44,9 +44,20 @@ def test_first_signal_asks_for_a_save_and_a_second_one_exits(exits):
     request.armed = True
     request.on_signal("SIGINT", now=10.0)
     assert request.requested and request.signal_name == "SIGINT" and request.exit_code == 130 and exits == []
-    assert request.wanted(5)
     request.on_signal("SIGINT", now=10.0 + StopRequest.DUPLICATE_S / 2)  # the same stop delivered twice
     assert exits == []
+    with pytest.raises(Exited):
+        request.on_signal("SIGTERM", now=10.0 + StopRequest.DUPLICATE_S + 1)
+    assert exits == [143]
+
+
+def test_a_hook_requests_the_stop_a_signal_would_without_a_signal(exits):
+    """hooks.on_step_end may call stop.request(): the same flag the next step's agreement reads, exit code 0."""
+    request = StopRequest()
+    request.armed = True
+    request.request(now=10.0)
+    assert request.requested and request.signal_name == "" and request.exit_code == 0 and not request.preempted
+    # A signal after it is a second stop request, as after a first signal: it exits at once.
     with pytest.raises(Exited):
         request.on_signal("SIGTERM", now=10.0 + StopRequest.DUPLICATE_S + 1)
     assert exits == [143]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trainctl.config.schema import LoggingConfig
-from trainctl.train.metrics import MetricsLogger
-from trainctl.train.scalars import scalars
+from trainctl.train.observe.metrics import MetricsLogger
+from trainctl.train.observe.scalars import scalars
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, RunConfig
+from trainctl.core import rundir
 
 WORKER_MODULE = "trainctl.train"
 TORCHRUN_LOG_SUBDIR = "logs/torchrun"
@@ -51,7 +52,7 @@ def lock_lines(python: str, accept_inherited: bool) -> list[str]:
     it dies with them. `accept_inherited`: a launcher that already holds it passes the descriptor in
     TRAINCTL_LOCK_FD (trainctl.launch.local). `python` is already shell-quoted.
     """
-    take = 'exec {TRAINCTL_LOCK_FD}>>"$RUN_DIR/trainer.lock"'
+    take = f'exec {{TRAINCTL_LOCK_FD}}>>"$RUN_DIR/{rundir.LOCK}"'
     lines = ['case "${TRAINCTL_LOCK_FD:-}" in', f"  ''|*[!0-9]*) {take} ;;", "esac"] if accept_inherited else [take]
     return [
         *lines,

@@ -27,8 +27,7 @@ from pathlib import Path
 from trainctl.core import rundir
 from trainctl.launch.command import TORCHRUN_LOG_SUBDIR
 
-ERROR_FILE = "error.json"
-ERROR_FILE_KEY = "trainctl"  # the worker's fields (train/__main__.py writes them)
+ERROR_FILE, ERROR_FILE_KEY = rundir.ERROR_FILE, rundir.ERROR_FILE_KEY  # the worker writes them (train/__main__.py)
 
 _ROOT_CAUSE = "Root Cause"
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.MULTILINE)

@@ -2,7 +2,7 @@
 
 Read from the run directory only (launcher side: no torch): plan.json for the plan's assumed MFU
 and predicted per-rank peak, metrics.jsonl for the measured ones. The memory record is written
-early (one step's peak, trainctl/train/peak_memory.py), so it is looked for near the file's start;
+early (one step's peak, trainctl/train/observe/peak_memory.py), so it is looked for near the file's start;
 MFU is the median of the train records near its end (the recent steps, warm-up long gone).
 """
 

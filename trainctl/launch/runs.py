@@ -45,7 +45,7 @@ def find_run(ref: str, runs_dir: Path) -> Path:
     for candidate in (Path(ref), runs_dir / ref):
         if rundir.is_run_dir(candidate):
             return candidate.resolve()
-    raise LaunchError(f"no run {ref!r}: neither {ref} nor {runs_dir / ref} is a run directory (with config.yaml); "
+    raise LaunchError(f"no run {ref!r}: neither {ref} nor {runs_dir / ref} is a run directory (with {rundir.CONFIG}); "
                       "see `trainctl runs`")
 
 
@@ -125,7 +125,7 @@ def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
     if record:
         return "UNKNOWN", False, "the launcher ended without recording an outcome (killed?)"
     if rundir.metrics(run_dir, 4096):
-        return "UNKNOWN", False, "started (bash launch.sh?) and ended without a result"
+        return "UNKNOWN", False, f"started (bash {rundir.SCRIPT}?) and ended without a result"
     return "NOT_STARTED", False, "written by --dry-run"
 
 

@@ -150,11 +150,11 @@ def read_model_config(run_dir: Path) -> ModelConfig:
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
     if not (run_dir / rundir.CONFIG).is_file():
-        raise ExportError(f"{run_dir}: not a run directory (no config.yaml in it)")
+        raise ExportError(f"{run_dir}: not a run directory (no {rundir.CONFIG} in it)")
     try:
         return load_run_config(run_dir).model
     except CONFIG_ERRORS as exc:  # a user's damaged or hand-edited file: report it, no traceback
-        raise ExportError(f"{run_dir / 'config.yaml'}: cannot be read as a run config: {_first_line(exc)}") from None
+        raise ExportError(f"{run_dir / rundir.CONFIG}: cannot be read as a run config: {_first_line(exc)}") from None
 
 
 def read_metadata(ckpt: Path) -> Metadata:
@@ -470,7 +470,8 @@ def write_adapter_folder(run_dir: Path, ckpt: Path, entries: dict, names: list[s
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainctl.models.export",
                                      description="Export a checkpoint's model as safetensors.")
-    parser.add_argument("run_dir", type=Path, help="the run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("run_dir", type=Path,
+                        help=f"the run directory (holds {rundir.CONFIG} and {rundir.CHECKPOINTS}/)")
     parser.add_argument(
         "--checkpoint",
         help="a checkpoint directory, or its name under RUN_DIR/checkpoints; it must verify (default: newest valid)",

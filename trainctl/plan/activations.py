@@ -1,7 +1,7 @@
 """Activation bytes that one rank keeps for backward, per token, as the worker's model saves them.
 
 Counted op by op from what autograd saves in the family's module (checked against the saved-tensor hooks
-and live storages of trainctl/train/memory_stats.py in tests/dist). What one block keeps per token, per
+and live storages of trainctl/train/observe/memory_stats.py in tests/dist). What one block keeps per token, per
 checkpointing mode, is the family's (models/<family>/spec.py: block_none, block_compiled, block_full,
 block_op, block_grad_bytes; the llama spec's docstring has the table); this module adds the layout, the head,
 the loss and the stage sums.
@@ -13,7 +13,7 @@ kv heads for the ring kernels, counts kv = d. The head keeps the final norm (as 
 and log_softmax's fp32 output (4V per token, full vocabulary on every tp rank: the output
 projection gathers the logits); the first stage keeps the int64 token ids.
 
-Checkpointing (trainctl/train/activations.py):
+Checkpointing (trainctl/train/parallel/activations.py):
     full       a block keeps only its input: r d / tp (r: the residual stream's bytes: fp32 under
                autocast and in fp32, the compute dtype under FSDP mixed precision)
     selective  every ac_every-th block of a stage as full, the others as none

@@ -2,7 +2,7 @@
 
 The tensors are the family's (models/<family>/spec.py). The memory plan counts bytes per tensor rather than
 per parameter, because that is how the worker's libraries split them:
-- tensor parallelism (the family's parallel.py, applied by trainctl/train/tensor_parallel.py) splits
+- tensor parallelism (the family's parallel.py, applied by trainctl/train/parallel/tensor_parallel.py) splits
   wq/wk/wv/w1/w3 (and q/k/v biases) and the output projection by rows (column-parallel), wo/w2 by
   columns (row-parallel), the embedding by vocabulary rows, and replicates the norm weights on every rank;
 - FSDP2 `fully_shard` splits every (tp-local) tensor on dim 0 into dp_shard chunks of

@@ -21,13 +21,11 @@ import time
 from pathlib import Path
 
 from trainctl.core import rundir
+from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerError
 
 log = logging.getLogger("trainctl.train")
 
-EXIT_CONFIG = 2  # the run directory asks for something we cannot do
-EXIT_FAILURE = 1
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-ERROR_FILE_KEY = "trainctl"  # our fields in the error file, next to torchelastic's own "message"; see launch/failure.py
 _MESSAGE_CHARS = 2000
 
 
@@ -80,7 +78,7 @@ def write_error_file(message: str, exit_code: int, log_path: Path | None) -> Non
     now = time.time()
     data = {
         "message": {"message": message, "extraInfo": {"timestamp": str(int(now))}},
-        ERROR_FILE_KEY: {
+        rundir.ERROR_FILE_KEY: {
             "rank": int(os.environ.get("RANK", 0)),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
             "exit_code": exit_code,
@@ -123,13 +121,13 @@ def main(argv: list[str]) -> int:
         return fail("usage: python -m trainctl.train RUN_DIR", EXIT_CONFIG, None)
     run_dir = Path(argv[0]).resolve()
     if not rundir.is_run_dir(run_dir):
-        message = f"{run_dir}: not a run directory (no config.yaml); create one with `trainctl launch`"
+        message = f"{run_dir}: not a run directory (no {rundir.CONFIG}); create one with `trainctl launch`"
         return fail(message, EXIT_CONFIG, None)
     expected = os.environ.get(rundir.RUN_DIR_ENV)
     if expected and Path(expected).resolve() != run_dir:
         # launch.sh names the directory it found itself in; training anywhere else would write another run.
         message = (f"{run_dir}: the launch script runs from {expected}; "
-                   f"relaunch with {expected}/launch.sh or `trainctl resume`")
+                   f"relaunch with {expected}/{rundir.SCRIPT} or `trainctl resume`")
         return fail(message, EXIT_CONFIG, None)
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -152,7 +150,7 @@ def report(err: BaseException, log_path: Path | None) -> tuple[int, str]:
 
 def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
     """The exit code; a failure is reported (log, stderr, error file) the moment it reaches the top."""
-    from trainctl.train.stop import StopRequest, die_with_parent
+    from trainctl.train.loop.stop import StopRequest, die_with_parent
 
     die_with_parent()  # first: a torchrun killed from now on takes this worker along
     # Which machine each rank ran on: the first thing to know when one node misbehaves.
@@ -174,9 +172,11 @@ def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
         if rank == 0:
             rundir.clear_stop(run_dir)  # a new attempt: an earlier stop no longer describes the run
         # Imported after logging is set up: torch import warnings land in the rank's log.
-        from trainctl.train.trainer import run
+        from trainctl.train.loop.hooks import hooks_from_env
+        from trainctl.train.loop.trainer import run
 
-        summary = run(cfg, run_dir, stop, on_error=lambda exc: reported.append(report(exc, log_path)))
+        summary = run(cfg, run_dir, stop, on_error=lambda exc: reported.append(report(exc, log_path)),
+                      hooks=hooks_from_env())
     except BaseException as err:
         return reported[0][0] if reported else report(err, log_path)[0]
     # The stop handlers stay until the process exits: torchrun's SIGTERM to a failed rank's peers must not
@@ -192,30 +192,13 @@ def failed(err: BaseException) -> tuple[int, str]:
     if isinstance(err, SystemExit):
         code = err.code if isinstance(err.code, int) else EXIT_FAILURE
         return code, "" if code == 0 else f"exited with code {code}"
-    config_errors, stop_errors = user_errors()
-    if isinstance(err, config_errors):
-        message, code = one_line(err, True), EXIT_CONFIG
-    elif isinstance(err, stop_errors):
-        # Stopped on purpose with a message that says why and what to do: no traceback.
-        message, code = one_line(err, True), EXIT_FAILURE
-    else:
-        message, code = one_line(err, False), EXIT_FAILURE
-        log.error("training failed: %s", message, exc_info=err)
-        return code, message
-    log.error("%s", message)
-    return code, message
-
-
-def user_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """(errors the user fixes in the run directory, errors that stop a run on purpose); () where they fail to import."""
-    try:
-        from trainctl.train.checkpoint import CheckpointError
-        from trainctl.train.data import DataError
-        from trainctl.train.errors import WorkerConfigError
-        from trainctl.train.guards import NonFiniteError
-    except Exception:  # the import itself is what failed: every error is unexpected then
-        return (), ()
-    return (WorkerConfigError, DataError), (NonFiniteError, CheckpointError)
+    if isinstance(err, WorkerError):  # its message says what happened and what to do: no traceback
+        message = one_line(err, True)
+        log.error("%s", message)
+        return err.exit_code, message
+    message = one_line(err, False)
+    log.error("training failed: %s", message, exc_info=err)
+    return EXIT_FAILURE, message
 
 
 if __name__ == "__main__":

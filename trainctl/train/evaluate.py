@@ -30,8 +30,8 @@ from trainctl.models.export import read_model_config
 from trainctl.models.generate import load_model, pick_device
 from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.models.run_tokens import run_tokens
-from trainctl.train.data import DataError, TokenBatches
-from trainctl.train.loss import token_loss_sum
+from trainctl.train.loop.data import DataError, TokenBatches
+from trainctl.train.loop.loss import token_loss_sum
 
 
 class EvalError(UserError):
@@ -70,7 +70,7 @@ def check_dataset(run_dir: Path, data_dir: str, vocab_size: int) -> dataset.Data
 
 def dp_degree(run_dir: Path, cfg: RunConfig) -> int:
     """How many data-parallel ranks evaluated disjoint samples: plan.json's, else the config's positive sizes."""
-    dims = layout.read_json(run_dir / "plan.json").get("dims") or {}
+    dims = layout.read_json(run_dir / layout.PLAN).get("dims") or {}
     if isinstance(dims.get("dp"), int) and dims["dp"] > 0:
         return dims["dp"]
     return max(1, cfg.sharding.dp_replicate) * max(1, cfg.sharding.dp_shard)

@@ -1,6 +1,6 @@
 """The llama family's parallel plan: tensor/sequence-parallel styles, FSDP units, the pipeline stage module.
 
-TP (trainctl/train/tensor_parallel.py applies it): inside a block wq/wk/wv and w1/w3 are split by output
+TP (trainctl/train/parallel/tensor_parallel.py applies it): inside a block wq/wk/wv and w1/w3 are split by output
 columns (each rank owns n_heads/tp query heads, n_kv_heads/tp kv heads, ffn_dim/tp hidden units), wo and w2
 by input rows (their partial sums are reduce-scattered); between the matmuls the residual stream is sharded on
 the sequence dim (Shard(1)), so RMSNorm and the residual adds run on seq/tp tokens. The attention and MLP

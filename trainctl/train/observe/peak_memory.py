@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainctl.core import rundir
-from trainctl.train.memory_stats import model_state_bytes
+from trainctl.train.observe.memory_stats import model_state_bytes
 
 
 def ddp_bucket_bytes(model: nn.Module) -> int:
@@ -132,7 +132,7 @@ def read_prediction(run_dir: Path) -> dict | None:
 def with_prediction(record: dict, prediction: dict | None) -> dict:
     """The memory record with the plan's prediction beside it: `predicted`, and per rank its pp stage's peak.
 
-    Ranks are laid out pp-major (trainctl/train/distributed.MESH_DIMS), so rank r is on pp rank
+    Ranks are laid out pp-major (trainctl/train/parallel/distributed.MESH_DIMS), so rank r is on pp rank
     r // (world / pp).
     """
     if prediction is None:

@@ -5,7 +5,7 @@ DTensor counts its shard), so they mean the same on CPU and CUDA and need no all
 The trainer logs `model_state_bytes` once, after an early optimizer step (the third) and
 before zero_grad: that is the moment every state exists at once (gradients are still there,
 AdamW has allocated its moments), and between steps FSDP2 keeps only the shards. The same
-record carries that step's measured peak (trainctl/train/peak_memory.py).
+record carries that step's measured peak (trainctl/train/observe/peak_memory.py).
 """
 
 from __future__ import annotations

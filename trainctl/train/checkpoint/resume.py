@@ -15,8 +15,8 @@ from pathlib import Path
 
 from trainctl.config.schema import CheckpointConfig
 from trainctl.core.lora import is_adapter
-from trainctl.train import state
-from trainctl.train.checkpoint import META, CheckpointError, CheckpointManager, checkpoint_dir
+from trainctl.train.checkpoint import state
+from trainctl.train.checkpoint.store import META, CheckpointError, CheckpointManager, checkpoint_dir
 
 log = logging.getLogger("trainctl.train")
 

@@ -15,7 +15,7 @@ front): it enters `forward()` around its whole schedule step, which spans the ba
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainctl.config.schema import PrecisionConfig
 from trainctl.core.wrapping import Wrapping
-from trainctl.train.activations import activation_offload
-from trainctl.train.context_parallel import sharded_sequences
-from trainctl.train.parallelize import gradient_sync, unwrap
-from trainctl.train.precision import autocast_for
+from trainctl.train.parallel.activations import activation_offload
+from trainctl.train.parallel.context_parallel import sharded_sequences
+from trainctl.train.parallel.parallelize import gradient_sync, unwrap
+from trainctl.train.parallel.precision import autocast_for
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class MicroBatchContext:
     device: torch.device
     offload: bool = False  # train.activation_offload
     cp_mesh: DeviceMesh | None = None  # cp > 1: the ranks that share each sequence
+    # What forward() enters for the offload: (enabled, device) -> context. A field so that a test's hook
+    # (hooks.on_setup) can wrap the real one and watch it; production keeps the default.
+    offload_context: Callable[[bool, torch.device], contextlib.AbstractContextManager] = activation_offload
 
     @property
     def cp(self) -> int:
@@ -62,5 +65,5 @@ class MicroBatchContext:
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Autocast and activation offload, fresh for one forward + loss (or one pipeline schedule step)."""
-        with self.autocast(), activation_offload(self.offload, self.device):
+        with self.autocast(), self.offload_context(self.offload, self.device):
             yield

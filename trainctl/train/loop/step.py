@@ -9,6 +9,7 @@ is skipped (weights unchanged), counted and warned by the guard.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,15 +17,20 @@ import torch.distributed as dist
 from torch import nn
 
 from trainctl.models.loss_head import IGNORE_INDEX
-from trainctl.train.guards import agreed_step
-from trainctl.train.job import Job
-from trainctl.train.loss import TokenLoss, step_divisor, token_loss_sum
-from trainctl.train.loss_scaling import DynamicLossScaler
-from trainctl.train.memory_stats import memory_record
-from trainctl.train.micro_batch import MicroBatchContext
+from trainctl.train.loop.guards import agreed_step
+from trainctl.train.loop.job import Job
+from trainctl.train.loop.loss import TokenLoss, step_divisor, token_loss_sum
+from trainctl.train.loop.loss_scaling import DynamicLossScaler
+from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.observe.memory_stats import memory_record
+from trainctl.train.observe.peak_memory import PeakMeter, memory_step
 from trainctl.train.optim import lr_at, set_lr
-from trainctl.train.peak_memory import PeakMeter, memory_step
-from trainctl.train.pipeline import norm_over_stages, pipeline_eval_totals, pipeline_forward_backward, pp_group_of
+from trainctl.train.parallel.pipeline import (
+    norm_over_stages,
+    pipeline_eval_totals,
+    pipeline_forward_backward,
+    pp_group_of,
+)
 
 
 @dataclass(frozen=True)
@@ -52,14 +58,16 @@ def train_step(job: Job, step: int) -> StepResult:
     # One step's peak is measured, once optimizer states exist and DDP has rebuilt its buckets.
     measured = step == memory_step(job.start.step, job.cfg.train.steps)
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
+    on_loss = job.hooks.on_loss
+    adjust = None if on_loss is None else functools.partial(on_loss, step)
     if job.pipeline is None:
-        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor)
+        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust)
     else:
-        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor)
+        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust)
     job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
     local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))
     # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
-    loss, grad_norm, stop = agreed_step(local_loss, local_norm, job.stop.wanted(step + 1))
+    loss, grad_norm, stop = agreed_step(local_loss, local_norm, job.stop.requested)
     # Under fp16 an overflowing gradient is routine: the loss scaler skips that step itself.
     guard_norm = 0.0 if isinstance(job.scaler, DynamicLossScaler) else grad_norm
     if job.guard.decide(step + 1, loss, guard_norm) == "ok":  # steps are named as logged: 1-based
@@ -74,7 +82,7 @@ def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
     """A step whose masks leave no counted target anywhere: no forward, no optimizer step; the stop request
     is still agreed (the same all-reduce as a real step), and the guard counts and warns."""
     zero = torch.zeros((), device=job.world.device)
-    _, _, stop = agreed_step(zero, zero, job.stop.wanted(step + 1))
+    _, _, stop = agreed_step(zero, zero, job.stop.requested)
     job.guard.note_empty(step + 1)
     job.optimizer.zero_grad(set_to_none=True)
     return StepResult(step + 1, 0.0, 0.0, lr, stop)
@@ -82,17 +90,17 @@ def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                      contexts: MicroBatchContext, scale_loss=lambda loss: loss,
-                     divisor: float | None = None) -> torch.Tensor:
+                     divisor: float | None = None, adjust=None) -> torch.Tensor:
     """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync).
 
-    divisor: masked data's (loss.step_divisor); None: every target counts.
+    divisor: masked data's (loss.step_divisor); None: every target counts. adjust: hooks.on_loss of this step.
     """
     device = contexts.device
     if divisor is None:
         # Every micro-batch is full (no padding), so the count is known without a device sync;
         # a cp rank holds 1/cp of each sequence.
         divisor = sum(targets.numel() for _, targets in micro_batches) // contexts.cp
-    token_loss = TokenLoss(divisor)
+    token_loss = TokenLoss(divisor, adjust)
     total = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         inputs, targets = (t.to(device, non_blocking=True) for t in batch)

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from trainctl.config.schema import RunConfig
-from trainctl.train.checkpoint import CheckpointManager, SaveStats
-from trainctl.train.data import TokenBatches
-from trainctl.train.distributed import World
-from trainctl.train.guards import StepGuard
-from trainctl.train.loss_scaling import DynamicLossScaler, NoLossScaling
-from trainctl.train.metrics import MetricsLogger
-from trainctl.train.micro_batch import MicroBatchContext
-from trainctl.train.pipeline import Pipeline
-from trainctl.train.resume import StartPoint
-from trainctl.train.state import CheckpointMeta, TrainProgress
-from trainctl.train.stop import StopRequest
+from trainctl.train.checkpoint.resume import StartPoint
+from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
+from trainctl.train.checkpoint.store import CheckpointManager, SaveStats
+from trainctl.train.loop.data import TokenBatches
+from trainctl.train.loop.guards import StepGuard
+from trainctl.train.loop.hooks import Hooks
+from trainctl.train.loop.loss_scaling import DynamicLossScaler, NoLossScaling
+from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.loop.stop import StopRequest
+from trainctl.train.observe.metrics import MetricsLogger
+from trainctl.train.parallel.distributed import World
+from trainctl.train.parallel.pipeline import Pipeline
 
 
 @dataclass(kw_only=True)
@@ -43,4 +44,5 @@ class Job:
     metrics: MetricsLogger
     stop: StopRequest
     peak_flops: float | None  # per device, for MFU; None where unknown
+    hooks: Hooks = field(default_factory=Hooks)  # test seams (hooks.py); none in production
     logged_commit: SaveStats | None = None  # the last committed save logged (each is logged once)

@@ -17,6 +17,8 @@ it is summed over the world once per step (`step_divisor`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -64,11 +66,13 @@ class TokenLoss:
     both go through `normalize`.
     """
 
-    def __init__(self, rank_tokens: float):
+    def __init__(self, rank_tokens: float, adjust: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.adjust = adjust  # hooks.on_loss of this step (None: nothing to call)
         self.rank_tokens = rank_tokens
 
     def normalize(self, summed: torch.Tensor) -> torch.Tensor:
-        return summed / self.rank_tokens
+        loss = summed / self.rank_tokens
+        return loss if self.adjust is None else self.adjust(loss)
 
     def of_model(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                  freqs: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:

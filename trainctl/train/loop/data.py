@@ -40,6 +40,7 @@ import torch
 from trainctl.config.schema import DATA_KINDS, TOKEN_DTYPES, DataConfig
 from trainctl.data.format import DOC_START, LOSS
 from trainctl.models.loss_head import IGNORE_INDEX
+from trainctl.train.errors import WorkerConfigError
 
 SEPARATOR = 0  # appended after every stdlib file; never occurs in Python source
 STDLIB_VOCAB = 256  # byte-level tokens
@@ -60,7 +61,7 @@ _VOCAB_SAMPLE_CHUNKS = 64
 _VOCAB_SAMPLE_TOKENS = 1 << 16  # per chunk: check_vocab reads at most 64 x 64k tokens per file
 
 
-class DataError(Exception):
+class DataError(WorkerConfigError):  # exit 2, like any config error
     """A problem with the data that the user caused and can fix (message names the config key)."""
 
 

@@ -26,27 +26,28 @@ from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import build_model
 from trainctl.models.llama.model import attention_backends
 from trainctl.plan.flops import flops_per_token, lora_formula_count
-from trainctl.train import distributed
-from trainctl.train import state as checkpoint_state
-from trainctl.train.checkpoint import CheckpointManager, checkpoint_dir, step_name
-from trainctl.train.context_parallel import check_cp_device, cp_mesh_of
-from trainctl.train.data import DataError, TokenBatches, check_vocab, prepare_data
+from trainctl.train.checkpoint import state as checkpoint_state
+from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
+from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
+from trainctl.train.checkpoint.store import CheckpointManager, checkpoint_dir, step_name
 from trainctl.train.errors import WorkerConfigError
-from trainctl.train.float8 import register_float8_scale_precompute
-from trainctl.train.gc_schedule import collect_every
-from trainctl.train.guards import StepGuard
-from trainctl.train.job import Job
-from trainctl.train.loss import token_loss_sum  # noqa: F401  (re-exported: tests measure the loop's own loss)
-from trainctl.train.loss_scaling import build_loss_scaler
-from trainctl.train.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
-from trainctl.train.micro_batch import MicroBatchContext
+from trainctl.train.loop.data import DataError, TokenBatches, check_vocab, prepare_data
+from trainctl.train.loop.gc_schedule import collect_every
+from trainctl.train.loop.guards import StepGuard
+from trainctl.train.loop.hooks import Hooks
+from trainctl.train.loop.job import Job
+from trainctl.train.loop.loss import token_loss_sum  # noqa: F401  (re-exported: tests measure the loop's own loss)
+from trainctl.train.loop.loss_scaling import build_loss_scaler
+from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.loop.step import StepResult, evaluate, train_step
+from trainctl.train.loop.stop import StopRequest, requeue_slurm_job
+from trainctl.train.observe.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, zero1_group
-from trainctl.train.parallelize import check_supported, parallelize
-from trainctl.train.pipeline import Pipeline, build_pipeline
-from trainctl.train.resume import StartPoint, find_source, restore
-from trainctl.train.state import CheckpointMeta, TrainProgress
-from trainctl.train.step import StepResult, evaluate, train_step
-from trainctl.train.stop import StopRequest, requeue_slurm_job
+from trainctl.train.parallel import distributed
+from trainctl.train.parallel.context_parallel import check_cp_device, cp_mesh_of
+from trainctl.train.parallel.float8 import register_float8_scale_precompute
+from trainctl.train.parallel.parallelize import check_supported, parallelize
+from trainctl.train.parallel.pipeline import Pipeline, build_pipeline
 
 log = logging.getLogger("trainctl.train")
 
@@ -66,6 +67,8 @@ def train_loop(job: Job) -> dict:
             result = train_step(job, step)
             timer.tick()
             val_loss = after_step(job, result, timer, val_loss)
+            if job.hooks.on_step_end is not None:
+                job.hooks.on_step_end(job, result)
             collect(result.step)
             if result.stop:
                 stopped = True
@@ -241,7 +244,8 @@ def check_lora_supported(cfg: RunConfig) -> None:
         raise WorkerConfigError("; ".join(missing))
 
 
-def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopRequest) -> Job:
+def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopRequest,
+          hooks: Hooks = Hooks()) -> Job:
     """The whole Job of this rank: mesh, model, optimizer, data, metrics, checkpoints, and where to start."""
     check_supported(cfg.sharding, cfg.precision)
     check_lora_supported(cfg)
@@ -268,7 +272,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     layout = {"global_batch": train.global_batch, "sharding": asdict(sharding)}
     meta = CheckpointMeta(progress, scaler, guard, layout)
     checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                    device=world.device.type)
+                                    device=world.device.type, before_commit=hooks.before_commit)
     contexts = MicroBatchContext(model=model, precision=cfg.precision, wrap=wrap,
                                  device=world.device, offload=train.activation_offload, cp_mesh=cp_mesh_of(mesh))
     start = start_from_checkpoint(cfg, run_dir, checkpoints, model, optimizer, world)  # last: it sets the RNG
@@ -281,7 +285,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
                world.is_main)
     return Job(cfg=cfg, world=world, model=model, optimizer=optimizer, pipeline=pipeline, contexts=contexts,
                train_data=train_data, val_data=val_data, scaler=scaler, guard=guard, progress=progress, meta=meta,
-               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak)
+               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak, hooks=hooks)
 
 
 def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager, model: nn.Module,
@@ -325,7 +329,8 @@ def report_stop(job: Job, run_dir: Path, step: int) -> None:
                 by, step, saved.name, run_dir.name)
 
 
-def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error=None) -> dict:
+def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error=None,
+        hooks: Hooks = Hooks()) -> dict:
     """The worker: join the world, train, write result.json; always closes W&B and the process group.
 
     stop: installed by the caller as early as it can (a signal during setup ends the worker at once).
@@ -335,7 +340,9 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
     world = distributed.init_distributed(cfg.cluster, cpu_collectives=cfg.sharding.cpu_offload)
     job = None
     try:
-        job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.stop_signal))
+        job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.stop_signal), hooks)
+        if hooks.on_setup is not None:
+            hooks.on_setup(job)
         with attention_backends(cfg.train.attention):  # cuDNN, flash, efficient, math: set, not left to chance
             summary = train_loop(job)
         if summary["stopped"]:

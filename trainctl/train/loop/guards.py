@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trainctl.config.schema import GuardsConfig
+from trainctl.train.errors import WorkerError
 
 log = logging.getLogger("trainctl.train")
 
@@ -45,7 +46,7 @@ DEFAULT_ADVICE = (
 )
 
 
-class NonFiniteError(Exception):
+class NonFiniteError(WorkerError):  # exit 1: stopped on purpose, not a config error
     """Training stopped on a bad step; the message names the step, the numbers and what to do."""
 
     def __init__(self, step: int, loss: float, grad_norm: float, reason: str, advice: str = DEFAULT_ADVICE):

@@ -43,6 +43,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,14 +63,15 @@ from trainctl.core.checkpoints import (  # noqa: F401  (checkpoint_dir, step_nam
     step_name,
     verify,
 )
-from trainctl.train.checkpoint_failure import SAVE_ERRORS, Part, describe, human
-from trainctl.train.manifest import fsync_dir, hash_files, write_bytes
+from trainctl.train.checkpoint.failure import SAVE_ERRORS, Part, describe, human
+from trainctl.train.checkpoint.manifest import fsync_dir, hash_files, write_bytes
+from trainctl.train.errors import WorkerError
 
 log = logging.getLogger("trainctl.train")
 
 
 
-class CheckpointError(Exception):
+class CheckpointError(WorkerError):  # exit 1: the run stopped on purpose
     """A checkpoint could not be saved or loaded; the one-line message says why and what to do."""
 
 
@@ -119,11 +121,12 @@ class CheckpointManager:
     """
 
     def __init__(self, root: Path, keep_last: int, async_save: bool = False, process_group=None,
-                 device: str = "cpu"):
+                 device: str = "cpu", before_commit: Callable[[int], None] | None = None):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1")
         self.root, self.keep_last, self.async_save = Path(root), keep_last, async_save
         self.stats: SaveStats | None = None
+        self.before_commit = before_commit  # hooks.before_commit (a test seam), None in production
         self._pending: _Pending | None = None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") if async_save else None
         self._stager = pinned_stager() if async_save and device == "cuda" else None
@@ -262,6 +265,8 @@ class CheckpointManager:
         held: when the loop started waiting for this commit (blocking time = blocking_s + now - held).
         """
         parts = self._all_gather(part)
+        if self.before_commit is not None:
+            self.before_commit(step)
         verdict = self._seal(step, tmp, parts) if self.rank == 0 else None
         error, size = self._broadcast(verdict)
         if error is not None:

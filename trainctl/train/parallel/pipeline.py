@@ -38,9 +38,9 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.core.stages import local_stage_ids, stage_layers
 from trainctl.models.build import family_parallel
 from trainctl.models.loss_head import IGNORE_INDEX
-from trainctl.train.loss import TokenLoss
-from trainctl.train.micro_batch import MicroBatchContext
-from trainctl.train.parallelize import parallelize
+from trainctl.train.loop.loss import TokenLoss
+from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.parallel.parallelize import parallelize
 
 # Single-stage schedules take one stage; the interleaved ones a list (several stages per rank).
 SCHEDULES = {
@@ -165,12 +165,13 @@ def sum_over_stages(value: torch.Tensor, pipeline: Pipeline) -> torch.Tensor:
 
 
 def pipeline_forward_backward(pipeline: Pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                              contexts: MicroBatchContext, divisor: float | None = None) -> torch.Tensor:
+                              contexts: MicroBatchContext, divisor: float | None = None,
+                              adjust=None) -> torch.Tensor:
     """One schedule step over this rank's micro-batches; returns the rank's mean token loss, same on every pp rank.
 
     divisor: masked data's (loss.step_divisor: the step's counted targets); None: every target counts.
     """
-    pipeline.loss_fn.token_loss = TokenLoss(pipeline.rank_tokens if divisor is None else divisor)
+    pipeline.loss_fn.token_loss = TokenLoss(pipeline.rank_tokens if divisor is None else divisor, adjust)
     losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches, contexts.forward)
     total = torch.stack(losses).sum().detach() if pipeline.is_last else torch.zeros((), device=pipeline.device)
     return sum_over_stages(total, pipeline)

@@ -36,12 +36,12 @@ from trainctl.core.support import unsupported
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import family_parallel
 from trainctl.models.lora import init_adapters
-from trainctl.train.activations import apply_activation_checkpointing, transformer_blocks
-from trainctl.train.context_parallel import expand_kv_heads_for_cp
 from trainctl.train.errors import WorkerConfigError
-from trainctl.train.float8 import apply_float8
-from trainctl.train.precision import fsdp_mp_policy
-from trainctl.train.tensor_parallel import apply_replicate_over_tp, apply_tp
+from trainctl.train.parallel.activations import apply_activation_checkpointing, transformer_blocks
+from trainctl.train.parallel.context_parallel import expand_kv_heads_for_cp
+from trainctl.train.parallel.float8 import apply_float8
+from trainctl.train.parallel.precision import fsdp_mp_policy
+from trainctl.train.parallel.tensor_parallel import apply_replicate_over_tp, apply_tp
 
 
 def check_supported(sharding: ShardingConfig, precision: PrecisionConfig) -> None:

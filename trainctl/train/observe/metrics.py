@@ -21,9 +21,9 @@ import torch
 from trainctl.config.schema import LoggingConfig, PrecisionConfig
 from trainctl.core import rundir
 from trainctl.core.gpus import match_gpu, peak_flops
-from trainctl.train.console import console_line
-from trainctl.train.peak_memory import read_prediction, with_prediction
-from trainctl.train.scalars import TensorBoard, scalars, tensorboard_available
+from trainctl.train.observe.console import console_line
+from trainctl.train.observe.peak_memory import read_prediction, with_prediction
+from trainctl.train.observe.scalars import TensorBoard, scalars, tensorboard_available
 
 log = logging.getLogger("trainctl.train")
 PROGRESS_INTERVAL_S = 0.5
@@ -137,7 +137,7 @@ class MetricsLogger:
             self._wandb_logged_through = max(dropped_through, step)
             if dropped_through > step and self._wandb is not None:
                 log.warning("W&B keeps this run's earlier values of steps %d..%d (it cannot rewind); "
-                            "metrics.jsonl holds the resumed run's", step + 1, dropped_through)
+                            "%s holds the resumed run's", step + 1, dropped_through, rundir.METRICS)
         self._emit({"kind": "resume", "step": step, "checkpoint": path}, step)
 
     def checkpoint(self, step: int, values: dict) -> None:
@@ -182,8 +182,8 @@ class MetricsLogger:
                 tmp.unlink()
             self._jsonl = self._open_jsonl()
         if dropped:
-            log.info("metrics.jsonl: dropped %d records past step %d (an earlier attempt's, or unreadable)",
-                     dropped, step)
+            log.info("%s: dropped %d records past step %d (an earlier attempt's, or unreadable)",
+                     rundir.METRICS, dropped, step)
         return highest
 
     def _emit(self, record: dict, step: int) -> None:

@@ -37,7 +37,8 @@ def exit_code_of(signal_name: str) -> int:
 
 
 class StopRequest:
-    """A flag raised by a stop signal; `requested` is this rank's view (the loop agrees across ranks)."""
+    """A flag raised by a stop signal (or a test's hook: `request`); `requested` is this rank's view (the loop
+    agrees across ranks)."""
 
     DUPLICATE_S = 2.0  # a repeat within this many seconds is the same stop delivered twice (Slurm + torchrun)
 
@@ -54,10 +55,6 @@ class StopRequest:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(("SIGINT", "SIGTERM", self.preemption_signal)))
-
-    def wanted(self, done: int) -> bool:
-        """This rank's answer after `done` steps: a stop signal arrived."""
-        return self.requested
 
     @property
     def preempted(self) -> bool:
@@ -99,13 +96,20 @@ class StopRequest:
                     self.on_signal(signal.Signals(signum).name)
         os.close(read_fd)
 
+    def request(self, signal_name: str = "", now: float | None = None) -> None:
+        """Ask for a stop: this rank's flag, which the next step's agreement spreads to every rank (then all save
+        that step and leave). A first stop signal calls it; so may a test's hook (hooks.py), with no signal
+        name: such a stop exits 0 and records nothing."""
+        self.requested, self.signal_name = True, signal_name
+        self._first_at = time.monotonic() if now is None else now
+
     def on_signal(self, name: str, now: float | None = None) -> None:
         """React to one delivered stop signal (called by the watcher thread)."""
         now = time.monotonic() if now is None else now
         if not self.armed:
             self._exit_now(name, "before training started: nothing to save")
         if not self.requested:
-            self.requested, self.signal_name, self._first_at = True, name, now
+            self.request(name, now)
             log.warning("%s received: checkpointing at the end of this step, then stopping "
                         "(a second SIGINT/SIGTERM stops at once, without a checkpoint)", name)
             return

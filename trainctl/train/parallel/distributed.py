@@ -105,7 +105,7 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
     shape = tuple(getattr(dims, name) for name in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     if dims.cp > 1:
-        from trainctl.train.context_parallel import flatten_dp_cp
+        from trainctl.train.parallel.context_parallel import flatten_dp_cp
 
         flatten_dp_cp(mesh)
     return mesh
