@@ -18,8 +18,6 @@ ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # its owner routes through rundir (issue 25: cli.py is the api slice's, config/schema.py the opt slice's).
 ALLOWED = {
     ("trainctl/config/sources.py", "config.yaml"),  # the primary file of a config folder (conf/), not a run's
-    ("trainctl/cli.py", "launch.sh"),  # api slice: rundir.SCRIPT
-    ("trainctl/config/schema.py", "config.yaml"),  # opt slice: rundir.CONFIG
 }
 
 

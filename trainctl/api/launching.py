@@ -16,6 +16,7 @@ from pathlib import Path
 from trainctl.api.configs import ConfigDirs, find_run, resolved
 from trainctl.api.handle import LaunchHandle, OutputTail
 from trainctl.config.schema import RunConfig
+from trainctl.core import rundir as layout
 from trainctl.core.errors import UserError
 from trainctl.plan import RunPlan
 
@@ -102,7 +103,7 @@ def prepare_launch(overrides: Sequence[str] | None = None, config_dirs: ConfigDi
         raise UserError(problems)
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None,
                             overrides=list(overrides or []))
-    command = start_command(cfg, run_dir / "launch.sh") if dry_run else ""
+    command = start_command(cfg, run_dir / layout.SCRIPT) if dry_run else ""
     return Prepared(run_dir, cfg, run_plan, new=True, dry_run=dry_run, start_command=command,
                     warnings=list(run_plan.warnings))
 

@@ -558,14 +558,15 @@ def load_run_config(path: str | Path) -> RunConfig:
     """
     from trainctl.config import interpolations, yaml_files
     from trainctl.config.errors import ConfigError, ConfigFileError
+    from trainctl.core import rundir
 
     path = Path(path)
     if path.is_dir():
-        path = path / "config.yaml"
+        path = path / rundir.CONFIG
     data = yaml_files.load(path, name="", syntax_errors=False)
     if not isinstance(data, dict):
         raise ConfigFileError([f"not a mapping of config keys (it holds {type(data).__name__}); a run's "
-                               "config.yaml is written by trainctl: restore it or launch a new run"])
+                               f"{rundir.CONFIG} is written by trainctl: restore it or launch a new run"])
     try:
         interpolations.check(data)
     except ConfigError as exc:
