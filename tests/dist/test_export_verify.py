@@ -123,8 +123,8 @@ def save_peaked_run(root: Path, cfg) -> None:
     """A run with one committed checkpoint whose random q/k weights are large: attention is sharp, so rounding
     between two correct implementations grows past 1e-4 of the logit scale (measured 3.5e-4)."""
     import torch.distributed.checkpoint as dcp
-
     from test_export import write_manifest
+
     from trainctl.config.schema import RunConfig, to_yaml
     from trainctl.models.build import build_model
 

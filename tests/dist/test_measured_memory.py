@@ -29,9 +29,9 @@ from trainctl.models.build import build_model as build_family_model
 from trainctl.models.llama.model import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.stages import rank_stages
-from trainctl.train.parallel.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
-from trainctl.train.observe.memory_stats import retained_activation_bytes, saved_tensor_bytes
 from trainctl.train.loop.trainer import token_loss_sum
+from trainctl.train.observe.memory_stats import retained_activation_bytes, saved_tensor_bytes
+from trainctl.train.parallel.activations import activation_offload, apply_activation_checkpointing, blocks_to_checkpoint
 
 # One process, no process group, but real forward/backward passes (~15 s): the dist tier, not unit.
 pytestmark = pytest.mark.dist

@@ -101,7 +101,7 @@ def injected(root, data_cache):
 
 def max_relative_difference(values: list[float], reference: list[float]) -> float:
     assert len(values) == len(reference) == STEPS
-    return max(abs(v - r) / abs(r) for v, r in zip(values, reference))
+    return max(abs(v - r) / abs(r) for v, r in zip(values, reference, strict=True))
 
 
 def decreases(losses: list[float]) -> bool:

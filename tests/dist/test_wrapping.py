@@ -27,9 +27,9 @@ from trainctl.core.dims import ParallelDims
 from trainctl.core.stages import local_stage_ids, stage_layers
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import Wrapping, wrapping_of
-from trainctl.train.parallel.distributed import build_mesh
 from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.optim import build_optimizer, zero1_group
+from trainctl.train.parallel.distributed import build_mesh
 from trainctl.train.parallel.parallelize import parallelize
 from trainctl.train.parallel.pipeline import build_stage_model
 from trainctl.train.parallel.precision import DTYPES
