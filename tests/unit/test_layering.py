@@ -11,6 +11,7 @@ import cycle, or an import against the direction, fails with the module and the 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -39,9 +40,10 @@ def package_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[0] == "trainctl" else None
 
 
-def imported_modules(path: Path) -> list[tuple[str, int]]:
+@functools.cache  # the tree does not change during a session; each module is parsed once, not once per test
+def imported_modules(path: Path) -> tuple[tuple[str, int], ...]:
     """(absolute module name, line) of every import in one file, relative ones resolved."""
-    module, is_package = module_name(path), path.name == "__init__.py"
+    module, in_init = module_name(path), path.name == "__init__.py"
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -49,26 +51,31 @@ def imported_modules(path: Path) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if in_init else 0)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             # `from trainctl import plan` and `from trainctl.models import registry` name modules of a package;
             # `from trainctl.plan.memory import x` names a module.
-            is_package = (ROOT.parent / base.replace(".", "/") / "__init__.py").is_file()
-            names = [f"{base}.{alias.name}" for alias in node.names] if is_package else [base]
+            names_a_package = (ROOT.parent / base.replace(".", "/") / "__init__.py").is_file()
+            names = [f"{base}.{alias.name}" for alias in node.names] if names_a_package else [base]
             found += [(name, node.lineno) for name in names]
-    return found
+    return tuple(found)
 
 
-def package_edges() -> dict[tuple[str, str], list[str]]:
-    """(importer package, imported package) -> 'file:line' of each import that makes the edge."""
-    edges: dict[tuple[str, str], list[str]] = {}
+@functools.cache
+def _package_edges() -> dict[tuple[str, str], tuple[str, ...]]:
+    edges = {}
     for path in sorted(ROOT.rglob("*.py")):
         source = package_of(module_name(path))
         for name, line in imported_modules(path):
             target = package_of(name)
             if source and target and target != source:
                 edges.setdefault((source, target), []).append(f"{path.relative_to(ROOT.parent)}:{line}")
-    return edges
+    return {edge: tuple(where) for edge, where in edges.items()}
+
+
+def package_edges() -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> 'file:line' of each import that makes the edge (a fresh dict)."""
+    return {edge: list(where) for edge, where in _package_edges().items()}
 
 
 def cycles(edges) -> list[list[str]]:
