@@ -67,3 +67,24 @@ def test_a_shadowing_config_folder_is_a_note_returned_not_printed(tmp_path, caps
     assert [n for n in api.shadow_notes(sp) if "recipe tiny_cpu" in n and str(tmp_path) in n]
     assert api.resolved(TINY, sp).train.steps == 3
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("call", [
+    lambda o: api.plan(o), lambda o: api.launch(o, dry_run=True), lambda o: api.sweep(o),
+    lambda o: api.runs(overrides=o), lambda o: api.resume("nowhere", o),
+])
+def test_overrides_given_as_one_string_are_refused_not_read_letter_by_letter(call, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as err:
+        call("recipe=tiny_cpu train.steps=3")
+    assert err.value.problems == ["overrides='recipe=tiny_cpu train.steps=3': give a list of strings, one override "
+                                  "each (e.g. ['recipe=tiny_cpu', 'train.steps=3']), not one string"]
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_an_override_that_is_not_a_string_is_named():
+    with pytest.raises(UserError) as err:
+        api.plan(["recipe=tiny_cpu", 3, None])
+    assert err.value.problems == ["overrides[1]=3: an override is a string such as 'optim.lr=1e-3'",
+                                  "overrides[2]=None: an override is a string such as 'optim.lr=1e-3'"]
+    assert api.plan(("recipe=tiny_cpu",)).world_size == 2  # any sequence of strings is fine (tiny_cpu: 2 workers)

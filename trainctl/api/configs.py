@@ -62,14 +62,36 @@ def cwd_problem() -> str | None:
     return None
 
 
+def override_list(overrides: Sequence[str] | None) -> list[str]:
+    """The overrides as a list of strings. One string would be read character by character (a str is a sequence
+    of str), so it is refused, as is any item that is not a string, each in one line."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, (str, bytes)):
+        return _refuse_one_string(overrides)
+    items = list(overrides)
+    wrong = [f"overrides[{i}]={item!r}: an override is a string such as 'optim.lr=1e-3'"
+             for i, item in enumerate(items) if not isinstance(item, str)]
+    if wrong:
+        raise UserError(wrong)
+    return items
+
+
+def _refuse_one_string(text: str | bytes) -> list[str]:
+    example = repr(text.split()) if isinstance(text, str) and text.split() else "['recipe=tiny_cpu', 'optim.lr=1e-3']"
+    raise UserError([f"overrides={text!r}: give a list of strings, one override each (e.g. {example}), "
+                     "not one string"])
+
+
 def resolved(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None) -> RunConfig:
     """The composed, validated and derived config of one run; a sweep's overrides are refused (see `api.sweep`)."""
     from trainctl.launch.sweep import is_sweep
 
-    if swept := is_sweep(list(overrides or [])):
+    overrides = override_list(overrides)
+    if swept := is_sweep(overrides):
         raise UserError([f"{item}: several values (a sweep); `trainctl launch -m ...` runs one run per point"
                          for item in swept])
-    return resolve(composer.compose(list(overrides or []), search(config_dirs)))
+    return resolve(composer.compose(overrides, search(config_dirs)))
 
 
 def env_runs_dir() -> Path:
@@ -84,7 +106,7 @@ def runs_dir_of(runs_dir: Path | str | None = None, overrides: Sequence[str] | N
     if runs_dir is not None:
         return Path(runs_dir)
     if overrides or config_dirs:
-        return Path(composer.compose(list(overrides or []), search(config_dirs)).runs_dir.strip() or "runs")
+        return Path(composer.compose(override_list(overrides), search(config_dirs)).runs_dir.strip() or "runs")
     return env_runs_dir()
 
 

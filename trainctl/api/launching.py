@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainctl.api.configs import ConfigDirs, find_run, resolved
+from trainctl.api.configs import ConfigDirs, find_run, override_list, resolved
 from trainctl.api.handle import LaunchHandle, OutputTail
 from trainctl.config.schema import RunConfig
 from trainctl.core import rundir as layout
@@ -102,7 +102,7 @@ def prepare_launch(overrides: Sequence[str] | None = None, config_dirs: ConfigDi
     if problems := launch_problems(cfg, run_plan, dry_run, force):
         raise UserError(problems)
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None,
-                            overrides=list(overrides or []))
+                            overrides=override_list(overrides))
     command = start_command(cfg, run_dir / layout.SCRIPT) if dry_run else ""
     return Prepared(run_dir, cfg, run_plan, new=True, dry_run=dry_run, start_command=command,
                     warnings=list(run_plan.warnings))
@@ -118,9 +118,10 @@ def prepare_resume(run: str | Path, overrides: Sequence[str] | None = None, *, f
     from trainctl.launch.rundir import script_workdir, write_script
     from trainctl.plan import build
 
+    overrides = override_list(overrides)  # before the run is looked for: a wrong call is the first thing to say
     run_dir = find_run(run, runs_dir)
     _check_idle(run_dir)
-    res = resumer.check(run_dir, list(overrides or []))
+    res = resumer.check(run_dir, overrides)
     cfg, workdir = res.resolved, script_workdir(run_dir)
     run_plan = build(cfg)
     if cfg.checkpoint.resume == "never":

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainctl.api.configs import ConfigDirs, search
+from trainctl.api.configs import ConfigDirs, override_list, search
 from trainctl.api.launching import launch_problems, start_command
 from trainctl.core.errors import UserError
 
@@ -50,7 +50,7 @@ def prepare_sweep(overrides: Sequence[str], config_dirs: ConfigDirs = None, *, d
     from trainctl.launch import backends, rundir, sweep
     from trainctl.plan import build
 
-    sp, overrides = search(config_dirs), list(overrides)
+    sp, overrides = search(config_dirs), override_list(overrides)
 
     def build_point(point: list[str]):
         cfg = resolve(composer.compose(point, sp))
