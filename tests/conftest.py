@@ -4,10 +4,16 @@ A test's folder gives its tier unless the test names one itself: tests/unit -> u
 tests/slurm -> slurm, tests/fuzz -> fuzz. A test using a fixture that runs programs (stub Slurm clients, a tmpfs
 mount) is `cli`.
 A `unit` test that starts a process or opens a torch process group fails, saying so.
+
+`pytest -m unit` runs on up to UNIT_WORKERS processes (pytest-xdist, in the dev extra) where the machine has the
+cores: the tier is about 1450 in-process tests, most of them one Hydra composition (~0.1 s) each, and two cores
+halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process: the dist tests
+start torchrun workers of their own and would only fight over the cores.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +23,28 @@ TIERS = ("unit", "cli", "dist", "slurm", "fuzz")
 FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm", "fuzz": "fuzz"}
 # Fixtures that start programs: a test using one is not in-process.
 PROCESS_FIXTURES = {"slurm_bin": "cli", "small_fs": "cli"}  # small_fs: mount/umount a tmpfs (test_checkpoint_store)
+UNIT_WORKERS = 4
+
+
+def unit_tier_workers(config: pytest.Config) -> int:
+    """How many xdist processes a run gets by default: several only for exactly `-m unit` on a machine with the
+    cores, with xdist installed, when the user chose nothing (-n, --pdb, --collect-only) and this is not itself a
+    worker."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if ((config.option.markexpr or "").strip() != "unit" or hasattr(config, "workerinput")
+            or not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None
+            or config.option.usepdb or config.option.collectonly):
+        return 0
+    return min(cores, UNIT_WORKERS) if cores > 1 else 0
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own (also tryfirst, registered earlier) reads -n
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    if workers := unit_tier_workers(config):
+        config.option.numprocesses = workers
 
 
 def tier_of(item: pytest.Item) -> str | None:

@@ -13,6 +13,7 @@ disk: nothing is left behind, whatever ends the process.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from pathlib import Path
 
@@ -33,6 +34,11 @@ SCHEMA_NAME = "trainctl_schema"
 _KEYWORDS = ("optional", "override")
 _catalogs: dict[str, Catalog] = {}
 _tokens = itertools.count()
+# A file's parse by (path, group, text): every composition loads every file of its defaults list again, and the
+# unit tier composes ~1500 times. Keyed by the text just read, so an edited file is parsed afresh; the data is
+# handed out as a copy (OmegaConf.create keeps no reference, but Hydra's callers may change what they get).
+_parsed: dict[tuple[str, str, str], tuple[object, list[str], dict]] = {}
+_PARSED_MAX = 256
 
 
 class TrainctlSource(ConfigSource):
@@ -54,10 +60,7 @@ class TrainctlSource(ConfigSource):
         if path is None:  # Hydra asks only for what is_config confirmed
             raise ConfigError([f"{config_path}: not a config of the declared folders"])
         group = config_path.partition("/")[0] if "/" in config_path else ""
-        text = yaml_files.read_text(path)
-        data = yaml_files.parse(text, str(path))
-        problems = file_problems(path, group, data)
-        header = _header(path, text, group)
+        data, problems, header = _parse(path, group, yaml_files.read_text(path))
         if problems:
             raise ConfigError(problems)
         config = OmegaConf.create(data if data is not None else {})
@@ -85,6 +88,18 @@ class TrainctlSource(ConfigSource):
 
 
 Plugins.instance().register(TrainctlSource)
+
+
+def _parse(path: Path, group: str, text: str) -> tuple[object, list[str], dict]:
+    """The file's data, its problems and its header; a syntax error raises (and is not kept)."""
+    key = (str(path), group, text)
+    if key not in _parsed:
+        data = yaml_files.parse(text, str(path))
+        if len(_parsed) >= _PARSED_MAX:
+            _parsed.pop(next(iter(_parsed)))
+        _parsed[key] = (data, file_problems(path, group, data), _header(path, text, group))
+    data, problems, header = _parsed[key]
+    return copy.deepcopy(data), list(problems), dict(header)
 
 
 class initialize_catalog:  # noqa: N801 (a context manager used like Hydra's initialize_config_dir)
