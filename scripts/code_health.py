@@ -28,10 +28,20 @@ def python_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / PACKAGE).rglob("*.py") if "__pycache__" not in p.parts)
 
 
+# The torch-free part of models/ (the family registry and each family's spec.py) is a layer of its own, "specs",
+# below config; the rest of models/ is the worker's (as tests/unit/test_layering.py draws the layers).
+SPEC_MODULES = re.compile(r"^models\.(registry|[a-z0-9_]+\.spec)$")
+
+
+def layer_of(parts: tuple[str, ...]) -> str:
+    """The package a module (its parts below trainctl) counts as: plan.memory -> plan, models.llama.spec -> specs."""
+    return "specs" if SPEC_MODULES.match(".".join(parts)) else parts[0]
+
+
 def package_of(path: Path, root: Path) -> str:
     """The first-level package (or top-level module) a file belongs to: trainctl/plan/x.py -> plan."""
     parts = path.relative_to(root / PACKAGE).with_suffix("").parts
-    return parts[0]
+    return layer_of(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
 def functions(tree: ast.AST, where: str) -> list[tuple[int, str]]:
@@ -39,23 +49,30 @@ def functions(tree: ast.AST, where: str) -> list[tuple[int, str]]:
             for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
 
 
-def imported_packages(tree: ast.AST, own: str, module_parts: tuple[str, ...]) -> set[str]:
-    """First-level packages of trainctl this module imports (absolute or relative), other than its own."""
+def imported_packages(tree: ast.AST, own: str, module_parts: tuple[str, ...], root: Path | None = None) -> set[str]:
+    """First-level packages of trainctl this module imports (absolute or relative), other than its own.
+
+    `from trainctl.models import registry` imports the module trainctl.models.registry (where `root` shows that
+    trainctl/models is a package), not the package trainctl.models."""
     found = set()
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level:
-            base = module_parts[: len(module_parts) - node.level]
-            names = [".".join((PACKAGE, *base, *(node.module or "").split(".")))]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join((PACKAGE, *module_parts[: len(module_parts) - node.level], *filter(None, [base])))
+            names = [f"{base}.{alias.name}" for alias in node.names] if _is_package(root, base) else [base]
         for name in names:
-            parts = name.split(".")
-            if parts[0] == PACKAGE and len(parts) > 1 and parts[1] != own:
-                found.add(parts[1])
+            parts = tuple(name.split("."))
+            if parts[0] == PACKAGE and len(parts) > 1 and layer_of(parts[1:]) != own:
+                found.add(layer_of(parts[1:]))
     return found
+
+
+def _is_package(root: Path | None, module: str) -> bool:
+    return root is not None and (root / module.replace(".", "/") / "__init__.py").is_file()
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -91,7 +108,7 @@ def measure(root: Path) -> dict:
         funcs += functions(tree, str(rel))
         module_parts = path.relative_to(root / PACKAGE).with_suffix("").parts[:-1] + ("_",)
         own = package_of(path, root)
-        edges.setdefault(own, set()).update(imported_packages(tree, own, module_parts))
+        edges.setdefault(own, set()).update(imported_packages(tree, own, module_parts, root))
         lines = text.splitlines()
         wide += sum(len(line) > WIDTH for line in lines)
         hooks += [f"{rel}:{number}" for number, line in enumerate(lines, 1) if HOOK_PATTERN.search(line)]

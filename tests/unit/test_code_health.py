@@ -40,3 +40,18 @@ def test_runs_on_this_repository(capsys):
     assert health.main([str(ROOT), "--json"]) == 0
     out = capsys.readouterr().out
     assert '"functions"' in out and '"package_cycles"' in out
+
+
+def test_the_model_specs_are_a_layer_of_their_own_as_the_layering_test_draws_them(tmp_path):
+    health = load_script()
+    write(tmp_path, "__init__.py", "")
+    write(tmp_path, "models/__init__.py", "")
+    write(tmp_path, "models/registry.py", "from trainctl.models.llama import spec\n")
+    write(tmp_path, "models/llama/__init__.py", "")
+    write(tmp_path, "models/llama/spec.py", "X = 1\n")
+    write(tmp_path, "models/llama/model.py", "from trainctl.config import a\n")  # the worker's side reads config
+    write(tmp_path, "config/__init__.py", "")
+    write(tmp_path, "config/a.py", "from trainctl.models import registry\nfrom ..models.llama import spec\n")
+    assert health.measure(tmp_path)["package_cycles"] == []
+    write(tmp_path, "config/b.py", "from trainctl.models.llama import model\n")  # config reaching the worker's models
+    assert health.measure(tmp_path)["package_cycles"] == ["config -> models -> config"]
