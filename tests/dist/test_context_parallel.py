@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_runs import base_config, records, series, train_and_check
+from worker_runs import assert_same_steps, base_config, records, series, train_and_check
 
 from tests.helpers import REL, run_torchrun
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
@@ -63,10 +63,7 @@ def cp_runs(tmp_path_factory, data_cache):
 @pytest.mark.parametrize("name", list(CP_LAYOUTS))
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_cp_layouts_match_one_process(cp_runs, name, key):
-    got, want = series(cp_runs[name], key), series(cp_runs["single"], key)
-    assert len(got) == len(want) == 10
-    assert got == pytest.approx(want, rel=REL), key
-    assert len(set(got)) == len(got)  # a real curve, not one repeated number
+    assert_same_steps(cp_runs[name], cp_runs["single"], key, 10, REL)  # a real curve, not one repeated number
 
 
 @pytest.mark.parametrize("name", ["cp2", "ddp_cp2", "tp2_cp2"])  # dp = 1, as in the reference: the same held-out set

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, train_and_check
+from worker_runs import TINY, assert_same_evals, assert_same_steps, base_config, records, series, train_and_check
 
 from tests.helpers import REL
 from tests.unit.test_masked_loss import chat_set
@@ -60,13 +60,9 @@ def test_a_masked_run_learns_end_to_end_and_the_mask_reaches_the_model(chat, dat
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_a_sharded_layout_with_the_mask_matches_one_process(runs, name, key):
-    got, want = series(runs[name], key), series(runs["single"], key)
-    assert len(got) == len(want) == STEPS and len(set(want)) == STEPS
-    assert got == pytest.approx(want, rel=REL), key
+    assert_same_steps(runs[name], runs["single"], key, STEPS, REL)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_eval_with_the_mask_matches_one_process(runs, name):
-    got = [r["val_loss"] for r in records(runs[name], "eval")]
-    want = [r["val_loss"] for r in records(runs["single"], "eval")]
-    assert len(got) == len(want) >= 2 and got == pytest.approx(want, rel=REL)
+    assert_same_evals(runs[name], runs["single"], REL)

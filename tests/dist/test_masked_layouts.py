@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 from test_context_parallel import CPU_RING_WORKER
-from worker_runs import TINY, base_config, records, series, train_and_check
+from worker_runs import TINY, assert_same_evals, assert_same_steps, base_config, train_and_check
 
 from tests.helpers import REL
 from tests.unit.test_masked_loss import chat_set
@@ -43,13 +43,9 @@ def runs(tmp_path_factory, data_cache):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_masked_layout_matches_one_process(runs, name, key):
-    got, want = series(runs[name], key), series(runs["single"], key)
-    assert len(got) == len(want) == STEPS and len(set(want)) == STEPS
-    assert got == pytest.approx(want, rel=REL), key
+    assert_same_steps(runs[name], runs["single"], key, STEPS, REL)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_masked_eval_matches_one_process(runs, name):
-    got = [r["val_loss"] for r in records(runs[name], "eval")]
-    want = [r["val_loss"] for r in records(runs["single"], "eval")]
-    assert len(got) == len(want) >= 2 and got == pytest.approx(want, rel=REL)
+    assert_same_evals(runs[name], runs["single"], REL)

@@ -8,6 +8,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import torchrun_cmd, worker_env
 from trainctl.config.schema import (
     DataConfig,
@@ -82,3 +84,18 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 def series(run_dir: Path, key: str) -> list[float]:
     return [r[key] for r in records(run_dir, "train")]
+
+
+def assert_same_steps(run_dir: Path, reference: Path, key: str, steps: int, rel: float, distinct: bool = True) -> None:
+    """`key` of every train step of `run_dir` equals the reference run's within `rel`, over exactly `steps` steps;
+    with `distinct`, the reference's values all differ (a constant series would match anything vacuously)."""
+    got, want = series(run_dir, key), series(reference, key)
+    assert len(got) == len(want) == steps
+    assert not distinct or len(set(want)) == steps, f"{key}: the reference repeats values: {want}"
+    assert got == pytest.approx(want, rel=rel), key
+
+
+def assert_same_evals(run_dir: Path, reference: Path, rel: float) -> None:
+    """Every eval's val_loss equals the reference run's within `rel` (at least two evals)."""
+    got, want = ([r["val_loss"] for r in records(run, "eval")] for run in (run_dir, reference))
+    assert len(got) == len(want) >= 2 and got == pytest.approx(want, rel=rel)
