@@ -124,6 +124,20 @@ def test_a_world_that_cannot_split_the_global_batch_is_one_line_naming_the_keys(
                               "divides 16"]
 
 
+def test_the_cli_refuses_a_world_that_cannot_split_the_batch_in_one_line_and_writes_nothing(tmp_path, monkeypatch,
+                                                                                          capsys):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    code, out, err = helpers.cli_in_process(monkeypatch, capsys, "resume", "r", "cluster.procs_per_node=3")
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["error: cluster.nodes=1 cluster.procs_per_node=3: a data-parallel degree of 3 "
+                                        "cannot split train.global_batch=16, which a resume keeps; use a world whose "
+                                        "data-parallel degree divides 16"]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert not (run_dir / layout.HISTORY).exists()
+
+
 def test_a_new_split_with_tensor_parallelism_derives_the_data_parallel_degree(tmp_path):
     run_dir = make_run(tmp_path, finished=False, step=5)
     res = resumer.check(run_dir, ["cluster.procs_per_node=4", "sharding.tp=2"])
