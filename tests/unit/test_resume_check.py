@@ -146,6 +146,14 @@ def test_a_new_split_with_tensor_parallelism_derives_the_data_parallel_degree(tm
     assert any("(ddp dp_replicate=2 -> ddp dp_replicate=2 tp=2)" in n for n in res.notes), res.notes
 
 
+@pytest.mark.parametrize("schedule, micro, accum", [("1f1b", 4, 2), ("gpipe", 8, 1)])
+def test_a_new_pipeline_split_gets_the_microbatches_its_schedule_needs(tmp_path, schedule, micro, accum):
+    run_dir = make_run(tmp_path, f"sharding.pp_schedule={schedule}", finished=False, step=5)
+    res = resumer.check(run_dir, ["cluster.procs_per_node=4", "sharding.pp=2"])
+    s, t = res.resolved.sharding, res.resolved.train
+    assert (s.pp, s.dp_replicate, t.micro_batch, t.grad_accum) == (2, 2, micro, accum)
+
+
 def test_a_strategy_dcp_reshards_is_a_new_split_and_the_data_parallel_key_follows_it(tmp_path):
     run_dir = make_run(tmp_path, finished=False, step=5)
     res = resumer.check(run_dir, ["sharding.strategy=fsdp", "cluster.procs_per_node=1"])

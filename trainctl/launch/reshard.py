@@ -43,7 +43,7 @@ def relayout(old: RunConfig, new: RunConfig, keys: set[str]) -> RunConfig:
     dims, problems = infer_dims(new.sharding, world_size(new.cluster))
     if problems:  # resolve reports them, in its own words, with every other problem
         return new
-    return dataclasses.replace(new, train=_split_batch(new, dims.dp, keys))
+    return dataclasses.replace(new, train=_split_batch(new, dims.dp, keys, _accum_fits(new.sharding, dims.pp)))
 
 
 def _open_dp(sharding, keys: set[str]):
@@ -61,9 +61,19 @@ def _open_dp(sharding, keys: set[str]):
     return dataclasses.replace(sharding, **values)
 
 
-def _split_batch(cfg: RunConfig, dp: int, keys: set[str]):
-    """The same global batch over `dp` ranks: the largest micro-batch up to the run's that divides a rank's share,
-    and as many accumulation steps as that takes. A micro_batch or grad_accum given in the overrides is kept."""
+def _accum_fits(sharding, pp: int):
+    """Which grad_accum the pipeline schedule takes: one microbatch per accumulation step (see validate.py)."""
+    if pp == 1 or sharding.pp_schedule == "gpipe":
+        return lambda accum: True
+    if sharding.pp_schedule.startswith("interleaved"):
+        return lambda accum: accum % pp == 0
+    return lambda accum: accum >= pp
+
+
+def _split_batch(cfg: RunConfig, dp: int, keys: set[str], fits=lambda accum: True):
+    """The same global batch over `dp` ranks: the largest micro-batch up to the run's that divides a rank's share
+    (into as many accumulation steps as the pipeline needs, `fits`), and as many accumulation steps as that takes.
+    A micro_batch or grad_accum given in the overrides is kept."""
     train = cfg.train
     given = keys & {"train.micro_batch", "train.grad_accum"}
     if given:  # the one given is kept and the other derived, unless both are
@@ -75,7 +85,8 @@ def _split_batch(cfg: RunConfig, dp: int, keys: set[str]):
         raise ConfigError([f"{world}: a data-parallel degree of {dp} cannot split train.global_batch={global_batch}, "
                            f"which a resume keeps; use a world whose data-parallel degree divides {global_batch}"])
     share = global_batch // dp
-    micro = max(m for m in range(1, min(train.micro_batch, share) + 1) if share % m == 0)
+    divisors = [m for m in range(1, min(train.micro_batch, share) + 1) if share % m == 0]
+    micro = max([m for m in divisors if fits(share // m)] or divisors)  # none fits: resolve names the pipeline's need
     return dataclasses.replace(train, micro_batch=micro, grad_accum=share // micro)
 
 
