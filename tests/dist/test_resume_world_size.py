@@ -57,9 +57,9 @@ def straight_and_stopped(root: Path, cache: str, *extra: str) -> tuple[Path, Pat
     return root / "runs" / "straight", stopped
 
 
-def resume_on(root: Path, name: str, procs: int) -> Path:
+def resume_on(root: Path, name: str, procs: int, *extra: str) -> Path:
     probe = root / f"{name}-samples"
-    proc = trainctl(root, "resume", name, f"cluster.procs_per_node={procs}",
+    proc = trainctl(root, "resume", name, f"cluster.procs_per_node={procs}", *extra,
                     **fault_env(sample_probe=str(probe)))
     assert f"resharding from 2 to {procs} workers" in proc.stdout, proc.stdout[-2000:]
     run_dir = root / "runs" / name
@@ -97,14 +97,16 @@ def test_a_ddp_run_stopped_on_2_workers_resumes_on_1_as_if_it_never_stopped(ddp_
     assert_continues(resumed, straight, root)
 
 
-def test_a_ddp_run_stopped_on_2_workers_resumes_on_4(ddp_runs):
+@pytest.mark.parametrize("split, dp, micro", [((), 4, 2), (("sharding.tp=2",), 2, 4)])
+def test_a_ddp_run_stopped_on_2_workers_resumes_on_4(ddp_runs, split, dp, micro):
+    """4 workers: ddp x 4 (2 micro x 1 accum x 4), or ddp x 2 with tensor parallelism of 2 (4 x 1 x 2)."""
     root, straight, stopped = ddp_runs
-    copy = root / "runs" / "to-four"
-    shutil.copytree(stopped, copy)
-    shutil.copytree(root / "stopped-samples", root / "to-four-samples")
-    resumed = resume_on(root, "to-four", 4)
-    t = load_run_config(resumed).train
-    assert (t.micro_batch, t.grad_accum) == (2, 1)  # 2 micro x 1 accum x 4 workers
+    name = f"to-four-dp{dp}"
+    shutil.copytree(stopped, root / "runs" / name)
+    shutil.copytree(root / "stopped-samples", root / f"{name}-samples")
+    resumed = resume_on(root, name, 4, *split)
+    cfg = load_run_config(resumed)
+    assert (cfg.sharding.dp_replicate, cfg.train.micro_batch, cfg.train.grad_accum) == (dp, micro, 1)
     assert_continues(resumed, straight, root)
 
 
