@@ -14,6 +14,9 @@ imports and calls once. Nothing in a worker module is patched; in-process tests 
                           commit (first attempt under torchrun only)
     offload_probe: DIR    count the saved-tensor packs/unpacks of the activation-offload context the worker enters;
                           each rank writes DIR/offload-rank{RANK}.json at exit
+    sample_probe: DIR     record the training samples each step reads: each rank appends a line
+                          {"step", "dp_rank", "ids"} (ids: the global sample indices of its micro-batches, in order)
+                          to DIR/samples-rank{RANK}.jsonl per step, every attempt on the same file
 """
 
 from __future__ import annotations
@@ -162,4 +165,21 @@ def offload_probe(directory: str) -> Hooks:
     return Hooks(on_setup=on_setup)
 
 
-FAULTS = {f.__name__: f for f in (nan_at_step, inf_at_step, stop_after_step, die_before_commit, offload_probe)}
+def sample_probe(directory: str) -> Hooks:
+    def on_setup(job):
+        data, out = job.train_data, Path(directory) / f"samples-rank{os.environ.get('RANK', '0')}.jsonl"
+        read = data.micro_batches
+
+        def recorded(step):
+            ids = [j for micro in data.sample_ids(step) for j in micro]
+            with open(out, "a") as f:
+                f.write(json.dumps({"step": step + 1, "dp_rank": data.dp_rank, "ids": ids}) + "\n")
+            return read(step)
+
+        data.micro_batches = recorded  # this instance only: the loop reads it through job.train_data
+
+    return Hooks(on_setup=on_setup)
+
+
+FAULTS = {f.__name__: f for f in (nan_at_step, inf_at_step, stop_after_step, die_before_commit, offload_probe,
+                                  sample_probe)}

@@ -377,3 +377,19 @@ def test_samples_across_a_block_boundary_are_the_stream_samples(arange_cfg):
     got = rows(b.micro_batches(0))[0][:, 0].tolist()
     draws = [np.random.default_rng([0, k]).integers(0, 5000 - SEQ, size=1024) for k in (0, 1)]
     assert got == [int(draws[0][1022]), int(draws[0][1023]), int(draws[1][0]), int(draws[1][1])]
+
+
+def test_sample_ids_name_the_stream_samples_each_rank_reads(arange_cfg):
+    """sample_ids is what micro_batches reads: rank r's micro-batch a is samples r*A*M + a*M ... of the step, so the
+    ranks' ids in order are the step's global batch, whatever the split (4 = 2 ranks x 1 x 2 = 1 rank x 2 x 2)."""
+    two = [batches(arange_cfg, dp_rank=r, dp_size=2, micro_batch=2) for r in range(2)]
+    one = batches(arange_cfg, micro_batch=2, grad_accum=2)
+    for b in (*two, one):
+        b.resume_at(step=3, samples_seen=40)
+    by_two = [j for b in two for micro in b.sample_ids(4) for j in micro]
+    by_one = [j for micro in one.sample_ids(4) for j in micro]
+    assert by_two == by_one == list(range(44, 48))
+    assert torch.equal(torch.cat([rows(b.micro_batches(4))[0] for b in two]), rows(one.micro_batches(4))[0])
+    # The ids name what is read: sample 44's window starts at the stream's draw 44 (arange tokens: token = offset).
+    assert rows(one.micro_batches(4))[0][0, 0].item() == int(np.random.default_rng([0, 0]).integers(
+        0, 5000 - SEQ, size=1024)[44])

@@ -14,8 +14,8 @@ from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import ScheduleConfig, load_run_config
 from trainctl.core import rundir as layout
+from trainctl.launch import reshard, rundir
 from trainctl.launch import resume as resumer
-from trainctl.launch import rundir
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.schedule import continuation, lr_at
 
@@ -70,8 +70,8 @@ def test_steps_below_the_newest_checkpoint_are_refused(tmp_path):
 
 @pytest.mark.parametrize("override, key", [
     ("model.dim=64", "model.dim"), ("train.seq_len=128", "train.seq_len"), ("train.seed=3", "train.seed"),
-    ("data.kind=stdlib", "data.kind"), ("sharding.strategy=fsdp", "sharding.strategy"),
-    ("cluster.procs_per_node=4", "cluster.procs_per_node"), ("train.global_batch=32", "train.global_batch"),
+    ("data.kind=stdlib", "data.kind"), ("cluster.device=cuda", "cluster.device"),
+    ("train.global_batch=32", "train.global_batch"),
     ("precision.compute_dtype=bf16", "precision.compute_dtype"), ("optim.name=adafactor", "optim.name"),
 ])
 def test_keys_that_would_make_it_another_run_are_refused(tmp_path, override, key):
@@ -91,6 +91,103 @@ def test_a_new_split_of_the_same_global_batch_is_allowed_and_a_changed_kept_key_
     changed = dataclasses.replace(old, train=dataclasses.replace(old.train, global_batch=32))
     assert resumer.frozen_changes(old, changed) == [
         "train.global_batch: 16 -> 32: a resume keeps it; " + resumer.NEW_RUN_HINT]
+
+
+@pytest.mark.parametrize("procs, micro, accum", [(1, 8, 2), (4, 4, 1), (8, 2, 1), (16, 1, 1)])
+def test_another_world_size_keeps_the_global_batch_and_recomputes_the_accumulation(tmp_path, procs, micro, accum):
+    """tiny_cpu: ddp on 2 workers, global batch 16 = 8 micro x 1 accum x 2; the run's micro-batch is kept when it
+    fits a rank's share of the batch, else the largest that divides it."""
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    res = resumer.check(run_dir, [f"cluster.procs_per_node={procs}"])
+    t, s = res.resolved.train, res.resolved.sharding
+    assert (t.global_batch, t.micro_batch, t.grad_accum, s.dp_replicate, s.dp_shard) == (16, micro, accum, procs, 1)
+    assert res.cfg.cluster.procs_per_node == procs and res.cfg.train.grad_accum == accum  # what config.yaml gets
+    assert [n for n in res.notes if n.startswith(f"resharding from 2 to {procs} workers")], res.notes
+    resumer.apply(res, {"plan": "resharded"})
+    written = load_run_config(run_dir)
+    assert (written.cluster.procs_per_node, written.train.grad_accum, written.sharding.dp_replicate) == (
+        procs, accum, procs)
+
+
+def test_the_same_layout_says_nothing_of_resharding(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    res = resumer.check(run_dir, ["cluster.procs_per_node=2", "optim.lr=1e-3"])
+    assert not [n for n in res.notes if "resharding" in n] and res.resolved.train.grad_accum == 1
+
+
+def test_a_world_that_cannot_split_the_global_batch_is_one_line_naming_the_keys(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, ["cluster.procs_per_node=3"])
+    assert problems(info) == ["cluster.nodes=1 cluster.procs_per_node=3: a data-parallel degree of 3 cannot split "
+                              "train.global_batch=16, which a resume keeps; use a world whose data-parallel degree "
+                              "divides 16"]
+
+
+def test_the_cli_refuses_a_world_that_cannot_split_the_batch_in_one_line_and_writes_nothing(tmp_path, monkeypatch,
+                                                                                          capsys):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    code, out, err = helpers.cli_in_process(monkeypatch, capsys, "resume", "r", "cluster.procs_per_node=3")
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["error: cluster.nodes=1 cluster.procs_per_node=3: a data-parallel degree of 3 "
+                                        "cannot split train.global_batch=16, which a resume keeps; use a world whose "
+                                        "data-parallel degree divides 16"]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert not (run_dir / layout.HISTORY).exists()
+
+
+def test_a_new_split_with_tensor_parallelism_derives_the_data_parallel_degree(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    res = resumer.check(run_dir, ["cluster.procs_per_node=4", "sharding.tp=2"])
+    s, t = res.resolved.sharding, res.resolved.train
+    assert (s.tp, s.dp_replicate, t.micro_batch, t.grad_accum) == (2, 2, 8, 1)
+    assert any("(ddp dp_replicate=2 -> ddp dp_replicate=2 tp=2)" in n for n in res.notes), res.notes
+
+
+@pytest.mark.parametrize("schedule, micro, accum", [("1f1b", 4, 2), ("gpipe", 8, 1)])
+def test_a_new_pipeline_split_gets_the_microbatches_its_schedule_needs(tmp_path, schedule, micro, accum):
+    run_dir = make_run(tmp_path, f"sharding.pp_schedule={schedule}", finished=False, step=5)
+    res = resumer.check(run_dir, ["cluster.procs_per_node=4", "sharding.pp=2"])
+    s, t = res.resolved.sharding, res.resolved.train
+    assert (s.pp, s.dp_replicate, t.micro_batch, t.grad_accum) == (2, 2, micro, accum)
+
+
+def test_a_strategy_dcp_reshards_is_a_new_split_and_the_data_parallel_key_follows_it(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    res = resumer.check(run_dir, ["sharding.strategy=fsdp", "cluster.procs_per_node=1"])
+    s = res.resolved.sharding
+    assert (s.strategy, s.dp_replicate, s.dp_shard) == ("zero3", 1, 1) and res.resolved.train.grad_accum == 2
+
+
+def test_a_given_micro_batch_or_accumulation_is_kept_and_the_other_derived(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    res = resumer.check(run_dir, ["cluster.procs_per_node=1", "train.grad_accum=4"])
+    assert (res.resolved.train.micro_batch, res.resolved.train.grad_accum) == (4, 4)
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, ["cluster.procs_per_node=1", "train.micro_batch=8", "train.grad_accum=1"])
+    assert len(problems(info)) == 1 and "train.global_batch=16: must equal" in problems(info)[0]
+
+
+@pytest.mark.parametrize("run, overrides", [
+    (["sharding=zero1"], ["cluster.procs_per_node=1"]),  # zero1's per-rank shards on another world
+    (["sharding=zero1"], ["sharding.strategy=ddp"]),  # zero1 out: the checkpoint has no DCP optimizer state
+    ([], ["sharding.strategy=zero1"]),  # zero1 in: it would look for per-rank shards the checkpoint lacks
+])
+def test_zero1s_per_rank_optimizer_state_is_not_resharded_and_says_what_to_do(tmp_path, run, overrides):
+    run_dir = make_run(tmp_path, *run, finished=False, step=5)
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, overrides)
+    assert len(problems(info)) == 1 and "zero1 optimizer state is saved per rank" in problems(info)[0]
+    assert "resume on its layout (2 workers" in problems(info)[0] and "load_only=model" in problems(info)[0]
+    assert reshard.layout_changed(load_run_config(run_dir), load_run_config(run_dir)) is False
+
+
+def test_a_resume_from_the_start_reshards_nothing_and_says_nothing(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=None)
+    res = resumer.check(run_dir, ["cluster.procs_per_node=1"])
+    assert res.step is None and res.resolved.train.grad_accum == 2 and not res.notes
 
 
 @pytest.mark.parametrize("override, says", [

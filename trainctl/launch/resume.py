@@ -3,9 +3,11 @@
 A resume is checked like a launch before anything is written: the run's config.yaml is validated again (a
 hand-edited file gets one line per problem, not an assertion in the worker), the overrides are applied to it
 and checked, and the keys that would make the continuation something else than this run (the model, the data
-and its order, the layout and world size) are refused. `train.steps=N` extends a finished run: its result is
-kept under RUN_DIR/history/ and the run continues from its final checkpoint; the schedule note says what the
-learning rate does from there and warns when it would jump.
+and its order, the global batch) are refused. The world size and the parallel split may change (reshard.py):
+the checkpoint is resharded, the data continues at the same global sample, the grad accumulation keeps the global
+batch. `train.steps=N` extends a finished run: its result is kept under RUN_DIR/history/ and the run continues
+from its final checkpoint; the schedule note says what the learning rate does from there and warns when it would
+jump.
 
 Nothing here writes until `apply` (called holding the run's lock); the earlier files are kept in history/.
 """
@@ -37,14 +39,16 @@ from trainctl.config.schema import (
 from trainctl.config.validate import resolve
 from trainctl.core import checkpoints
 from trainctl.core import rundir as layout
+from trainctl.launch import reshard
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.schedule import continuation
 
-# Keys a resume keeps: the model and its weights' layout, the data and the order it is read in, the world, and
-# the optimizer (its checkpointed states are that optimizer's: AdamW's moments do not load into Adafactor).
-# Changing one would not continue this run; a new run can start from its checkpoint (checkpoint.resume=PATH).
-FROZEN = ("model.", "data.", "sharding.", "precision.", "optim.name", "train.seq_len", "train.global_batch",
-          "train.seed", "cluster.nodes", "cluster.procs_per_node", "cluster.launcher", "cluster.device",
+# Keys a resume keeps: the model, the data and the order it is read in (with the global batch), the precision,
+# where it runs, and the optimizer (its checkpointed states are that optimizer's: AdamW's moments do not load into
+# Adafactor). Changing one would not continue this run; a new run can start from its checkpoint
+# (checkpoint.resume=PATH). The world size and the parallel split may change: DCP reshards (see reshard.py).
+FROZEN = ("model.", "data.", "precision.", "optim.name", "train.seq_len", "train.global_batch",
+          "train.seed", "cluster.launcher", "cluster.device",
           "checkpoint.resume", "checkpoint.load_only", "checkpoint.init_from", "name", "recipe", "runs_dir")
 NEW_RUN_HINT = "launch a new run starting from this one's checkpoint with checkpoint.resume=RUN_DIR"
 
@@ -100,7 +104,7 @@ def _override_problem(o) -> str | None:
     if key in (*GROUPS, "recipe"):
         return f"{o.input_line}: a resume keeps the run's {key}; {NEW_RUN_HINT}"
     if frozen(key):
-        return f"{o.input_line}: a resume keeps {key} (the model, the data order and the layout); {NEW_RUN_HINT}"
+        return f"{o.input_line}: a resume keeps {key} (the model, the data and its order); {NEW_RUN_HINT}"
     return None
 
 
@@ -178,6 +182,8 @@ def check(run_dir: Path, overrides: list[str]) -> Resumption:
     where = f"{run_dir / layout.CONFIG}" + (" with the overrides" if overrides else "")
     old_resolved = _validated(old, step is not None, str(run_dir / layout.CONFIG))
     cfg = apply_overrides(old, overrides) if overrides else old
+    if overrides:  # another world or split: the data-parallel degree and the batch split are derived anew
+        cfg = reshard.relayout(old_resolved, cfg, {o.key_or_group for o in _parsed(overrides)})
     resolved = _validated(cfg, step is not None, where) if overrides else old_resolved
     if problems := frozen_changes(old_resolved, resolved):
         raise ConfigError(problems)
@@ -196,6 +202,8 @@ def check(run_dir: Path, overrides: list[str]) -> Resumption:
     written = dataclasses.replace(resolved, model=old.model, checkpoint=dataclasses.replace(
         resolved.checkpoint, init_from=old.checkpoint.init_from))
     res = Resumption(run_dir, written, resolved, list(overrides), step, finished)
+    if step is not None and (resharding := reshard.note(old_resolved, resolved)):
+        res.notes.append(resharding)
     _schedule_notes(res, old)
     return res
 

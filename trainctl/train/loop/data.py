@@ -520,15 +520,20 @@ class TokenBatches:
         """Stream index of the first sample of `step`'s global batch."""
         return self._base_sample + (step - self._base_step) * self.global_batch
 
+    def sample_ids(self, step: int) -> list[range]:
+        """The stream indices of this rank's `grad_accum` micro-batches of `step` (what micro_batches reads)."""
+        assert step >= self._base_step, (step, self._base_step)
+        first_of_rank = self.first_sample(step) + self.dp_rank * self.grad_accum * self.micro_batch
+        return [range(first_of_rank + a * self.micro_batch, first_of_rank + (a + 1) * self.micro_batch)
+                for a in range(self.grad_accum)]
+
     def micro_batches(self, step: int) -> list[MicroBatch]:
         """This rank's `grad_accum` (inputs, targets) pairs of shape [micro_batch, seq_len] for `step`."""
-        assert step >= self._base_step, (step, self._base_step)
-        per_rank = self.grad_accum * self.micro_batch
-        first_of_rank = self.first_sample(step) + self.dp_rank * per_rank
-        starts = self._sample_starts(first_of_rank, per_rank)
+        ids = self.sample_ids(step)
+        first_of_rank = ids[0].start
+        starts = self._sample_starts(first_of_rank, self.grad_accum * self.micro_batch)
         out = []
-        for a in range(self.grad_accum):
-            sample_ids = range(first_of_rank + a * self.micro_batch, first_of_rank + (a + 1) * self.micro_batch)
+        for sample_ids in ids:
             if self._tokens is None:
                 rows = [(self._synthetic_sample([self.seed, j, _SPLIT_TAG[self.split]]), None) for j in sample_ids]
             else:
