@@ -124,6 +124,15 @@ def test_a_world_that_cannot_split_the_global_batch_is_one_line_naming_the_keys(
                               "divides 16"]
 
 
+@pytest.mark.parametrize("override", ["cluster.procs_per_node=0", "cluster.nodes=0", "cluster.procs_per_node=-2"])
+def test_a_world_of_no_workers_is_refused_by_validation_in_one_line(tmp_path, override):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    with pytest.raises(ConfigError) as info:  # not a ZeroDivisionError from splitting the batch over 0 ranks
+        resumer.check(run_dir, [override])
+    assert problems(info) == [f"{run_dir / 'config.yaml'} with the overrides: {override.split('=')[0]}="
+                              f"{override.split('=')[1]}: must be >= 1"]
+
+
 def test_the_cli_refuses_a_world_that_cannot_split_the_batch_in_one_line_and_writes_nothing(tmp_path, monkeypatch,
                                                                                           capsys):
     run_dir = make_run(tmp_path, finished=False, step=5)

@@ -40,8 +40,11 @@ def relayout(old: RunConfig, new: RunConfig, keys: set[str]) -> RunConfig:
         return new
     refuse_per_rank_state(old, new)
     new = dataclasses.replace(new, sharding=_open_dp(new.sharding, keys))
-    dims, problems = infer_dims(new.sharding, world_size(new.cluster))
-    if problems:  # resolve reports them, in its own words, with every other problem
+    world = world_size(new.cluster)
+    if world < 1:  # resolve reports the world size in its own words, with every other problem
+        return new
+    dims, problems = infer_dims(new.sharding, world)
+    if problems or dims.dp < 1:  # likewise
         return new
     return dataclasses.replace(new, train=_split_batch(new, dims.dp, keys, _accum_fits(new.sharding, dims.pp)))
 
