@@ -19,7 +19,7 @@ from trainctl.core.errors import UserError
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, load_template, render
 from trainctl.data.format import DatasetError
 
-BYTES_EOS = 0  # the byte tokenizer's and the stdlib corpus's end-of-document id (data/tokenizer.py, train/data.py)
+BYTES_EOS = 0  # the byte tokenizer's and the stdlib corpus's end-of-document id (data/tokenizer.py, loop/data_setup.py)
 
 
 class TokenizerError(UserError):
