@@ -136,7 +136,7 @@ def test_rope_scaling_changes_the_logits_it_is_checked_on(shape, scaling):
 
 
 def test_export_loads_in_transformers_with_every_key(imported, tmp_path):
-    """The export's names, rotary layout and config.json (the functions models/export.py writes with)."""
+    """The export's names, rotary layout and config.json (the functions models/hf_folder.py writes with)."""
     from safetensors.torch import save_file
 
     from trainctl.models.hf import hf_config, to_hf

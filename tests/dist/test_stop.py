@@ -38,7 +38,8 @@ from pathlib import Path
 
 run_dir, rank, mode = Path(sys.argv[1]), int(os.environ.get("RANK", 0)), os.environ.get("TEST_MODE", "")
 from trainctl.train.loop import trainer
-from trainctl.train.loop.data import DataError, TokenBatches
+from trainctl.train.loop.data import TokenBatches
+from trainctl.train.loop.sources import DataError
 
 if mode in ("pace", "slow_save"):  # a step takes TEST_PACE_S more (50 ms): a signal lands mid-run
     tick, pace = trainer.StepTimer.tick, float(os.environ.get("TEST_PACE_S", "0.05"))

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from trainctl.config.schema import DataConfig
-from trainctl.train.loop import data
-from trainctl.train.loop.data import DataError, TokenBatches, check_vocab, prepare_data
+from trainctl.train.loop import data_setup
+from trainctl.train.loop.data import TokenBatches
+from trainctl.train.loop.data_setup import check_vocab, prepare_data
+from trainctl.train.loop.sources import DataError
 
 SEQ = 16
 
@@ -45,7 +47,7 @@ def fake_stdlib(tmp_path, monkeypatch):
     (root / "site-packages" / "thirdparty").mkdir(parents=True)
     (root / "site-packages" / "thirdparty" / "bad.py").write_text("third party\n")
     (root / "notes.txt").write_text("not python\n")
-    monkeypatch.setattr(data, "stdlib_root", lambda: root)
+    monkeypatch.setattr(data_setup, "stdlib_root", lambda: root)
     return root
 
 
@@ -72,37 +74,37 @@ def union_over_ranks(cfg, step, dp_size, grad_accum, micro_batch):
 
 
 def test_stdlib_split_is_by_file_disjoint_and_deterministic(stdlib_cfg):
-    rel_paths = data.list_stdlib_sources(data.stdlib_root())
-    val = {p for p in rel_paths if data.is_val_file(p, stdlib_cfg.val_fraction)}
+    rel_paths = data_setup.list_stdlib_sources(data_setup.stdlib_root())
+    val = {p for p in rel_paths if data_setup.is_val_file(p, stdlib_cfg.val_fraction)}
     train = set(rel_paths) - val
-    assert val == {p for p in rel_paths if data.is_val_file(p, stdlib_cfg.val_fraction)}
+    assert val == {p for p in rel_paths if data_setup.is_val_file(p, stdlib_cfg.val_fraction)}
     assert train and val and not train & val
     assert 0.01 < len(val) / len(rel_paths) < 0.15
     assert not any("site-packages" in p or "dist-packages" in p for p in rel_paths)
-    meta = json.loads((data.stdlib_cache_dir(stdlib_cfg) / "meta.json").read_text())
+    meta = json.loads((data_setup.stdlib_cache_dir(stdlib_cfg) / "meta.json").read_text())
     assert meta["files"] == {"train": len(train), "val": len(val)}
 
 
 def test_split_is_stable_across_processes_and_machines():
     # Pinned values: a salted hash() or a path-order-dependent split would move files between runs.
     paths = [f"pkg/mod{i}.py" for i in range(20)]
-    held_out = [p for p in paths if data.is_val_file(p, 0.3)]
+    held_out = [p for p in paths if data_setup.is_val_file(p, 0.3)]
     assert held_out == [f"pkg/mod{i}.py" for i in (0, 3, 5, 6, 11, 12, 14, 17)]
 
 
 def test_stdlib_tokens_are_bytes_with_one_separator_per_file(stdlib_cfg):
-    cache = data.stdlib_cache_dir(stdlib_cfg)
+    cache = data_setup.stdlib_cache_dir(stdlib_cfg)
     meta = json.loads((cache / "meta.json").read_text())
     for split in ("train", "val"):
         tokens = np.memmap(cache / f"{split}.bin", dtype=np.uint16, mode="r")
         assert tokens.size == meta["tokens"][split] > 0
         assert int(tokens.max()) < 256
-        assert int((tokens == data.SEPARATOR).sum()) == meta["files"][split]
-        assert tokens[-1] == data.SEPARATOR
+        assert int((tokens == data_setup.SEPARATOR).sum()) == meta["files"][split]
+        assert tokens[-1] == data_setup.SEPARATOR
 
 
 def test_stdlib_cache_is_reused_not_rewritten(stdlib_cfg):
-    cache = data.stdlib_cache_dir(stdlib_cfg)
+    cache = data_setup.stdlib_cache_dir(stdlib_cfg)
     names = ("train.bin", "val.bin", "meta.json")
     before = {n: (cache / n).stat().st_mtime_ns for n in names}
     prepare_data(stdlib_cfg)
@@ -111,17 +113,17 @@ def test_stdlib_cache_is_reused_not_rewritten(stdlib_cfg):
 
 
 def test_stdlib_cache_key_depends_on_val_fraction(stdlib_cfg):
-    assert data.stdlib_cache_dir(stdlib_cfg) != data.stdlib_cache_dir(replace(stdlib_cfg, val_fraction=0.1))
-    assert data.stdlib_cache_dir(stdlib_cfg).name.startswith("stdlib-py")
+    assert data_setup.stdlib_cache_dir(stdlib_cfg) != data_setup.stdlib_cache_dir(replace(stdlib_cfg, val_fraction=0.1))
+    assert data_setup.stdlib_cache_dir(stdlib_cfg).name.startswith("stdlib-py")
 
 
 def test_fake_stdlib_excludes_site_packages_and_empty_files(fake_stdlib, tmp_path):
-    rel_paths = data.list_stdlib_sources(fake_stdlib)
+    rel_paths = data_setup.list_stdlib_sources(fake_stdlib)
     assert len(rel_paths) == 40 and rel_paths == sorted(rel_paths)
     assert "empty.py" not in rel_paths and not any("site-packages" in p for p in rel_paths)
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"), val_fraction=0.3)
     prepare_data(cfg)
-    meta = json.loads((data.stdlib_cache_dir(cfg) / "meta.json").read_text())
+    meta = json.loads((data_setup.stdlib_cache_dir(cfg) / "meta.json").read_text())
     assert meta["files"]["train"] + meta["files"]["val"] == 40
     corpus_tokens = sum((fake_stdlib / p).stat().st_size + 1 for p in rel_paths)
     assert meta["tokens"]["train"] + meta["tokens"]["val"] == corpus_tokens
@@ -130,7 +132,7 @@ def test_fake_stdlib_excludes_site_packages_and_empty_files(fake_stdlib, tmp_pat
 def test_truncated_cache_is_rebuilt(fake_stdlib, tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"), val_fraction=0.3)
     prepare_data(cfg)
-    train_bin = data.stdlib_cache_dir(cfg) / "train.bin"
+    train_bin = data_setup.stdlib_cache_dir(cfg) / "train.bin"
     good = train_bin.read_bytes()
     train_bin.write_bytes(good[:100])
     with pytest.raises(DataError, match="prepare_data"):
@@ -155,9 +157,9 @@ def test_concurrent_prepare_gives_one_complete_cache(fake_stdlib, tmp_path):
     for t in threads:
         t.join()
     assert not errors
-    cache = data.stdlib_cache_dir(cfg)
+    cache = data_setup.stdlib_cache_dir(cfg)
     assert sorted(p.name for p in cache.iterdir()) == ["meta.json", "train.bin", "val.bin"]
-    assert data._stdlib_cache_is_complete(cache, data._read_meta(cache))
+    assert data_setup._stdlib_cache_is_complete(cache, data_setup._read_meta(cache))
 
 
 def test_stdlib_batches_before_prepare_fail_clearly(tmp_path):
@@ -302,7 +304,7 @@ def test_token_ids_beyond_vocab_are_caught(arange_cfg):
 
 
 def test_check_vocab_samples_large_files(tmp_path):
-    tokens = np.zeros(data._VOCAB_SAMPLE_CHUNKS * data._VOCAB_SAMPLE_TOKENS * 2, dtype=np.uint16)
+    tokens = np.zeros(data_setup._VOCAB_SAMPLE_CHUNKS * data_setup._VOCAB_SAMPLE_TOKENS * 2, dtype=np.uint16)
     tokens[-1] = 900  # the last chunk is always sampled
     tokens.tofile(tmp_path / "big.bin")
     big = str(tmp_path / "big.bin")

@@ -10,7 +10,8 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import DataConfig
 from trainctl.config.validate import resolve
 from trainctl.data.prepare import prepare
-from trainctl.train.loop.data import ShardedTokens, TokenBatches
+from trainctl.train.loop.data import TokenBatches
+from trainctl.train.loop.sources import ShardedTokens
 
 
 def make_dataset(root, name: str, letter: str, docs: int = 40, shard_tokens: int = 500):

@@ -191,18 +191,18 @@ def test_a_file_that_disappears_mid_way_is_one_line_and_leaves_nothing(tmp_path,
         (folder / "2.txt").unlink()
         return units
 
-    monkeypatch.setattr("trainctl.data.prepare.plan_units", plan_then_delete)
+    monkeypatch.setattr("trainctl.data.prepare_job.plan_units", plan_then_delete)
     refused([str(folder)], tmp_path / "out", f"{folder / '2.txt'}: cannot read it")
 
 
 def test_a_file_changed_while_it_was_read_is_refused(tmp_path, monkeypatch):
-    from trainctl.data import prepare as prep
+    from trainctl.data import prepare_job
 
     folder = tmp_path / "in"
     folder.mkdir()
     for i in range(3):
         (folder / f"{i}.txt").write_text(f"document {i}")
-    real = prep.tokenize_unit
+    real = prepare_job.tokenize_unit
 
     def tokenize_then_append(unit, *args, **kwargs):
         result = real(unit, *args, **kwargs)
@@ -211,6 +211,6 @@ def test_a_file_changed_while_it_was_read_is_refused(tmp_path, monkeypatch):
                 f.write(" and more")
         return result
 
-    monkeypatch.setattr(prep, "tokenize_unit", tokenize_then_append)
+    monkeypatch.setattr(prepare_job, "tokenize_unit", tokenize_then_append)
     message = refused([str(folder)], tmp_path / "out", "changed while `data prepare` read it")
     assert message.startswith(str(folder / "0.txt") + ":")

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from trainctl.data import prepare as prep
+from trainctl.data import prepare_job
 from trainctl.data.format import DatasetError
 from trainctl.data.prepare import prepare
 
@@ -110,8 +111,9 @@ def test_a_resume_redoes_only_what_does_not_read_back(text_dir, tmp_path, monkey
     shards = sorted(out.glob("train-*.bin"))
     shards[-1].write_bytes(shards[-1].read_bytes()[:-2])  # the end of the newest shard: the last units only
     done = []
-    real = prep.tokenize_unit
-    monkeypatch.setattr(prep, "tokenize_unit", lambda unit, *a, **k: done.append(unit.path.name) or real(unit, *a, **k))
+    real = prepare_job.tokenize_unit
+    monkeypatch.setattr(prepare_job, "tokenize_unit",
+                        lambda unit, *a, **k: done.append(unit.path.name) or real(unit, *a, **k))
     prepare([str(text_dir)], out, **OPTIONS)
     assert 0 < len(done) - (len(DOCS) - 5) < 5  # some of the five done before, not all of them
 
@@ -167,7 +169,7 @@ def test_a_prepare_killed_while_training_its_tokenizer_is_finished_by_the_same_c
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(prep, "train_bpe", dies_half_way)
+        patch.setattr(prepare_job, "train_bpe", dies_half_way)
         with pytest.raises(KeyboardInterrupt):
             prepare([str(text_dir)], out, **OPTIONS, **options)
     prepare([str(text_dir)], out, **OPTIONS, **options)

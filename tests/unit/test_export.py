@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 
 from trainctl.config.schema import ModelConfig, RunConfig, to_yaml
 from trainctl.core.checkpoints import MANIFEST, list_files, sha256
-from trainctl.models.export import main, parse_size, plan_shards
+from trainctl.models.export import main, parse_size
 from trainctl.models.hf import from_hf
+from trainctl.models.hf_folder import plan_shards
 from trainctl.models.llama.model import build_model
 
 STEP = "step-00000005"

@@ -18,8 +18,9 @@ from trainctl.data.chat import RecordOptions
 from trainctl.data.prepare import prepare
 from trainctl.models.build import build_model
 from trainctl.models.loss_head import IGNORE_INDEX
-from trainctl.train.loop.data import DataError, TokenBatches
+from trainctl.train.loop.data import TokenBatches
 from trainctl.train.loop.loss import TokenLoss, counted_targets, step_divisor
+from trainctl.train.loop.sources import DataError
 
 ANSWER = "The answer is fixed."  # no digit in it: prompts are digits only
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=64)

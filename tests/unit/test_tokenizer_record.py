@@ -14,6 +14,8 @@ from trainctl.config.schema import CheckpointConfig, RunConfig
 from trainctl.core import rundir as layout
 from trainctl.launch import tokenizer_record
 from trainctl.models import export
+from trainctl.models.checkpoint_reader import ExportError
+from trainctl.models.hf_folder import run_tokenizer, write_tokenizer
 
 
 def hf_folder(tmp_path):
@@ -32,10 +34,10 @@ def test_the_run_records_a_hf_folders_tokenizer_files_and_export_uses_them(tmp_p
     cfg = replace(RunConfig(), checkpoint=CheckpointConfig(init_from=str(folder)))
     tokenizer_record.write(run_dir, cfg)
     (folder / "tokenizer.json").write_text("{}")  # the folder changes after the run started
-    tokens = export.run_tokenizer(run_dir)
+    tokens = run_tokenizer(run_dir)
     out = tmp_path / "out"
     out.mkdir()
-    export.write_tokenizer(tokens, cfg.model, out)
+    write_tokenizer(tokens, cfg.model, out)
     assert json.loads((out / "tokenizer.json").read_text())["model"] == {"type": "BPE"}  # the recorded copy
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == "{{ messages }}"
     assert (out / "generation_config.json").is_file()
@@ -46,8 +48,8 @@ def test_a_changed_copy_is_refused_by_export(tmp_path):
     run_dir.mkdir()
     tokenizer_record.write(run_dir, replace(RunConfig(), checkpoint=CheckpointConfig(init_from=str(folder))))
     (run_dir / layout.TOKENIZER / "tokenizer.json").write_text("{}")
-    with pytest.raises(export.ExportError, match="changed since the run started"):
-        export.run_tokenizer(run_dir)
+    with pytest.raises(ExportError, match="changed since the run started"):
+        run_tokenizer(run_dir)
 
 
 def test_a_fifo_among_the_tokenizer_files_is_left_out_not_waited_on(tmp_path):

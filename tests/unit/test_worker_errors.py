@@ -13,8 +13,8 @@ from trainctl.launch.failure import first_failure
 from trainctl.train import __main__ as worker_main
 from trainctl.train.checkpoint.store import CheckpointError
 from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerConfigError, WorkerError
-from trainctl.train.loop.data import DataError
 from trainctl.train.loop.guards import NonFiniteError
+from trainctl.train.loop.sources import DataError
 
 
 class _MadeUpError(WorkerError):

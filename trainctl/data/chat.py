@@ -205,7 +205,7 @@ def count_loss_tokens(mask_file: Path) -> int:
 
 def tokenize_records(unit: Unit, options: RecordOptions, seed: int, val_fraction: float, tokenizer,
                      last_to: str | None = None) -> dict:
-    """One unit's train and val tokens and mask flags (prepare.tokenize_unit's result, with masks)."""
+    """One unit's train and val tokens and mask flags (prepare_job.tokenize_unit's result, with masks)."""
     parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
     records = unit_records(unit)
     current = next(records, None)

@@ -22,6 +22,11 @@ OURS = (STATE_FILE, LOCK_FILE, TOKENIZER_FILE, META_FILE, "train-*.bin", "val-*.
         ".*.tmp*")
 
 
+def is_temporary(name: str) -> bool:
+    """A half-written file of ours (a tokenizer, the record): a dotted name with .tmp in it."""
+    return name.startswith(".") and ".tmp" in name
+
+
 def out_path(out: str | Path) -> Path:
     """--out as an absolute path, refused in one line when no folder can be made there."""
     raw = Path(out).expanduser()

@@ -4,7 +4,7 @@ A dataset folder can be prepared again, or moved, after a run started; an export
 the model learned. So the run directory keeps copies under tokenizer/ with their sha256 in tokenizer/record.json:
 the prepared dataset's tokenizer.json (what the tokens were made with), and from a Hugging Face folder the run
 starts from (checkpoint.init_from, model.path) its tokenizer files, tokenizer_config.json with its special tokens
-and chat template and generation_config.json among them. The export (models/export.py) copies them from here,
+and chat template and generation_config.json among them. The export (models/hf_folder.py) copies them from here,
 checking each sha256. Only regular files of bounded size are read: a FIFO never blocks the launch.
 """
 

@@ -3,7 +3,7 @@
     python -m trainctl.models.generate RUN_DIR (--prompt TEXT | --prompts FILE | --prompt-ids 1,2,3)
         [--checkpoint C] [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--chat] [--device D]
 
-The newest valid checkpoint (or a named one that verifies), read with DCP in one process as export.py reads it,
+The newest valid checkpoint (or a named one that verifies), read with DCP in one process as the export reads it,
 into the family's model; the run's own tokenizer (models/run_tokens.py). Decoding uses a key/value cache
 (models/kv_cache.py). Greedy (temperature 0) picks the argmax of the fp32 logits, as transformers' greedy
 generate does, so the output equals it on `trainctl export` of the same checkpoint. Sampling divides by the
@@ -30,7 +30,7 @@ from torch import nn
 
 from trainctl.core.errors import UserError
 from trainctl.models.build import build_model
-from trainctl.models.export import (
+from trainctl.models.checkpoint_reader import (
     check_against_config,
     find_checkpoint,
     model_entries,

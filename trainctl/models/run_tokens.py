@@ -1,6 +1,6 @@
 """The run's own tokenizer for `generate`: what turns a prompt into the ids the model trained on, and back.
 
-- a Hugging Face tokenizer.json: the run's verified copy (RUN/tokenizer/, sha256 checked by export.run_tokenizer),
+- a Hugging Face tokenizer.json: the run's verified copy (RUN/tokenizer/, sha256 checked by hf_folder.run_tokenizer),
   its end-of-sequence ids from the run's record and generation_config.json, and for --chat the chat template
   (tokenizer_config.json / chat_template.jinja among the copies, else the one the dataset was prepared with);
 - byte tokens (a dataset prepared with --tokenizer bytes, or the stdlib demo corpus): UTF-8 bytes, NUL ends;
@@ -19,7 +19,7 @@ from trainctl.core.errors import UserError
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, load_template, render
 from trainctl.data.format import DatasetError
 
-BYTES_EOS = 0  # the byte tokenizer's and the stdlib corpus's end-of-document id (data/tokenizer.py, train/data.py)
+BYTES_EOS = 0  # the byte tokenizer's and the stdlib corpus's end-of-document id (data/tokenizer.py, loop/data_setup.py)
 
 
 class TokenizerError(UserError):
@@ -113,8 +113,8 @@ def _generation_eos(folder: Path | None) -> list[int]:
 
 
 def run_tokens(run_dir: Path) -> RunTokens:
-    """The run's tokenizer, verified (export.run_tokenizer checks every copy's sha256)."""
-    from trainctl.models.export import run_tokenizer
+    """The run's tokenizer, verified (hf_folder.run_tokenizer checks every copy's sha256)."""
+    from trainctl.models.hf_folder import run_tokenizer
 
     record_path = run_dir / layout.TOKENIZER_RECORD
     record = layout.read_json(record_path) if record_path.exists() else {}

@@ -26,12 +26,13 @@ from trainctl.core import checkpoints
 from trainctl.core import rundir as layout
 from trainctl.core.errors import UserError
 from trainctl.data import format as dataset
-from trainctl.models.export import read_model_config
+from trainctl.models.checkpoint_reader import read_model_config
 from trainctl.models.generate import load_model, pick_device
 from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.models.run_tokens import run_tokens
-from trainctl.train.loop.data import DataError, TokenBatches
+from trainctl.train.loop.data import TokenBatches
 from trainctl.train.loop.loss import token_loss_sum
+from trainctl.train.loop.sources import DataError
 
 
 class EvalError(UserError):

@@ -31,7 +31,8 @@ from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
 from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
 from trainctl.train.checkpoint.store import CheckpointManager, checkpoint_dir, step_name
 from trainctl.train.errors import WorkerConfigError
-from trainctl.train.loop.data import DataError, TokenBatches, check_vocab, prepare_data
+from trainctl.train.loop.data import TokenBatches
+from trainctl.train.loop.data_setup import check_vocab, prepare_data
 from trainctl.train.loop.gc_schedule import collect_every
 from trainctl.train.loop.guards import StepGuard
 from trainctl.train.loop.hooks import Hooks
@@ -39,6 +40,7 @@ from trainctl.train.loop.job import Job
 from trainctl.train.loop.loss import token_loss_sum  # noqa: F401  (re-exported: tests measure the loop's own loss)
 from trainctl.train.loop.loss_scaling import build_loss_scaler
 from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.loop.sources import DataError
 from trainctl.train.loop.step import StepResult, evaluate, train_step
 from trainctl.train.loop.stop import StopRequest, requeue_slurm_job
 from trainctl.train.observe.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
