@@ -22,7 +22,7 @@ from trainctl.config import yaml_files
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.hydra_source import TrainctlSource, initialize_catalog
-from trainctl.config.schema import load_run_config, to_yaml
+from trainctl.config.load import load_run_config, to_yaml
 from trainctl.config.sources import SearchPath, catalog, search_path
 from trainctl.config.validate import MAX_SEED, resolve
 

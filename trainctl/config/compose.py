@@ -8,7 +8,6 @@ keys and wrong types fail with the key's full path. Every failure becomes a
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import re
 from pathlib import Path
@@ -36,14 +35,9 @@ from trainctl.config.hydra_source import (
     initialize_catalog,
     own_group_includer,
 )
-from trainctl.config.schema import (
-    GROUPS,
-    RunConfig,
-    cluster_configs,
-    escape_interpolations,
-    from_dict,
-    structured_schema,
-)
+from trainctl.config.load import escape_interpolations, from_dict, structured_schema
+from trainctl.config.memo import CopyingCache
+from trainctl.config.schema import GROUPS, RunConfig, cluster_configs
 from trainctl.config.sources import (
     ENV_VAR,
     PRIMARY_NAME,
@@ -98,8 +92,7 @@ def _register_schema() -> None:
 # rebuilds its defaults tree and re-reads every file per call (~130 ms); a hit is a deep copy. Content, not stat:
 # a file rewritten within one timestamp tick at the same size must still compose afresh. Interpolations
 # (${oc.env:...}) are resolved by the caller after this, so they never come from the cache. Failures are not cached.
-_COMPOSED: dict[tuple, DictConfig] = {}
-_COMPOSED_MAX = 64
+_COMPOSED: CopyingCache[DictConfig] = CopyingCache(max_entries=64)
 
 
 def _files_key(cat: Catalog) -> tuple:
@@ -124,12 +117,7 @@ def compose_dictconfig(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> D
     _check_group_choices(overrides, sp)
     cat = catalog(sp)
     key = (tuple(overrides), _files_key(cat), tuple(cluster_configs().items()))
-    if key not in _COMPOSED:
-        composed = _hydra_compose(overrides, sp, cat)
-        if len(_COMPOSED) >= _COMPOSED_MAX:
-            _COMPOSED.pop(next(iter(_COMPOSED)))
-        _COMPOSED[key] = composed
-    return copy.deepcopy(_COMPOSED[key])
+    return _COMPOSED.get_or_build(key, lambda: _hydra_compose(overrides, sp, cat))
 
 
 def _hydra_compose(overrides: list[str], sp: SearchPath, cat: Catalog) -> DictConfig:
