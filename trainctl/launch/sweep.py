@@ -25,8 +25,8 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from trainctl.config.compose import check_override_shapes
 from trainctl.config.errors import ConfigError
+from trainctl.config.override_shapes import check_override_shapes
 from trainctl.config.schema import RunConfig
 from trainctl.core import rundir as layout
 from trainctl.launch.errors import LaunchError
