@@ -99,7 +99,7 @@ def config_groups(config_dirs: list[Path] = CONFIG_DIRS) -> None:
 @config_app.command("show")
 def config_show(overrides: list[str] = OVERRIDES, config_dirs: list[Path] = CONFIG_DIRS) -> None:
     """Print the resolved config as YAML.  Example: trainctl config show recipe=llama7b_fsdp optim.lr=1e-4"""
-    from trainctl.config.schema import to_yaml
+    from trainctl.config.load import to_yaml
 
     text = to_yaml(api.resolved(overrides, _search(config_dirs)))
     out.print(Syntax(text, "yaml", background_color="default")) if out.is_terminal else sys.stdout.write(text)

@@ -125,7 +125,8 @@ def save_peaked_run(root: Path, cfg) -> None:
     import torch.distributed.checkpoint as dcp
     from test_export import write_manifest
 
-    from trainctl.config.schema import RunConfig, to_yaml
+    from trainctl.config.load import to_yaml
+    from trainctl.config.schema import RunConfig
     from trainctl.models.build import build_model
 
     torch.manual_seed(0)

@@ -19,7 +19,8 @@ from worker_runs import base_config, records, train_and_check
 
 from tests.helpers import run_cli
 from tests.unit.test_masked_loss import ANSWER, chat_set
-from trainctl.config.schema import DataConfig, ModelConfig, RunConfig, to_yaml
+from trainctl.config.load import to_yaml
+from trainctl.config.schema import DataConfig, ModelConfig, RunConfig
 from trainctl.models import export as export_module
 from trainctl.models.build import build_model
 from trainctl.models.generate import Sampling, generate_ids, load_model

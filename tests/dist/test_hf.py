@@ -163,7 +163,7 @@ def greedy_trainctl(model: torch.nn.Module, prompt: torch.Tensor, steps: int) ->
 def test_hf_to_trainctl_to_hf_round_trip(tmp_path, shape):
     """A Hugging Face folder trains 3 steps under FSDP2, exports (sharded, --verify) and loads in transformers
     with every key; its logits are the checkpoint's, not the source's, and greedy generation equals trainctl's."""
-    from trainctl.config.schema import load_run_config
+    from trainctl.config.load import load_run_config
     from trainctl.models.build import build_model
     from trainctl.models.registry import spec
 

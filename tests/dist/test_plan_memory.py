@@ -31,7 +31,7 @@ from worker_runs import base_config, records, run_worker, write_run_dir
 from trainctl.config.schema import LoRAConfig, OptimConfig, PrecisionConfig, ShardingConfig
 from trainctl.config.validate import resolve
 from trainctl.launch.command import plan_record
-from trainctl.plan import memory as plan_memory
+from trainctl.plan import rank_states
 from trainctl.plan.assess import dims_of
 from trainctl.plan.runplan import build
 from trainctl.plan.stages import rank_stages
@@ -102,7 +102,7 @@ def planned_states(cfg, rank: int, world: int) -> dict:
     per_stage = world // dims.pp
     within = rank % per_stage  # the rank inside its stage: (dp_replicate, dp_shard, cp, tp) row-major
     dp_rank = within // (dims.cp * dims.tp)
-    return plan_memory.model_states(cfg.model, cfg.sharding, dims, stages[rank // per_stage], dp_rank, cfg.optim.name)
+    return rank_states.model_states(cfg.model, cfg.sharding, dims, stages[rank // per_stage], dp_rank, cfg.optim.name)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

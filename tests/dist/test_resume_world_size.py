@@ -14,7 +14,7 @@ from worker_runs import TINY_OVERRIDES
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import REL, run_cli
-from trainctl.config.schema import load_run_config
+from trainctl.config.load import load_run_config
 
 pytestmark = pytest.mark.dist
 

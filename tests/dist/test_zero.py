@@ -28,7 +28,7 @@ from tests.helpers import REL
 from trainctl.config.schema import ShardingConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.models.llama.model import build_model
-from trainctl.plan import memory as plan_memory
+from trainctl.plan import rank_states
 from trainctl.plan.flops import param_count
 from trainctl.plan.stages import rank_stages
 
@@ -122,7 +122,7 @@ def planned_states(name: str) -> list[dict]:
     sharding = SHARDING[name]
     dims = ParallelDims(dp_replicate=sharding.dp_replicate, dp_shard=sharding.dp_shard)
     (stage,) = rank_stages(TINY, sharding, 1)
-    return [plan_memory.model_states(TINY, sharding, dims, stage, rank) for rank in range(dims.dp)]
+    return [rank_states.model_states(TINY, sharding, dims, stage, rank) for rank in range(dims.dp)]
 
 
 # The plan counts what each rank's tensors hold after backward: FSDP2's chunk of every tensor

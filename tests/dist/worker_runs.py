@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import torchrun_cmd, worker_env
+from trainctl.config.load import to_yaml
 from trainctl.config.schema import (
     DataConfig,
     LoggingConfig,
@@ -19,7 +20,6 @@ from trainctl.config.schema import (
     RunConfig,
     ScheduleConfig,
     TrainConfig,
-    to_yaml,
 )
 
 WORKER_TIMEOUT_S = 240

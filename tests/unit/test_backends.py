@@ -18,7 +18,8 @@ from tests.helpers import cli_in_process
 from trainctl.config import schema
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import ClusterConfig, load_run_config, register_cluster, to_yaml
+from trainctl.config.load import load_run_config, to_yaml
+from trainctl.config.schema import ClusterConfig, register_cluster
 from trainctl.config.slurm import SlurmClusterConfig
 from trainctl.config.validate import resolve
 from trainctl.core import rundir

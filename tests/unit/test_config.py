@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from trainctl.config import schema
+from trainctl.config import load, schema
 from trainctl.config.compose import compose, list_options, recipe_description
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import infer_dims, resolve, resolve_batch
@@ -243,7 +243,7 @@ def test_topology_rejects_indivisible_world():
 
 def test_config_yaml_round_trips():
     cfg = resolve(compose(["recipe=llama70b_3d", "logging.wandb.tags=[x]"]))
-    assert schema.from_dict(__import__("omegaconf").OmegaConf.create(schema.to_yaml(cfg))) == cfg
+    assert load.from_dict(__import__("omegaconf").OmegaConf.create(load.to_yaml(cfg))) == cfg
 
 
 def test_run_name_must_be_one_folder():
@@ -332,10 +332,10 @@ def test_fp16_with_pipeline_is_supported():
 
 def test_a_changed_schema_node_does_not_reach_the_next_caller():
     """structured_schema() hands out copies of one cached template: what a caller merges or sets stays its own."""
-    first = schema.structured_schema()
+    first = load.structured_schema()
     first.train.steps = 987654
     first.cluster.env["LEAKED"] = "yes"  # a user-named map: open to new keys
-    second = schema.structured_schema()
+    second = load.structured_schema()
     assert second.train.steps != 987654
     assert "LEAKED" not in second.cluster.env
     with pytest.raises(Exception, match="nosuchkey"):  # the copy keeps struct mode: unknown keys still fail
@@ -358,13 +358,13 @@ def test_a_backend_registered_later_gets_its_keys_in_the_schema():
         NAME = "later_test_backend"
         later_only_key: int = 3
 
-    schema.structured_schema()
+    load.structured_schema()
     schema.register_cluster(LaterCluster)
     try:
-        assert schema.structured_schema().cluster.later_only_key == 3
+        assert load.structured_schema().cluster.later_only_key == 3
     finally:
         schema.unregister_cluster(LaterCluster.NAME)
-    assert "later_only_key" not in schema.structured_schema().cluster
+    assert "later_only_key" not in load.structured_schema().cluster
 
 
 def test_a_recipe_rewritten_in_the_same_tick_at_the_same_size_composes_afresh(tmp_path):
@@ -393,5 +393,5 @@ def test_a_cached_composition_is_a_copy_and_failures_are_not_cached():
     for _ in range(2):  # the second call fails the same way: nothing of the first was kept
         with pytest.raises(ConfigError, match="train.steps"):
             compose(["recipe=tiny_cpu", "train.steps=abc"])
-    assert schema.from_dict({"train": {"steps": 5}}).train.steps == 5
-    assert schema.from_dict({"train": {"steps": 6}}).train.steps == 6  # another mapping, another entry
+    assert load.from_dict({"train": {"steps": 5}}).train.steps == 5
+    assert load.from_dict({"train": {"steps": 6}}).train.steps == 6  # another mapping, another entry

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from trainctl.config import schema
+from trainctl.config import load, schema
 from trainctl.config.compose import compose, list_options
 from trainctl.config.errors import ConfigError
 from trainctl.config.slurm import SlurmClusterConfig
@@ -83,7 +83,7 @@ def test_non_finite_values_from_the_command_line(override):
 @pytest.mark.parametrize("spelling", [".inf", "-.inf", ".nan", ".NaN", "1e999"])
 def test_yaml_spellings_of_infinity_in_a_saved_config_are_refused(tmp_path, spelling):
     (tmp_path / "config.yaml").write_text(f"optim:\n  lr: {spelling}\n")
-    (line,) = problems_of(schema.load_run_config(tmp_path))
+    (line,) = problems_of(load.load_run_config(tmp_path))
     assert line.startswith("optim.lr=") and "not a finite number" in line
 
 
@@ -130,8 +130,8 @@ def nasty_strings(n: int, seed: int = 0) -> list[str]:
 
 
 def save_and_load(cfg, tmp_path):
-    (tmp_path / "config.yaml").write_text(schema.to_yaml(cfg))
-    return schema.load_run_config(tmp_path)
+    (tmp_path / "config.yaml").write_text(load.to_yaml(cfg))
+    return load.load_run_config(tmp_path)
 
 
 def test_every_string_round_trips_through_config_yaml(tmp_path):
@@ -257,7 +257,7 @@ def test_plain_names_still_compose(overrides, lr):
 # ---------------------------------------------------------------- one key names a group's option
 
 
-RETIRED = sorted((group, key) for group, keys in schema.RETIRED_KEYS.items() for key in keys)
+RETIRED = sorted((group, key) for group, keys in load.RETIRED_KEYS.items() for key in keys)
 
 
 @pytest.mark.parametrize(("group", "key"), RETIRED)
@@ -271,11 +271,11 @@ def test_a_retired_key_is_unknown_on_the_command_line(group, key):
 def test_a_config_yaml_of_an_older_run_still_loads(tmp_path):
     """Runs written before the duplicate `name` keys were dropped must still resume and export."""
     cfg = compose(["recipe=llama7b_fsdp", "precision=fp8"])
-    text = schema.to_yaml(cfg)
+    text = load.to_yaml(cfg)
     for group, option in (("precision", "fp8"), ("sharding", "fsdp"), ("cluster", "slurm"), ("data", "memmap")):
         text = text.replace(f"\n{group}:\n", f"\n{group}:\n  name: {option}\n", 1)
     (tmp_path / "config.yaml").write_text(text)
     text = text.replace("\nguards:\n", "\nguards:\n  inject_nan_step: -1\n", 1)
     assert text.count("  name: ") >= 5  # the model's own name, and the four retired ones
     assert "  inject_nan_step: -1" in text
-    assert schema.load_run_config(tmp_path) == cfg
+    assert load.load_run_config(tmp_path) == cfg

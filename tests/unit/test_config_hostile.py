@@ -1,65 +1,31 @@
-"""Hostile or careless config files and overrides: one ConfigError line naming the file or key, never an escape,
-a hang or a traceback.
+"""Hostile or careless config files: one ConfigError line naming the file or key, never an escape, a hang or a
+traceback (overrides on the command line: test_config_hostile_overrides.py).
 
 - A defaults list (of a recipe, a recipe file named by path, or a group option) can only name the declared
   folders' options, by plain name: `..`, absolute paths, Hydra's own package and interpolations are refused
   naming the file and the entry, and nothing outside is read.
 - YAML is read bounded (yaml_files): nested aliases ("billion laughs"), self-containing aliases, deep nesting,
   syntax errors, language tags, NUL bytes, other encodings: one line with the file, line and column.
-- Overrides too deep, keys too long, control characters, numbers too long: one line before Hydra parses them.
+- Interpolations that expand without end are refused, in a recipe, on the command line and in a run's config.yaml.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 from pathlib import Path
 
 import pytest
 
+from tests.unit.hostile_config import deadline, refused, write
 from trainctl.config import yaml_files
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.hydra_source import TrainctlSource, initialize_catalog
-from trainctl.config.schema import load_run_config, to_yaml
-from trainctl.config.sources import SearchPath, catalog, search_path
-from trainctl.config.validate import MAX_SEED, resolve
+from trainctl.config.load import load_run_config, to_yaml
+from trainctl.config.sources import catalog, search_path
 
 EVIL_MODEL = "name: evil\ndim: 64\nn_layers: 2\nn_heads: 4\nn_kv_heads: 2\nffn_dim: 176\nmax_seq_len: 256\n"
 UP = "../" * 40  # from any folder up to the root
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fail instead of hanging: SIGALRM interrupts pure-Python work (a YAML expansion) in this thread."""
-    def expired(signum, frame):
-        raise TimeoutError(f"still running after {seconds}s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def write(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
-
-
-def refused(overrides: list[str], sp: SearchPath = SearchPath()) -> str:
-    """The one line compose refuses `overrides` with (within a deadline)."""
-    with deadline(20), pytest.raises(ConfigError) as err:
-        compose(overrides, sp)
-    (line,) = err.value.problems
-    assert "\n" not in line
-    return line
 
 
 def recipe(defaults_entry: str) -> str:
@@ -318,124 +284,3 @@ def test_ordinary_interpolations_still_resolve():
                    "description=${cluster.env.STEPS}-${.name}x-\\${kept}",
                    "train.eval_every=${oc.select:train.steps,1}"])
     assert (cfg.cluster.env["STEPS"], cfg.description, cfg.train.eval_every) == ("100", "100-x-${kept}", 100)
-
-
-@pytest.mark.parametrize("override", ["+recipe=tiny_cpu", "++recipe=tiny_cpu", "+model=tiny"])
-def test_adding_a_group_the_config_has_says_how_to_choose_it(override):
-    group, name = override.lstrip("+").split("=")
-    assert refused([override]) == f"{override}: {group} is a group the config already has; choose its option with " \
-                                  f"{group}={name}"
-
-
-@pytest.mark.parametrize("override", ["description=café", "recipe=réglage", "name=日本"])
-def test_an_unquoted_value_the_grammar_cannot_read_says_to_quote_it(override):
-    assert refused([override]).startswith(f"{override}: an unquoted value holds a character")
-
-
-# ---------------------------------------------------------------- 4. overrides Hydra's parser cannot answer
-
-
-@pytest.mark.parametrize(("override", "fragment"), [
-    ("train.pp_layers=" + "[" * 10_000 + "]" * 10_000, "nests lists or mappings more than"),
-    ("+x=" + "{a:" * 10_000 + "1" + "}" * 10_000, "nests lists or mappings more than"),
-    ("a" * 5000 + "=1", "a key longer than"),
-    ("+" + "b" * 5000 + "=1", "a key longer than"),
-    ("~" + "c" * 300, "a key longer than"),
-    ("train.steps=" + "9" * 5000, "a number of more digits than can be read"),
-    ("description=a\x00b", "control character"),
-    ("description='a\x1b[31mred'", "control character"),  # a terminal escape, printed by config show
-    ("train.ste\nps=1", "control character"),
-    ("description=a\nb", "an unquoted value holds a character"),
-])
-def test_overrides_of_absurd_shape_are_one_line(override, fragment):
-    line = refused([override])
-    assert fragment in line and len(line) < 400
-
-
-def test_a_quoted_value_may_hold_brackets_long_text_and_newlines():
-    cfg = compose(["description='" + "[" * 100 + "'", "name=" + "n" * 150])
-    assert cfg.description == "[" * 100
-    assert compose(["description='two\nlines\tand a tab'"]).description == "two\nlines\tand a tab"
-
-
-def test_what_a_user_wrote_is_quoted_escaped_so_a_problem_stays_one_line():
-    assert ConfigError(["name='a\nb\x00': bad", "x"]).problems == ["name='a\\nb\\x00': bad", "x"]
-
-
-@pytest.mark.parametrize("seed", [-1, MAX_SEED + 1, 2**63, 10**23])
-def test_a_seed_the_worker_cannot_use_is_refused(seed):
-    with pytest.raises(ConfigError) as err:
-        resolve(compose([f"train.seed={seed}"]))
-    assert err.value.problems == [f"train.seed={seed}: must be an integer in [0, {MAX_SEED}] (numpy's seed range); "
-                                  "e.g. train.seed=1234"]
-
-
-@pytest.mark.parametrize("override", ["train.seed=1e23", "train.seed=1.0", "train.steps=1e3", "cluster.nodes=2.5",
-                                      "train.steps=true"])
-def test_a_float_or_bool_for_an_int_is_one_line(override):
-    assert refused([override]).startswith(override.split("=")[0] + ": Value ")
-
-
-def test_a_seed_in_range_is_kept():
-    assert resolve(compose([f"train.seed={MAX_SEED}"])).train.seed == MAX_SEED
-
-
-# ---------------------------------------------------------------- 3. nothing left behind, whatever ends it
-
-BLOCKED_COMPOSE = """
-import signal, sys, time
-from pathlib import Path
-signal.signal(signal.SIGINT, signal.default_int_handler)  # a background suite hands its children SIGINT ignored
-import trainctl.config.compose as composer
-real = composer.hydra_compose
-def blocked(*args, **kwargs):  # Hydra is composing: whatever composing needs on disk exists now
-    Path(sys.argv[1]).write_text("composing")
-    time.sleep(120)
-    return real(*args, **kwargs)
-composer.hydra_compose = blocked
-composer.compose(["recipe=tiny_cpu"])
-"""
-
-
-@pytest.mark.cli
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_composition_ended_by_a_signal_leaves_nothing_in_tmpdir(tmp_path, sig):
-    import subprocess
-    import sys
-
-    from tests.helpers import wait_for, worker_env
-
-    tmp, ready = tmp_path / "tmp", tmp_path / "ready"
-    tmp.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_COMPOSE, str(ready)], env=worker_env(TMPDIR=tmp),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(ready.exists, "the composition to start", timeout=60, proc=proc)
-        proc.send_signal(sig)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert sorted(p.name for p in tmp.iterdir()) == []
-
-
-def test_two_recipe_files_are_one_line_not_an_unknown_recipe(tmp_path):
-    first = write(tmp_path, {"a.yaml": "# @package _global_\n"}) / "a.yaml"
-    second = write(tmp_path, {"b.yaml": "# @package _global_\n"}) / "b.yaml"
-    assert refused([f"recipe={first}", f"recipe={second}"]).startswith(f"recipe={second}: a second recipe file")
-    assert compose([f"recipe={first}", f"recipe={first}"]) == compose([f"recipe={first}"])
-
-
-def test_a_key_set_under_a_section_the_schema_does_not_know_is_one_line():
-    # `++zz.a=1 zz.b=2`: the hint for zz.b looked zz up in the schema and raised OmegaConf's KeyError (fuzz tier).
-    line = refused(["recipe=tiny_cpu", "++zz.a=1", "zz.b=2"])
-    assert line.startswith("zz.b: unknown key; valid keys of the root: name")
-    assert refused(["++train.zz.a=1", "train.zz.b=2"]).startswith("train.zz.b: unknown key; valid keys of train: steps")
-
-
-@pytest.mark.parametrize("item", ["+=[]", "+=[[[-1237,[]],0.0],0]", "=1", "++=1", "~=1", "@pkg=1"])
-def test_an_override_without_a_key_is_one_line_naming_it(item):
-    # `+=[]` failed an assert inside Hydra (a bare AssertionError, found by the fuzz tier); the rest read Hydra's
-    # internals ("Config group override must be a string or a list. Got int").
-    assert refused(["recipe=tiny_cpu", item]) == (f"{item}: no key before '='; overrides look like key=value, "
-                                                  "group=option, +key=value, ~key")

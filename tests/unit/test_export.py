@@ -18,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from trainctl.config.schema import ModelConfig, RunConfig, to_yaml
+from trainctl.config.load import to_yaml
+from trainctl.config.schema import ModelConfig, RunConfig
 from trainctl.core.checkpoints import MANIFEST, list_files, sha256
 from trainctl.models.export import main, parse_size
 from trainctl.models.hf import from_hf

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from trainctl.config.schema import DataConfig, RunConfig, to_yaml
+from trainctl.config.load import to_yaml
+from trainctl.config.schema import DataConfig, RunConfig
 from trainctl.core import rundir as layout
 from trainctl.models.generate import Sampling, next_token
 from trainctl.models.run_tokens import run_tokens

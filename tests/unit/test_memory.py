@@ -16,7 +16,7 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.core.dims import ParallelDims
 from trainctl.core.stages import stage_layer_counts
 from trainctl.plan import activations as act
-from trainctl.plan import memory
+from trainctl.plan import memory, transients
 from trainctl.plan.shapes import Tensor, stage_tensors, tp_local, zero1_partition
 from trainctl.plan.stages import in_flight, rank_stages
 
@@ -186,7 +186,7 @@ def test_fsdp_reduce_scatters_the_heads_gradient_in_the_loss_phase():
     # The head's unsharded bf16 gradient and FSDP2's fp32 reduce-scatter input of its unit (with the final norm).
     assert estimate("zero3", precision=BF16, train=short, dp_shard=4, tp=2).loss_buffers == 2 * head + 4 * (head + 4096)
     tied = dataclasses.replace(LLAMA2_7B, tie_embeddings=True)  # the head is in the root unit: reduced at the end
-    assert memory.head_reduce_bytes(tied, rank_stages(tied, ShardingConfig(strategy="zero3", dp_shard=8), 1)[0],
+    assert transients.head_reduce_bytes(tied, rank_stages(tied, ShardingConfig(strategy="zero3", dp_shard=8), 1)[0],
                                     ParallelDims(dp_shard=8), memory.wrapping("zero3", ParallelDims(dp_shard=8), BF16),
                                     4) == 0
 

@@ -7,7 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from trainctl.config.compose import conf_dir
-from trainctl.config.schema import ModelConfig, from_dict
+from trainctl.config.load import from_dict
+from trainctl.config.schema import ModelConfig
 from trainctl.models import build
 from trainctl.models.llama.model import apply_rope, build_model, count_params, rope_frequencies
 from trainctl.plan.flops import param_count

@@ -27,7 +27,7 @@ from trainctl.config.validate import resolve
 from trainctl.core import optimizers, schedules
 from trainctl.core.dims import ParallelDims
 from trainctl.models.build import build_model
-from trainctl.plan import memory
+from trainctl.plan import memory, rank_states
 from trainctl.plan import schedule as plan_schedule
 from trainctl.plan.runplan import build as build_plan
 from trainctl.plan.stages import rank_stages
@@ -51,7 +51,7 @@ def stepped(model_cfg: ModelConfig, name: str) -> tuple[torch.nn.Module, torch.o
 def planned_optimizer_bytes(model_cfg: ModelConfig, name: str) -> int:
     sharding = ShardingConfig()
     (stage,) = rank_stages(model_cfg, sharding, 1)
-    return memory.model_states(model_cfg, sharding, ParallelDims(), stage, 0, optim=name)["optimizer_bytes"]
+    return rank_states.model_states(model_cfg, sharding, ParallelDims(), stage, 0, optim=name)["optimizer_bytes"]
 
 
 def test_the_registry_names_are_the_choices_and_every_one_has_a_builder():
@@ -142,7 +142,7 @@ def test_plan_zero1_busiest_rank_counts_the_optimizers_own_bytes():
     tiny = ModelConfig()
     sharding, dims = ShardingConfig(strategy="zero1", dp_replicate=2), ParallelDims(dp_replicate=2)
     (stage,) = rank_stages(tiny, sharding, 1)
-    per_rank = [memory.model_states(tiny, sharding, dims, stage, r, optim="adafactor")["optimizer_bytes"]
+    per_rank = [rank_states.model_states(tiny, sharding, dims, stage, r, optim="adafactor")["optimizer_bytes"]
                 for r in range(2)]
     est = memory.estimate(tiny, PrecisionConfig(), sharding, TrainConfig(), dims, stage, "cpu", "adafactor")
     assert est.optimizer == max(per_rank) and min(per_rank) > 0

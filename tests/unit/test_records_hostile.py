@@ -15,6 +15,7 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import rundir as layout
+from trainctl.core import trainer_lock
 from trainctl.launch import plot, sweep
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.rundir import check_name
@@ -46,15 +47,15 @@ def test_readers_never_block_on_a_fifo(fifo_run):
     assert within_deadline(lambda: layout.read_jsonl(fifo_run / layout.METRICS)) == []
     assert within_deadline(lambda: layout.configured_steps(fifo_run)) is None
     assert within_deadline(lambda: layout.result(fifo_run)) is None
-    assert within_deadline(lambda: layout.lock_holder(fifo_run)) is None
+    assert within_deadline(lambda: trainer_lock.lock_holder(fifo_run)) is None
     assert within_deadline(lambda: layout.open_regular(fifo_run / layout.RESULT)) is None
 
 
 def test_a_fifo_lock_is_refused_not_waited_on(fifo_run):
     def try_acquire():
         try:
-            layout.acquire(fifo_run)
-        except layout.LockHeld as exc:
+            trainer_lock.acquire(fifo_run)
+        except trainer_lock.LockHeld as exc:
             return str(exc)
         return "acquired"
 

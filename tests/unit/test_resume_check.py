@@ -12,7 +12,8 @@ import pytest
 from tests import helpers
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import ScheduleConfig, load_run_config
+from trainctl.config.load import load_run_config, to_yaml
+from trainctl.config.schema import ScheduleConfig
 from trainctl.core import rundir as layout
 from trainctl.launch import reshard, rundir
 from trainctl.launch import resume as resumer
@@ -241,7 +242,7 @@ def test_a_moved_hugging_face_source_does_not_stop_a_resume_from_a_checkpoint(tm
     gone = tmp_path / "gone-hf"
     moved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="hf", path=str(gone)),
                                 checkpoint=dataclasses.replace(cfg.checkpoint, init_from=str(gone)))
-    (run_dir / layout.CONFIG).write_text(__import__("trainctl.config.schema", fromlist=["to_yaml"]).to_yaml(moved))
+    (run_dir / layout.CONFIG).write_text(to_yaml(moved))
     with pytest.raises(ConfigError) as info:  # no checkpoint yet: the worker would read the folder
         resumer.check(run_dir, [])
     assert f"model.path={gone}" in problems(info)[0]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainctl.config.schema import RunConfig, ShardingConfig, TrainConfig, cluster_configs, load_run_config
+from trainctl.config.load import load_run_config
+from trainctl.config.schema import RunConfig, ShardingConfig, TrainConfig, cluster_configs
 from trainctl.launch import code_record, rundir
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.runplan import build

@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import wait_for, write_exe
 from trainctl.config.schema import RunConfig, ShardingConfig, TrainConfig
 from trainctl.config.slurm import PreemptionConfig, SlurmClusterConfig
-from trainctl.launch import slurm
+from trainctl.launch import slurm, slurm_setup, slurm_submit
 from trainctl.launch.command import Expand, shell_join
 from trainctl.launch.errors import LaunchError
 
@@ -250,7 +250,7 @@ def test_user_env_can_override_our_defaults(tmp_path):
 def test_submit_without_sbatch_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(LaunchError, match="sbatch was not found on PATH"):
-        slurm.submit(tmp_path)
+        slurm_submit.submit(tmp_path)
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def run_dir(tmp_path):
 @pytest.mark.cli
 def test_submit_returns_the_job_id_and_records_it(fake_sbatch, run_dir, tmp_path):
     write_exe(fake_sbatch, f'printf "%s\\n" "$@" > {tmp_path}/sbatch_args\necho "9876;cluster-a"\n')
-    assert slurm.submit(run_dir) == "9876"
+    assert slurm_submit.submit(run_dir) == "9876"
     assert (tmp_path / "sbatch_args").read_text().splitlines() == ["--parsable", str(run_dir / "launch.sh")]
     assert json.loads((run_dir / "launch.json").read_text())["job_id"] == "9876"
 
@@ -281,7 +281,7 @@ def test_submit_returns_the_job_id_and_records_it(fake_sbatch, run_dir, tmp_path
 def test_submit_reports_sbatch_rejection(fake_sbatch, run_dir):
     write_exe(fake_sbatch, 'echo "sbatch: error: invalid partition specified: gpu" >&2\nexit 1\n')
     with pytest.raises(LaunchError, match="invalid partition"):
-        slurm.submit(run_dir)
+        slurm_submit.submit(run_dir)
     assert not (run_dir / "launch.json").exists()
 
 
@@ -339,8 +339,8 @@ def test_setup_that_parses_passes(tmp_path, setup):
 
 @pytest.mark.cli
 def test_bash_syntax_error_reports_line_and_message():
-    assert slurm.bash_syntax_error("echo ok\n") is None
-    line, message = slurm.bash_syntax_error("echo ok\nfi\n")
+    assert slurm_setup.bash_syntax_error("echo ok\n") is None
+    line, message = slurm_setup.bash_syntax_error("echo ok\nfi\n")
     assert line == 2 and "fi" in message
 
 

@@ -8,7 +8,6 @@ keys and wrong types fail with the key's full path. Every failure becomes a
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import re
 from pathlib import Path
@@ -36,14 +35,10 @@ from trainctl.config.hydra_source import (
     initialize_catalog,
     own_group_includer,
 )
-from trainctl.config.schema import (
-    GROUPS,
-    RunConfig,
-    cluster_configs,
-    escape_interpolations,
-    from_dict,
-    structured_schema,
-)
+from trainctl.config.load import escape_interpolations, from_dict, structured_schema
+from trainctl.config.memo import CopyingCache
+from trainctl.config.override_shapes import check_override_shapes
+from trainctl.config.schema import GROUPS, RunConfig, cluster_configs
 from trainctl.config.sources import (
     ENV_VAR,
     PRIMARY_NAME,
@@ -98,8 +93,7 @@ def _register_schema() -> None:
 # rebuilds its defaults tree and re-reads every file per call (~130 ms); a hit is a deep copy. Content, not stat:
 # a file rewritten within one timestamp tick at the same size must still compose afresh. Interpolations
 # (${oc.env:...}) are resolved by the caller after this, so they never come from the cache. Failures are not cached.
-_COMPOSED: dict[tuple, DictConfig] = {}
-_COMPOSED_MAX = 64
+_COMPOSED: CopyingCache[DictConfig] = CopyingCache(max_entries=64)
 
 
 def _files_key(cat: Catalog) -> tuple:
@@ -124,12 +118,7 @@ def compose_dictconfig(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> D
     _check_group_choices(overrides, sp)
     cat = catalog(sp)
     key = (tuple(overrides), _files_key(cat), tuple(cluster_configs().items()))
-    if key not in _COMPOSED:
-        composed = _hydra_compose(overrides, sp, cat)
-        if len(_COMPOSED) >= _COMPOSED_MAX:
-            _COMPOSED.pop(next(iter(_COMPOSED)))
-        _COMPOSED[key] = composed
-    return copy.deepcopy(_COMPOSED[key])
+    return _COMPOSED.get_or_build(key, lambda: _hydra_compose(overrides, sp, cat))
 
 
 def _hydra_compose(overrides: list[str], sp: SearchPath, cat: Catalog) -> DictConfig:
@@ -200,82 +189,6 @@ def _parse(item: str):
         return OverridesParser.create().parse_override(item)
     except (HydraException, ValueError, RecursionError):
         return None  # Hydra reports it (check_override_shapes caught what it would not report in one line)
-
-
-# Bounds on an override's shape, so that Hydra's parser (recursive, and int() on digits) answers in one line.
-MAX_KEY_CHARS = 200  # the longest schema key is ~35 characters; a file name is at most 255 bytes
-MAX_NESTING = 32  # levels of [ ] and { } in one value
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # none in a key
-# None in a value but the whitespace a quoted value may hold (a newline is for each key's own check to judge).
-_CONTROL_IN_VALUE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-
-
-def check_override_shapes(overrides: list[str]) -> None:
-    """Refuse, one line each, overrides Hydra's parser cannot answer in one line (too deep, too long, control
-    characters, unreadable numbers); callers that parse overrides before composing (sweeps) call it first."""
-    problems = [p for item in overrides if (p := _shape_problem(item))]
-    if problems:
-        raise ConfigError(problems)
-
-
-def _shape_problem(item: str) -> str | None:
-    """Why an override cannot be a key=value at all (one line), or None."""
-    if not isinstance(item, str):
-        return f"{item!r}: an override is text, key=value"
-    key = item.partition("=")[0]
-    shown = _CONTROL.sub(lambda m: repr(m.group())[1:-1], key if len(key) <= 60 else key[:40])
-    shown += "" if len(key) <= 60 else f"...({len(key)} characters)"
-    control = _CONTROL.search(key) or _CONTROL_IN_VALUE.search(item, len(key))
-    if control:
-        return (f"{shown}: the override holds a control character ({control.group()!r}); "
-                "write it without NUL, escape or other control characters")
-    if len(key.lstrip("+~")) > MAX_KEY_CHARS:
-        return f"{shown}: a key longer than {MAX_KEY_CHARS} characters; keys are dotted names such as train.steps"
-    if _nesting(item[len(key) + 1:]) > MAX_NESTING:
-        return f"{shown}: the value nests lists or mappings more than {MAX_NESTING} deep; no setting needs that"
-    try:
-        parsed = OverridesParser.create().parse_override(item)
-    except HydraException as exc:
-        if str(exc).startswith(("token recognition error", "LexerNoViableAltException")):  # no rule for a character
-            return (f"{item}: an unquoted value holds a character Hydra's override grammar does not take "
-                    "(non-ASCII letters, a newline, ...); quote the value: key='value'")
-        return None  # reported with Hydra's grammar hint when composing
-    except (ValueError, RecursionError) as exc:
-        if "digits" in str(exc):  # int() refuses more than sys.get_int_max_str_digits() digits
-            return f"{shown}: a number of more digits than can be read; an int key holds at most 19 digits"
-        return f"{shown}: the value cannot be read ({_first_line(exc)}); pass a shorter value"
-    if not parsed.key_or_group:  # `+=[]` fails an assert inside Hydra; `=1`, `~`, `@pkg=1` get its internals
-        return (f"{item if len(item) <= 60 else item[:40] + '...'}: no key before '='; overrides look like "
-                "key=value, group=option, +key=value, ~key")
-    return None
-
-
-def _nesting(value: str) -> int:
-    """How deep [ ] and { } nest in an override value, outside quoted strings."""
-    depth = deepest = 0
-    quote = None
-    escaped = False
-    for char in value:
-        if quote:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == quote:
-                quote = None
-        elif char in "'\"":
-            quote = char
-        elif char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def _check_group_choices(overrides: list[str], sp: SearchPath) -> None:

@@ -18,8 +18,8 @@ from hydra.core.override_parser.types import Glob, Override, RangeSweep, Sweep
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trainctl.config.compose import check_override_shapes
 from trainctl.config.errors import ConfigError
+from trainctl.config.override_shapes import check_override_shapes
 from trainctl.config.schema import GROUPS
 
 # Slurm's default MaxArraySize is 1001 (task ids 0..1000); every point is also composed and planned before any

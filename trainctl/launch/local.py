@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from trainctl.config.schema import ClusterConfig
-from trainctl.core import rundir
+from trainctl.core import rundir, trainer_lock
 from trainctl.launch.command import (
     RUN_DIR_VAR,
     local_argv,
@@ -213,21 +213,21 @@ def write_launch_record(run_dir: Path, record: dict) -> None:
 
 
 def start_record(run_dir: Path) -> dict:
-    return {"launcher": "local", "start": _now(), "run_dir": str(run_dir), **rundir.identity()}
+    return {"launcher": "local", "start": _now(), "run_dir": str(run_dir), **trainer_lock.identity()}
 
 
-def lock(run_dir: Path) -> rundir.TrainerLock:
+def lock(run_dir: Path) -> trainer_lock.TrainerLock:
     """Take the run's trainer lock for a local launch, or refuse in one line (LaunchError) naming who holds it."""
     try:
-        return rundir.acquire(run_dir, inheritable=True)
-    except rundir.LockHeld as exc:
+        return trainer_lock.acquire(run_dir, inheritable=True)
+    except trainer_lock.LockHeld as exc:
         raise LaunchError(str(exc)) from None
     except OSError as exc:
         raise LaunchError(f"{run_dir}: cannot take the run's lock ({exc.strerror or exc})") from None
 
 
 def run(
-    run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0, held: rundir.TrainerLock | None = None,
+    run_dir: Path, out: BinaryIO | None = None, total_steps: int = 0, held: trainer_lock.TrainerLock | None = None,
     report: Callable[[str], None] | None = None,
 ) -> int:
     """Run RUN_DIR/launch.sh to completion holding the run's trainer lock; returns the exit code (0 on success).
@@ -252,7 +252,7 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _run_locked(run_dir: Path, script: Path, lock: rundir.TrainerLock, out: BinaryIO | None, total_steps: int,
+def _run_locked(run_dir: Path, script: Path, lock: trainer_lock.TrainerLock, out: BinaryIO | None, total_steps: int,
                 report_to: Callable[[str], None] | None = None) -> int:
     rundir.clear_stop(run_dir)  # a stop record from an earlier attempt must not describe this one
     started_at = time.time()

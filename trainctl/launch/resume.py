@@ -27,15 +27,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import (
-    GROUPS,
-    RunConfig,
-    escape_interpolations,
-    from_dict,
-    load_run_config,
-    structured_schema,
-    to_yaml,
-)
+from trainctl.config.load import escape_interpolations, from_dict, load_run_config, structured_schema, to_yaml
+from trainctl.config.schema import GROUPS, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import checkpoints
 from trainctl.core import rundir as layout

@@ -17,7 +17,8 @@ import unicodedata
 from datetime import datetime
 from pathlib import Path
 
-from trainctl.config.schema import RunConfig, to_yaml
+from trainctl.config.load import to_yaml
+from trainctl.config.schema import RunConfig
 from trainctl.core import rundir as layout
 from trainctl.launch import backends, code_record, tokenizer_record
 from trainctl.launch.command import plan_record

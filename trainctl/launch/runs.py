@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from trainctl.core import rundir
+from trainctl.core import rundir, trainer_lock
 from trainctl.launch import backends, slurm_jobs
 from trainctl.launch.errors import LaunchError
 
@@ -106,9 +106,9 @@ def _same_dir(a: Path, b: Path) -> bool:
 
 def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
     """(state, active, detail) of a run on this machine, from its lock and records (never from a pid alone)."""
-    holder = rundir.lock_holder(run_dir)
+    holder = trainer_lock.lock_holder(run_dir)
     if holder is not None:
-        return "RUNNING", True, rundir.describe_holder(holder)
+        return "RUNNING", True, trainer_lock.describe_holder(holder)
     if rundir.result(run_dir) is not None:
         return "COMPLETED", False, ""
     stop = rundir.stop_record(run_dir)
@@ -208,15 +208,15 @@ def cancel_holder(run_dir: Path) -> None:
     Never by a pid alone (pids are reused) or by its command line. A holder that recorded a Slurm job (its
     launch script submitted by hand) is cancelled through Slurm.
     """
-    holder = rundir.lock_holder(run_dir) or {}
+    holder = trainer_lock.lock_holder(run_dir) or {}
     job = rundir.as_str(holder.get("slurm_job_id"))
     if job:
         slurm_jobs.cancel_job(job)
         return
-    if not rundir.same_process(holder.get("pid"), holder.get("pid_start"), holder.get("host")):
+    if not trainer_lock.same_process(holder.get("pid"), holder.get("pid_start"), holder.get("host")):
         where = rundir.as_str(holder.get("host"), "another machine")
-        raise LaunchError(f"run {run_dir.name} is trained by {rundir.describe_holder(holder)}, which is not a process "
-                          f"on this machine ({where} or not recorded); stop it there")
+        raise LaunchError(f"run {run_dir.name} is trained by {trainer_lock.describe_holder(holder)}, which is not a "
+                          f"process on this machine ({where} or not recorded); stop it there")
     try:
         # The trainer finishes its step, saves, and records the stop (a launcher forwards the signal to torchrun).
         os.kill(rundir.as_int(holder.get("pid")), signal.SIGTERM)

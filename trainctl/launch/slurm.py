@@ -1,4 +1,4 @@
-"""Slurm: the sbatch script of a run, and its submission (job state, logs, cancel: `slurm_jobs.py`).
+"""Slurm: the sbatch script of a run (submission: `slurm_submit.py`; job state, logs, cancel: `slurm_jobs.py`).
 
 One task per node runs torchrun, which starts `procs_per_node` workers; the
 first node of the allocation hosts the c10d rendezvous. CPUs: `cluster.cpus_per_task`,
@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import shutil
-import subprocess
-from datetime import datetime
 from pathlib import Path
 
 from trainctl.config.schema import RunConfig
@@ -39,9 +36,8 @@ from trainctl.launch.command import (
     worker_args,
 )
 from trainctl.launch.errors import LaunchError
+from trainctl.launch.slurm_setup import setup_syntax_problems
 
-SBATCH_TIMEOUT_S = 60
-BASH_CHECK_TIMEOUT_S = 10
 ATTEMPTS_FILE = rundir.ATTEMPTS  # one line per attempt start and end, written by the job itself
 SETUP_BEGIN = "# ---- cluster.setup: user shell, kept verbatim (not quoted by trainctl) ----"
 SETUP_END = "# ---- end of cluster.setup ----"
@@ -57,7 +53,7 @@ def attempt_log_name(job_id: str, attempt: int | str) -> str:
     return f"slurm-{job_id}.{attempt}.out"
 
 
-def _directive_value(what: str, value: str) -> str:
+def directive_value(what: str, value: str) -> str:
     # A directive ends at a newline and sbatch splits it at spaces; '%' would be read as a filename pattern.
     if re.search(r"[\s%]", value):
         raise LaunchError(f"{what} {value!r} cannot go into an #SBATCH line (whitespace or '%'); choose one without")
@@ -93,12 +89,12 @@ def preemption_directives(p: PreemptionConfig) -> list[str]:
 
 def sbatch_directives(cluster: SlurmClusterConfig, name: str, run_dir: Path) -> list[str]:
     """The #SBATCH lines: resources, scheduling keys that are set, logs, preemption, then the user's extras."""
-    lines = [f"--job-name={_directive_value('job name', name)}", *resource_directives(cluster)]
+    lines = [f"--job-name={directive_value('job name', name)}", *resource_directives(cluster)]
     for key in ("partition", "account", "qos", "constraint"):
         value = getattr(cluster, key)
         if value:
-            lines.append(f"--{key}={_directive_value(f'cluster.{key}', value)}")
-    lines += [f"--output={_directive_value('run directory', str(run_dir))}/logs/slurm-%j.out", "--open-mode=append"]
+            lines.append(f"--{key}={directive_value(f'cluster.{key}', value)}")
+    lines += [f"--output={directive_value('run directory', str(run_dir))}/logs/slurm-%j.out", "--open-mode=append"]
     lines += preemption_directives(cluster.preemption)
     for extra in cluster.extra_directives:
         if "\n" in extra or "\r" in extra:
@@ -261,7 +257,7 @@ def render_sbatch(cfg: RunConfig, run_dir: Path, workdir: Path | None = None) ->
     Raises LaunchError when `cluster.setup` breaks the script's shell syntax (see `setup_problems`).
     """
     script = _script(cfg, run_dir, workdir or Path.cwd())
-    problems = _setup_syntax_problems(cfg.cluster.setup, script)
+    problems = setup_syntax_problems(cfg.cluster.setup, script)
     if problems:
         raise LaunchError(problems[0])
     return script
@@ -278,48 +274,7 @@ def setup_problems(cfg: RunConfig) -> list[str]:
         script = _script(cfg, Path("/run-dir-placeholder"), Path("/workdir-placeholder"))
     except LaunchError:
         return []  # a bad directive value: validation reports that one
-    return _setup_syntax_problems(cfg.cluster.setup, script)
-
-
-def _setup_syntax_problems(setup: list[str], script: str) -> list[str]:
-    if not setup:
-        return []
-    hint = "each entry is shell run before srun, e.g. 'module load cuda'; fix its quotes, brackets or here-document"
-    alone = bash_syntax_error("\n".join(setup) + "\n")
-    if alone is not None:
-        line, message = alone
-        # bash counts lines of the block; with one line per entry that is the entry's index + 1.
-        where = "cluster.setup"
-        if line is not None and all("\n" not in entry for entry in setup) and 1 <= line <= len(setup):
-            where = f"cluster.setup[{line - 1}]={setup[line - 1]!r}"
-        return [f"{where}: bash -n: {message}; {hint}"]
-    if re.search(r"(?<!\\)(\\\\)*\\$", setup[-1]):
-        return [f"cluster.setup[{len(setup) - 1}]={setup[-1]!r}: ends with a line continuation, which would join it to "
-                f"trainctl's next line; remove the trailing backslash"]
-    whole = bash_syntax_error(script)
-    if whole is not None:
-        return [f"cluster.setup: the sbatch script with it does not pass bash -n: {whole[1]}; {hint}"]
-    return []
-
-
-def bash_syntax_error(text: str) -> tuple[int | None, str] | None:
-    """(line, message) of bash's first complaint about `text` under `bash -n`, warnings included; None if clean.
-
-    A warning such as an unterminated here-document leaves bash's exit code 0 but swallows the rest
-    of the script, so anything on stderr counts. Without bash on PATH nothing can be checked.
-    """
-    bash = shutil.which("bash")
-    if bash is None:
-        return None
-    try:
-        done = subprocess.run([bash, "-n"], input=text, capture_output=True, text=True, timeout=BASH_CHECK_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode == 0 and not done.stderr.strip():
-        return None
-    first = done.stderr.strip().splitlines()[0] if done.stderr.strip() else f"exit code {done.returncode}"
-    match = re.match(r"^(?:\S*bash: )?(?:line (\d+): )?(.*)$", first)
-    return (int(match.group(1)) if match.group(1) else None), match.group(2)
+    return setup_syntax_problems(cfg.cluster.setup, script)
 
 
 def _script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
@@ -347,95 +302,3 @@ def _script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
             "",
         ]
     )
-
-
-def parse_job_id(sbatch_stdout: str) -> str:
-    """`sbatch --parsable` prints `JOBID` or `JOBID;CLUSTER`."""
-    job_id = sbatch_stdout.strip().split(";")[0]
-    if not job_id.isdigit():
-        raise LaunchError(f"sbatch printed {sbatch_stdout.strip()!r} instead of a job id")
-    return job_id
-
-
-def sbatch(script: Path) -> str:
-    """`sbatch --parsable SCRIPT`; the job id, or a LaunchError saying why Slurm refused or did not answer."""
-    try:
-        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
-                              timeout=SBATCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        raise LaunchError(f"sbatch did not answer within {SBATCH_TIMEOUT_S} s; is the Slurm controller up?") from e
-    if done.returncode != 0:
-        reason = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
-        raise LaunchError(f"sbatch rejected {script}: {reason}")
-    return parse_job_id(done.stdout)
-
-
-def submit(run_dir: Path) -> str:
-    """Submit RUN_DIR/launch.sh with sbatch; returns the job id and records it in RUN_DIR/launch.json."""
-    if shutil.which("sbatch") is None:
-        raise LaunchError("cluster.launcher=slurm but sbatch was not found on PATH; "
-                          "run on a Slurm login node or use cluster=local")
-    script = run_dir / rundir.SCRIPT
-    if not script.is_file():
-        raise LaunchError(f"{script} does not exist; is {run_dir} a trainctl run directory?")
-    job_id = sbatch(script)
-    submitted = datetime.now().astimezone().isoformat(timespec="seconds")
-    record = {"launcher": "slurm", "job_id": job_id, "submitted": submitted}
-    rundir.write_json_atomic(run_dir / rundir.LAUNCH, record)
-    return job_id
-
-
-# ---------------------------------------------------------------- sweeps: one job array
-
-
-def array_problems(cfgs: list[RunConfig]) -> list[str]:
-    """A job array shares one allocation shape: every point must ask for the same resources."""
-    shapes = {tuple(resource_directives(c.cluster)) + (c.cluster.partition, c.cluster.account, c.cluster.qos)
-              for c in cfgs}
-    if len(shapes) > 1:
-        return ["-m with cluster.launcher=slurm: the points ask for different resources (nodes, GPUs, time, "
-                "partition); a job array shares one shape, so sweep those keys in separate launches"]
-    return []
-
-
-def render_array(cfg: RunConfig, name: str, sweep_folder: Path, run_dirs: list[Path]) -> str:
-    """The sweep's sbatch script: task i runs point i's own launch script (its lock, requeue and logs)."""
-    c = cfg.cluster
-    directives = [line for line in sbatch_directives(c, name, sweep_folder)
-                  if not line.startswith("#SBATCH --output=")]
-    limit = f"%{c.array_parallelism}" if c.array_parallelism > 0 else ""
-    logs = _directive_value("sweep directory", str(sweep_folder / "logs"))
-    directives[1:1] = [f"#SBATCH --array=0-{len(run_dirs) - 1}{limit}", f"#SBATCH --output={logs}/%A_%a.out"]
-    listing = " ".join(shlex.quote(str(d)) for d in run_dirs)
-    return "\n".join([
-        "#!/bin/bash",
-        *directives,
-        "",
-        "# Generated by trainctl for a sweep: array task i trains point i (sweep.json lists them).",
-        "set -euo pipefail",
-        f"RUN_DIRS=({listing})",
-        f'exec bash "${{RUN_DIRS[$SLURM_ARRAY_TASK_ID]}}/{rundir.SCRIPT}"',
-        "",
-    ])
-
-
-ARRAY_SCRIPT = "array.sh"
-
-
-def write_array(cfg: RunConfig, name: str, sweep_folder: Path, run_dirs: list[Path]) -> Path:
-    """SWEEP/array.sh (and its logs folder): the job array `submit_array` submits, or a dry run leaves to submit."""
-    (sweep_folder / "logs").mkdir(exist_ok=True)
-    script = sweep_folder / ARRAY_SCRIPT
-    script.write_text(render_array(cfg, name, sweep_folder, run_dirs))
-    return script
-
-
-def submit_array(cfg: RunConfig, name: str, sweep_folder: Path, run_dirs: list[Path]) -> str:
-    """Submit the sweep as one job array; each point's launch.json gets its task's id (ARRAY_TASK)."""
-    array_id = sbatch(write_array(cfg, name, sweep_folder, run_dirs))
-    submitted = datetime.now().astimezone().isoformat(timespec="seconds")
-    for index, run_dir in enumerate(run_dirs):
-        record = {"launcher": "slurm", "job_id": f"{array_id}_{index}", "array_job_id": array_id,
-                  "submitted": submitted}
-        rundir.write_json_atomic(run_dir / rundir.LAUNCH, record)
-    return array_id

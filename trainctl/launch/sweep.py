@@ -6,7 +6,7 @@ single launch would be, before anything is written: one bad point and nothing st
 named. Each point then gets an ordinary run directory (`SWEEP-00`, `SWEEP-01`, ...: `runs`, `status`,
 `resume`, `export` treat it as any run), and the sweep directory RUNS_DIR/sweeps/SWEEP/sweep.json names
 them with their overrides. Locally the points run one after another; on Slurm the sweep is one job array
-(launch/slurm.py) whose task i runs point i's own launch script (preemption and requeue as for any run).
+(launch/slurm_submit.py) whose task i runs point i's own launch script (preemption and requeue as for any run).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from trainctl.config.compose import check_override_shapes
 from trainctl.config.errors import ConfigError
+from trainctl.config.override_shapes import check_override_shapes
 from trainctl.config.schema import RunConfig
 from trainctl.core import rundir as layout
 from trainctl.launch.errors import LaunchError

@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from trainctl.config.schema import ModelConfig, load_run_config
+from trainctl.config.load import load_run_config
+from trainctl.config.schema import ModelConfig
 from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
 from trainctl.models import lora_export

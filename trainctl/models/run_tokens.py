@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainctl.config.schema import load_run_config
+from trainctl.config.load import load_run_config
 from trainctl.core import rundir as layout
 from trainctl.core.errors import UserError
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, load_template, render

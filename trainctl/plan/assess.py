@@ -19,6 +19,7 @@ from trainctl.plan.activations import checkpointed_blocks
 from trainctl.plan.flops import flops_per_token
 from trainctl.plan.notes import notes_for
 from trainctl.plan.stages import rank_stages
+from trainctl.plan.transients import DTYPE_BYTES
 
 NOMINAL_PEAK = 1e14  # FLOP/s standing in for an unknown device when only ratios of times are wanted
 
@@ -65,7 +66,7 @@ def step_time(
     if peak is None:
         return None
     m, t, s, mfu = cfg.model, cfg.train, cfg.sharding, assumed_mfu(cfg)
-    c = memory.DTYPE_BYTES[cfg.precision.compute_dtype]
+    c = DTYPE_BYTES[cfg.precision.compute_dtype]
     tokens = t.global_batch * t.seq_len
     rate = dims.world_size * peak * mfu * tp_model.micro_batch_efficiency(mem.tokens_per_micro_batch)
     compute = flops_per_token(m, t.seq_len) * tokens / rate
@@ -81,7 +82,7 @@ def step_time(
     bubble = (compute + recompute) * bubble_fraction
     spec = GPUS.get(cfg.cluster.gpu)
     tp_bytes = tp_model.tp_comm_bytes(m, mem.tokens_per_micro_batch, n_blocks, dims.tp, c) * t.grad_accum
-    reduce = memory.DTYPE_BYTES[cfg.precision.reduce_dtype]
+    reduce = DTYPE_BYTES[cfg.precision.reduce_dtype]
     wrap = wrapping(s.strategy, dims, cfg.precision)
     fsdp_bytes = tp_model.fsdp_comm_bytes(wrap, mem.local_params, c, reduce, dims.dp_shard, t.grad_accum)
     fsdp_s = fsdp_bytes / bandwidth(cfg, spec, dims.dp_shard * dims.cp * dims.tp)

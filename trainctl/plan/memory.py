@@ -1,7 +1,8 @@
 """Per-rank device memory at its peak, broken down, following what the worker does.
 
 Model states are counted tensor by tensor (trainctl/plan/shapes.py), so the predicted parameter,
-gradient and optimizer bytes are those of the live tensors on each rank (tests/dist checks it):
+gradient and optimizer bytes are those of the live tensors on each rank (tests/dist checks it). This module
+sums the phases of a step; plan/rank_states.py counts the model states, plan/transients.py the rest:
 
     strategy          weights (fp32)      grads (fp32, after backward)   optimizer (core/optimizers.py)
     none, ddp         local               local                          local
@@ -48,27 +49,32 @@ from dataclasses import asdict, dataclass
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
-from trainctl.core.lora import is_adapter
 from trainctl.core.loss_head import chunked_loss
-from trainctl.core.wrapping import Wrapping, float8_all_gather, wrapping
+from trainctl.core.wrapping import wrapping
 from trainctl.plan import activations as act
-from trainctl.plan.shapes import (
-    Tensor,
-    block_tensors,
-    embedding_tensor,
-    fsdp_local_numel,
-    fsdp_rows,
-    head_tensors,
-    stage_tensors,
-    tp_local,
-    zero1_assignment,
+from trainctl.plan.rank_states import (
+    busiest_dp_rank,
+    local_tensors,
+    stepped_tensors,
+    stored_elements,
+    stored_of,
+    trainable,
+    trainable_of,
 )
 from trainctl.plan.stages import RankStages
+from trainctl.plan.transients import (
+    DTYPE_BYTES,
+    activation_bytes,
+    activation_layout,
+    end_parts,
+    gathered_bytes,
+    head_reduce_bytes,
+    offloaded,
+    weight_cast_bytes,
+)
 
 FP32 = 4
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30
-
 
 
 @dataclass(frozen=True)
@@ -145,201 +151,6 @@ class RankMemory:
         out.update(pp_rank=self.pp_rank, tokens_per_micro_batch=self.tokens_per_micro_batch, in_flight=self.in_flight,
                    local_params=self.local_params)
         return out
-
-
-def local_tensors(m: ModelConfig, stage: RankStages, tp: int) -> list[Tensor]:
-    return [tp_local(t, tp, m.family) for t in stage_tensors(m, stage.layers, stage.first, stage.last)]
-
-
-def stepped_tensors(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, dp_rank: int = 0) -> list[Tensor]:
-    """The (local) tensors whose optimizer states data-parallel rank `dp_rank` holds and steps.
-
-    FSDP2: each tensor's dim-0 chunk (rank 0's are the full ones); zero1: the whole tensors of
-    ZeroRedundancyOptimizer's partition; otherwise every tensor.
-    """
-    if wrap.fsdp:
-        shard_rank = dp_rank % dims.dp_shard
-        return [Tensor(t.name, fsdp_rows(t.rows, dims.dp_shard, shard_rank), t.cols) for t in tensors]
-    if wrap.zero1:
-        return zero1_assignment(tensors, dims.dp_replicate)[dp_rank]
-    return tensors
-
-
-def stored_elements(
-    tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, dp_rank: int = 0
-) -> tuple[int, int, int]:
-    """(weight/gradient elements, optimizer elements, stepped tensors) that data-parallel rank `dp_rank` stores."""
-    stepped = [t.numel for t in stepped_tensors(tensors, wrap, dims, dp_rank)]
-    full = sum(stepped) if wrap.fsdp else sum(t.numel for t in tensors)
-    return full, sum(stepped), sum(1 for n in stepped if n > 0)
-
-
-def stored_of(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -> int:
-    """Elements of `tensors` rank 0 stores (their gradients' share)."""
-    if wrap.fsdp:
-        return sum(fsdp_local_numel(t, dims.dp_shard) for t in tensors)
-    return sum(t.numel for t in tensors)
-
-
-def busiest_dp_rank(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, optim: str = "adamw") -> int:
-    """Rank 0 under FSDP2 (the first chunks are the full ones); under zero1 the rank with the most state bytes."""
-    if wrap.zero1:
-        shares = [optimizers.state_bytes(optim, mine) for mine in zero1_assignment(tensors, dims.dp_replicate)]
-        return shares.index(max(shares))
-    return 0
-
-
-def model_states(
-    m: ModelConfig, sharding: ShardingConfig, dims: ParallelDims, stage: RankStages, dp_rank: int,
-    optim: str = "adamw",
-) -> dict[str, int]:
-    """Bytes of the live parameter, gradient and optimizer tensors on one rank (what memory_stats measures)."""
-    tensors = local_tensors(m, stage, dims.tp)
-    wrap = wrapping(sharding.strategy, dims)
-    stored = stored_elements(tensors, wrap, dims, dp_rank)[0]
-    optimizer = optimizers.state_bytes(optim, stepped_tensors(trainable(tensors), wrap, dims, dp_rank))
-    grads = stored_of(trainable(tensors), wrap, dims)
-    return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * grads, "optimizer_bytes": optimizer}
-
-
-def trainable(tensors: list[Tensor]) -> list[Tensor]:
-    """The tensors that get gradients and optimizer states: LoRA's adapters when there are any, else all."""
-    adapters = [t for t in tensors if is_adapter(t.name)]
-    return adapters or tensors
-
-
-def trainable_of(part: list[Tensor], learn: list[Tensor]) -> list[Tensor]:
-    names = {t.name for t in learn}
-    return [t for t in part if t.name in names]
-
-
-def fsdp_units(m: ModelConfig, stage: RankStages, tp: int) -> dict[str, int]:
-    """Elements of each FSDP2 unit (parallelize.apply_fsdp), tp-local: embedding, one block, head, root."""
-    def numel(ts: list[Tensor]) -> int:
-        return sum(tp_local(t, tp, m.family).numel for t in ts)
-
-    tied = m.tie_embeddings and stage.first and stage.last
-    block = numel(block_tensors(m, stage.layers[0])) if stage.layers else 0
-    embedding = numel([embedding_tensor(m)]) if stage.first else 0
-    head = numel(head_tensors(m, stage.first)) if stage.last else 0
-    if tied:  # one parameter at both ends: it stays in the root unit, with the final norm
-        return {"embedding": 0, "block": block, "head": 0, "root": embedding + head}
-    return {"embedding": embedding, "block": block, "head": head, "root": 0}
-
-
-def gathered(units: dict[str, int], n_blocks: int, reshard: bool, c: int, r: int,
-             g: int | None = None) -> tuple[int, int, int]:
-    """(at the loss, during a block's backward, at the end of backward) bytes of FSDP2's gathered units.
-
-    A unit's backward holds its gathered weights (g bytes per element: the compute dtype's c, or 1 for a
-    block's float8 all-gather), its unsharded gradient (compute dtype) and the reduce-scatter input (reduce
-    dtype): (g + c + r) per element; a block's backward also has the previous block prefetched (+g). A block's
-    norm weights gather in the compute dtype under float8 too (2 dim of about 12 dim^2: left out).
-    """
-    g = c if g is None else g
-    block, root, embedding = units["block"], units["root"], units["embedding"]
-    at_end = c * root + max((2 * c + r) * embedding, (g + c + r) * block)
-    if reshard:
-        return c * (units["head"] + root), c * root + (2 * g + c + r) * block, at_end
-    kept = c * (embedding + units["head"] + root) + g * n_blocks * block  # zero2: all kept until their backward
-    return kept, kept + (c + r) * block, at_end
-
-
-def activation_layout(precision: PrecisionConfig, wrap: Wrapping, dims: ParallelDims,
-                      chunked_loss: bool = False, compiled: bool = False, device: str = "cpu") -> act.ActLayout:
-    c = DTYPE_BYTES[precision.compute_dtype]
-    # Under FSDP mixed precision the weights (so the embedding's output) are in the compute dtype;
-    # autocast leaves the embedding fp32 and the residual adds promote to fp32.
-    residual = c if wrap.fsdp else FP32
-    return act.ActLayout(c, residual, dims.tp, dims.cp, wrap.autocast, chunked_loss, compiled,
-                         fused_norm=device == "cuda")
-
-
-@dataclass(frozen=True)
-class SavedActivations:
-    one: int  # one micro-batch, head included
-    everything: int  # every micro-batch in flight
-    head: int  # the head's part (all in flight)
-    first_block: int  # the first block's (and the token ids') part of everything
-    host: int = 0  # moved to host memory by activation offload
-    unpacked: int = 0  # offloaded tensors copied back to the device for one block's backward
-
-
-def activation_bytes(
-    m: ModelConfig, train: TrainConfig, lay: act.ActLayout, stage: RankStages, tokens: int
-) -> SavedActivations:
-    """Activations saved for backward on this rank."""
-    mode, n_blocks = train.activation_checkpointing, len(stage.layers)
-    blocks = act.blocks_bytes(m, lay, mode, n_blocks, train.ac_every) * tokens
-    ids = act.TOKEN_ID_BYTES * tokens if stage.first else 0
-    if mode != "selective":
-        first = act.blocks_bytes(m, lay, mode, 1, train.ac_every) * tokens
-    else:
-        first = blocks / max(1, n_blocks)
-    head = int(act.head_bytes(m, lay) * tokens) + act.head_fixed_bytes(m, lay) if stage.last else 0
-    # A pipeline's last stage also keeps its output logits (the schedule's forward cache) until backward.
-    if stage.last and n_blocks < m.n_layers:
-        head += lay.compute_bytes * m.vocab_size * tokens
-    one = int(blocks + ids)
-    everything = int(one * stage.in_flight) + head * stage.last_in_flight
-    first_block = everything - head * stage.last_in_flight - one + int(first + ids)
-    return SavedActivations(one + head, everything, head * stage.last_in_flight, first_block)
-
-
-def offloaded(
-    saved: SavedActivations, m: ModelConfig, lay: act.ActLayout, train: TrainConfig, stage: RankStages, tokens: int
-) -> SavedActivations:
-    """train.activation_offload: every saved tensor goes to host memory (torch's save_on_cpu).
-
-    What op-level checkpointing caches (the matmul outputs) is kept by checkpointing itself, not
-    saved through autograd's hooks: it stays on the device. In backward each block's tensors come
-    back to the device one block at a time.
-    """
-    wrapped = act.checkpointed_blocks(train.activation_checkpointing, len(stage.layers), train.ac_every)
-    cache = (act.block_op(m, lay) - act.block_full(m, lay)) * wrapped if train.activation_checkpointing == "op" else 0
-    on_device = int(cache * tokens * stage.in_flight)
-    unpacked = int(act.block_none(m, lay) * tokens)
-    return SavedActivations(saved.one, on_device, 0, on_device, saved.everything - on_device, unpacked)
-
-
-def weight_cast_bytes(tensors: list[Tensor], stage: RankStages, c: int, wrapped: int, chunked_loss: bool) -> int:
-    """torch.autocast's compute-dtype copies of the matmul weights, kept for backward (not in checkpointed blocks).
-
-    The chunked loss keeps its weight gradient instead of the output weight's copy (activations count it).
-    """
-    block_matmul = sum(t.numel for t in tensors if t.is_matmul and t.name.startswith("layers."))
-    per_block = block_matmul // max(1, len(stage.layers))
-    head_matmul = sum(t.numel for t in tensors if t.is_matmul and not t.name.startswith("layers.")
-                      and not (chunked_loss and t.name.startswith("output.")))
-    return c * (per_block * (len(stage.layers) - wrapped) + head_matmul)
-
-
-def end_parts(tensors: list[Tensor], stage: RankStages) -> tuple[list[Tensor], list[Tensor]]:
-    """(embedding + first block, norm + output): the tensors whose gradients come last and first in backward."""
-    first_block = f"layers.{stage.layers[0]}." if stage.layers else None
-    first_part = [t for t in tensors
-                  if t.name.startswith("tok_embeddings") or (first_block and t.name.startswith(first_block))]
-    head_part = [t for t in tensors if t.name.startswith(("norm.", "output."))]
-    return first_part, head_part
-
-
-def head_reduce_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: Wrapping, r: int) -> int:
-    """FSDP2's reduce-scatter input for the head's own unit at its post-backward (the loss phase); 0 otherwise."""
-    if not (wrap.fully_shard and stage.last):
-        return 0
-    return (r if wrap.fsdp else FP32) * fsdp_units(m, stage, dims.tp)["head"]
-
-
-def gathered_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: Wrapping, c: int, r: int,
-                   precision: PrecisionConfig | None = None):
-    """`gathered` for this wrapping's FSDP2 units; zeros without FSDP2."""
-    if not wrap.fully_shard:
-        return 0, 0, 0
-    units = fsdp_units(m, stage, dims.tp)
-    # FSDP2 as DDP (ddp over tp/pp) gathers and reduces fp32: it has no mixed precision.
-    unit_c, unit_r = (c, r) if wrap.fsdp else (FP32, FP32)
-    g = 1 if float8_all_gather(wrap.fsdp, precision) else unit_c
-    return gathered(units, len(stage.layers), wrap.reshard_after_forward, unit_c, unit_r, g)
 
 
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,

@@ -157,7 +157,7 @@ def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
     log.info("rank %s of %s on host %s, pid %d", rank, os.environ.get("WORLD_SIZE", 1), socket.gethostname(),
              os.getpid())
     try:
-        from trainctl.config.schema import load_run_config
+        from trainctl.config.load import load_run_config
 
         cfg = load_run_config(run_dir)
     except Exception as err:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from trainctl.config.schema import DataConfig, RunConfig, load_run_config
+from trainctl.config.load import load_run_config
+from trainctl.config.schema import DataConfig, RunConfig
 from trainctl.core import checkpoints
 from trainctl.core import rundir as layout
 from trainctl.core.errors import UserError

@@ -1,5 +1,6 @@
 """The Slurm backend (`cluster=slurm`): an sbatch script per run (a job array per sweep), submitted and watched
-through Slurm's clients. The script is `launch/slurm.py`'s, the queries `launch/slurm_jobs.py`'s."""
+through Slurm's clients. The script is `launch/slurm.py`'s, its submission
+`launch/slurm_submit.py`'s, the queries `launch/slurm_jobs.py`'s."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, RunConfig
 from trainctl.core import rundir
-from trainctl.launch import slurm, slurm_jobs
+from trainctl.launch import slurm, slurm_jobs, slurm_submit
 from trainctl.launch.backends import register
 from trainctl.launch.backends.base import Backend, Launched, StateTuple
 from trainctl.launch.errors import LaunchError
@@ -84,7 +85,7 @@ class SlurmBackend(Backend):
 
     def start(self, run_dir: Path, cfg: RunConfig, *, new: bool, held=None, out=None) -> Launched:
         try:
-            job_id = slurm.submit(run_dir)
+            job_id = slurm_submit.submit(run_dir)
         except LaunchError:
             if new:  # nothing was queued: a run directory nobody can start is not kept
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -93,13 +94,13 @@ class SlurmBackend(Backend):
         return Launched(job_id=job_id, message=f"submitted Slurm job {job_id}; follow it with: {follow}")
 
     def sweep_problems(self, cfgs: list[RunConfig]) -> list[str]:
-        return slurm.array_problems(cfgs)
+        return slurm_submit.array_problems(cfgs)
 
     def write_sweep(self, cfg: RunConfig, name: str, folder: Path, run_dirs: list[Path]) -> Path | None:
-        return slurm.write_array(cfg, name, folder, run_dirs)
+        return slurm_submit.write_array(cfg, name, folder, run_dirs)
 
     def start_sweep(self, cfg: RunConfig, name: str, folder: Path, run_dirs: list[Path]) -> Launched | None:
-        array_id = slurm.submit_array(cfg, name, folder, run_dirs)
+        array_id = slurm_submit.submit_array(cfg, name, folder, run_dirs)
         return Launched(job_id=array_id, message=f"submitted Slurm job array {array_id} ({len(run_dirs)} tasks); "
                         f"watch it with: trainctl runs --sweep {name}")
 
