@@ -22,7 +22,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from trainctl.config.schema import ModelConfig, load_run_config
+from trainctl.config.load import load_run_config
+from trainctl.config.schema import ModelConfig
 from trainctl.core import checkpoints, rundir
 from trainctl.core.errors import UserError
 from trainctl.models.build import build_model

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from trainctl.config.schema import ModelConfig, load_run_config
+from trainctl.config.load import load_run_config
+from trainctl.config.schema import ModelConfig
 from trainctl.core import checkpoints
 from trainctl.models.checkpoint_reader import CONFIG_ERRORS, ExportError, read_tensors, tensor_bytes
 from trainctl.models.hf import hf_config, to_hf
