@@ -181,7 +181,7 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
     if not ranked:
         raise UserError(["no layout fits this cluster; see `trainctl plan` for the memory breakdown"])
     name = name or f"{cfg.recipe or cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    folder = Path(cfg.runs_dir) / "tune" / name
+    folder = (Path(cfg.runs_dir) / "tune" / name).absolute()  # the pinned recipe is named from anywhere
     if folder.exists():
         raise UserError([f"--name {name}: {folder} already exists; pick another name"])
     folder.mkdir(parents=True)
