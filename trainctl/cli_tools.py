@@ -152,8 +152,7 @@ def tune(
     """Probe the fastest layouts the plan says fit, rank them by measured tokens/s, pin the winner as a recipe.
     Example: trainctl tune recipe=tiny_cpu --top 4 --probe-steps 20"""
     from trainctl.api.tuning import tune as run_tune
-    from trainctl.render import print_json
-    from trainctl.render_tune import tune_table
+    from trainctl.render import print_json, tune_table
 
     def said(probe, i: int, total: int) -> None:
         say = err if as_json else out
