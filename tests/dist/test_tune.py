@@ -70,7 +70,12 @@ def test_the_pinned_recipe_launches_as_is_with_the_winners_layout(tuned):
     for key in ("micro_batch", "grad_accum", "activation_checkpointing", "global_batch", "seq_len"):
         assert launched["train"][key] == probed["train"][key], key
     assert launched["train"]["steps"] == 12  # the user's run, not the probe's
-    assert json.loads((tmp_path / "runs" / "pinned" / "result.json").read_text())["steps"] == 12
+    result = json.loads((tmp_path / "runs" / "pinned" / "result.json").read_text())
+    assert result["steps"] == 12
+    # every run's result.json: predicted and measured speed and peak (a CPU has no predicted tokens/s)
+    perf = result["performance"]
+    assert perf["measured"]["tokens_per_s"] > 0 and perf["predicted"]["tokens_per_s"] is None
+    assert perf["predicted"]["peak_bytes"] > 0 and abs(perf["error"]["peak_bytes"]) < 0.33
 
 
 def test_a_bad_option_is_one_line_and_exit_2(tmp_path):

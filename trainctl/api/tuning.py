@@ -5,15 +5,13 @@ The probes run here one after another, each a normal run directory under RUNS_DI
 status`, `logs` and `runs --runs-dir` read them): train.steps=N without eval, with a log line every step and no
 final checkpoint. A probe that is refused, fails (an out-of-memory error, a crash) or outlives its timeout (a hang:
 it is cancelled) is recorded as failed with why; the tune goes on. What a probe measured is read from what its
-rank 0 wrote (metrics.jsonl): the median tokens/s over the steps after the first quarter (start-up, allocator
-warm-up), and the busiest rank's step peak from the `memory` record.
+rank 0 wrote (trainctl/core/measured.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from pathlib import Path
 
 from trainctl.api.configs import ConfigDirs, override_list, resolved
 from trainctl.core.errors import UserError
+from trainctl.core.measured import error, measured
 
 TUNE_JSON = "tune.json"
 DEFAULT_TOP = 4
@@ -50,11 +49,11 @@ class Probe:
     @property
     def tokens_error(self) -> float | None:
         """measured / predicted - 1 (+0.10: 10% faster than predicted)."""
-        return _error(self.measured_tokens_per_s, self.predicted_tokens_per_s)
+        return error(self.measured_tokens_per_s, self.predicted_tokens_per_s)
 
     @property
     def peak_error(self) -> float | None:
-        return _error(self.measured_peak_bytes, self.predicted_peak_bytes)
+        return error(self.measured_peak_bytes, self.predicted_peak_bytes)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "tokens_error": self.tokens_error, "peak_error": self.peak_error}
@@ -85,10 +84,6 @@ class TuneResult:
                 "launch": self.launch_command}
 
 
-def _error(measured: float | None, predicted: float | None) -> float | None:
-    return None if measured is None or not predicted else measured / predicted - 1
-
-
 def probe_overrides(warmup_steps: int, steps: int) -> list[str]:
     """A short run that measures speed and memory only (warmup kept below the steps, as validate wants)."""
     return [f"train.steps={steps}", f"schedule.warmup_steps={min(warmup_steps, steps // 2)}", "train.eval_every=0",
@@ -103,17 +98,6 @@ def merged(base: Sequence[str], *later: Sequence[str]) -> list[str]:
     """`base` without the keys a later list sets (Hydra refuses one key twice), then the later lists."""
     taken = {_key(o) for group in later for o in group}
     return [o for o in base if _key(o) not in taken] + [o for group in later for o in group]
-
-
-def measured(run_dir: Path) -> tuple[float | None, int | None]:
-    """(median tokens/s after the first quarter of the steps, busiest rank's step peak) from rank 0's records."""
-    from trainctl.core import rundir as layout
-
-    records = layout.metrics(run_dir)
-    train = [r for r in layout.latest_per_step(records, "train") if isinstance(r.get("tokens_per_s"), int | float)]
-    speeds = [r["tokens_per_s"] for r in train[len(train) // 4:]]
-    peaks = [r["peak_bytes"] for r in records if r.get("kind") == "memory" and isinstance(r.get("peak_bytes"), int)]
-    return (statistics.median(speeds) if speeds else None), (max(peaks) if peaks else None)
 
 
 def _run_probe(probe: Probe, overrides: list[str], config_dirs: ConfigDirs, name: str, timeout_s: float,
