@@ -82,3 +82,17 @@ def test_a_bad_option_is_one_line_and_exit_2(tmp_path):
     proc: subprocess.CompletedProcess = run_cli("tune", "recipe=tiny_cpu", "--top", "0", cwd=tmp_path)
     assert proc.returncode == 2 and "--top 0" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_hung_probe_is_cancelled_recorded_and_the_tune_goes_on(tmp_path):
+    """A probe that outlives --probe-timeout (here: too many steps for 4 s) is cancelled, not waited for."""
+    from trainctl import api
+
+    proc = run_cli("tune", *BASE, f"data.cache_dir={tmp_path / 'cache'}", "--top", "2", "--probe-steps", "5000",
+                   "--probe-timeout", "4", "--name", "hung", "--json", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # nothing to pin
+    data = json.loads(proc.stdout)
+    assert [r["status"] for r in data["rows"]] == ["timed out after 4 s"] * 2
+    assert data["recipe_file"] is None and not list((tmp_path / "runs" / "tune" / "hung").glob("*.yaml"))
+    for r in data["rows"]:
+        assert not api.status(r["run_dir"]).state.active  # stopped, not left running
