@@ -146,6 +146,9 @@ def tune(
     name: str = typer.Option("", "--name", help="The tune folder's name under RUNS_DIR/tune (default: recipe and a "
                              "timestamp)."),
     as_json: bool = typer.Option(False, "--json", help="Print tune.json (for scripts)."),
+    collect: str = typer.Option(None, "--collect", help="Slurm: read the probes of tune NAME once they ended, then "
+                                "write its table and pinned recipe.", show_default=False),
+    runs_dir: Path = RUNS_DIR,
     config_dirs: list[Path] = typer.Option(None, "--config-dir", help="A folder of your own options (repeatable).",
                                            show_default=False),
 ) -> None:
@@ -159,9 +162,17 @@ def tune(
         say.print(f"probe {i + 1}/{total}: {probe.label} {' '.join(probe.overrides)}", markup=False,
                   highlight=False, soft_wrap=True)
 
-    result = run_tune(overrides, api.search(config_dirs), top=top, probe_steps=probe_steps,
-                      probe_timeout_s=probe_timeout, name=name, on_probe=said)
+    if collect is not None:
+        from trainctl.api.tuning_slurm import collect as collected
+
+        result = collected(collect, runs_dir, api.search(config_dirs))
+    else:
+        result = run_tune(overrides, api.search(config_dirs), top=top, probe_steps=probe_steps,
+                          probe_timeout_s=probe_timeout, name=name, on_probe=said)
     data = result.to_dict()
+    if result.job_id and not as_json and not collect:  # Slurm: submitted, nothing measured yet
+        out.print(result.message, markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(0)
     if as_json:
         print_json(data)
     else:
@@ -169,7 +180,8 @@ def tune(
         last = f"pinned: {result.recipe_file}\nlaunch it with: {result.launch_command}" if result.recipe_file else (
             "every probe failed: nothing pinned; see each probe's logs (trainctl logs RUN --runs-dir ...)")
         out.print(f"wrote {result.folder / 'tune.json'}\n{last}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(0 if result.recipe_file else 1)
+    submitted = bool(result.job_id) and collect is None  # Slurm: the table comes with --collect
+    raise typer.Exit(0 if result.recipe_file or submitted else 1)
 
 
 def register(app: typer.Typer, data_app: typer.Typer) -> None:

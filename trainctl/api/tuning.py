@@ -67,6 +67,9 @@ class TuneResult:
     candidates: int  # the layouts that fit, of which the top were probed
     probes: list[Probe] = field(default_factory=list)  # sorted by measured tokens/s, failed ones last
     recipe_file: Path | None = None  # the pinned recipe of the winner (None: every probe failed)
+    base_overrides: list[str] = field(default_factory=list)  # the user's (a collect composes the winner from them)
+    job_id: str = ""  # Slurm: the probes' job array
+    message: str = ""  # Slurm: what the submission said
 
     @property
     def winner(self) -> Probe | None:
@@ -81,7 +84,7 @@ class TuneResult:
                 "candidates": self.candidates, "rows": [p.to_dict() for p in self.probes],
                 "winner": None if self.winner is None else self.winner.label,
                 "recipe_file": None if self.recipe_file is None else str(self.recipe_file),
-                "launch": self.launch_command}
+                "launch": self.launch_command, "base_overrides": self.base_overrides, "job_id": self.job_id}
 
 
 def probe_overrides(warmup_steps: int, steps: int) -> list[str]:
@@ -158,9 +161,6 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
         raise UserError([f"--top {top} --probe-steps {probe_steps}: probe at least 1 layout for at least 2 steps"])
     overrides = override_list(overrides)
     cfg = resolved(overrides, config_dirs)
-    if not cfg.cluster.on_this_machine:
-        raise UserError([f"cluster.launcher={cfg.cluster.launcher}: tune probes run on this machine for now; "
-                         "use cluster=local (Slurm job-array probes are not written yet)"])
     ranked = planner.rank(cfg)
     if not ranked:
         raise UserError(["no layout fits this cluster; see `trainctl plan` for the memory breakdown"])
@@ -169,17 +169,30 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
     if folder.exists():
         raise UserError([f"--name {name}: {folder} already exists; pick another name"])
     folder.mkdir(parents=True)
-    result = TuneResult(name, folder, probe_steps, len(ranked))
+    result = TuneResult(name, folder, probe_steps, len(ranked), base_overrides=overrides)
     short = probe_overrides(cfg.schedule.warmup_steps, probe_steps) + [f"runs_dir={folder}"]
-    for i, c in enumerate(ranked[:top]):
-        probe = Probe(c.label, list(c.overrides), i + 1, c.predicted_tokens_per_s, c.peak_bytes)
-        result.probes.append(probe)
+    probes = [Probe(c.label, list(c.overrides), i + 1, c.predicted_tokens_per_s, c.peak_bytes)
+              for i, c in enumerate(ranked[:top])]
+    result.probes = probes
+    if not cfg.cluster.on_this_machine:
+        from trainctl.api import tuning_slurm
+
+        short.append(f"cluster.time_limit={tuning_slurm.time_limit(probe_timeout_s)}")  # a hang ends with its job
+        tuning_slurm.submit_probes(result, [(p, merged(overrides, p.overrides, short)) for p in probes], config_dirs)
+        tuning_slurm.write(result)
+        return result
+    for i, probe in enumerate(probes):
         if on_probe is not None:
-            on_probe(probe, i, min(top, len(ranked)))
-        _run_probe(probe, merged(overrides, c.overrides, short), config_dirs, f"probe-{i + 1:02d}",
+            on_probe(probe, i, len(probes))
+        _run_probe(probe, merged(overrides, probe.overrides, short), config_dirs, f"probe-{i + 1:02d}",
                    probe_timeout_s, on_output)
+    return finish(result, lambda p: ranked[p.predicted_rank - 1].cfg)
+
+
+def finish(result: TuneResult, cfg_of: Callable[[Probe], object]) -> TuneResult:
+    """Sort by measured tokens/s (failed last), pin the winner (its config from `cfg_of`), write tune.json."""
     result.probes.sort(key=lambda p: (not p.ok, -(p.measured_tokens_per_s or 0.0)))
     if (best := result.winner) is not None:
-        result.recipe_file = pin(ranked[best.predicted_rank - 1].cfg, folder, best.label)
-    (folder / TUNE_JSON).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        result.recipe_file = pin(cfg_of(best), result.folder, best.label)
+    (result.folder / TUNE_JSON).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result

@@ -6,10 +6,10 @@ each candidate is a config `launch` accepts and the overrides that give it from 
 left as configured (their degrees change the schedule and the data split, not only speed). The set is bounded
 (MAX_CANDIDATES) and deduplicated by what the worker runs (strategy, degrees, checkpointing, micro-batch).
 
-Ranking: those that fit (fits, tight) by predicted tokens/s, highest first. The prediction is the throughput
-model's step time (throughput.py) at the device's peak; a device without a known peak (a CPU) is ranked by the
-same model at a nominal peak, whose absolute tokens/s mean nothing (`predicted_tokens_per_s` is None then) but
-whose ratios between candidates are the model's.
+Ranking: those that launch accepts (fits, tight, or an unknown capacity) by predicted tokens/s, highest first.
+The prediction is the throughput model's step time (throughput.py) at the device's peak; a device without a known
+peak (a CPU) is ranked by the same model at a nominal peak, whose absolute tokens/s mean nothing
+(`predicted_tokens_per_s` is None then) but whose ratios between candidates are the model's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from trainctl.plan.assess import assess, dims_of
 from trainctl.plan.variants import Variant
 
 MAX_CANDIDATES = 256
-FITTING = ("fits", "tight")
+FITTING = ("fits", "tight", "unknown")  # what launch accepts (unknown: no capacity known, e.g. CPU nodes)
 
 
 @dataclass(frozen=True)
