@@ -118,3 +118,17 @@ def test_a_bad_top_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="--top 0"):
         tuning.tune(["recipe=tiny_cpu"], top=0)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_name_that_is_not_one_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="not a plain directory name"):
+        tuning.tune(["recipe=tiny_cpu"], name="a/b")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_collecting_an_unknown_tune_is_one_line(tmp_path):
+    from trainctl.api.tuning_slurm import collect
+
+    with pytest.raises(UserError, match="--collect nope: no tune of that name"):
+        collect("nope", tmp_path)

@@ -155,6 +155,7 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
          on_output: Callable[[bytes], None] | None = None) -> TuneResult:
     """Rank, probe the top `top` here one after another (`on_probe(probe, i, total)` before each), write the table
     (NAME/tune.json) and the winner's pinned recipe."""
+    from trainctl.launch.rundir import check_name
     from trainctl.plan import tune as planner
 
     if top < 1 or probe_steps < 2:
@@ -164,7 +165,8 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
     ranked = planner.rank(cfg)
     if not ranked:
         raise UserError(["no layout fits this cluster; see `trainctl plan` for the memory breakdown"])
-    name = name or f"{cfg.recipe or cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = name or f"{Path(cfg.recipe).stem or cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_name(name)  # one plain directory name under RUNS_DIR/tune
     folder = (Path(cfg.runs_dir) / "tune" / name).absolute()  # the pinned recipe is named from anywhere
     if folder.exists():
         raise UserError([f"--name {name}: {folder} already exists; pick another name"])

@@ -64,8 +64,10 @@ def collect(name: str, runs_dir: Path | str, config_dirs: ConfigDirs = None):
     from trainctl.api.tuning import TUNE_JSON, Probe, TuneResult, finish, merged
     from trainctl.core import rundir as layout
     from trainctl.core.measured import measured
+    from trainctl.launch.rundir import check_name
     from trainctl.launch.runs import run_states
 
+    check_name(name)
     folder = (Path(runs_dir) / "tune" / name).absolute()
     data = layout.read_json(folder / TUNE_JSON)
     if not isinstance(data.get("rows"), list):
