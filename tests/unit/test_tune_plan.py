@@ -31,6 +31,7 @@ def test_layouts_cover_each_axis(tiny):
     keys = [tune.layout_key(v.cfg) for v in tune.layouts(tiny)]
     assert {k[0] for k in keys} >= {"ddp", "zero1", "zero2", "zero3"}
     assert {k[3] for k in keys} == {1, 2}  # tp within the node's 2 workers
+    assert {k[4] for k in keys} == {1, 2}  # pp
     assert {k[7] for k in keys} == {"none", "full", "selective", "op"}
     assert len({k[8] for k in keys}) >= 3  # micro-batches dividing the per-rank samples
 
@@ -46,6 +47,18 @@ def test_every_layout_keeps_the_global_batch_and_the_world(tiny):
 def test_overrides_compose_to_the_layout(tiny):
     """What the probe and the pinned recipe launch is the recipe plus the overrides: the same layout."""
     for v in tune.layouts(tiny)[::7]:
+        composed = api.resolved(["recipe=tiny_cpu", *v.overrides])
+        assert tune.layout_key(composed) == tune.layout_key(v.cfg), v.overrides
+
+
+def test_pipeline_layouts_take_their_stages_from_data_parallelism(tiny):
+    piped = [v for v in tune.layouts(tiny) if v.cfg.sharding.pp > 1]
+    sample = piped[::5]  # composing is ~0.3 s each
+    assert piped and {v.cfg.sharding.pp for v in piped} == {2}  # 2 workers: 2 stages at most
+    for v in piped:
+        keys = [o.split("=", 1)[0] for o in v.overrides]
+        assert len(keys) == len(set(keys)), v.overrides  # each key said once
+    for v in sample:
         composed = api.resolved(["recipe=tiny_cpu", *v.overrides])
         assert tune.layout_key(composed) == tune.layout_key(v.cfg), v.overrides
 

@@ -2,8 +2,10 @@
 
 Candidates are the config itself and its variants (variants.py) along sharding strategy x tensor parallel x
 activation checkpointing x micro-batch, combined in that order over the same ranks and the same global batch;
-each candidate is a config `launch` accepts and the overrides that give it from the user's recipe. pp and cp are
-left as configured (their degrees change the schedule and the data split, not only speed). The set is bounded
+each candidate is a config `launch` accepts and the overrides that give it from the user's recipe. Pipeline stages
+(pp 2 and 4, taken from data parallelism, the layers split evenly) are tried after tp where the world and the layers
+allow; cp stays as configured (it changes how sequences are split, which a probe of speed should not). The set is
+bounded
 (MAX_CANDIDATES) and deduplicated by what the worker runs (strategy, degrees, checkpointing, micro-batch).
 
 Ranking: those that launch accepts (fits, tight, or an unknown capacity) by predicted tokens/s, highest first.
@@ -14,11 +16,17 @@ peak (a CPU) is ranked by the same model at a nominal peak, whose absolute token
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from trainctl.config.errors import ConfigError
 from trainctl.config.schema import AC_MODES, RunConfig
+from trainctl.config.validate import resolve
+from trainctl.core.support import unsupported
+from trainctl.core.wrapping import REPLICATING
 from trainctl.plan import variants
 from trainctl.plan.assess import assess, dims_of
+from trainctl.plan.more_gpus import changed_keys
 from trainctl.plan.variants import Variant
 
 MAX_CANDIDATES = 256
@@ -48,7 +56,10 @@ def _chain(base: Variant, step: Variant) -> Variant:
         return base
     if not base.overrides:
         return step
-    return Variant(f"{base.label}, {step.label}", base.overrides + step.overrides, step.cfg)
+    # A key `step` sets again (train.grad_accum after pp's) is said once, with the later value.
+    again = {o.split("=", 1)[0] for o in step.overrides}
+    kept = tuple(o for o in base.overrides if o.split("=", 1)[0] not in again)
+    return Variant(f"{base.label}, {step.label}", kept + step.overrides, step.cfg)
 
 
 def _expand(found: list[Variant], make) -> list[Variant]:
@@ -67,6 +78,34 @@ def _tps(cfg: RunConfig) -> list[Variant]:
         return [Variant("", (), cfg)]
     tps = [t for t in (1, 2, 4, 8) if t != cfg.sharding.tp]
     return [Variant("", (), cfg)] + [v for t in tps if (v := variants.with_tp(cfg, t))]
+
+
+def with_pp(cfg: RunConfig, pp: int) -> Variant | None:
+    """`pp` pipeline stages over the same ranks, taken from data parallelism (global batch kept); None where the
+    ranks, the layers or the batch do not divide, or the worker does not run the result."""
+    s, t = cfg.sharding, cfg.train
+    dp = s.dp_replicate * s.dp_shard
+    if s.pp != 1 or s.pp_layers or dp % pp or cfg.model.n_layers < pp:
+        return None
+    replicate = s.strategy in REPLICATING or s.strategy == "none"
+    degrees = {"dp_replicate": dp // pp if replicate else 1, "dp_shard": 1 if replicate else dp // pp}
+    strategy = "ddp" if s.strategy == "none" and dp // pp > 1 else s.strategy
+    for accum in (-1, pp):  # a pipeline wants at least pp micro-batches in flight
+        train = {"global_batch": t.global_batch, "grad_accum": accum,
+                 "micro_batch": t.micro_batch if accum == -1 else -1}
+        candidate = dataclasses.replace(cfg, sharding=dataclasses.replace(s, pp=pp, strategy=strategy, **degrees),
+                                        train=dataclasses.replace(t, **train))
+        try:
+            resolved = resolve(candidate)
+        except ConfigError:
+            continue
+        if resolved.train.grad_accum >= pp and not unsupported(resolved.sharding, resolved.precision):
+            return Variant(f"pp={pp}", tuple(changed_keys(cfg, resolved)), resolved)
+    return None
+
+
+def _pps(cfg: RunConfig) -> list[Variant]:
+    return [Variant("", (), cfg)] + [v for pp in (2, 4) if (v := with_pp(cfg, pp))]
 
 
 def _checkpointing(cfg: RunConfig) -> list[Variant]:
@@ -90,7 +129,7 @@ def layout_key(cfg: RunConfig) -> tuple:
 def layouts(cfg: RunConfig) -> list[Variant]:
     """Every distinct layout (module doc), the config itself first; at most MAX_CANDIDATES."""
     found = [Variant("(as configured)", (), cfg)]
-    for make in (_strategies, _tps, _checkpointing, _micro_batches):
+    for make in (_strategies, _tps, _pps, _checkpointing, _micro_batches):
         found = _expand(found, make)
     seen, out = set(), []
     for v in found:
