@@ -5,7 +5,7 @@ The probes run here one after another, each a normal run directory under RUNS_DI
 status`, `logs` and `runs --runs-dir` read them): train.steps=N without eval, with a log line every step and no
 final checkpoint. A probe that is refused, fails (an out-of-memory error, a crash) or outlives its timeout (a hang:
 it is cancelled) is recorded as failed with why; the tune goes on. What a probe measured is read from what its
-rank 0 wrote (trainctl/core/measured.py).
+rank 0 wrote (trainctl/core/measured.py). On Slurm the probes are one job array instead (tuning_slurm.py).
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
          on_probe: Callable[[Probe, int, int], None] | None = None,
          on_output: Callable[[bytes], None] | None = None) -> TuneResult:
     """Rank, probe the top `top` here one after another (`on_probe(probe, i, total)` before each), write the table
-    (NAME/tune.json) and the winner's pinned recipe."""
+    (NAME/tune.json) and the winner's pinned recipe. On Slurm: submit the probes as one job array and return (the
+    table comes from `tuning_slurm.collect` once they ended)."""
     from trainctl.launch.rundir import check_name
     from trainctl.plan import tune as planner
 
