@@ -136,8 +136,57 @@ def data_prepare(
               soft_wrap=True)
 
 
+def tune(
+    overrides: list[str] = typer.Argument(None, help="Hydra overrides naming the run to tune, e.g. recipe=tiny_cpu.",
+                                          show_default=False),
+    top: int = typer.Option(4, "--top", help="How many of the fastest predicted layouts to probe."),
+    probe_steps: int = typer.Option(20, "--probe-steps", help="Optimizer steps of each probe."),
+    probe_timeout: float = typer.Option(600.0, "--probe-timeout", help="Seconds before a probe counts as hung and "
+                                        "is cancelled."),
+    name: str = typer.Option("", "--name", help="The tune folder's name under RUNS_DIR/tune (default: recipe and a "
+                             "timestamp)."),
+    as_json: bool = typer.Option(False, "--json", help="Print tune.json (for scripts)."),
+    collect: str = typer.Option(None, "--collect", help="Slurm: read the probes of tune NAME once they ended, then "
+                                "write its table and pinned recipe.", show_default=False),
+    runs_dir: Path = RUNS_DIR,
+    config_dirs: list[Path] = typer.Option(None, "--config-dir", help="A folder of your own options (repeatable).",
+                                           show_default=False),
+) -> None:
+    """Probe the fastest layouts the plan says fit, rank them by measured tokens/s, pin the winner as a recipe.
+    Example: trainctl tune recipe=tiny_cpu --top 4 --probe-steps 20"""
+    from trainctl.api.tuning import tune as run_tune
+    from trainctl.render import print_json, tune_table
+
+    def said(probe, i: int, total: int) -> None:
+        say = err if as_json else out
+        say.print(f"probe {i + 1}/{total}: {probe.label} {' '.join(probe.overrides)}", markup=False,
+                  highlight=False, soft_wrap=True)
+
+    if collect is not None:
+        from trainctl.api.tuning_slurm import collect as collected
+
+        result = collected(collect, runs_dir, api.search(config_dirs))
+    else:
+        result = run_tune(overrides, api.search(config_dirs), top=top, probe_steps=probe_steps,
+                          probe_timeout_s=probe_timeout, name=name, on_probe=said)
+    data = result.to_dict()
+    if result.job_id and not as_json and not collect:  # Slurm: submitted, nothing measured yet
+        out.print(result.message, markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(0)
+    if as_json:
+        print_json(data)
+    else:
+        out.print(tune_table(data))
+        last = f"pinned: {result.recipe_file}\nlaunch it with: {result.launch_command}" if result.recipe_file else (
+            "every probe failed: nothing pinned; see each probe's logs (trainctl logs RUN --runs-dir ...)")
+        out.print(f"wrote {result.folder / 'tune.json'}\n{last}", markup=False, highlight=False, soft_wrap=True)
+    submitted = bool(result.job_id) and collect is None  # Slurm: the table comes with --collect
+    raise typer.Exit(0 if result.recipe_file or submitted else 1)
+
+
 def register(app: typer.Typer, data_app: typer.Typer) -> None:
     """Add these commands to trainctl's app, in `trainctl --help`'s order after resume."""
+    app.command()(tune)
     app.command()(export)
     app.command()(generate)
     app.command("eval")(eval_command)

@@ -46,10 +46,14 @@ def plan(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
 
 
 def plan_record(config: RunConfig) -> dict:
-    """The plan with the command that would launch it, as the run directory's plan.json will hold it."""
+    """The plan with the command that would launch it, as the run directory's plan.json will hold it, and its
+    calibration against past runs of the same model and layout under runs_dir."""
+    from trainctl.launch.calibration import calibration
     from trainctl.launch.command import plan_record as record
 
-    return record(plan(config=config), config)
+    # The plan's error on past measured runs of the same model and layout (issue 26), when there are some.
+    found = calibration(config)
+    return {**record(plan(config=config), config), **({"calibration": found} if found else {})}
 
 
 def compare(config: RunConfig, axis: str) -> list[dict]:

@@ -21,6 +21,7 @@ from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
+from trainctl.core.measured import performance
 from trainctl.core.support import lora_unsupported
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import build_model
@@ -350,7 +351,9 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
         if summary["stopped"]:
             report_stop(job, run_dir, summary["steps"])
         elif world.is_main:
-            (run_dir / rundir.RESULT).write_text(json.dumps(summary, indent=2) + "\n")
+            # predicted vs measured speed and peak (issue 26): what `trainctl tune` and a calibration compare
+            record = {**summary, "performance": performance(run_dir)}
+            (run_dir / rundir.RESULT).write_text(json.dumps(record, indent=2) + "\n")
         return summary
     except BaseException as exc:
         if on_error is not None:

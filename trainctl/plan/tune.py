@@ -1,0 +1,158 @@
+"""`trainctl tune`'s planning half: the layouts a config's cluster could run, those that fit, ranked by speed.
+
+Candidates are the config itself and its variants (variants.py) along sharding strategy x tensor parallel x
+activation checkpointing x micro-batch, combined in that order over the same ranks and the same global batch;
+each candidate is a config `launch` accepts and the overrides that give it from the user's recipe. Pipeline stages
+(pp 2 and 4, taken from data parallelism, the layers split evenly) are tried after tp where the world and the layers
+allow; cp stays as configured (it changes how sequences are split, which a probe of speed should not). The set is
+bounded
+(MAX_CANDIDATES) and deduplicated by what the worker runs (strategy, degrees, checkpointing, micro-batch).
+
+Ranking: those that launch accepts (fits, tight, or an unknown capacity) by predicted tokens/s, highest first.
+The prediction is the throughput model's step time (throughput.py) at the device's peak; a device without a known
+peak (a CPU) is ranked by the same model at a nominal peak, whose absolute tokens/s mean nothing
+(`predicted_tokens_per_s` is None then) but whose ratios between candidates are the model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from trainctl.config.errors import ConfigError
+from trainctl.config.schema import AC_MODES, RunConfig
+from trainctl.config.validate import resolve
+from trainctl.core.support import unsupported
+from trainctl.core.wrapping import REPLICATING
+from trainctl.plan import variants
+from trainctl.plan.assess import assess, dims_of
+from trainctl.plan.more_gpus import changed_keys
+from trainctl.plan.variants import Variant
+
+MAX_CANDIDATES = 256
+FITTING = ("fits", "tight", "unknown")  # what launch accepts (unknown: no capacity known, e.g. CPU nodes)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str  # the changes from the config, e.g. "zero3, tp=2, ac=full"; "(as configured)" for none
+    overrides: tuple[str, ...]  # key=value overrides added to the recipe's to get this layout
+    cfg: RunConfig
+    peak_bytes: int  # the busiest rank's predicted allocator peak
+    need_bytes: int
+    verdict: str
+    predicted_tokens_per_s: float | None  # None without the device's peak
+    relative_speed: float  # tokens/s under the model at a nominal peak, for ranking when the peak is unknown
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "overrides": list(self.overrides), "peak_bytes": self.peak_bytes,
+                "need_bytes": self.need_bytes, "verdict": self.verdict,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s, "relative_speed": self.relative_speed}
+
+
+def _chain(base: Variant, step: Variant) -> Variant:
+    """`step` (a variant of `base.cfg`) with `base`'s changes before it."""
+    if not step.overrides:
+        return base
+    if not base.overrides:
+        return step
+    # A key `step` sets again (train.grad_accum after pp's) is said once, with the later value.
+    again = {o.split("=", 1)[0] for o in step.overrides}
+    kept = tuple(o for o in base.overrides if o.split("=", 1)[0] not in again)
+    return Variant(f"{base.label}, {step.label}", kept + step.overrides, step.cfg)
+
+
+def _expand(found: list[Variant], make) -> list[Variant]:
+    """Each variant followed by its variants from `make(cfg)` (which includes the cfg itself first)."""
+    return [_chain(v, step) for v in found for step in make(v.cfg)]
+
+
+def _strategies(cfg: RunConfig) -> list[Variant]:
+    names = [n for n in ("none", *variants.ZERO_ORDER) if n != cfg.sharding.strategy]
+    return [Variant("(as configured)", (), cfg)] + [v for n in names if (v := variants.with_strategy(cfg, n))]
+
+
+def _tps(cfg: RunConfig) -> list[Variant]:
+    # with_tp may switch `none` to ddp (a second sharding= override): tp is tried from the other strategies only.
+    if cfg.sharding.strategy == "none":
+        return [Variant("", (), cfg)]
+    tps = [t for t in (1, 2, 4, 8) if t != cfg.sharding.tp]
+    return [Variant("", (), cfg)] + [v for t in tps if (v := variants.with_tp(cfg, t))]
+
+
+def with_pp(cfg: RunConfig, pp: int) -> Variant | None:
+    """`pp` pipeline stages over the same ranks, taken from data parallelism (global batch kept); None where the
+    ranks, the layers or the batch do not divide, or the worker does not run the result."""
+    s, t = cfg.sharding, cfg.train
+    dp = s.dp_replicate * s.dp_shard
+    if s.pp != 1 or s.pp_layers or dp % pp or cfg.model.n_layers < pp:
+        return None
+    replicate = s.strategy in REPLICATING or s.strategy == "none"
+    degrees = {"dp_replicate": dp // pp if replicate else 1, "dp_shard": 1 if replicate else dp // pp}
+    strategy = "ddp" if s.strategy == "none" and dp // pp > 1 else s.strategy
+    for accum in (-1, pp):  # a pipeline wants at least pp micro-batches in flight
+        train = {"global_batch": t.global_batch, "grad_accum": accum,
+                 "micro_batch": t.micro_batch if accum == -1 else -1}
+        candidate = dataclasses.replace(cfg, sharding=dataclasses.replace(s, pp=pp, strategy=strategy, **degrees),
+                                        train=dataclasses.replace(t, **train))
+        try:
+            resolved = resolve(candidate)
+        except ConfigError:
+            continue
+        if resolved.train.grad_accum >= pp and not unsupported(resolved.sharding, resolved.precision):
+            return Variant(f"pp={pp}", tuple(changed_keys(cfg, resolved)), resolved)
+    return None
+
+
+def _pps(cfg: RunConfig) -> list[Variant]:
+    return [Variant("", (), cfg)] + [v for pp in (2, 4) if (v := with_pp(cfg, pp))]
+
+
+def _checkpointing(cfg: RunConfig) -> list[Variant]:
+    modes = [m for m in AC_MODES if m != cfg.train.activation_checkpointing]
+    return [Variant("", (), cfg)] + [v for m in modes if (v := variants.with_checkpointing(cfg, m))]
+
+
+def _micro_batches(cfg: RunConfig) -> list[Variant]:
+    per_rank = cfg.train.micro_batch * cfg.train.grad_accum
+    sizes = [b for b in variants._divisors_up_to(per_rank, 64) if b != cfg.train.micro_batch]
+    return [Variant("", (), cfg)] + [v for b in sizes if (v := variants.with_micro_batch(cfg, b))]
+
+
+def layout_key(cfg: RunConfig) -> tuple:
+    """What the worker runs differently between candidates (two candidates with one key are one layout)."""
+    s, t = cfg.sharding, cfg.train
+    return (s.strategy, s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp, s.cpu_offload, t.activation_checkpointing,
+            t.micro_batch, t.grad_accum)
+
+
+def layouts(cfg: RunConfig) -> list[Variant]:
+    """Every distinct layout (module doc), the config itself first; at most MAX_CANDIDATES."""
+    found = [Variant("(as configured)", (), cfg)]
+    for make in (_strategies, _tps, _pps, _checkpointing, _micro_batches):
+        found = _expand(found, make)
+    seen, out = set(), []
+    for v in found:
+        key = layout_key(v.cfg)
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return out[:MAX_CANDIDATES]
+
+
+def candidate(variant: Variant) -> Candidate:
+    cfg = variant.cfg
+    a = assess(cfg, dims_of(cfg))
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    predicted = tokens / a.step.total_s if a.step is not None and a.step.total_s > 0 else None
+    relative = tokens / a.relative_step.total_s if a.relative_step.total_s > 0 else 0.0
+    return Candidate(variant.label, variant.overrides, cfg, a.fit.peak_bytes, a.fit.need_bytes, a.fit.verdict,
+                     predicted, relative)
+
+
+def rank(cfg: RunConfig) -> list[Candidate]:
+    """The layouts that fit, fastest predicted first (ties: the fewer changes first, then the smaller peak)."""
+    fitting = [c for c in map(candidate, layouts(cfg)) if c.verdict in FITTING]
+    speed = (lambda c: c.predicted_tokens_per_s) if all(c.predicted_tokens_per_s for c in fitting) else (
+        lambda c: c.relative_speed)
+    return sorted(fitting, key=lambda c: (-speed(c), len(c.overrides), c.peak_bytes))
