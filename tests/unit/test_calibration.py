@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trainctl import api
-from trainctl.config.schema import to_yaml
+from trainctl.config.load import to_yaml
 from trainctl.launch.calibration import calibration
 
 

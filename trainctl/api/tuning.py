@@ -137,7 +137,7 @@ def _run_probe(probe: Probe, overrides: list[str], config_dirs: ConfigDirs, name
 
 def pin(cfg, folder: Path, label: str) -> Path:
     """The winner's whole config as a recipe file (`recipe=PATH` launches it as is)."""
-    from trainctl.config.schema import to_yaml
+    from trainctl.config.load import to_yaml
 
     base = cfg.recipe or cfg.model.name or "run"
     recipe = f"{Path(base).stem}_tuned"

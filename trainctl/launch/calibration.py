@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from trainctl.config.schema import RunConfig, to_yaml
+from trainctl.config.load import to_yaml
+from trainctl.config.schema import RunConfig
 from trainctl.core import rundir as layout
 from trainctl.core.measured import performance
 
