@@ -90,11 +90,7 @@ def read_hang(path: Path) -> Hang | None:
 
 def hangs(run_dir: Path, since: float | None = None) -> list[Hang]:
     """Every rank whose watchdog fired (dumped at or after `since`, a time.time(), when given), oldest first."""
-    try:
-        paths = sorted((Path(run_dir) / rundir.HANGS).glob("*.rank*.txt"))
-    except OSError:
-        return []
-    found = [h for h in map(read_hang, paths) if h is not None]
+    found = [h for h in map(read_hang, rundir.hang_files(run_dir)) if h is not None]
     if since is not None:
         found = [h for h in found if h.time >= since]
     return sorted(found, key=lambda h: (h.time, h.rank))

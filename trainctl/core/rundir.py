@@ -261,6 +261,14 @@ def hang_file(run_dir: Path, attempt: str, rank: int) -> Path:
     return Path(run_dir) / HANGS / f"{attempt}.rank{rank}.txt"
 
 
+def hang_files(run_dir: Path) -> list[Path]:
+    """Every hang file of the run, any attempt (sorted by name); [] when there are none or they cannot be listed."""
+    try:
+        return sorted((Path(run_dir) / HANGS).glob("*.rank*.txt"))
+    except OSError:
+        return []
+
+
 def write_json_atomic(path: Path, value: dict) -> None:
     """Write JSON through a temporary file and rename: a reader sees the old or the new file, never half of one."""
     path = Path(path)
