@@ -65,13 +65,13 @@ def test_a_rank_that_ends_normally_cancels_the_timer_and_removes_its_file(tmp_pa
 
 
 def write_hang(run_dir: Path, rank: int, restart: int = 0, run_id: str = "r1", at: float = T0,
-               fired: bool = True, timeout_s: float = 10.0) -> Path:
+               fired: bool = True, timeout_s: float = 10.0, host: str = "node1") -> Path:
     """A rank's hang file as the watchdog leaves it (fired: faulthandler's dump follows the header)."""
     attempt = hangs.Attempt(run_id, 0, restart)
     path = rundir.hang_file(run_dir, attempt.label, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     dump = 'Timeout (0:00:10)!\nThread 0x1 (most recent call first):\n  File "x.py", line 1 in stuck\n'
-    path.write_text(hangs.header(rank, "node1", 100 + rank, attempt, timeout_s) + (dump if fired else ""))
+    path.write_text(hangs.header(rank, host, 100 + rank, attempt, timeout_s) + (dump if fired else ""))
     os.utime(path, (at, at))
     return path
 

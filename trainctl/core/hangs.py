@@ -119,3 +119,53 @@ def restart_reasons(run_dir: Path, current: Attempt) -> list[dict]:
         reasons.append({"attempt": restart, "reason": "hang", "ranks": ranks} if ranks
                        else {"attempt": restart, "reason": "failure"})
     return reasons
+
+
+# ---------------------------------------------------------------- the Slurm batch shell's questions
+
+REPEATS_TO_EXCLUDE = 2  # a node whose rank hung first in this many attempts of a job is excluded from its requeue
+
+
+def first_hosts(run_dir: Path, run_id: str) -> dict[tuple[int, int], str]:
+    """(Slurm restart, torchrun restart) -> the host of the rank whose watchdog fired first in that attempt of
+    torchrun run `run_id` (the Slurm job id): the node that stopped first; its peers only waited on it."""
+    first: dict[tuple[int, int], str] = {}
+    for hang in hangs(run_dir):  # oldest first
+        if hang.attempt.run_id == run_id and hang.host:
+            first.setdefault((hang.attempt.slurm_restart, hang.attempt.restart), hang.host)
+    return first
+
+
+def hung_hosts(run_dir: Path, run_id: str, slurm_restart: int) -> list[str]:
+    """The nodes that hung first in any torchrun attempt of this Slurm attempt."""
+    found = first_hosts(run_dir, run_id)
+    return sorted({host for (restart, _), host in found.items() if restart == slurm_restart})
+
+
+def repeated_hosts(run_dir: Path, run_id: str) -> list[str]:
+    """The nodes that hung first in at least REPEATS_TO_EXCLUDE attempts of the job: to be excluded."""
+    counts: dict[str, int] = {}
+    for host in first_hosts(run_dir, run_id).values():
+        counts[host] = counts.get(host, 0) + 1
+    return sorted(host for host, n in counts.items() if n >= REPEATS_TO_EXCLUDE)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m trainctl.core.hangs hung RUN_DIR JOB_ID SLURM_RESTART | repeated RUN_DIR JOB_ID`: the hosts,
+    comma-separated (Slurm's node list syntax) on stdout, exit 0; exit 1 when there are none."""
+    if len(argv) == 4 and argv[0] == "hung":
+        hosts = hung_hosts(Path(argv[1]), argv[2], rundir.as_int(argv[3], 0))
+    elif len(argv) == 3 and argv[0] == "repeated":
+        hosts = repeated_hosts(Path(argv[1]), argv[2])
+    else:
+        print("usage: python -m trainctl.core.hangs hung RUN_DIR JOB_ID SLURM_RESTART | repeated RUN_DIR JOB_ID")
+        return 2
+    if hosts:
+        print(",".join(hosts))
+    return 0 if hosts else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
