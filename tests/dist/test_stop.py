@@ -176,6 +176,7 @@ def test_sigint_saves_at_the_step_and_the_resume_matches_bitwise(root, data_cach
     assert [s for s, _ in list_committed(checkpoint_dir(run_dir))] == [stopped_at]  # checkpoint.every=0
     assert verify(checkpoint_dir(run_dir) / step_name(stopped_at)) == []
     assert last_train_step(run_dir) == stopped_at and not (run_dir / rundir.RESULT).exists()
+    assert rundir.hang_files(run_dir) == []  # a stop is never a hang: each rank cancelled its watchdog, removed its file
     output = worker_output(run_dir) + run.text()
     assert "Traceback" not in worker_output(run_dir)
     assert f"stopped by SIGINT after step {stopped_at}: checkpoint {step_name(stopped_at)} committed; " \
@@ -230,6 +231,7 @@ def test_sigterm_saves_and_exits_143(root, data_cache):
     assert exit_codes(run_dir) == {0: 143, 1: 143}, run.text()[-3000:]
     stop = rundir.stop_record(run_dir)
     assert stop["signal"] == "SIGTERM"
+    assert rundir.hang_files(run_dir) == []
     assert [s for s, _ in list_committed(checkpoint_dir(run_dir))] == [stop["step"]]
     assert "Traceback" not in worker_output(run_dir)
 

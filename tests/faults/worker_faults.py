@@ -12,6 +12,8 @@ imports and calls once. Nothing in a worker module is patched; in-process tests 
     stop_after_step: N    every rank asks for a stop after step N, as a signal would (but no signal: exit code 0)
     die_before_commit: N  every rank SIGKILLs itself once every file of checkpoint N is written, before the
                           commit (first attempt under torchrun only)
+    hang_after_step: N    rank 1 blocks forever (in `hang_forever`) once step N is logged, first attempt under
+                          torchrun only: the other ranks block in the next step's collective
     offload_probe: DIR    count the saved-tensor packs/unpacks of the activation-offload context the worker enters;
                           each rank writes DIR/offload-rank{RANK}.json at exit
     sample_probe: DIR     record the training samples each step reads: each rank appends a line
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -133,6 +136,19 @@ def die_before_commit(step: int) -> Hooks:
     return Hooks(before_commit=die)
 
 
+def hang_after_step(step: int) -> Hooks:
+    def on_step_end(job, result):
+        if result.step == step and job.world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            hang_forever()
+
+    return Hooks(on_step_end=on_step_end)
+
+
+def hang_forever() -> None:
+    """The stuck frame the hang watchdog's stack dump must name."""
+    threading.Event().wait()
+
+
 def offload_probe(directory: str) -> Hooks:
     counts = {"entered": 0, "packed": 0, "unpacked": 0}
 
@@ -181,5 +197,5 @@ def sample_probe(directory: str) -> Hooks:
     return Hooks(on_setup=on_setup)
 
 
-FAULTS = {f.__name__: f for f in (nan_at_step, inf_at_step, stop_after_step, die_before_commit, offload_probe,
-                                  sample_probe)}
+FAULTS = {f.__name__: f for f in (nan_at_step, inf_at_step, stop_after_step, die_before_commit, hang_after_step,
+                                  offload_probe, sample_probe)}

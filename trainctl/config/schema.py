@@ -288,6 +288,9 @@ class TrainConfig:
     eval_batches: int = 8
     # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes
     gc_every: int = at_least(50, 0, "0 leaves Python's garbage collector alone")
+    # a rank with no step, eval or save finished for this long dumps its stacks and exits (a restart follows,
+    # cluster.max_restarts); 0: no watchdog
+    hang_timeout_s: float = at_least(1800.0, 0, "0 turns the hang watchdog off")
 
 
 @dataclass(frozen=True)

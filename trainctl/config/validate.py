@@ -152,6 +152,9 @@ def check_optim_keys(o: schema.OptimConfig) -> list[str]:
             f"{', '.join(reads)}); drop it, or choose an optimizer that does" for key in ignored]
 
 
+MIN_HANG_TIMEOUT_S = 1.0
+
+
 def check_ranges(cfg: schema.RunConfig) -> list[str]:
     """What one field's declared range cannot say: conditions between keys."""
     t, sch = cfg.train, cfg.schedule
@@ -161,6 +164,9 @@ def check_ranges(cfg: schema.RunConfig) -> list[str]:
                         "directory")
     if t.eval_every > 0:
         problems += _positive("train.eval_batches", t.eval_batches)
+    if 0 < t.hang_timeout_s < MIN_HANG_TIMEOUT_S:
+        problems.append(f"train.hang_timeout_s={t.hang_timeout_s}: below {MIN_HANG_TIMEOUT_S:g} s any slow step "
+                        "would read as a hang; use 0 (no watchdog) or a few times the slowest step or save")
     if t.steps > 0 and sch.warmup_steps >= t.steps:
         problems.append(f"schedule.warmup_steps={sch.warmup_steps}: warmup is not shorter than training "
                         f"(train.steps={t.steps}); lower it below {t.steps}")

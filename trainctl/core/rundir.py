@@ -17,7 +17,8 @@
       history/          what a `trainctl resume` with overrides replaced: earlier config.yaml, plan.json, result.json
       checkpoints/      step-NNNNNNNN (committed, see core.checkpoints); .tmp while being written
       logs/             rank{R}.log, torchrun/ (every rank's captured output and error files), slurm-*.out,
-                        launcher.log (all a local launch printed, torchrun's own messages included)
+                        launcher.log (all a local launch printed, torchrun's own messages included),
+                        hangs/ (one file per rank and attempt: the hang watchdog's stack dump, core/hangs.py)
 
 Readers here never raise for what is inside a file: a missing, truncated or wrongly shaped file reads as
 "absent" (None, {} or []), so one damaged run never hides the others.
@@ -55,6 +56,7 @@ ATTEMPTS = "slurm-attempts.jsonl"
 LOGS = "logs"
 TORCHRUN_LOGS = "logs/torchrun"
 LAUNCHER_LOG = "logs/launcher.log"
+HANGS = "logs/hangs"  # the hang watchdog's files: HANGS/<attempt>.rank<R>.txt (hang_file)
 ERROR_FILE = "error.json"  # torchelastic's per-worker error file: TORCHRUN_LOGS/<run id>/attempt_<n>/<local rank>/
 ERROR_FILE_KEY = "trainctl"  # the worker's own fields in it, next to torchelastic's "message" (launch/failure.py)
 CHECKPOINTS = "checkpoints"
@@ -252,6 +254,19 @@ def configured_steps(run_dir: Path) -> int | None:
 
 
 # ---------------------------------------------------------------- writers
+
+
+def hang_file(run_dir: Path, attempt: str, rank: int) -> Path:
+    """Where rank `rank` of worker attempt `attempt` (core/hangs.py names it) keeps its watchdog's stack dump."""
+    return Path(run_dir) / HANGS / f"{attempt}.rank{rank}.txt"
+
+
+def hang_files(run_dir: Path) -> list[Path]:
+    """Every hang file of the run, any attempt (sorted by name); [] when there are none or they cannot be listed."""
+    try:
+        return sorted((Path(run_dir) / HANGS).glob("*.rank*.txt"))
+    except OSError:
+        return []
 
 
 def write_json_atomic(path: Path, value: dict) -> None:

@@ -16,15 +16,19 @@ is the fallback: its "Root Cause (first observed failure)" block reads, among ot
 
     rank      : 1 (local_rank: 1)
     exitcode  : 3 (pid: 3775)
+
+A hang leaves no error file (the watchdog ends the process from C: core/hangs.py): the hang files of the newest
+attempt name every rank whose watchdog fired, and they take precedence over errors of the same or an older attempt
+(a peer's "connection closed" after the hung rank left is a consequence, not the cause).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from trainctl.core import rundir
+from trainctl.core import hangs, rundir
 from trainctl.launch.command import TORCHRUN_LOG_SUBDIR
 
 ERROR_FILE, ERROR_FILE_KEY = rundir.ERROR_FILE, rundir.ERROR_FILE_KEY  # the worker writes them (train/__main__.py)
@@ -42,6 +46,10 @@ class Failure:
     exit_code: int | None  # negative: killed by that signal
     log: str  # "" when no log file was found
     message: str = ""  # the rank's own one-line error, "" when it left none
+    restart: int = 0  # torchrun's restart count of the attempt that failed
+    reason: str = ""  # "hang": the ranks' watchdogs fired (core/hangs.py); "" otherwise
+    ranks: tuple[int, ...] = ()  # with "hang": every rank whose watchdog fired
+    stacks: tuple[str, ...] = ()  # with "hang": their stack dumps
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +120,22 @@ def first_failure(run_dir: Path, since: float | None = None) -> Failure | None:
     first = min((f for f in found if f.attempt == newest), key=lambda f: f.time)
     rank = first.rank if first.rank is not None else first.local_rank  # torchelastic's own file names no rank
     log = first.log if first.log and Path(first.log).is_file() else _log_of(run_dir, rank, first.path.parent)
-    return Failure(rank=rank, local_rank=first.local_rank, exit_code=first.exit_code, log=log, message=first.message)
+    return Failure(rank=rank, local_rank=first.local_rank, exit_code=first.exit_code, log=log, message=first.message,
+                   restart=first.attempt[1])
+
+
+def hang_failure(run_dir: Path, since: float | None = None) -> Failure | None:
+    """The newest attempt's hang (every rank whose watchdog fired, dumped at or after `since`), if there was one."""
+    hung = hangs.newest_attempt_hangs(run_dir, since)
+    if not hung:
+        return None
+    first = min(hung, key=lambda h: h.time)
+    ranks = tuple(h.rank for h in hung)
+    message = (f"no progress for {first.timeout_s:g} s (train.hang_timeout_s) on rank{'s' if len(ranks) > 1 else ''} "
+               f"{', '.join(map(str, ranks))}; every thread's stack: {', '.join(str(h.path) for h in hung)}")
+    return Failure(rank=first.rank, local_rank=first.rank, exit_code=1, log=_log_of(run_dir, first.rank, first.path),
+                   message=message, restart=first.attempt.restart, reason="hang", ranks=ranks,
+                   stacks=tuple(str(h.path) for h in hung))
 
 
 def _log_of(run_dir: Path, rank: int, captured: Path) -> str:
@@ -153,12 +176,14 @@ def rank_log(run_dir: Path, rank: int, local_rank: int) -> Path | None:
 
 def find_failure(output: str, run_dir: Path, since: float | None = None) -> Failure | None:
     """The first failing rank: from the error files (see first_failure), else from torchrun's printed summary."""
-    failure = first_failure(run_dir, since)
+    failure, hang = first_failure(run_dir, since), hang_failure(run_dir, since)
+    if hang is not None and (failure is None or hang.restart >= failure.restart):  # not an older attempt's hang
+        return hang
     if failure is not None:
         if failure.exit_code is None:  # a file torchelastic wrote for us: torchrun's summary has the code
             parsed = parse_root_cause(output)
             if parsed is not None and parsed[0] == failure.rank:
-                failure = Failure(failure.rank, failure.local_rank, parsed[2], failure.log, failure.message)
+                failure = replace(failure, exit_code=parsed[2])
         return failure
     parsed = parse_root_cause(output)
     if parsed is None:

@@ -163,6 +163,8 @@ def report_failure(failure: Failure | None, exit_code: int, run_dir: Path) -> st
     if failure is None:
         return f"trainctl: the run failed with exit code {exit_code}; see the logs under {run_dir / 'logs'}"
     where = f"; log: {failure.log}" if failure.log else f"; see the logs under {run_dir / 'logs'}"
+    if failure.reason == "hang":  # the message names the ranks, the timeout and the stack files
+        return f"trainctl: the run hung: {failure.message}{where}"
     said = f": {failure.message}" if failure.message else ""
     return f"trainctl: rank {failure.rank} failed first (exit code {failure.exit_code}){said}{where}"
 

@@ -92,7 +92,9 @@ def failure_detail(record: dict) -> str:
     failure = record.get("failure") if isinstance(record.get("failure"), dict) else {}
     rank, message = rundir.as_int(failure.get("rank")), rundir.as_str(failure.get("message"))
     parts = [f"exit code {code}" if code is not None else "no exit code recorded"]
-    if rank is not None:
+    if rundir.as_str(failure.get("reason")) == "hang":  # the message names the ranks and their stack files
+        parts.append(f"hung: {message[:300]}")
+    elif rank is not None:
         parts.append(f"rank {rank} failed first" + (f": {message.splitlines()[0][:200]}" if message.strip() else ""))
     return ", ".join(parts)
 

@@ -226,6 +226,32 @@ def requeue_fallback(p: PreemptionConfig) -> list[str]:
     ]
 
 
+def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
+    """A job whose workers hung past torchrun's restarts goes back to the queue, the node that hung named; a node
+    that hung first in repeated attempts is excluded from the job (core/hangs.py answers both questions).
+
+    The exclusion comes before the requeue: a requeue ends this shell. Slurm may refuse to change a running
+    job's excluded nodes; the requeue happens all the same, and the line says so.
+    """
+    if not cluster.preemption.requeue:
+        return []
+    ask = f"{helper_python(cluster)} -m trainctl.core.hangs"
+    return [
+        f'if [ "$STATUS" -ne 0 ] && [ ! -f "$RUN_DIR/{rundir.RESULT}" ] \\',
+        f'   && HUNG=$({ask} hung "$RUN_DIR" "$SLURM_JOB_ID" "$ATTEMPT"); then',
+        '  echo "trainctl: job $JOB attempt $ATTEMPT hung on node(s) $HUNG (no progress for train.hang_timeout_s; '
+        f'stacks under $RUN_DIR/{rundir.HANGS}); requeueing" >&2',
+        f'  if EXCLUDE=$({ask} repeated "$RUN_DIR" "$SLURM_JOB_ID"); then',
+        '    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE" \\',
+        '      && echo "trainctl: node(s) $EXCLUDE hung repeatedly: excluded from job $JOB" >&2 \\',
+        '      || echo "trainctl: Slurm refused to exclude node(s) $EXCLUDE from job $JOB" >&2',
+        "  fi",
+        '  scontrol requeue "$SLURM_JOB_ID" \\',
+        '    || echo "trainctl: job $JOB not requeued after the hang (Slurm refused)" >&2',
+        "fi",
+    ]
+
+
 def launch_lines(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
     """Head node, the srun line with the attempt's log, and the attempt's records."""
     srun_options = (Expand("--output=${ATTEMPT_LOG}"), "--open-mode=append")
@@ -246,6 +272,7 @@ def launch_lines(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
         "# The run's own record decides: a stop signal reaching torchrun after the last step fails it, not the run.",
         f'[ "$STATUS" -eq 0 ] || [ ! -f "$RUN_DIR/{rundir.RESULT}" ] || STATUS=0',
         *requeue_fallback(cluster.preemption),
+        *hang_requeue(cluster),
         'record end "$STATUS"',
         'exit "$STATUS"',
     ]

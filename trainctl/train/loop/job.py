@@ -17,6 +17,7 @@ from trainctl.train.loop.hooks import Hooks
 from trainctl.train.loop.loss_scaling import DynamicLossScaler, NoLossScaling
 from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.loop.stop import StopRequest
+from trainctl.train.loop.watchdog import HangWatchdog
 from trainctl.train.observe.metrics import MetricsLogger
 from trainctl.train.parallel.distributed import World
 from trainctl.train.parallel.pipeline import Pipeline
@@ -45,4 +46,5 @@ class Job:
     stop: StopRequest
     peak_flops: float | None  # per device, for MFU; None where unknown
     hooks: Hooks = field(default_factory=Hooks)  # test seams (hooks.py); none in production
+    watchdog: HangWatchdog = field(default_factory=lambda: HangWatchdog(0.0, None))  # off unless setup made one
     logged_commit: SaveStats | None = None  # the last committed save logged (each is logged once)

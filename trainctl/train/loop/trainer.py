@@ -44,6 +44,7 @@ from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.loop.sources import DataError
 from trainctl.train.loop.step import StepResult, evaluate, train_step
 from trainctl.train.loop.stop import StopRequest, requeue_slurm_job
+from trainctl.train.loop.watchdog import HangWatchdog, restart_record
 from trainctl.train.observe.metrics import MetricsLogger, StepTimer, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, zero1_group
 from trainctl.train.parallel import distributed
@@ -62,11 +63,13 @@ def train_loop(job: Job) -> dict:
     """
     begin, steps = job.progress.step, job.cfg.train.steps
     check_steps_left(job, begin, steps)
+    job.watchdog.arm()  # from here on, no progress for train.hang_timeout_s is a hang (watchdog.py)
     val_loss = begin_training(job)
     job.stop.armed = True  # from here a stop signal means: finish the step, save, leave
     timer, started, stopped = StepTimer(job.world.device), time.perf_counter(), False
     with collect_every(job.cfg.train.gc_every) as collect:
         for step in range(begin, steps):
+            job.watchdog.arm()
             result = train_step(job, step)
             timer.tick()
             val_loss = after_step(job, result, timer, val_loss)
@@ -78,6 +81,7 @@ def train_loop(job: Job) -> dict:
                 break
     if begin == steps:  # a restart after the final checkpoint (a crash or preemption before result.json)
         val_loss = evaluate_and_log(job, steps)
+    job.watchdog.arm()  # the final commit gets a whole timeout of its own
     job.checkpoints.close()  # commits what is pending, then frees the pinned staging buffers
     log_commit(job)
     summary = make_summary(job, begin, stopped, val_loss, time.perf_counter() - started)
@@ -124,6 +128,7 @@ def evaluate_and_log(job: Job, step: int) -> float | None:
     """The held-out loss, logged; None (nothing logged) with evaluation off or without a val split."""
     if job.val_data is None or job.cfg.train.eval_every <= 0:
         return None
+    job.watchdog.arm()  # an evaluation is progress: it gets a whole timeout of its own
     val_loss = evaluate(job)
     job.metrics.eval(step, val_loss)
     return val_loss
@@ -142,6 +147,7 @@ def maybe_save(job: Job, done: int, stop: bool) -> None:
 
 def save_checkpoint(job: Job, step: int) -> None:
     """Checkpoint after `step` optimizer steps (see state.py for what it holds)."""
+    job.watchdog.arm()  # a save is progress: a slow one is not a hang unless it alone outlasts the timeout
     state = checkpoint_state.app_state(job.model, job.optimizer)
     job.checkpoints.save(step, state, checkpoint_state.rank_state(job.optimizer), job.meta.state_dict())
     log_commit(job)
@@ -286,9 +292,11 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     if peak:
         print0(f"mfu: {MFU_FORMULA}; peak {peak / 1e12:.0f} TFLOP/s per GPU ({cfg.precision.compute_dtype})",
                world.is_main)
+    watchdog = HangWatchdog.for_rank(train.hang_timeout_s, run_dir, world.rank)
     return Job(cfg=cfg, world=world, model=model, optimizer=optimizer, pipeline=pipeline, contexts=contexts,
                train_data=train_data, val_data=val_data, scaler=scaler, guard=guard, progress=progress, meta=meta,
-               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak, hooks=hooks)
+               checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak, hooks=hooks,
+               watchdog=watchdog)
 
 
 def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager, model: nn.Module,
@@ -351,6 +359,7 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
         if summary["stopped"]:
             report_stop(job, run_dir, summary["steps"])
         elif world.is_main:
+            summary.update(restart_record(run_dir))  # how many times torchrun restarted this launch, and why
             # predicted vs measured speed and peak (issue 26): what `trainctl tune` and a calibration compare
             record = {**summary, "performance": performance(run_dir)}
             (run_dir / rundir.RESULT).write_text(json.dumps(record, indent=2) + "\n")
@@ -361,5 +370,6 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
         raise
     finally:
         if job is not None:
+            job.watchdog.close()  # first: nothing after this point is watched (a normal end, a stop or an error)
             job.metrics.close()
         distributed.close_distributed()

@@ -1,0 +1,76 @@
+"""A Slurm job whose workers hung past torchrun's restarts: the batch shell names the node, requeues the job, and
+excludes a node that hung first in repeated attempts (the script run with stub srun/scontrol)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import write_exe
+from tests.unit.test_hang_watchdog import write_hang
+from tests.unit.test_sbatch import SLURM_ENV, slurm_config, stub_bin
+from trainctl.core import hangs
+from trainctl.launch import slurm
+
+JOB = SLURM_ENV["SLURM_JOB_ID"]
+T0 = 1_800_000_000.0
+
+
+def hung_on(run_dir: Path, host: str, restart: int, at: float, run_id: str = JOB) -> None:
+    """Rank 1 on `host` hung first in torchrun attempt `restart` of this job; rank 0 on node017 fired after it."""
+    write_hang(run_dir, 1, restart=restart, run_id=run_id, at=at, host=host)
+    write_hang(run_dir, 0, restart=restart, run_id=run_id, at=at + 0.5, host="node017")
+
+
+def run_hung_job(tmp_path: Path, prepare) -> tuple[list[str], str]:
+    """The script with srun failing; (what the stub scontrol was asked to do, the script's stderr)."""
+    run_dir = tmp_path / "run-h"
+    (run_dir / "logs").mkdir(parents=True)
+    prepare(run_dir)
+    bin_dir = stub_bin(tmp_path)
+    write_exe(bin_dir / "srun", "exit 1\n")
+    write_exe(bin_dir / "scontrol", f'case "$1" in requeue|update) echo "$*" >> {tmp_path}/asked; exit 0;; esac\n'
+                                    "echo node017\n")
+    script = run_dir / "launch.sh"
+    script.write_text(slurm.render_sbatch(slurm_config(), run_dir, workdir=tmp_path))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **SLURM_ENV}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    asked = tmp_path / "asked"
+    return (asked.read_text().splitlines() if asked.exists() else []), done.stderr
+
+
+@pytest.mark.cli
+def test_a_hung_job_is_requeued_naming_the_node_that_hung_first(tmp_path):
+    asked, stderr = run_hung_job(tmp_path, lambda run_dir: hung_on(run_dir, "node018", 0, T0))
+    assert asked == [f"requeue {JOB}"], stderr
+    assert "hung on node(s) node018" in stderr, stderr
+
+
+@pytest.mark.cli
+def test_a_node_that_hung_first_twice_is_excluded_before_the_requeue(tmp_path):
+    def prepare(run_dir):
+        hung_on(run_dir, "node018", 0, T0)
+        hung_on(run_dir, "node018", 1, T0 + 100)
+        hung_on(run_dir, "node099", 0, T0, run_id="another-job")  # another job's hang does not count
+
+    asked, stderr = run_hung_job(tmp_path, prepare)
+    assert asked == [f"update JobId={JOB} ExcNodeList=node018", f"requeue {JOB}"], stderr
+    assert "node(s) node018 hung repeatedly: excluded" in stderr, stderr
+
+
+@pytest.mark.cli
+def test_a_failure_without_a_hang_is_not_requeued(tmp_path):
+    asked, stderr = run_hung_job(tmp_path, lambda run_dir: hung_on(run_dir, "node018", 0, T0, run_id="another-job"))
+    assert asked == [], stderr
+    assert "hung on" not in stderr
+
+
+def test_the_shell_s_questions_answer_from_the_files(tmp_path, capsys):
+    hung_on(tmp_path, "node018", 0, T0)
+    assert hangs.main(["hung", str(tmp_path), JOB, "0"]) == 0 and capsys.readouterr().out.strip() == "node018"
+    assert hangs.main(["hung", str(tmp_path), JOB, "1"]) == 1  # another Slurm attempt: nothing hung there
+    assert hangs.main(["repeated", str(tmp_path), JOB]) == 1
+    assert hangs.main(["nonsense"]) == 2
