@@ -154,6 +154,7 @@ def tune(
 ) -> None:
     """Probe the fastest layouts the plan says fit, rank them by measured tokens/s, pin the winner as a recipe.
     Example: trainctl tune recipe=tiny_cpu --top 4 --probe-steps 20"""
+    from trainctl.api.tuning import TuneInterrupted
     from trainctl.api.tuning import tune as run_tune
     from trainctl.render import print_json, tune_table
 
@@ -167,8 +168,14 @@ def tune(
 
         result = collected(collect, runs_dir, api.search(config_dirs))
     else:
-        result = run_tune(overrides, api.search(config_dirs), top=top, probe_steps=probe_steps,
-                          probe_timeout_s=probe_timeout, name=name, on_probe=said)
+        try:
+            result = run_tune(overrides, api.search(config_dirs), top=top, probe_steps=probe_steps,
+                              probe_timeout_s=probe_timeout, name=name, on_probe=said)
+        except TuneInterrupted as stopped:
+            err.print(f"trainctl: tune interrupted; the running probe was stopped, nothing pinned; the finished "
+                      f"probes are in {stopped.result.folder / 'tune.json'}", markup=False, highlight=False,
+                      soft_wrap=True)
+            raise typer.Exit(130) from None
     data = result.to_dict()
     if result.job_id and not as_json and not collect:  # Slurm: submitted, nothing measured yet
         out.print(result.message, markup=False, highlight=False, soft_wrap=True)

@@ -301,12 +301,12 @@ def _pct(value: float | None) -> str:
 
 def tune_table(data: dict) -> Table:
     """One row per probe (tune.json's rows): measured rank, the plan's rank, tokens/s and peak MiB with errors."""
-    caption = (f"{len(data['rows'])} of {data['candidates']} fitting layouts probed for {data['probe_steps']} steps; "
+    caption = (f"{len(data['rows'])} of {data['candidates']} fitting layouts probed for {data['probe_steps']} steps\n"
                "pred: the plan's, meas: the probe's, err: meas/pred - 1")
     table = Table(title=f"tune {data['name']}: fastest measured first", title_justify="left", title_style="bold",
-                  caption=caption, caption_justify="left", box=None, padding=(0, 1))
+                  caption=caption, caption_justify="left", box=None, padding=(0, 1), collapse_padding=True)
     table.add_column("#", justify="right")
-    table.add_column("layout", overflow="fold", min_width=18)
+    table.add_column("layout", overflow="fold", min_width=16)
     # Short headers: the table fits 80 columns (pred: the plan's, meas: the probe's).
     for column in ("plan#", "tok/s pred", "meas", "err", "MiB pred", "meas", "err"):
         table.add_column(column, justify="right", no_wrap=True)

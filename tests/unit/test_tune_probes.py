@@ -132,3 +132,39 @@ def test_collecting_an_unknown_tune_is_one_line(tmp_path):
 
     with pytest.raises(UserError, match="--collect nope: no tune of that name"):
         collect("nope", tmp_path)
+
+
+class InterruptedHandle(FakeHandle):
+    """Ctrl-C arrives while the tune waits for this probe."""
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if len(self.waits) == 1:
+            raise KeyboardInterrupt
+        return 130
+
+
+def test_ctrl_c_stops_the_running_probe_writes_what_finished_and_pins_nothing(tmp_path, monkeypatch):
+    launched, cancelled = [], []
+    outcome = {1: FakeHandle(0), 2: InterruptedHandle(None)}
+
+    def prepare(overrides, config_dirs=None, *, name="", **_):
+        launched.append(list(overrides))
+        run_dir = tmp_path / "runs" / "tune" / "t" / name
+        run_dir.mkdir(parents=True)
+        write_metrics(run_dir, [1.0, 500.0, 500.0, 500.0], 1000)
+        return FakePrepared(run_dir)
+
+    monkeypatch.setattr(launching, "prepare_launch", prepare)
+    monkeypatch.setattr(launching, "start", lambda prepared, **_: outcome[len(launched)])
+    monkeypatch.setattr(watching, "cancel", lambda run_dir: cancelled.append(run_dir))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(tuning.TuneInterrupted) as info:
+        tuning.tune(["recipe=tiny_cpu"], top=4, probe_steps=8, name="t")
+    assert len(launched) == 2  # nothing started after the interrupt
+    assert cancelled == [tmp_path / "runs" / "tune" / "t" / "probe-02"]  # its own process group: stopped, not left
+    assert outcome[2].waits == [tuning.DEFAULT_PROBE_TIMEOUT_S, tuning.CANCEL_GRACE_S]
+    written = json.loads((info.value.result.folder / tuning.TUNE_JSON).read_text())
+    assert written["interrupted"] is True and written["recipe_file"] is None
+    assert [r["status"] for r in written["rows"]] == ["ok", "interrupted", "not run", "not run"]
+    assert not list(info.value.result.folder.glob("*.yaml"))

@@ -70,6 +70,7 @@ class TuneResult:
     base_overrides: list[str] = field(default_factory=list)  # the user's (a collect composes the winner from them)
     job_id: str = ""  # Slurm: the probes' job array
     message: str = ""  # Slurm: what the submission said
+    interrupted: bool = False  # Ctrl-C (or SIGTERM) ended the tune: the table holds the probes that finished
 
     @property
     def winner(self) -> Probe | None:
@@ -84,7 +85,16 @@ class TuneResult:
                 "candidates": self.candidates, "rows": [p.to_dict() for p in self.probes],
                 "winner": None if self.winner is None else self.winner.label,
                 "recipe_file": None if self.recipe_file is None else str(self.recipe_file),
-                "launch": self.launch_command, "base_overrides": self.base_overrides, "job_id": self.job_id}
+                "launch": self.launch_command, "base_overrides": self.base_overrides, "job_id": self.job_id,
+                "interrupted": self.interrupted}
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a local tune: the running probe was stopped and the finished probes' table written."""
+
+    def __init__(self, result: TuneResult):
+        super().__init__(f"tune {result.name} interrupted")
+        self.result = result
 
 
 def probe_overrides(warmup_steps: int, steps: int) -> list[str]:
@@ -116,13 +126,14 @@ def _run_probe(probe: Probe, overrides: list[str], config_dirs: ConfigDirs, name
         return
     probe.run_dir = str(prepared.run_dir)
     handle = start(prepared, wait=False, on_output=on_output)
-    code = handle.wait(timeout_s)
+    try:
+        code = handle.wait(timeout_s)
+    except KeyboardInterrupt:  # the probe runs in its own process group: stop it, or it trains on without us
+        _stop(prepared.run_dir, handle, cancel)
+        probe.status = "interrupted"
+        raise
     if not handle.done():
-        try:
-            cancel(prepared.run_dir)
-        except UserError:
-            pass  # it ended between the wait and the cancel
-        handle.wait(CANCEL_GRACE_S)
+        _stop(prepared.run_dir, handle, cancel)
         probe.status = f"timed out after {timeout_s:.0f} s"
         return
     tokens, peak = measured(prepared.run_dir)
@@ -133,6 +144,22 @@ def _run_probe(probe: Probe, overrides: list[str], config_dirs: ConfigDirs, name
         probe.status = "failed: no step was measured"
     else:
         probe.status = "ok"
+
+
+def _stop(run_dir: Path, handle, cancel) -> None:
+    """Ask the probe's workers to stop (as `trainctl cancel` does) and give them CANCEL_GRACE_S to leave."""
+    try:
+        cancel(run_dir)
+    except UserError:
+        pass  # it ended between the wait and the cancel
+    try:
+        handle.wait(CANCEL_GRACE_S)
+    except KeyboardInterrupt:  # a second Ctrl-C: once more, now (the stop signal's second use kills at once)
+        try:
+            cancel(run_dir)
+        except UserError:
+            pass
+        handle.wait(CANCEL_GRACE_S)
 
 
 def pin(cfg, folder: Path, label: str) -> Path:
@@ -184,18 +211,23 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
         tuning_slurm.submit_probes(result, [(p, merged(overrides, p.overrides, short)) for p in probes], config_dirs)
         tuning_slurm.write(result)
         return result
-    for i, probe in enumerate(probes):
-        if on_probe is not None:
-            on_probe(probe, i, len(probes))
-        _run_probe(probe, merged(overrides, probe.overrides, short), config_dirs, f"probe-{i + 1:02d}",
-                   probe_timeout_s, on_output)
+    try:
+        for i, probe in enumerate(probes):
+            if on_probe is not None:
+                on_probe(probe, i, len(probes))
+            _run_probe(probe, merged(overrides, probe.overrides, short), config_dirs, f"probe-{i + 1:02d}",
+                       probe_timeout_s, on_output)
+    except KeyboardInterrupt:
+        result.interrupted = True  # the table of what finished, but no pinned recipe: the race was not run out
+        finish(result, lambda p: ranked[p.predicted_rank - 1].cfg)
+        raise TuneInterrupted(result) from None
     return finish(result, lambda p: ranked[p.predicted_rank - 1].cfg)
 
 
 def finish(result: TuneResult, cfg_of: Callable[[Probe], object]) -> TuneResult:
     """Sort by measured tokens/s (failed last), pin the winner (its config from `cfg_of`), write tune.json."""
     result.probes.sort(key=lambda p: (not p.ok, -(p.measured_tokens_per_s or 0.0)))
-    if (best := result.winner) is not None:
+    if (best := result.winner) is not None and not result.interrupted:
         result.recipe_file = pin(cfg_of(best), result.folder, best.label)
     (result.folder / TUNE_JSON).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result
