@@ -166,19 +166,6 @@ def tensor_bytes(item: TensorStorageMetadata) -> int:
     return item.size.numel() * item.properties.dtype.itemsize
 
 
-def plan_shards(names: list[str], sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
-    """Greedy split, in order, into shards of at most `max_shard_size` bytes (a bigger tensor gets its own)."""
-    shards: list[list[str]] = [[]]
-    filled = 0
-    for name in names:
-        if shards[-1] and filled + sizes[name] > max_shard_size:
-            shards.append([])
-            filled = 0
-        shards[-1].append(name)
-        filled += sizes[name]
-    return shards
-
-
 def read_tensors(
     ckpt: Path, entries: dict[str, tuple[str, TensorStorageMetadata]], names: list[str]
 ) -> dict[str, torch.Tensor]:
