@@ -6,12 +6,14 @@ Import as `from tests.helpers import ...` (pytest puts the repository root on sy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -208,6 +210,23 @@ def make_run(runs_dir: Path, name: str, *, overrides: list[str] | None = None, s
 
 
 # --- files -----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def deadline(seconds: float, error: type[Exception] = TimeoutError) -> Iterator[None]:
+    """Fail instead of hanging: SIGALRM raises `error` in this (the main) thread when the block runs longer than
+    `seconds`; pure-Python work (a YAML expansion, a sweep grid, Hydra's parser) is interrupted."""
+
+    def expire(_signum, _frame):
+        raise error(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
 
 def write_exe(path: Path, body: str) -> None:
     """A bash script at `path`, executable (stub programs put on PATH)."""

@@ -4,13 +4,12 @@ hypothesis settings bounded for CI's 2 cores."""
 from __future__ import annotations
 
 import contextlib
-import signal
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
+from tests import helpers
 from trainctl.core.errors import UserError
 from trainctl.plan import PlanError
 
@@ -28,20 +27,9 @@ class Hang(Exception):
     """An example ran past its deadline."""
 
 
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
+def deadline(seconds: float) -> contextlib.AbstractContextManager[None]:
     """Fail the example (raise Hang) when the block runs longer than `seconds` (SIGALRM; main thread only)."""
-
-    def expire(_signum, _frame):
-        raise Hang(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    return helpers.deadline(seconds, Hang)
 
 
 def overlays_left() -> set[str]:

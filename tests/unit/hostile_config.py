@@ -4,30 +4,14 @@ written from a dict, and the one line compose refuses with. A module of their ow
 
 from __future__ import annotations
 
-import contextlib
-import signal
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import deadline
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.sources import SearchPath
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fail instead of hanging: SIGALRM interrupts pure-Python work (a YAML expansion) in this thread."""
-    def expired(signum, frame):
-        raise TimeoutError(f"still running after {seconds}s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def write(root: Path, files: dict[str, str]) -> Path:

@@ -3,31 +3,14 @@ problem one line naming the override (never a hang, a ValueError, a decimal erro
 
 from __future__ import annotations
 
-import contextlib
-import signal
-
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from tests.helpers import cli_in_process
+from tests.helpers import cli_in_process, deadline
 from trainctl.config.errors import ConfigError
 from trainctl.launch.grid import MAX_POINTS
 from trainctl.launch.sweep import expand
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    def expire(_signum, _frame):
-        raise TimeoutError(f"still expanding after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def refused(grid: list[str], **kwargs) -> str:
