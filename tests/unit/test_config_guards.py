@@ -279,3 +279,22 @@ def test_a_config_yaml_of_an_older_run_still_loads(tmp_path):
     assert text.count("  name: ") >= 5  # the model's own name, and the four retired ones
     assert "  inject_nan_step: -1" in text
     assert load.load_run_config(tmp_path) == cfg
+
+
+@pytest.mark.parametrize(("override", "hint"), [
+    ("train.max_restarts=2", "cluster.max_restarts"), ("optim.warmup_steps=3", "schedule.warmup_steps"),
+    ("train.lr=1e-3", "optim.lr"),
+])
+def test_a_key_put_in_the_wrong_section_names_the_one_where_it_lives(override, hint):
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    key = override.split("=")[0]
+    (line,) = err.value.problems
+    assert line.startswith(f"{key}: unknown key; did you mean {hint}? valid keys of {key.split('.')[0]}: ")
+
+
+def test_no_guess_when_the_name_is_nowhere_or_in_several_sections():
+    for override in ("model.nope=1", "precision.name=x"):  # precision.name: the run's `name` and model.name
+        with pytest.raises(ConfigError) as err:
+            compose([override])
+        assert "did you mean" not in err.value.problems[0]

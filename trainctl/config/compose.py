@@ -276,7 +276,7 @@ def _one_line(exc: BaseException) -> str:
         head = f"{head} {lines[1]}"
     full_key = getattr(inner, "full_key", None)
     if isinstance(inner, (ConfigAttributeError, ConfigKeyError)) and full_key:
-        return f"{full_key}: unknown key; {_valid_keys_hint(full_key)}"
+        return f"{full_key}: unknown key; {_elsewhere(full_key)}{_valid_keys_hint(full_key)}"
     if isinstance(inner, (InterpolationKeyError, GrammarParseError)):
         head += r"; for a literal '${' in a value write '\${'"
     if full_key:
@@ -285,6 +285,22 @@ def _one_line(exc: BaseException) -> str:
         detail = f" ({lines[1]})" if len(lines) > 1 else ""
         return f"{head}{detail}; overrides look like key=value, group=option, +key=value, ~key, key=[a,b]"
     return head
+
+
+def _elsewhere(full_key: str) -> str:
+    """`train.max_restarts`: the one key of that name in another section (`did you mean cluster.max_restarts?`);
+    "" when there is none, or several (`precision.name`: the run's name or model.name would be a guess)."""
+    leaf = full_key.rsplit(".", 1)[-1]
+    found = [key for key in _schema_keys(structured_schema()) if key.rsplit(".", 1)[-1] == leaf and key != full_key]
+    return f"did you mean {found[0]}? " if len(found) == 1 else ""
+
+
+def _schema_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for name in node:
+        child = node.get(name)
+        keys += _schema_keys(child, f"{prefix}{name}.") if isinstance(child, DictConfig) else [f"{prefix}{name}"]
+    return keys
 
 
 def _valid_keys_hint(full_key: str) -> str:
