@@ -5,8 +5,7 @@ activation checkpointing x micro-batch, combined in that order over the same ran
 each candidate is a config `launch` accepts and the overrides that give it from the user's recipe. Pipeline stages
 (pp 2 and 4, taken from data parallelism, the layers split evenly) are tried after tp where the world and the layers
 allow; cp stays as configured (it changes how sequences are split, which a probe of speed should not). The set is
-bounded
-(MAX_CANDIDATES) and deduplicated by what the worker runs (strategy, degrees, checkpointing, micro-batch).
+bounded (MAX_CANDIDATES) and deduplicated by what the worker runs (strategy, degrees, checkpointing, micro-batch).
 
 Ranking: those that launch accepts (fits, tight, or an unknown capacity) by predicted tokens/s, highest first.
 The prediction is the throughput model's step time (throughput.py) at the device's peak; a device without a known
