@@ -13,7 +13,6 @@ disk: nothing is left behind, whatever ends the process.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from omegaconf import OmegaConf
 
 from trainctl.config import yaml_files
 from trainctl.config.errors import ConfigError
+from trainctl.config.memo import CopyingCache
 from trainctl.config.sources import PRIMARY_NAME, RECIPE, Catalog, is_plain_name
 
 SCHEME = "trainctl"
@@ -37,8 +37,7 @@ _tokens = itertools.count()
 # A file's parse by (path, group, text): every composition loads every file of its defaults list again, and the
 # unit tier composes ~1500 times. Keyed by the text just read, so an edited file is parsed afresh; the data is
 # handed out as a copy (OmegaConf.create keeps no reference, but Hydra's callers may change what they get).
-_parsed: dict[tuple[str, str, str], tuple[object, list[str], dict]] = {}
-_PARSED_MAX = 256
+_parsed: CopyingCache[tuple[object, list[str], dict]] = CopyingCache(256)
 
 
 class TrainctlSource(ConfigSource):
@@ -92,14 +91,11 @@ Plugins.instance().register(TrainctlSource)
 
 def _parse(path: Path, group: str, text: str) -> tuple[object, list[str], dict]:
     """The file's data, its problems and its header; a syntax error raises (and is not kept)."""
-    key = (str(path), group, text)
-    if key not in _parsed:
+    def build() -> tuple[object, list[str], dict]:
         data = yaml_files.parse(text, str(path))
-        if len(_parsed) >= _PARSED_MAX:
-            _parsed.pop(next(iter(_parsed)))
-        _parsed[key] = (data, file_problems(path, group, data), _header(path, text, group))
-    data, problems, header = _parsed[key]
-    return copy.deepcopy(data), list(problems), dict(header)
+        return data, file_problems(path, group, data), _header(path, text, group)
+
+    return _parsed.get_or_build((str(path), group, text), build)
 
 
 class initialize_catalog:  # noqa: N801 (a context manager used like Hydra's initialize_config_dir)

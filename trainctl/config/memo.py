@@ -1,4 +1,4 @@
-"""`CopyingCache`: the one result cache of config/ (compositions, built RunConfigs, the schema template).
+"""`CopyingCache`: the one result cache of config/ (compositions, built RunConfigs, the schema template, parsed files).
 
 Separate from the modules that use it so that the three caches share one bounded, copy-on-read policy: each
 result is mutable (OmegaConf nodes, lists inside frozen dataclasses), so a caller must never hold the cached
