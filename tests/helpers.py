@@ -66,10 +66,27 @@ def torchrun_cmd(nproc: int, *program: str, max_restarts: int | None = None, arg
     return [*cmd, *args, *program]
 
 
+def run_group(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd)` with output captured as text, in a process group of its own that a timeout kills whole.
+
+    subprocess.run's timeout kills only torchrun: its workers would go on as orphans, holding the cores (and the
+    store's port) for the tests that follow. Here the whole group goes, and the TimeoutExpired carries the output.
+    """
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_torchrun(nproc: int, *program: str, timeout: float = 240, **env: object) -> subprocess.CompletedProcess:
     """torchrun to the end, output captured as text."""
-    cmd = torchrun_cmd(nproc, *program)
-    return subprocess.run(cmd, env=worker_env(**env), capture_output=True, text=True, timeout=timeout)
+    return run_group(torchrun_cmd(nproc, *program), timeout, worker_env(**env))
 
 
 # --- the CLI in a fresh interpreter ----------------------------------------------------------------

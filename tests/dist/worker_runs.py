@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import torchrun_cmd, worker_env
+from tests.helpers import run_group, torchrun_cmd, worker_env
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import (
     DataConfig,
@@ -21,6 +21,7 @@ from trainctl.config.schema import (
     ScheduleConfig,
     TrainConfig,
 )
+from trainctl.core import hangs
 
 WORKER_TIMEOUT_S = 240
 # The tiny model as CLI overrides of recipe=tiny_cpu, for tests that launch through `trainctl`: seconds per run.
@@ -35,8 +36,10 @@ def base_config(cache_dir: Path, **train) -> RunConfig:
     """A fp32 run on the stdlib byte corpus: global batch 8 of 64 tokens, logged every step."""
     # Evaluation at step 0 and at the last step only, unless a test asks for more (or for none: eval_every=0).
     train.setdefault("eval_every", train.get("steps", 30))
+    # A hang dumps every rank's stack and ends the worker well before the test's own timeout (WORKER_TIMEOUT_S):
+    # train_and_check's failure message then shows where it stuck (see train/loop/watchdog.py).
     train_cfg = TrainConfig(steps=30, seq_len=64, global_batch=8, micro_batch=8, grad_accum=1, seed=1,
-                            eval_batches=2)
+                            eval_batches=2, hang_timeout_s=WORKER_TIMEOUT_S / 2)
     return RunConfig(
         name="dist-test",
         model=TINY,
@@ -66,14 +69,15 @@ def run_worker(run_dir: Path, nproc: int | None, entry: Path | None = None) -> s
         cmd = [sys.executable, *program, str(run_dir)]
     else:
         cmd = torchrun_cmd(nproc, *program, str(run_dir))
-    return subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    return run_group(cmd, WORKER_TIMEOUT_S, worker_env())
 
 
 def train_and_check(root: Path, cfg: RunConfig, nproc: int | None, entry: Path | None = None) -> Path:
     run_dir = write_run_dir(root, cfg)
     proc = run_worker(run_dir, nproc, entry)
     logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
-    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-4000:]}"
+    stacks = "\n".join(f"--- {h.path.name}\n{h.path.read_text()[-1500:]}" for h in hangs.hangs(run_dir))
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-4000:]}\n{stacks}"
     return run_dir
 
 
