@@ -25,6 +25,10 @@ def test_every_kind_has_its_line_and_odd_records_still_show():
     assert final == "final step 100  loss 2.0280  val loss 5.7610 -> 2.0860  52 s"
     ckpt = console_line({"kind": "checkpoint", "step": 6, "bytes": 37993435, "total_s": 0.17, "blocking_s": 0.17})
     assert ckpt == "checkpoint step 6  36.2 MiB in 0.17 s (blocking 0.17 s)"
+    resume = {"kind": "resume", "step": 10, "checkpoint": "checkpoints/step-00000010", "samples_seen": 1280}
+    assert console_line(resume) == "resumed at step 10 from checkpoints/step-00000010 (1,280 samples seen)"
+    older = {k: v for k, v in resume.items() if k != "samples_seen"}  # metrics.jsonl from before the count
+    assert console_line(older) == "resumed at step 10 from checkpoints/step-00000010"
     assert console_line({"kind": "eval", "step": 3}) == "kind=eval step=3"  # no val_loss: field by field
     assert console_line({"kind": "other", "x": 1.23456, "ranks": [1, 2]}) == "kind=other x=1.235"
 

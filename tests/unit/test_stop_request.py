@@ -82,17 +82,17 @@ def test_resume_drops_what_followed_the_checkpoint(tmp_path):
     dropped = [{"kind": "train", "step": 3, "loss": 2.5}, {"kind": "checkpoint", "step": 4}, "{half a line\n",
                {"kind": "train", "step": 4, "loss": 2.0}]
     metrics = logger(tmp_path, kept[:3] + dropped[:2] + kept[3:] + dropped[2:])
-    metrics.resumed(2, "checkpoints/step-00000002")
+    metrics.resumed(2, "checkpoints/step-00000002", 16)
     metrics.train(3, {"loss": 2.4})
     metrics.close()
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert got == kept + [{"kind": "resume", "step": 2, "checkpoint": "checkpoints/step-00000002"},
+    assert got == kept + [{"kind": "resume", "step": 2, "checkpoint": "checkpoints/step-00000002", "samples_seen": 16},
                           {"kind": "train", "step": 3, "loss": 2.4}]
     assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_resume_without_earlier_metrics(tmp_path):
     metrics = MetricsLogger(tmp_path, LoggingConfig(progress=False), 10, True, {})
-    metrics.resumed(4, "c")
+    metrics.resumed(4, "c", 32)
     metrics.close()
     assert [json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ["resume"]

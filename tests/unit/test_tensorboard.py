@@ -33,7 +33,7 @@ def test_scalars_are_namespaced_and_a_resume_leaves_each_step_once(tmp_path):
     first.eval(5, 2.5)
     first.close()  # a crash after step 5; the newest checkpoint is step 3
     second = logger(tmp_path)
-    second.resumed(3, "checkpoints/step-00000003")
+    second.resumed(3, "checkpoints/step-00000003", 24)
     for step in range(4, 7):
         train(second, step, attempt=2)
     second.eval(6, 2.0)

@@ -100,7 +100,8 @@ def check_steps_left(job: Job, begin: int, steps: int) -> None:
 def begin_training(job: Job) -> float:
     """The first eval of a fresh run (logged at step 0, unless train.eval_every=0), or the resume record."""
     if job.start.resumed:
-        job.metrics.resumed(job.progress.step, str(job.start.path))  # drops what an earlier attempt logged past it
+        # drops what an earlier attempt logged past it; its console line is the resume's one line
+        job.metrics.resumed(job.progress.step, str(job.start.path), job.progress.samples_seen)
         return job.progress.initial_val_loss
     job.progress.initial_val_loss = evaluate_and_log(job, 0)
     return job.progress.initial_val_loss
@@ -307,10 +308,7 @@ def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: Checkpoint
         if cfg.checkpoint.init_from:
             init_from_hf(cfg, model, world)
         return StartPoint()
-    start = restore(checkpoints, path, load_only, model, optimizer, world.world_size)
-    if start.resumed:
-        print0(f"resumed from {path} at step {start.step} ({start.samples_seen} samples seen)", world.is_main)
-    return start
+    return restore(checkpoints, path, load_only, model, optimizer, world.world_size)  # said by metrics.resumed
 
 
 def init_from_hf(cfg: RunConfig, model: nn.Module, world: distributed.World) -> None:

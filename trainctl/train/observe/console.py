@@ -92,7 +92,8 @@ def console_line(record: dict, total_steps: int | None = None) -> str:
         if kind == "checkpoint":
             return _checkpoint(record)
         if kind == "resume":
-            return f"resumed at step {record['step']} from {record.get('checkpoint')}"
+            seen = f" ({record['samples_seen']:,} samples seen)" if "samples_seen" in record else ""
+            return f"resumed at step {record['step']} from {record.get('checkpoint')}{seen}"
     except (KeyError, TypeError, ValueError):
         pass  # a record of an unexpected shape is still shown, field by field
     return _fields(record)

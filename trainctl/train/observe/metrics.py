@@ -121,7 +121,7 @@ class MetricsLogger:
             values = with_prediction(values, read_prediction(self._run_dir))
         self._emit({"kind": "memory", "step": step, **values}, step)
 
-    def resumed(self, step: int, path: str) -> None:
+    def resumed(self, step: int, path: str, samples_seen: int) -> None:
         """A restart from the checkpoint of `step`: what an earlier attempt logged after it is dropped.
 
         metrics.jsonl is rewritten without those records, so every reader sees each step once. W&B cannot
@@ -138,7 +138,7 @@ class MetricsLogger:
             if dropped_through > step and self._wandb is not None:
                 log.warning("W&B keeps this run's earlier values of steps %d..%d (it cannot rewind); "
                             "%s holds the resumed run's", step + 1, dropped_through, rundir.METRICS)
-        self._emit({"kind": "resume", "step": step, "checkpoint": path}, step)
+        self._emit({"kind": "resume", "step": step, "checkpoint": path, "samples_seen": samples_seen}, step)
 
     def checkpoint(self, step: int, values: dict) -> None:
         self._emit({"kind": "checkpoint", "step": step, **values}, step)
