@@ -9,7 +9,6 @@ cluster.max_restarts=0) it ends FAILED with reason hang, naming the rank and the
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from worker_runs import TINY_OVERRIDES, WORKER_TIMEOUT_S, base_config, records, run_worker, write_run_dir
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import run_cli, torchrun_cmd, worker_env
+from tests.helpers import run_cli, run_group, torchrun_cmd, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.core import hangs, rundir
 from trainctl.launch.command import TORCHRUN_ENV
@@ -44,19 +43,28 @@ def logs_of(run_dir: Path) -> str:
     return "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("rank*.log")))
 
 
-def test_a_hung_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path, data_cache):
-    reference = write_run_dir(tmp_path, config(data_cache, "reference"))
-    proc = run_worker(reference, 2)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache) -> Path:
+    """The uninterrupted run: no hang files, no restarts."""
+    run_dir = write_run_dir(tmp_path_factory.mktemp("hang-reference"), config(data_cache, "reference"))
+    proc = run_worker(run_dir, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not list((reference / rundir.HANGS).glob("*")), "a run that never hung left hang files"
-    assert json.loads((reference / rundir.RESULT).read_text())["restarts"] == 0
+    assert not list((run_dir / rundir.HANGS).glob("*")), "a run that never hung left hang files"
+    assert json.loads((run_dir / rundir.RESULT).read_text())["restarts"] == 0
+    return run_dir
 
-    run_dir = write_run_dir(tmp_path, config(data_cache, "hung"))
+
+def run_hanging(root: Path, cache: Path, name: str, **faults) -> Path:
+    """2 workers under torchrun with one restart, the fault injected; the run must complete."""
+    run_dir = write_run_dir(root, config(cache, name))
     cmd = torchrun_cmd(2, "-m", "trainctl.train", str(run_dir), max_restarts=1)
-    env = worker_env(**TORCHRUN_ENV, **fault_env(hang_after_step=HANG_STEP))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    proc = run_group(cmd, WORKER_TIMEOUT_S, worker_env(**TORCHRUN_ENV, **fault_env(**faults)))
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{logs_of(run_dir)[-3000:]}"
+    return run_dir
 
+
+def test_a_hung_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path, data_cache, reference):
+    run_dir = run_hanging(tmp_path, data_cache, "hung", hang_after_step=HANG_STEP)
     assert final_losses(run_dir) == final_losses(reference)  # exact resume: bit for bit
     assert [r["step"] for r in records(run_dir, "resume")] == [HANG_STEP - HANG_STEP % EVERY]
     result = json.loads((run_dir / rundir.RESULT).read_text())
@@ -71,6 +79,17 @@ def test_a_hung_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_p
     # The second attempt ended normally: its ranks removed their files.
     assert all(h.attempt.restart == 0 for h in found)
     assert not [p for p in (run_dir / rundir.HANGS).iterdir() if ".a1." in p.name]
+
+
+def test_a_rank_hung_in_setup_is_caught_too(tmp_path, data_cache, reference):
+    """Before the first step (after the checkpoint read, in the setup hook): watched like a step."""
+    run_dir = run_hanging(tmp_path, data_cache, "setup-hung", hang_in_setup=True)
+    assert final_losses(run_dir) == final_losses(reference)  # no checkpoint yet: the restart begins anew
+    assert records(run_dir, "resume") == []
+    result = json.loads((run_dir / rundir.RESULT).read_text())
+    assert result["restarts"] == 1 and result["restart_reasons"][0]["reason"] == "hang", result
+    (stuck,) = [h for h in hangs.hangs(run_dir) if h.rank == 1]
+    assert "hang_forever" in stuck.path.read_text() and "on_setup" in stuck.path.read_text()
 
 
 @pytest.mark.cli

@@ -14,6 +14,8 @@ imports and calls once. Nothing in a worker module is patched; in-process tests 
                           commit (first attempt under torchrun only)
     hang_after_step: N    rank 1 blocks forever (in `hang_forever`) once step N is logged, first attempt under
                           torchrun only: the other ranks block in the next step's collective
+    hang_in_setup: true   rank 1 blocks forever (in `hang_forever`) at the end of setup, before any step, first
+                          attempt under torchrun only: the other ranks block in the first collective
     offload_probe: DIR    count the saved-tensor packs/unpacks of the activation-offload context the worker enters;
                           each rank writes DIR/offload-rank{RANK}.json at exit
     sample_probe: DIR     record the training samples each step reads: each rank appends a line
@@ -144,6 +146,14 @@ def hang_after_step(step: int) -> Hooks:
     return Hooks(on_step_end=on_step_end)
 
 
+def hang_in_setup(_: bool) -> Hooks:
+    def on_setup(job):
+        if job.world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            hang_forever()
+
+    return Hooks(on_setup=on_setup)
+
+
 def hang_forever() -> None:
     """The stuck frame the hang watchdog's stack dump must name."""
     threading.Event().wait()
@@ -198,4 +208,4 @@ def sample_probe(directory: str) -> Hooks:
 
 
 FAULTS = {f.__name__: f for f in (nan_at_step, inf_at_step, stop_after_step, die_before_commit, hang_after_step,
-                                  offload_probe, sample_probe)}
+                                  hang_in_setup, offload_probe, sample_probe)}

@@ -64,6 +64,16 @@ def test_a_rank_that_ends_normally_cancels_the_timer_and_removes_its_file(tmp_pa
     assert not watchdog.path.exists()
 
 
+def test_a_paused_watchdog_waits_for_the_next_arm(tmp_path):
+    watchdog = HangWatchdog.for_rank(0.3, tmp_path, 0, env=ENV)
+    watchdog.arm()
+    watchdog.pause()  # the data build: long by nature
+    time.sleep(0.6)  # past the timeout: had the timer survived, it would have ended this process
+    assert hangs.read_hang(watchdog.path) is None  # still only the header
+    watchdog.close()
+    assert not watchdog.path.exists()
+
+
 def write_hang(run_dir: Path, rank: int, restart: int = 0, run_id: str = "r1", at: float = T0,
                fired: bool = True, timeout_s: float = 10.0, host: str = "node1") -> Path:
     """A rank's hang file as the watchdog leaves it (fired: faulthandler's dump follows the header)."""

@@ -255,8 +255,13 @@ def check_lora_supported(cfg: RunConfig) -> None:
 
 
 def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopRequest,
-          hooks: Hooks = Hooks()) -> Job:
-    """The whole Job of this rank: mesh, model, optimizer, data, metrics, checkpoints, and where to start."""
+          hooks: Hooks = Hooks(), watchdog: HangWatchdog | None = None) -> Job:
+    """The whole Job of this rank: mesh, model, optimizer, data, metrics, checkpoints, and where to start.
+
+    watchdog: armed phase by phase (the mesh's groups, the model, the checkpoint read); paused for the data.
+    """
+    watchdog = watchdog or HangWatchdog(0.0, None)
+    watchdog.arm()
     check_supported(cfg.sharding, cfg.precision)
     check_lora_supported(cfg)
     check_cp_device(cfg.sharding.cp, world.device)
@@ -265,6 +270,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     distributed.seed_everything(cfg.train.seed)
     sharding, train = cfg.sharding, cfg.train
     mesh = distributed.build_mesh(ParallelDims.from_config(sharding), world.device)
+    watchdog.arm()
     wrap = wrapping_of(sharding, cfg.precision)  # what parallelize wrapped with; the rest of setup follows it
     scaler = build_loss_scaler(cfg.precision, world.device)
     model, pipeline = build_parallel_model(cfg, mesh, world.device, scaler)
@@ -273,7 +279,9 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
         print0(f"lora: rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}; "
                f"{lora_formula_count(cfg.model):,} trainable parameters, the rest frozen", world.is_main)
     register_float8_scale_precompute(optimizer, model, cfg.precision, wrap.fsdp)
+    watchdog.pause()  # a first tokenization or cache build is long by nature
     train_data, val_data = build_data(cfg, mesh, world)
+    watchdog.arm()
     metrics = MetricsLogger(run_dir, cfg.logging, train.steps, world.is_main, asdict(cfg))
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {sharding.strategy}, "
            f"global batch {train.global_batch} = {train.micro_batch} micro x {train.grad_accum} accum x dp",
@@ -285,6 +293,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
                                     device=world.device.type, before_commit=hooks.before_commit)
     contexts = MicroBatchContext(model=model, precision=cfg.precision, wrap=wrap,
                                  device=world.device, offload=train.activation_offload, cp_mesh=cp_mesh_of(mesh))
+    watchdog.arm()  # the checkpoint read (or init_from's) gets a whole timeout of its own
     start = start_from_checkpoint(cfg, run_dir, checkpoints, model, optimizer, world)  # last: it sets the RNG
     if start.resumed:
         meta.load_state_dict(start.meta)
@@ -293,7 +302,6 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     if peak:
         print0(f"mfu: {MFU_FORMULA}; peak {peak / 1e12:.0f} TFLOP/s per GPU ({cfg.precision.compute_dtype})",
                world.is_main)
-    watchdog = HangWatchdog.for_rank(train.hang_timeout_s, run_dir, world.rank)
     return Job(cfg=cfg, world=world, model=model, optimizer=optimizer, pipeline=pipeline, contexts=contexts,
                train_data=train_data, val_data=val_data, scaler=scaler, guard=guard, progress=progress, meta=meta,
                checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak, hooks=hooks,
@@ -348,8 +356,9 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
     """
     world = distributed.init_distributed(cfg.cluster, cpu_collectives=cfg.sharding.cpu_offload)
     job = None
+    watchdog = HangWatchdog.for_rank(cfg.train.hang_timeout_s, run_dir, world.rank)
     try:
-        job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.stop_signal), hooks)
+        job = setup(cfg, run_dir, world, stop or StopRequest(cfg.cluster.stop_signal), hooks, watchdog)
         if hooks.on_setup is not None:
             hooks.on_setup(job)
         with attention_backends(cfg.train.attention):  # cuDNN, flash, efficient, math: set, not left to chance
@@ -367,7 +376,7 @@ def run(cfg: RunConfig, run_dir: Path, stop: StopRequest | None = None, on_error
             on_error(exc)
         raise
     finally:
+        watchdog.close()  # first: nothing after this point is watched (a normal end, a stop or an error)
         if job is not None:
-            job.watchdog.close()  # first: nothing after this point is watched (a normal end, a stop or an error)
             job.metrics.close()
         distributed.close_distributed()

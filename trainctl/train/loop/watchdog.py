@@ -1,5 +1,8 @@
 """The hang watchdog: a rank that makes no progress for `train.hang_timeout_s` dumps every thread's stack and exits.
 
+Setup is watched too (a stuck rendezvous of a subgroup, a checkpoint read that never returns), phase by phase,
+except building the data: a first tokenization or cache build is long and has no progress points to re-arm at.
+
 It is Python's own `faulthandler.dump_traceback_later`: a C thread that needs neither the GIL nor the stuck
 thread, so a collective that never returns, a stuck read or a hook that sleeps forever are all caught. The loop
 re-arms it at each point of progress (each step, each evaluation, each save, the final commit), so every one of
@@ -54,6 +57,11 @@ class HangWatchdog:
         """Progress: the stacks are dumped and the process ends unless arm() (or close()) comes within timeout_s."""
         if self._file is not None:
             faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)
+
+    def pause(self) -> None:
+        """Unwatched until the next arm(): for work that is long by nature and has no progress to report."""
+        if self._file is not None:
+            faulthandler.cancel_dump_traceback_later()
 
     def close(self) -> None:
         """Cancel the timer and remove the file: this rank ended without hanging."""
