@@ -118,6 +118,17 @@ def wrapping(strategy: str, dims: ParallelDims, precision=None) -> Wrapping:
     )
 
 
+def fsdp_shards(wrap: Wrapping, dims: ParallelDims) -> int:
+    """Ranks FSDP2 shards parameters over: dp_shard, joined by the cp ranks (the worker's dp_shard_cp mesh: they hold
+    the same parameters and see different tokens of the same sequences)."""
+    return dims.dp_shard * dims.cp if "dp_shard" in wrap.dp_mesh else dims.dp_shard
+
+
+def replicas(wrap: Wrapping, dims: ParallelDims) -> int:
+    """Ranks gradients are all-reduced over: dp_replicate, joined by the cp ranks where nothing shards (dp_cp)."""
+    return dims.dp_replicate * dims.cp if wrap.dp_mesh == ("dp_replicate",) else dims.dp_replicate
+
+
 def wrapping_of(sharding, precision) -> Wrapping:
     """The decision for a validated config's sharding (resolved degrees) and precision groups."""
     return wrapping(sharding.strategy, ParallelDims.from_config(sharding), precision)

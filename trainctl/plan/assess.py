@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from trainctl.config.schema import RunConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import GPUS, fp8_speedup_bound, peak_flops
-from trainctl.core.wrapping import wrapping
+from trainctl.core.wrapping import fsdp_shards, replicas, wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import memory
 from trainctl.plan import throughput as tp_model
-from trainctl.plan.activations import checkpointed_blocks
+from trainctl.plan.activations import checkpointed_blocks, kv_dim
 from trainctl.plan.flops import flops_per_token
 from trainctl.plan.notes import notes_for
 from trainctl.plan.stages import rank_stages
@@ -84,17 +84,20 @@ def step_time(
     tp_bytes = tp_model.tp_comm_bytes(m, mem.tokens_per_micro_batch, n_blocks, dims.tp, c) * t.grad_accum
     reduce = DTYPE_BYTES[cfg.precision.reduce_dtype]
     wrap = wrapping(s.strategy, dims, cfg.precision)
-    fsdp_bytes = tp_model.fsdp_comm_bytes(wrap, mem.local_params, c, reduce, dims.dp_shard, t.grad_accum)
+    shards = fsdp_shards(wrap, dims)
+    fsdp_bytes = tp_model.fsdp_comm_bytes(wrap, mem.local_params, c, reduce, shards, t.grad_accum)
     fsdp_s = fsdp_bytes / bandwidth(cfg, spec, dims.dp_shard * dims.cp * dims.tp)
-    ddp_bytes = tp_model.ddp_comm_bytes(wrap, mem.local_params, dims.dp_replicate)
+    ddp_bytes = tp_model.ddp_comm_bytes(wrap, mem.local_params, replicas(wrap, dims))
     ddp_s = ddp_bytes / bandwidth(cfg, spec, dims.dp * dims.cp * dims.tp)
     exposed = max(0.0, fsdp_s + ddp_s - (compute + recompute))
     offload = 0.0
     if s.cpu_offload:
-        stored = mem.local_params // dims.dp_shard
+        stored = mem.local_params // shards
         offload = tp_model.offload_seconds(stored, wrap, t.grad_accum, cfg.cluster.procs_per_node)
     tp_s = tp_bytes / bandwidth(cfg, spec, dims.tp)
-    return tp_model.StepTime(compute, recompute, bubble, tp_s, exposed, offload)
+    cp_bytes = tp_model.cp_comm_bytes(mem.tokens_per_micro_batch, kv_dim(m, dims.cp) // dims.tp, n_blocks, dims.cp, c)
+    cp_s = cp_bytes * t.grad_accum / bandwidth(cfg, spec, dims.cp * dims.tp)  # cp sits outside tp in the mesh
+    return tp_model.StepTime(compute, recompute, bubble, tp_s, exposed, offload, cp_s)
 
 
 def bandwidth(cfg: RunConfig, spec, span: int) -> float:

@@ -9,7 +9,7 @@ sums the phases of a step; plan/rank_states.py counts the model states, plan/tra
     zero1             local               local                          ZeroRedundancyOptimizer's
                                                                          whole-tensor partition
     zero2, zero3,     FSDP2 shard of      FSDP2 shard                    FSDP2 shard
-    hsdp              dp_shard (rank 0's chunk, the largest)
+    hsdp              dp_shard x cp (rank 0's chunk, the largest; the cp ranks join the shard group)
 ("local": the tensor-parallel share of this pipeline rank's stage.) Master weights, gradients
 and optimizer states are fp32 whatever the compute dtype. Which wrapper a strategy gets is
 core.wrapping's decision, the one the worker's parallelize applies: this module branches on it.

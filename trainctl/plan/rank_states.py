@@ -11,7 +11,7 @@ from trainctl.config.schema import ModelConfig, ShardingConfig
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.lora import is_adapter
-from trainctl.core.wrapping import Wrapping, wrapping
+from trainctl.core.wrapping import Wrapping, fsdp_shards, wrapping
 from trainctl.plan.activations import FP32
 from trainctl.plan.shapes import (
     Tensor,
@@ -35,8 +35,8 @@ def stepped_tensors(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims, d
     ZeroRedundancyOptimizer's partition; otherwise every tensor.
     """
     if wrap.fsdp:
-        shard_rank = dp_rank % dims.dp_shard
-        return [Tensor(t.name, fsdp_rows(t.rows, dims.dp_shard, shard_rank), t.cols) for t in tensors]
+        shards = fsdp_shards(wrap, dims)
+        return [Tensor(t.name, fsdp_rows(t.rows, shards, dp_rank % shards), t.cols) for t in tensors]
     if wrap.zero1:
         return zero1_assignment(tensors, dims.dp_replicate)[dp_rank]
     return tensors
@@ -54,7 +54,7 @@ def stored_elements(
 def stored_of(tensors: list[Tensor], wrap: Wrapping, dims: ParallelDims) -> int:
     """Elements of `tensors` rank 0 stores (their gradients' share)."""
     if wrap.fsdp:
-        return sum(fsdp_local_numel(t, dims.dp_shard) for t in tensors)
+        return sum(fsdp_local_numel(t, fsdp_shards(wrap, dims)) for t in tensors)
     return sum(t.numel for t in tensors)
 
 

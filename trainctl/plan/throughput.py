@@ -19,8 +19,14 @@ The time model, stated once (every term is per optimizer step, on the busiest ra
               interleaved 1f1b (m micro-batches, v stages per rank); a third of that for zero-bubble
     tp        sequence-parallel all-gathers and reduce-scatters (4 per block forward, 4 backward, of
               tokens x dim in the compute dtype, x (tp-1)/tp) at the node's bus bandwidth, not hidden
+    cp        ring attention (torch's context_parallel, all-gather rotation: not overlapped): each block's
+              forward gathers the other cp - 1 ranks' k and v (tokens x kv width each, kv repeated to
+              n_heads for the ring kernels), its backward gathers them again and returns their
+              gradients: 3 x 2 x tokens x kv x (cp - 1) elements in the compute dtype per block and
+              micro-batch, at the cp group's bandwidth; the compute term already splits the tokens over cp
     fsdp      zero3 gathers every unit twice per micro-batch (forward, backward), zero2 once; the
-              gradients are reduce-scattered once per step; hidden behind compute up to its length
+              gradients are reduce-scattered once per step; hidden behind compute up to its length; the
+              cp ranks join the group (the worker's dp_shard_cp or dp_cp mesh: same weights, other tokens)
     fp8       float8 matmuls run the converted Linears' share of the FLOPs (6 x their weights per token, over
               the model FLOPs) FP8_GEMM_EFFICIENCY x (fp8 peak / bf16 peak) times faster; attention, the
               excluded layers (the output head by default) and everything else stay at the bf16 rate
@@ -57,11 +63,12 @@ class StepTime:
     tp_comm_s: float
     exposed_dp_comm_s: float
     offload_s: float
+    cp_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.recompute_s + self.bubble_s + self.tp_comm_s + self.exposed_dp_comm_s
-                + self.offload_s)
+                + self.offload_s + self.cp_comm_s)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "total_s": self.total_s}
@@ -100,6 +107,14 @@ def tp_comm_bytes(m: ModelConfig, tokens: int, blocks: int, tp: int, compute_byt
     if tp == 1:
         return 0.0
     return 8.0 * blocks * tokens * m.dim * compute_bytes * (tp - 1) / tp
+
+
+def cp_comm_bytes(tokens: int, kv: int, blocks: int, cp: int, compute_bytes: int) -> float:
+    """Bytes one rank receives per micro-batch for ring attention over `cp` ranks (`tokens`: this rank's share;
+    `kv`: the k and v width the ring moves)."""
+    if cp == 1:
+        return 0.0
+    return 3.0 * 2 * blocks * tokens * kv * compute_bytes * (cp - 1)
 
 
 def gathers_per_micro_batch(wrap: Wrapping) -> int:

@@ -1,11 +1,14 @@
 """`trainctl tune`'s planning half: the layouts a config's cluster could run, those that fit, ranked by speed.
 
 Candidates are the config itself and its variants (variants.py) along sharding strategy x tensor parallel x
-activation checkpointing x micro-batch, combined in that order over the same ranks and the same global batch;
-each candidate is a config `launch` accepts and the overrides that give it from the user's recipe. Pipeline stages
-(pp 2 and 4, taken from data parallelism, the layers split evenly) are tried after tp where the world and the layers
-allow; cp stays as configured (it changes how sequences are split, which a probe of speed should not). The set is
-bounded (MAX_CANDIDATES) and deduplicated by what the worker runs (strategy, degrees, checkpointing, micro-batch).
+context parallel x pipeline x activation checkpointing x micro-batch, combined in that order over the same ranks
+and the same global batch; each candidate is a config `launch` accepts and the overrides that give it from the
+user's recipe. Context parallelism (cp: the divisors of the data-parallel ranks up to MAX_CP, taken from data
+parallelism) is a speed layout like tp: it splits each sequence across cp ranks and runs exact (ring) attention,
+so the loss is the same; validate decides where it is legal (CUDA attention kernels, seq_len a multiple of 2 x cp,
+not with pipelines or zero1). Pipeline stages (pp 2 and 4, taken from data parallelism, the layers split evenly)
+are tried after them where the world and the layers allow. The set is bounded (MAX_CANDIDATES) and deduplicated
+by what the worker runs (strategy, degrees, checkpointing, micro-batch).
 
 Ranking: those that launch accepts (fits, tight, or an unknown capacity) by predicted tokens/s, highest first.
 The prediction is the throughput model's step time (throughput.py) at the device's peak; a device without a known
@@ -28,7 +31,8 @@ from trainctl.plan.assess import assess, dims_of
 from trainctl.plan.more_gpus import changed_keys
 from trainctl.plan.variants import Variant
 
-MAX_CANDIDATES = 256
+MAX_CANDIDATES = 2048  # every layout of an 8-GPU node (about 1250 with cp), a few ms of planning each
+MAX_CP = 16  # ring attention's exchanges grow with cp: beyond this the sequence is better split another way
 FITTING = ("fits", "tight", "unknown")  # what launch accepts (unknown: no capacity known, e.g. CPU nodes)
 
 
@@ -103,6 +107,41 @@ def with_pp(cfg: RunConfig, pp: int) -> Variant | None:
     return None
 
 
+def with_cp(cfg: RunConfig, cp: int) -> Variant | None:
+    """`cp` context-parallel ranks over the same ranks, taken from (or given back to) data parallelism, the global
+    batch kept (the accumulation derived again); None where the ranks do not divide, or validate or the worker
+    refuse it. Validate is what keeps cp off a CPU cluster: torch's ring attention replaces the CUDA SDPA kernels
+    only (the CPU parity test in tests/dist needs its own ring worker), and it checks the sequence length."""
+    s, t = cfg.sharding, cfg.train
+    data = s.dp_replicate * s.dp_shard * s.cp  # the ranks cp and data parallelism share
+    if s.strategy == "none" or data % cp:  # like tp: tried from the data-parallel strategies only
+        return None
+    dp = data // cp
+    if s.strategy == "hsdp":
+        if dp % s.dp_replicate:
+            return None
+        degrees = {"dp_replicate": s.dp_replicate, "dp_shard": dp // s.dp_replicate}
+    else:
+        replicate = s.strategy in REPLICATING
+        degrees = {"dp_replicate": dp if replicate else 1, "dp_shard": 1 if replicate else dp}
+    train = {"global_batch": t.global_batch, "grad_accum": -1, "micro_batch": t.micro_batch}
+    candidate = dataclasses.replace(cfg, sharding=dataclasses.replace(s, cp=cp, **degrees),
+                                    train=dataclasses.replace(t, **train))
+    try:
+        resolved = resolve(candidate)
+    except ConfigError:
+        return None
+    if unsupported(resolved.sharding, resolved.precision):
+        return None
+    return Variant(f"cp={cp}", tuple(changed_keys(cfg, resolved)), resolved)
+
+
+def _cps(cfg: RunConfig) -> list[Variant]:
+    data = cfg.sharding.dp_replicate * cfg.sharding.dp_shard * cfg.sharding.cp
+    cps = [c for c in variants._divisors_up_to(data, MAX_CP) if c != cfg.sharding.cp]
+    return [Variant("", (), cfg)] + [v for c in cps if (v := with_cp(cfg, c))]
+
+
 def _pps(cfg: RunConfig) -> list[Variant]:
     return [Variant("", (), cfg)] + [v for pp in (2, 4) if (v := with_pp(cfg, pp))]
 
@@ -128,7 +167,7 @@ def layout_key(cfg: RunConfig) -> tuple:
 def layouts(cfg: RunConfig) -> list[Variant]:
     """Every distinct layout (module doc), the config itself first; at most MAX_CANDIDATES."""
     found = [Variant("(as configured)", (), cfg)]
-    for make in (_strategies, _tps, _pps, _checkpointing, _micro_batches):
+    for make in (_strategies, _tps, _cps, _pps, _checkpointing, _micro_batches):
         found = _expand(found, make)
     seen, out = set(), []
     for v in found:
