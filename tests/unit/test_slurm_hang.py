@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def hung_on(run_dir: Path, host: str, restart: int, at: float, run_id: str = JOB
     write_hang(run_dir, 0, restart=restart, run_id=run_id, at=at + 0.5, host="node017")
 
 
-def run_hung_job(tmp_path: Path, prepare) -> tuple[list[str], str]:
+def run_hung_job(tmp_path: Path, prepare, wait_s: float = 0) -> tuple[list[str], str]:
     """The script with srun failing; (what the stub scontrol was asked to do, the script's stderr)."""
     run_dir = tmp_path / "run-h"
     (run_dir / "logs").mkdir(parents=True)
@@ -36,7 +37,7 @@ def run_hung_job(tmp_path: Path, prepare) -> tuple[list[str], str]:
                                     "echo node017\n")
     script = run_dir / "launch.sh"
     script.write_text(slurm.render_sbatch(slurm_config(), run_dir, workdir=tmp_path))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **SLURM_ENV}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **SLURM_ENV, "TRAINCTL_REQUEUE_WAIT_S": str(wait_s)}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     asked = tmp_path / "asked"
     return (asked.read_text().splitlines() if asked.exists() else []), done.stderr
@@ -47,6 +48,17 @@ def test_a_hung_job_is_requeued_naming_the_node_that_hung_first(tmp_path):
     asked, stderr = run_hung_job(tmp_path, lambda run_dir: hung_on(run_dir, "node018", 0, T0))
     assert asked == [f"requeue {JOB}"], stderr
     assert "hung on node(s) node018" in stderr, stderr
+
+
+@pytest.mark.cli
+def test_after_the_requeue_the_shell_waits_for_slurm_to_end_it_and_records_the_end_once(tmp_path):
+    # Exiting at once with the failed status races the requeue's kill; on Slurm 22.05 the job then ends FAILED.
+    started = time.monotonic()
+    asked, stderr = run_hung_job(tmp_path, lambda run_dir: hung_on(run_dir, "node018", 0, T0), wait_s=2)
+    assert time.monotonic() - started >= 2, stderr
+    assert asked == [f"requeue {JOB}"], stderr
+    ends = [line for line in (tmp_path / "run-h" / slurm.ATTEMPTS_FILE).read_text().splitlines() if '"end"' in line]
+    assert len(ends) == 1 and '"exit_code": 1' in ends[0], ends
 
 
 @pytest.mark.cli

@@ -39,6 +39,7 @@ from trainctl.launch.errors import LaunchError
 from trainctl.launch.slurm_setup import setup_syntax_problems
 
 ATTEMPTS_FILE = rundir.ATTEMPTS  # one line per attempt start and end, written by the job itself
+REQUEUE_WAIT_S = 120  # longer than Slurm takes to end a requeued job's steps (KillWait is 30 s by default)
 SETUP_BEGIN = "# ---- cluster.setup: user shell, kept verbatim (not quoted by trainctl) ----"
 SETUP_END = "# ---- end of cluster.setup ----"
 
@@ -246,9 +247,22 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
         '      && echo "trainctl: node(s) $EXCLUDE hung repeatedly: excluded from job $JOB" >&2 \\',
         '      || echo "trainctl: Slurm refused to exclude node(s) $EXCLUDE from job $JOB" >&2',
         "  fi",
-        '  scontrol requeue "$SLURM_JOB_ID" \\',
-        '    || echo "trainctl: job $JOB not requeued after the hang (Slurm refused)" >&2',
+        '  if scontrol requeue "$SLURM_JOB_ID"; then',
+        '    record end "$STATUS"',
+        *wait_for_requeue_kill(),
+        "  fi",
+        '  echo "trainctl: job $JOB not requeued after the hang (Slurm refused)" >&2',
         "fi",
+    ]
+
+
+def wait_for_requeue_kill() -> list[str]:
+    """After `scontrol requeue`, Slurm ends this attempt and queues the job again. A batch shell that exits first
+    with the failed status can win that race, and Slurm (22.05) then ends the job FAILED instead of running it
+    again: wait for the kill, bounded (TRAINCTL_REQUEUE_WAIT_S, default REQUEUE_WAIT_S)."""
+    return [
+        f'    sleep "${{TRAINCTL_REQUEUE_WAIT_S:-{REQUEUE_WAIT_S}}}" & wait $! || true',
+        '    exit "$STATUS"',
     ]
 
 
