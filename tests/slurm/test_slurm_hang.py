@@ -18,7 +18,6 @@ from test_slurm_cluster import (
     JOB_TIMEOUT_S,
     SLURM_CPU,
     _requeued_and_released,
-    failure_report,
     trainctl,
     wait_done,
     wait_on_slurm,
@@ -85,22 +84,38 @@ def test_a_hung_rank_requeues_the_job_which_resumes_and_completes(tmp_path):
         {"attempt": 0, "reason": "hang", "hosts": [stuck.host]}], result
 
 
-def excluded_nodes(job_id: str) -> str:
+def job_fields(job_id: str) -> dict[str, str]:
     shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-    fields = dict(word.split("=", 1) for word in shown.split() if "=" in word)
-    return fields.get("ExcNodeList", "")
+    return dict(word.split("=", 1) for word in shown.split() if "=" in word)
 
 
-def test_a_node_that_hangs_twice_is_excluded_and_the_job_completes_elsewhere(tmp_path):
+def held_after_hangs(job_id: str, run_dir: Path) -> bool:
+    """Release the first requeue at once; True once the job waits held (after the second hang)."""
+    _requeued_and_released(job_id, run_dir)
+    fields = job_fields(job_id)
+    return fields.get("JobState") == "PENDING" and "held" in fields.get("Reason", "").lower()  # JobHeldUser
+
+
+def test_a_node_that_hangs_twice_holds_the_job_whose_log_says_how_to_exclude_it(tmp_path):
     # One node, two workers: Slurm places the job on node1 (both idle, the first one wins) until node1 is excluded.
     run_dir, job_id = launch_faulty(tmp_path, "hangs-on-node1", {"hang_on_host": ["node1", 3]},
                                     "cluster.nodes=1", "cluster.procs_per_node=2")
-    wait_on_slurm(lambda: (run_dir / rundir.RESULT).is_file() or released_until(job_id, run_dir, 99) and None,
-                  "the job to finish on another node", run_dir, timeout=4 * JOB_TIMEOUT_S)
-    assert wait_done(run_dir).state == "COMPLETED"
-    runs_on = [a["nodes"] for a in attempts(run_dir) if a["event"] == "start"]
-    assert runs_on[:2] == ["node1", "node1"] and runs_on[-1] == "node2", (runs_on, failure_report(run_dir))
+    wait_on_slurm(lambda: held_after_hangs(job_id, run_dir), "the job to be requeued held", run_dir,
+                  timeout=3 * JOB_TIMEOUT_S)
+    assert [a["nodes"] for a in attempts(run_dir) if a["event"] == "start"] == ["node1", "node1"]
     log = batch_log(run_dir, job_id)
-    assert "node(s) node1 hung repeatedly: excluded from job" in log, log
-    assert excluded_nodes(job_id) == "node1"
-    assert json.loads((run_dir / rundir.RESULT).read_text())["steps"] == STEPS
+    assert log.count("hung on node(s) node1 ") == 2 and "node(s) node1 hung first in repeated attempts" in log, log
+    command = f"scontrol update JobId={job_id} ExcNodeList=node1 && scontrol release {job_id}"
+    assert command in log, log
+
+    # What the log says to do, done: the job runs again elsewhere and completes.
+    done = subprocess.run(command, shell=True, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert job_fields(job_id).get("ExcNodeList") == "node1"
+    wait_on_slurm(lambda: (run_dir / rundir.RESULT).is_file() or released_until(job_id, run_dir, 99) and None,
+                  "the job to finish on another node", run_dir, timeout=2 * JOB_TIMEOUT_S)
+    assert wait_done(run_dir).state == "COMPLETED"
+    assert [a["nodes"] for a in attempts(run_dir) if a["event"] == "start"][-1] == "node2"
+    result = json.loads((run_dir / rundir.RESULT).read_text())
+    assert result["steps"] == STEPS and result["requeues"] == 2
+    assert [r["hosts"] for r in result["requeue_reasons"]] == [["node1"], ["node1"]], result

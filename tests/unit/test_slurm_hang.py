@@ -33,8 +33,8 @@ def run_hung_job(tmp_path: Path, prepare, wait_s: float = 0) -> tuple[list[str],
     prepare(run_dir)
     bin_dir = stub_bin(tmp_path)
     write_exe(bin_dir / "srun", "exit 1\n")
-    write_exe(bin_dir / "scontrol", f'case "$1" in requeue|update) echo "$*" >> {tmp_path}/asked; exit 0;; esac\n'
-                                    "echo node017\n")
+    write_exe(bin_dir / "scontrol", f'case "$1" in requeue|requeuehold|update) echo "$*" >> {tmp_path}/asked; '
+                                    'exit 0;; esac\necho node017\n')
     script = run_dir / "launch.sh"
     script.write_text(slurm.render_sbatch(slurm_config(), run_dir, workdir=tmp_path))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **SLURM_ENV, "TRAINCTL_REQUEUE_WAIT_S": str(wait_s)}
@@ -62,15 +62,17 @@ def test_after_the_requeue_the_shell_waits_for_slurm_to_end_it_and_records_the_e
 
 
 @pytest.mark.cli
-def test_a_node_that_hung_first_twice_is_excluded_before_the_requeue(tmp_path):
+def test_a_node_that_hung_first_twice_gets_the_job_requeued_held_naming_the_exclusion(tmp_path):
     def prepare(run_dir):
         hung_on(run_dir, "node018", 0, T0)
         hung_on(run_dir, "node018", 1, T0 + 100)
         hung_on(run_dir, "node099", 0, T0, run_id="another-job")  # another job's hang does not count
 
     asked, stderr = run_hung_job(tmp_path, prepare)
-    assert asked == [f"update JobId={JOB} ExcNodeList=node018", f"requeue {JOB}"], stderr
-    assert "node(s) node018 hung repeatedly: excluded" in stderr, stderr
+    # Slurm excludes nodes only from a pending job: held, with the command that excludes the node and releases it.
+    assert asked == [f"requeuehold {JOB}"], stderr
+    assert "node(s) node018 hung first in repeated attempts" in stderr, stderr
+    assert f"scontrol update JobId={JOB} ExcNodeList=node018 && scontrol release {JOB}" in stderr, stderr
 
 
 @pytest.mark.cli

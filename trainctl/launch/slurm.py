@@ -228,11 +228,12 @@ def requeue_fallback(p: PreemptionConfig) -> list[str]:
 
 
 def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
-    """A job whose workers hung past torchrun's restarts goes back to the queue, the node that hung named; a node
-    that hung first in repeated attempts is excluded from the job (core/hangs.py answers both questions).
+    """A job whose workers hung past torchrun's restarts goes back to the queue, the node that hung named
+    (core/hangs.py answers which node, and whether it hung first in repeated attempts).
 
-    The exclusion comes before the requeue: a requeue ends this shell. Slurm may refuse to change a running
-    job's excluded nodes; the requeue happens all the same, and the line says so.
+    Slurm refuses to change a running job's excluded nodes ("Job is no longer pending execution"), and this shell
+    ends with the attempt, so a node that hung repeatedly cannot be excluded from here: the job is requeued held
+    instead of landing on that node again, and the line gives the command that excludes it and releases the job.
     """
     if not cluster.preemption.requeue:
         return []
@@ -242,12 +243,14 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
         f'   && HUNG=$({ask} hung "$RUN_DIR" "$SLURM_JOB_ID" "$ATTEMPT"); then',
         '  echo "trainctl: job $JOB attempt $ATTEMPT hung on node(s) $HUNG (no progress for train.hang_timeout_s; '
         f'stacks under $RUN_DIR/{rundir.HANGS}); requeueing" >&2',
+        "  REQUEUE=requeue",
         f'  if EXCLUDE=$({ask} repeated "$RUN_DIR" "$SLURM_JOB_ID"); then',
-        '    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE" \\',
-        '      && echo "trainctl: node(s) $EXCLUDE hung repeatedly: excluded from job $JOB" >&2 \\',
-        '      || echo "trainctl: Slurm refused to exclude node(s) $EXCLUDE from job $JOB" >&2',
+        "    REQUEUE=requeuehold",
+        '    echo "trainctl: node(s) $EXCLUDE hung first in repeated attempts of job $JOB: requeued held (Slurm '
+        "excludes nodes only from a pending job); exclude them and release it with: "
+        'scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$EXCLUDE && scontrol release $SLURM_JOB_ID" >&2',
         "  fi",
-        '  if scontrol requeue "$SLURM_JOB_ID"; then',
+        '  if scontrol "$REQUEUE" "$SLURM_JOB_ID"; then',
         '    record end "$STATUS"',
         *wait_for_requeue_kill(),
         "  fi",
@@ -257,9 +260,9 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
 
 
 def wait_for_requeue_kill() -> list[str]:
-    """After `scontrol requeue`, Slurm ends this attempt and queues the job again. A batch shell that exits first
-    with the failed status can win that race, and Slurm (22.05) then ends the job FAILED instead of running it
-    again: wait for the kill, bounded (TRAINCTL_REQUEUE_WAIT_S, default REQUEUE_WAIT_S)."""
+    """After `scontrol requeue` (or requeuehold), Slurm ends this attempt and queues the job again. A batch shell
+    that exits first with the failed status can win that race, and Slurm (22.05) then ends the job FAILED instead
+    of queueing it: wait for the kill, bounded (TRAINCTL_REQUEUE_WAIT_S, default REQUEUE_WAIT_S)."""
     return [
         f'    sleep "${{TRAINCTL_REQUEUE_WAIT_S:-{REQUEUE_WAIT_S}}}" & wait $! || true',
         '    exit "$STATUS"',
