@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_exe
+from tests.helpers import wait_for, write_exe
 from tests.unit.test_hang_watchdog import write_hang
 from tests.unit.test_sbatch import SLURM_ENV, slurm_config, stub_bin
 from trainctl.core import hangs
@@ -59,6 +59,33 @@ def test_after_the_requeue_the_shell_waits_for_slurm_to_end_it_and_records_the_e
     assert asked == [f"requeue {JOB}"], stderr
     ends = [line for line in (tmp_path / "run-h" / slurm.ATTEMPTS_FILE).read_text().splitlines() if '"end"' in line]
     assert len(ends) == 1 and '"exit_code": 1' in ends[0], ends
+
+
+@pytest.mark.cli
+def test_the_shell_killed_by_the_requeue_leaves_the_run_unlocked(tmp_path):
+    # Slurm's requeue kills the waiting shell; a child it left behind holding the run's lock (a `sleep`) made the
+    # requeued attempt refuse the run as "being trained".
+    run_dir = tmp_path / "run-h"
+    (run_dir / "logs").mkdir(parents=True)
+    hung_on(run_dir, "node018", 0, T0)
+    bin_dir = stub_bin(tmp_path)
+    write_exe(bin_dir / "srun", "exit 1\n")
+    write_exe(bin_dir / "scontrol", f'case "$1" in requeue) echo "$*" >> {tmp_path}/asked; exit 0;; esac\n'
+                                    'echo node017\n')
+    script = run_dir / "launch.sh"
+    script.write_text(slurm.render_sbatch(slurm_config(), run_dir, workdir=tmp_path))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **SLURM_ENV, "TRAINCTL_REQUEUE_WAIT_S": "60"}
+    shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (tmp_path / "asked").exists(), "the requeue", 30)
+        time.sleep(0.5)  # into the wait
+        assert shell.poll() is None, "the shell did not wait for the requeue's kill"
+        shell.terminate()
+        shell.wait(10)
+    finally:
+        shell.kill()
+    lock = run_dir / "trainer.lock"
+    assert subprocess.run(["flock", "-n", str(lock), "true"], timeout=10).returncode == 0, "the run is still locked"
 
 
 @pytest.mark.cli

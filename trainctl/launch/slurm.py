@@ -264,7 +264,9 @@ def wait_for_requeue_kill() -> list[str]:
     that exits first with the failed status can win that race, and Slurm (22.05) then ends the job FAILED instead
     of queueing it: wait for the kill, bounded (TRAINCTL_REQUEUE_WAIT_S, default REQUEUE_WAIT_S)."""
     return [
-        f'    sleep "${{TRAINCTL_REQUEUE_WAIT_S:-{REQUEUE_WAIT_S}}}" & wait $! || true',
+        # A builtin wait: a `sleep` child would inherit the run's lock and outlive this shell holding it, and the
+        # requeued attempt would find the run locked. `read` on a pipe nobody writes returns at the timeout.
+        f'    read -r -t "${{TRAINCTL_REQUEUE_WAIT_S:-{REQUEUE_WAIT_S}}}" _ <> <(:) || true',
         '    exit "$STATUS"',
     ]
 
