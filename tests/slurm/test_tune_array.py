@@ -31,6 +31,7 @@ def test_the_probes_are_one_job_array_and_collect_pins_the_fastest(tmp_path):
     rows = json.loads((folder / "tune.json").read_text())["rows"]
     run_dirs = [Path(r["run_dir"]) for r in rows]
     assert len(run_dirs) == TOP and all(r["status"] == "submitted" for r in rows), rows
+    assert len({tuple(r["overrides"]) for r in rows}) == TOP  # three different layouts
     job_ids = {json.loads((d / "launch.json").read_text())["job_id"] for d in run_dirs}
     assert job_ids == {f"{array_id}_{i}" for i in range(TOP)}
     states = [wait_done(d) for d in run_dirs]
@@ -54,6 +55,6 @@ def test_the_probes_are_one_job_array_and_collect_pins_the_fastest(tmp_path):
     for key in ("micro_batch", "grad_accum", "activation_checkpointing"):
         assert pinned["train"][key] == probed["train"][key], key
     assert pinned["train"]["steps"] == 20 and probed["train"]["steps"] == PROBE_STEPS
-    assert pinned["cluster"]["name"] == "slurm"
+    assert pinned["cluster"]["launcher"] == "slurm"  # the user's cluster, to launch the pinned recipe on
     printed = trainctl("tune", "--collect", "t", cwd=tmp_path, timeout=JOB_TIMEOUT_S)
     assert printed.returncode == 0 and f"launch it with: trainctl launch recipe={recipe}" in printed.stdout
