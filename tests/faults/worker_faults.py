@@ -12,10 +12,12 @@ imports and calls once. Nothing in a worker module is patched; in-process tests 
     stop_after_step: N    every rank asks for a stop after step N, as a signal would (but no signal: exit code 0)
     die_before_commit: N  every rank SIGKILLs itself once every file of checkpoint N is written, before the
                           commit (first attempt under torchrun only)
-    hang_after_step: N    rank 1 blocks forever (in `hang_forever`) once step N is logged, first attempt under
-                          torchrun only: the other ranks block in the next step's collective
+    hang_after_step: N    rank 1 blocks forever (in `hang_forever`) once step N is logged, first attempt only
+                          (torchrun's and Slurm's restart counts both 0): the other ranks block in the next
+                          step's collective
     hang_in_setup: true   rank 1 blocks forever (in `hang_forever`) at the end of setup, before any step, first
-                          attempt under torchrun only: the other ranks block in the first collective
+                          attempt only: the other ranks block in the first collective
+    hang_on_host: [H, N]  like hang_after_step, but on every attempt whose rank 1 runs on host H (a Slurm node)
     offload_probe: DIR    count the saved-tensor packs/unpacks of the activation-offload context the worker enters;
                           each rank writes DIR/offload-rank{RANK}.json at exit
     sample_probe: DIR     record the training samples each step reads: each rank appends a line
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -138,9 +141,24 @@ def die_before_commit(step: int) -> Hooks:
     return Hooks(before_commit=die)
 
 
+def first_attempt() -> bool:
+    """Neither torchrun nor Slurm has restarted this run's workers yet."""
+    return all(os.environ.get(v, "0") == "0" for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
 def hang_after_step(step: int) -> Hooks:
     def on_step_end(job, result):
-        if result.step == step and job.world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if result.step == step and job.world.rank == 1 and first_attempt():
+            hang_forever()
+
+    return Hooks(on_step_end=on_step_end)
+
+
+def hang_on_host(host_and_step: list) -> Hooks:
+    host, step = host_and_step
+
+    def on_step_end(job, result):
+        if result.step == step and job.world.rank == 1 and socket.gethostname() == host:
             hang_forever()
 
     return Hooks(on_step_end=on_step_end)
@@ -148,7 +166,7 @@ def hang_after_step(step: int) -> Hooks:
 
 def hang_in_setup(_: bool) -> Hooks:
     def on_setup(job):
-        if job.world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if job.world.rank == 1 and first_attempt():
             hang_forever()
 
     return Hooks(on_setup=on_setup)
@@ -208,4 +226,4 @@ def sample_probe(directory: str) -> Hooks:
 
 
 FAULTS = {f.__name__: f for f in (nan_at_step, inf_at_step, stop_after_step, die_before_commit, hang_after_step,
-                                  hang_in_setup, offload_probe, sample_probe)}
+                                  hang_in_setup, hang_on_host, offload_probe, sample_probe)}

@@ -93,8 +93,27 @@ def test_result_counts_restarts_and_says_which_ended_in_a_hang(tmp_path):
     write_hang(tmp_path, 1, restart=0, run_id="another-launch")
     env = {"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "2"}
     assert restart_record(tmp_path, env) == {"restarts": 2, "restart_reasons": [
-        {"attempt": 0, "reason": "hang", "ranks": [0, 1]}, {"attempt": 1, "reason": "failure"}]}
-    assert restart_record(tmp_path, {}) == {"restarts": 0, "restart_reasons": []}
+        {"attempt": 0, "reason": "hang", "ranks": [0, 1]}, {"attempt": 1, "reason": "failure"}],
+        "requeues": 0, "requeue_reasons": []}
+    assert restart_record(tmp_path, {}) == {"restarts": 0, "restart_reasons": [], "requeues": 0, "requeue_reasons": []}
+
+
+def test_result_counts_slurm_requeues_and_names_the_node_that_hung_first(tmp_path):
+    def hang(rank: int, slurm_restart: int, host: str, at: float) -> None:
+        attempt = hangs.Attempt("4242", slurm_restart, 0)
+        path = rundir.hang_file(tmp_path, attempt.label, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(hangs.header(rank, host, 100, attempt, 10.0) + "Timeout (0:00:10)!\n")
+        os.utime(path, (at, at))
+
+    hang(1, 0, "node2", T0)
+    hang(0, 0, "node1", T0 + 1)  # waited on node2: not the node that hung
+    hang(1, 2, "node1", T0 + 9)  # attempt 1 was requeued for another reason
+    env = {"TORCHELASTIC_RUN_ID": "4242", "SLURM_RESTART_COUNT": "3"}
+    record = restart_record(tmp_path, env)
+    assert record["requeues"] == 3 and record["requeue_reasons"] == [
+        {"attempt": 0, "reason": "hang", "hosts": ["node2"]}, {"attempt": 1, "reason": "requeue"},
+        {"attempt": 2, "reason": "hang", "hosts": ["node1"]}]
 
 
 def test_damaged_or_foreign_files_are_not_hangs(tmp_path):

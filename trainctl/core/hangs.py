@@ -150,6 +150,18 @@ def repeated_hosts(run_dir: Path, run_id: str) -> list[str]:
     return sorted(host for host, n in counts.items() if n >= REPEATS_TO_EXCLUDE)
 
 
+def requeue_reasons(run_dir: Path, current: Attempt) -> list[dict]:
+    """Why each earlier Slurm attempt of this job ended, for result.json: "hang" with the nodes that hung first,
+    or "requeue" (preemption, a node failure, an operator's requeue). Slurm keeps the job id, torchrun's run id."""
+    found = first_hosts(run_dir, current.run_id)
+    reasons = []
+    for restart in range(current.slurm_restart):
+        hosts = sorted({host for (slurm_restart, _), host in found.items() if slurm_restart == restart})
+        reasons.append({"attempt": restart, "reason": "hang", "hosts": hosts} if hosts
+                       else {"attempt": restart, "reason": "requeue"})
+    return reasons
+
+
 def main(argv: list[str]) -> int:
     """`python -m trainctl.core.hangs hung RUN_DIR JOB_ID SLURM_RESTART | repeated RUN_DIR JOB_ID`: the hosts,
     comma-separated (Slurm's node list syntax) on stdout, exit 0; exit 1 when there are none."""

@@ -39,6 +39,7 @@ from trainctl.launch.errors import LaunchError
 from trainctl.launch.slurm_setup import setup_syntax_problems
 
 ATTEMPTS_FILE = rundir.ATTEMPTS  # one line per attempt start and end, written by the job itself
+REQUEUE_WAIT_S = 120  # longer than Slurm takes to end a requeued job's steps (KillWait is 30 s by default)
 SETUP_BEGIN = "# ---- cluster.setup: user shell, kept verbatim (not quoted by trainctl) ----"
 SETUP_END = "# ---- end of cluster.setup ----"
 
@@ -227,11 +228,12 @@ def requeue_fallback(p: PreemptionConfig) -> list[str]:
 
 
 def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
-    """A job whose workers hung past torchrun's restarts goes back to the queue, the node that hung named; a node
-    that hung first in repeated attempts is excluded from the job (core/hangs.py answers both questions).
+    """A job whose workers hung past torchrun's restarts goes back to the queue, the node that hung named
+    (core/hangs.py answers which node, and whether it hung first in repeated attempts).
 
-    The exclusion comes before the requeue: a requeue ends this shell. Slurm may refuse to change a running
-    job's excluded nodes; the requeue happens all the same, and the line says so.
+    Slurm refuses to change a running job's excluded nodes ("Job is no longer pending execution"), and this shell
+    ends with the attempt, so a node that hung repeatedly cannot be excluded from here: the job is requeued held
+    instead of landing on that node again, and the line gives the command that excludes it and releases the job.
     """
     if not cluster.preemption.requeue:
         return []
@@ -241,14 +243,31 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
         f'   && HUNG=$({ask} hung "$RUN_DIR" "$SLURM_JOB_ID" "$ATTEMPT"); then',
         '  echo "trainctl: job $JOB attempt $ATTEMPT hung on node(s) $HUNG (no progress for train.hang_timeout_s; '
         f'stacks under $RUN_DIR/{rundir.HANGS}); requeueing" >&2',
+        "  REQUEUE=requeue",
         f'  if EXCLUDE=$({ask} repeated "$RUN_DIR" "$SLURM_JOB_ID"); then',
-        '    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE" \\',
-        '      && echo "trainctl: node(s) $EXCLUDE hung repeatedly: excluded from job $JOB" >&2 \\',
-        '      || echo "trainctl: Slurm refused to exclude node(s) $EXCLUDE from job $JOB" >&2',
+        "    REQUEUE=requeuehold",
+        '    echo "trainctl: node(s) $EXCLUDE hung first in repeated attempts of job $JOB: requeued held (Slurm '
+        "excludes nodes only from a pending job); exclude them and release it with: "
+        'scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$EXCLUDE && scontrol release $SLURM_JOB_ID" >&2',
         "  fi",
-        '  scontrol requeue "$SLURM_JOB_ID" \\',
-        '    || echo "trainctl: job $JOB not requeued after the hang (Slurm refused)" >&2',
+        '  if scontrol "$REQUEUE" "$SLURM_JOB_ID"; then',
+        '    record end "$STATUS"',
+        *wait_for_requeue_kill(),
+        "  fi",
+        '  echo "trainctl: job $JOB not requeued after the hang (Slurm refused)" >&2',
         "fi",
+    ]
+
+
+def wait_for_requeue_kill() -> list[str]:
+    """After `scontrol requeue` (or requeuehold), Slurm ends this attempt and queues the job again. A batch shell
+    that exits first with the failed status can win that race, and Slurm (22.05) then ends the job FAILED instead
+    of queueing it: wait for the kill, bounded (TRAINCTL_REQUEUE_WAIT_S, default REQUEUE_WAIT_S)."""
+    return [
+        # A builtin wait: a `sleep` child would inherit the run's lock and outlive this shell holding it, and the
+        # requeued attempt would find the run locked. `read` on a pipe nobody writes returns at the timeout.
+        f'    read -r -t "${{TRAINCTL_REQUEUE_WAIT_S:-{REQUEUE_WAIT_S}}}" _ <> <(:) || true',
+        '    exit "$STATUS"',
     ]
 
 

@@ -75,6 +75,8 @@ class HangWatchdog:
 
 
 def restart_record(run_dir: Path, env=os.environ) -> dict:
-    """result.json's account of torchrun's restarts of this launch: how many, and why each attempt ended."""
+    """result.json's account of torchrun's restarts of this launch and of the Slurm job's requeues (the batch shell
+    requeues a job that hung past torchrun's restarts): how many of each, and why each attempt ended."""
     attempt = hangs.Attempt.from_env(env)
-    return {"restarts": attempt.restart, "restart_reasons": hangs.restart_reasons(run_dir, attempt)}
+    return {"restarts": attempt.restart, "restart_reasons": hangs.restart_reasons(run_dir, attempt),
+            "requeues": attempt.slurm_restart, "requeue_reasons": hangs.requeue_reasons(run_dir, attempt)}
