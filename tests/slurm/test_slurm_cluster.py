@@ -7,8 +7,10 @@ cores, and each node claims both), so a job takes seconds after its Python start
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,14 +146,25 @@ def _last_per_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
 
 
+REQUEUE_SETTLE_S = 3.0  # see _requeued_and_released
+_pending_since: dict[tuple[str, str], float] = {}
+
+
 def _requeued_and_released(job_id: str, run_dir: Path) -> bool:
-    """True once the job is back in the queue (then released at once) or already runs again.
+    """True once the job is back in the queue (then released) or already runs again.
 
     slurmctld holds a requeued job for a fixed ~120 s (BeginTime) before it may start again;
-    the test moves that begin time to now instead of sleeping through it.
+    the test moves that begin time to now instead of sleeping through it, but not in the second of the
+    requeue: slurmd refuses a job whose credential is not newer than its revocation, to the second
+    ("Killing non-startable batch job: Job credential revoked"), and the job then ends for good.
     """
     state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout.split()
     if state[:2] == ["PENDING", "BeginTime"]:
+        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        restarts = re.search(r"Restarts=(\d+)", shown)
+        first_seen = _pending_since.setdefault((job_id, restarts.group(1) if restarts else "?"), time.monotonic())
+        if time.monotonic() - first_seen < REQUEUE_SETTLE_S:
+            return False
         released = subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"],
                                   capture_output=True, text=True)
         assert released.returncode == 0, released.stderr

@@ -26,13 +26,14 @@ def hung_on(run_dir: Path, host: str, restart: int, at: float, run_id: str = JOB
     write_hang(run_dir, 0, restart=restart, run_id=run_id, at=at + 0.5, host="node017")
 
 
-def run_hung_job(tmp_path: Path, prepare, wait_s: float = 0) -> tuple[list[str], str]:
+def run_hung_job(tmp_path: Path, prepare, wait_s: float = 0, sbatch: str = "exit 1\n") -> tuple[list[str], str]:
     """The script with srun failing; (what the stub scontrol was asked to do, the script's stderr)."""
     run_dir = tmp_path / "run-h"
     (run_dir / "logs").mkdir(parents=True)
     prepare(run_dir)
     bin_dir = stub_bin(tmp_path)
     write_exe(bin_dir / "srun", "exit 1\n")
+    write_exe(bin_dir / "sbatch", sbatch)
     write_exe(bin_dir / "scontrol", f'case "$1" in requeue|requeuehold|update) echo "$*" >> {tmp_path}/asked; '
                                     'exit 0;; esac\necho node017\n')
     script = run_dir / "launch.sh"
@@ -88,18 +89,35 @@ def test_the_shell_killed_by_the_requeue_leaves_the_run_unlocked(tmp_path):
     assert subprocess.run(["flock", "-n", str(lock), "true"], timeout=10).returncode == 0, "the run is still locked"
 
 
-@pytest.mark.cli
-def test_a_node_that_hung_first_twice_gets_the_job_requeued_held_naming_the_exclusion(tmp_path):
-    def prepare(run_dir):
-        hung_on(run_dir, "node018", 0, T0)
-        hung_on(run_dir, "node018", 1, T0 + 100)
-        hung_on(run_dir, "node099", 0, T0, run_id="another-job")  # another job's hang does not count
+def hung_twice_on_node018(run_dir: Path) -> None:
+    hung_on(run_dir, "node018", 0, T0)
+    hung_on(run_dir, "node018", 1, T0 + 100)
+    hung_on(run_dir, "node099", 0, T0, run_id="another-job")  # another job's hang does not count
 
-    asked, stderr = run_hung_job(tmp_path, prepare)
-    # Slurm excludes nodes only from a pending job: held, with the command that excludes the node and releases it.
+
+@pytest.mark.cli
+def test_a_node_that_hung_first_twice_is_excluded_by_a_job_that_releases_the_held_one(tmp_path):
+    # Slurm excludes nodes only from a pending job: this one is requeued held, and a small job submitted first waits
+    # for it to be pending, excludes the node and releases it.
+    sbatch = f'printf "%s\\n" "$@" > {tmp_path}/sbatch-args\necho 4242\n'
+    asked, stderr = run_hung_job(tmp_path, hung_twice_on_node018, sbatch=sbatch)
     assert asked == [f"requeuehold {JOB}"], stderr
-    assert "node(s) node018 hung first in repeated attempts" in stderr, stderr
-    assert f"scontrol update JobId={JOB} ExcNodeList=node018 && scontrol release {JOB}" in stderr, stderr
+    assert "node(s) node018 hung first in repeated attempts" in stderr and "job 4242 excludes them" in stderr, stderr
+    args = (tmp_path / "sbatch-args").read_text().splitlines()
+    wrapped = args[args.index("--wrap") + 1]
+    waits = f'for i in $(seq {slurm.EXCLUSION_WAIT_S}); do [ "$(squeue -h -j {JOB} -o %T)" = PENDING ]'
+    assert wrapped.startswith(waits), wrapped
+    assert wrapped.endswith(f"scontrol update JobId={JOB} ExcNodeList=node018 && scontrol release {JOB}"), wrapped
+    assert f"--output={tmp_path}/run-h/logs/slurm-exclude-%j.out" in args
+    # The wrapped script is valid shell (bash -n parses without running).
+    assert subprocess.run(["bash", "-n", "-c", wrapped], timeout=10).returncode == 0
+
+
+@pytest.mark.cli
+def test_where_the_exclusion_job_is_refused_the_log_gives_the_command(tmp_path):
+    asked, stderr = run_hung_job(tmp_path, hung_twice_on_node018, sbatch="echo 'sbatch: error: denied' >&2; exit 1\n")
+    assert asked == [f"requeuehold {JOB}"], stderr
+    assert f"release it with: scontrol update JobId={JOB} ExcNodeList=node018 && scontrol release {JOB}" in stderr
 
 
 @pytest.mark.cli

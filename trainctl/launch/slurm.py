@@ -231,9 +231,10 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
     """A job whose workers hung past torchrun's restarts goes back to the queue, the node that hung named
     (core/hangs.py answers which node, and whether it hung first in repeated attempts).
 
-    Slurm refuses to change a running job's excluded nodes ("Job is no longer pending execution"), and this shell
-    ends with the attempt, so a node that hung repeatedly cannot be excluded from here: the job is requeued held
-    instead of landing on that node again, and the line gives the command that excludes it and releases the job.
+    A node that hung first repeatedly is excluded. Slurm refuses to change a running job's excluded nodes ("Job is
+    no longer pending execution"), and this shell ends with the attempt: so the job is requeued held, and a small
+    job submitted just before (exclusion_job) waits for it to be pending, excludes the node and releases it. Where
+    that submission fails, the line gives the command to run by hand.
     """
     if not cluster.preemption.requeue:
         return []
@@ -246,9 +247,15 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
         "  REQUEUE=requeue",
         f'  if EXCLUDE=$({ask} repeated "$RUN_DIR" "$SLURM_JOB_ID"); then',
         "    REQUEUE=requeuehold",
-        '    echo "trainctl: node(s) $EXCLUDE hung first in repeated attempts of job $JOB: requeued held (Slurm '
-        "excludes nodes only from a pending job); exclude them and release it with: "
-        'scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$EXCLUDE && scontrol release $SLURM_JOB_ID" >&2',
+        '    EXCLUDE_CMD="scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$EXCLUDE && scontrol release $SLURM_JOB_ID"',
+        f"    if FIXER=$({exclusion_job(cluster)}); then",
+        '      echo "trainctl: node(s) $EXCLUDE hung first in repeated attempts of job $JOB: requeued held; job $FIXER '
+        'excludes them and releases it ($EXCLUDE_CMD)" >&2',
+        "    else",
+        '      echo "trainctl: node(s) $EXCLUDE hung first in repeated attempts of job $JOB: requeued held (Slurm '
+        'excludes nodes only from a pending job, and the job that would do it was refused); exclude them and '
+        'release it with: $EXCLUDE_CMD" >&2',
+        "    fi",
         "  fi",
         '  if scontrol "$REQUEUE" "$SLURM_JOB_ID"; then',
         '    record end "$STATUS"',
@@ -257,6 +264,23 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
         '  echo "trainctl: job $JOB not requeued after the hang (Slurm refused)" >&2',
         "fi",
     ]
+
+
+EXCLUSION_WAIT_S = 600  # for the held job to be pending: Slurm first ends its steps (KillWait, 30 s by default)
+
+
+def exclusion_job(cluster: SlurmClusterConfig) -> str:
+    """`sbatch --parsable ...` of a one-task job that waits for this job to be pending (held), then runs
+    $EXCLUDE_CMD: the shell fills in the job id and nodes at submission. Same partition, account and qos."""
+    options = ['"--job-name=trainctl-exclude-$SLURM_JOB_ID"', "--nodes=1", "--ntasks=1", "--time=15",
+               '"--output=$RUN_DIR/logs/slurm-exclude-%j.out"']
+    options += [f"--{key}={shlex.quote(getattr(cluster, key))}" for key in ("partition", "account", "qos")
+                if getattr(cluster, key)]
+    # Inside the double quotes of --wrap: \\$ and \\" reach the wrapped script as $ and "; $SLURM_JOB_ID and
+    # $EXCLUDE_CMD are this job's, filled in now.
+    pending = (f'for i in \\$(seq {EXCLUSION_WAIT_S}); do '
+               '[ \\"\\$(squeue -h -j $SLURM_JOB_ID -o %T)\\" = PENDING ] && break; sleep 1; done')
+    return f'sbatch --parsable {" ".join(options)} --wrap "{pending}; $EXCLUDE_CMD"'
 
 
 def wait_for_requeue_kill() -> list[str]:
