@@ -64,3 +64,12 @@ def test_the_named_test_exists_and_runs_the_script(script):
     text = source + (conftest.read_text() if conftest.exists() else "")
     named = "quickstart.sh" if script == "_setup.sh" else script  # _setup.sh is sourced by quickstart.sh
     assert named in text, target
+
+
+def test_no_two_test_modules_share_a_file_name():
+    # pytest imports test modules by their file name (rootdir import mode, no packages): a second
+    # test_x.py in another folder is an "import file mismatch" error for the whole run, not one test.
+    seen: dict[str, Path] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        other = seen.setdefault(path.name, path)
+        assert other == path, f"{path.relative_to(REPO)} and {other.relative_to(REPO)} share a name: rename one"

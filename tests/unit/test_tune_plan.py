@@ -65,9 +65,8 @@ def test_pipeline_layouts_take_their_stages_from_data_parallelism(tiny):
 
 def test_rank_keeps_only_fitting_layouts_fastest_first(big):
     ranked = tune.rank(big)
-    every = [tune.candidate(v) for v in tune.layouts(big)]
     assert ranked and all(c.verdict in tune.FITTING for c in ranked)
-    assert any(c.verdict == "does not fit" for c in every)  # some were left out
+    assert len(ranked) < len(tune.layouts(big))  # some were left out (planning each again would double the cost)
     speeds = [c.predicted_tokens_per_s for c in ranked]
     assert all(speeds) and speeds == sorted(speeds, reverse=True)
 
