@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from tests import process_leaks
+
 TIERS = ("unit", "cli", "dist", "slurm", "fuzz")
 FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm", "fuzz": "fuzz"}
 # Fixtures that start programs: a test using one is not in-process.
@@ -79,3 +81,31 @@ def unit_tests_start_no_process(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     if "torch.distributed" in sys.modules:  # imported by the test's module if it uses it; never imported here
         monkeypatch.setattr(sys.modules["torch.distributed"], "init_process_group", refuse_group)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    process_leaks.mark_session()
+    config.stash[LEAKS] = []
+
+
+LEAKS = pytest.StashKey[list]()
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request):
+    """A serial test's leftover processes are killed after a grace period and reported (process_leaks.py)."""
+    if request.node.get_closest_marker("unit") is not None:
+        yield
+        return
+    before = set(process_leaks.session_processes())
+    yield
+    left = process_leaks.leftovers(before)
+    if left:
+        request.config.stash[LEAKS].append((request.node.nodeid, left))
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    for nodeid, left in config.stash.get(LEAKS, []):
+        terminalreporter.write_line(f"LEAK {nodeid}: killed {len(left)} process(es) alive "
+                                    f"{process_leaks.LEAK_GRACE_S:g} s after it: "
+                                    + "; ".join(f"{pid} {cmd[:120]}" for pid, cmd in sorted(left.items())))
