@@ -4,6 +4,8 @@ are recorded as failed and the tune goes on; what a probe wrote is measured; the
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,3 +170,43 @@ def test_ctrl_c_stops_the_running_probe_writes_what_finished_and_pins_nothing(tm
     assert written["interrupted"] is True and written["recipe_file"] is None
     assert [r["status"] for r in written["rows"]] == ["ok", "interrupted", "not run", "not run"]
     assert not list(info.value.result.folder.glob("*.yaml"))
+
+
+class TerminatedHandle(FakeHandle):
+    """SIGTERM (a `kill`, a batch system's stop) arrives while the tune waits for this probe."""
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if len(self.waits) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 143
+
+
+def test_sigterm_stops_the_running_probe_like_ctrl_c(tmp_path, monkeypatch):
+    launched, cancelled = [], []
+    handle = TerminatedHandle(None)
+
+    def prepare(overrides, config_dirs=None, *, name="", **_):
+        launched.append(list(overrides))
+        run_dir = tmp_path / "runs" / "tune" / "t" / name
+        run_dir.mkdir(parents=True)
+        return FakePrepared(run_dir)
+
+    monkeypatch.setattr(launching, "prepare_launch", prepare)
+    monkeypatch.setattr(launching, "start", lambda prepared, **_: handle)
+    monkeypatch.setattr(watching, "cancel", lambda run_dir: cancelled.append(run_dir))
+    monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(tuning.TuneInterrupted) as info:
+        tuning.tune(["recipe=tiny_cpu"], top=2, probe_steps=8, name="t")
+    assert len(launched) == 1 and cancelled == [tmp_path / "runs" / "tune" / "t" / "probe-01"]
+    assert info.value.result.interrupted
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the tune's only while it probes
+
+
+@pytest.mark.parametrize("seconds", [0.0, -5.0, float("nan")])
+def test_a_probe_timeout_that_is_not_positive_is_one_line(tmp_path, monkeypatch, seconds):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="--probe-timeout .*: give the seconds before a probe counts as hung"):
+        tuning.tune(["recipe=tiny_cpu"], probe_timeout_s=seconds, name="t")
+    assert not (tmp_path / "runs").exists()

@@ -188,6 +188,8 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
 
     if top < 1 or probe_steps < 2:
         raise UserError([f"--top {top} --probe-steps {probe_steps}: probe at least 1 layout for at least 2 steps"])
+    if not probe_timeout_s > 0:  # also NaN
+        raise UserError([f"--probe-timeout {probe_timeout_s:g}: give the seconds before a probe counts as hung (> 0)"])
     overrides = override_list(overrides)
     cfg = resolved(overrides, config_dirs)
     ranked = planner.rank(cfg)
@@ -211,12 +213,15 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
         tuning_slurm.submit_probes(result, [(p, merged(overrides, p.overrides, short)) for p in probes], config_dirs)
         tuning_slurm.write(result)
         return result
+    from trainctl.launch.sweep import terminate_as_interrupt
+
     try:
-        for i, probe in enumerate(probes):
-            if on_probe is not None:
-                on_probe(probe, i, len(probes))
-            _run_probe(probe, merged(overrides, probe.overrides, short), config_dirs, f"probe-{i + 1:02d}",
-                       probe_timeout_s, on_output)
+        with terminate_as_interrupt():  # SIGTERM/SIGHUP as Ctrl-C: the running probe is stopped, not orphaned
+            for i, probe in enumerate(probes):
+                if on_probe is not None:
+                    on_probe(probe, i, len(probes))
+                _run_probe(probe, merged(overrides, probe.overrides, short), config_dirs, f"probe-{i + 1:02d}",
+                           probe_timeout_s, on_output)
     except KeyboardInterrupt:
         result.interrupted = True  # the table of what finished, but no pinned recipe: the race was not run out
         finish(result, lambda p: ranked[p.predicted_rank - 1].cfg)

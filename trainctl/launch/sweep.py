@@ -117,7 +117,7 @@ def create(points: list[Point], name: str, given: list[str],
     record = {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": given, "points": []}
     made: list[Path] = []
     try:
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             for point in points:
                 made.append(make_run(point, f"{name}-{point.index:0{width}d}"))
                 record["points"].append({"index": point.index, "overrides": point.overrides, "run_dir": str(made[-1])})
@@ -131,7 +131,7 @@ def create(points: list[Point], name: str, given: list[str],
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
+def terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (and SIGHUP) end the block like Ctrl-C does, so its cleanup runs (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
