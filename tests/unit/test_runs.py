@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -112,7 +115,13 @@ def local_launch(tmp_path):
     run_dir = make_run(tmp_path / "runs", "live", launch={})
     proc = hold_lock(run_dir)
     yield run_dir, proc
-    proc.kill()
+    end_group(proc)
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """The holder and its `sleep` (a cancel ends only the holder, whose pid the run recorded)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -135,8 +144,7 @@ def test_cancel_never_signals_a_reused_pid(tmp_path):
             runs.cancel(run_dir)
         assert proc.poll() is None
     finally:
-        proc.kill()
-        proc.wait()
+        end_group(proc)
 
 
 def test_slurm_cancel_calls_scancel_and_refuses_finished_runs(tmp_path, slurm_bin):
