@@ -127,13 +127,8 @@ def with_cp(cfg: RunConfig, cp: int) -> Variant | None:
     train = {"global_batch": t.global_batch, "grad_accum": -1, "micro_batch": t.micro_batch}
     candidate = dataclasses.replace(cfg, sharding=dataclasses.replace(s, cp=cp, **degrees),
                                     train=dataclasses.replace(t, **train))
-    try:
-        resolved = resolve(candidate)
-    except ConfigError:
-        return None
-    if unsupported(resolved.sharding, resolved.precision):
-        return None
-    return Variant(f"cp={cp}", tuple(changed_keys(cfg, resolved)), resolved)
+    checked = variants._resolved(f"cp={cp}", [], candidate)  # validate and the worker's support, as every variant
+    return checked and Variant(checked.label, tuple(changed_keys(cfg, checked.cfg)), checked.cfg)
 
 
 def _cps(cfg: RunConfig) -> list[Variant]:
