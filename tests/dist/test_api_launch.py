@@ -26,7 +26,7 @@ def test_launch_without_waiting_then_poll_status_until_done(tmp_path, monkeypatc
     while not (info := api.status(handle.name, tmp_path / "runs")).done:
         assert time.monotonic() < deadline, f"run still {info.state.state} after {DEADLINE_S} s"
         time.sleep(0.5)
-    assert handle.wait(timeout=60) == 0 and handle.done()
+    assert handle.wait(timeout=60) == 0 and handle.done
     assert info.state.state == "COMPLETED" and info.state.step == 6 and info.figures.loss is not None
     assert [(i.name, i.state.state) for i in api.runs(tmp_path / "runs")] == [("nb", "COMPLETED")]
     assert "step" in handle.output.text()  # rank 0's console lines came to the handle

@@ -36,7 +36,7 @@ class OutputTail:
 
 @dataclass
 class LaunchHandle:
-    """A launched run. `exit_code` is known once a run started here has ended (`done()`); a queued run has a
+    """A launched run. `exit_code` is known once a run started here has ended (`done`); a queued run has a
     `job_id` instead and is watched with `api.status(handle.name)`."""
 
     run_dir: Path
@@ -53,6 +53,7 @@ class LaunchHandle:
     def name(self) -> str:
         return self.run_dir.name
 
+    @property
     def done(self) -> bool:
         """Whether this process has nothing more to wait for (a queued run may still be running on its cluster)."""
         return self._thread is None or not self._thread.is_alive()

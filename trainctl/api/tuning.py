@@ -132,7 +132,7 @@ def _run_probe(probe: Probe, overrides: list[str], config_dirs: ConfigDirs, name
         _stop(prepared.run_dir, handle, cancel)
         probe.status = "interrupted"
         raise
-    if not handle.done():
+    if not handle.done:
         _stop(prepared.run_dir, handle, cancel)
         probe.status = f"timed out after {timeout_s:.0f} s"
         return
