@@ -30,6 +30,7 @@ class FakeHandle:
         self.waits.append(timeout)
         return None if self.hangs else self.exit_code
 
+    @property
     def done(self) -> bool:
         return not self.hangs
 
