@@ -254,3 +254,20 @@ def write_exe(path: Path, body: str) -> None:
 def truncate(path: Path) -> None:
     """Cut a file to half its size, as a crash during a write leaves it."""
     os.truncate(path, path.stat().st_size // 2)
+
+
+def tool_argv(options_cls: type, args: list[str], result: Path | None = None) -> list[str]:
+    """A tool child's arguments (core/tool_options.child_argv) from `[RUN_DIR, --flag value, --switch, ...]`, read
+    with the flags the options class declares: tests keep writing a tool's options as a user types them."""
+    import typing
+
+    from trainctl.core.tool_options import declared
+
+    by_flag = {o.flag: o for o in declared(options_cls)}
+    run_dir, rest, values = args[0], list(args[1:]), {}
+    while rest:
+        option = by_flag[rest.pop(0)]
+        kind = next((t for t in typing.get_args(option.type) if t is not type(None)), option.type)  # X | None: X
+        values[option.name] = True if kind is bool else kind(rest.pop(0))
+    argv = [str(run_dir), json.dumps(values)]
+    return [*argv, str(result)] if result is not None else argv

@@ -291,6 +291,9 @@ def main() -> None:
     except UserError as exc:  # config, plan, launch, dataset and export errors all derive from it
         _report(exc.problems)
         sys.exit(2)
+    except api.ToolFailed as exc:  # e.g. export --verify found a difference: not the user's mistake
+        _report([str(exc)])
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,22 @@
 """The commands that hand a run's checkpoint to a torch child (export, generate, eval) and `data prepare`: they
-parse, call `trainctl.api` and say the result. `register` adds them to the app trainctl/cli.py builds (this module
-never imports cli)."""
+parse, call `trainctl.api` and say the result. Export, generate and eval take the options core/tool_options.py
+declares, each once: their Typer options are derived from those fields here. `register` adds them to the app
+trainctl/cli.py builds (this module never imports cli)."""
 
 from __future__ import annotations
 
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import MISSING, asdict
+from functools import partial
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from trainctl import api
+from trainctl.core.tool_options import Declared, EvalOptions, ExportOptions, GenerateOptions, declared
 
 out = Console(emoji=False)
 err = Console(stderr=True, emoji=False)
@@ -17,71 +24,45 @@ err = Console(stderr=True, emoji=False)
 RUN = typer.Argument(..., help="A run directory, or a run name under --runs-dir.", show_default=False)
 RUNS_DIR = typer.Option(None, "--runs-dir", show_default=False, callback=lambda v: v or api.env_runs_dir(),
                         help="Where the runs are (the config's runs_dir; default: $TRAINCTL_RUNS_DIR, else runs).")
-CHECKPOINT = typer.Option(None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints "
-                          "(default: the newest that verifies).", show_default=False)
-DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: the GPU if there is one).", show_default=False)
+AS_JSON = typer.Option(False, "--json", help="Print JSON (for scripts).")
 
 
-def export(
-    run: str = RUN,
-    checkpoint: str = typer.Option(
-        None, "--checkpoint", help="Checkpoint directory or name under RUN/checkpoints; it must verify "
-        "(default: the newest that verifies).", show_default=False),
-    out_dir: str = typer.Option(
-        None, "--out", help="Output folder (default: RUN/export/step-NNNNNNNN).", show_default=False),
-    max_shard_size: str = typer.Option(
-        None, "--max-shard-size", help="Bytes per file before sharding (e.g. 5000000000, 5GB).", show_default=False),
-    dtype: str = typer.Option(
-        None, "--dtype", help="Cast the weights: fp32, bf16 or fp16 (default: as saved).", show_default=False),
-    verify: bool = typer.Option(
-        False, "--verify", help="Load the export with transformers and compare every tensor and the logits with "
-        "trainctl's model before calling it done (exit 1 and nothing written if they differ)."),
-    merged: bool = typer.Option(False, "--merged", help="A LoRA run: full weights with the adapters folded in."),
-    adapter: bool = typer.Option(
-        False, "--adapter", help="A LoRA run: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."),
-    runs_dir: Path = RUNS_DIR,
-) -> None:
-    """Write a verified checkpoint's model as safetensors.  Example: trainctl export tiny_cpu-20250101-120000"""
-    raise typer.Exit(api.export(run, checkpoint=checkpoint, out_dir=out_dir, max_shard_size=max_shard_size,
-                                dtype=dtype, verify=verify, merged=merged, adapter=adapter, runs_dir=runs_dir))
+def _typer_option(option: Declared):
+    """The Typer option of one declared tool option (core/tool_options.py says its flag, help and default)."""
+    if option.default is MISSING:
+        return typer.Option(..., option.flag, help=option.help, show_default=False)
+    return typer.Option(option.default, option.flag, help=option.help, show_default=option.default is not None)
 
 
-def generate(
-    run: str = RUN,
-    prompt: str = typer.Option(None, "--prompt", help="The text to continue.", show_default=False),
-    prompts: str = typer.Option(None, "--prompts", help="A text file, one prompt per line (prints JSON lines).",
-                                show_default=False),
-    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Token ids instead of text (e.g. 1,2,3): for runs "
-                                   "without a tokenizer (synthetic data).", show_default=False),
-    checkpoint: str = CHECKPOINT,
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to add to each prompt."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above: sample."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens this likely."),
-    seed: int = typer.Option(0, "--seed", help="Seeds the sampling: the same seed gives the same text."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the run's chat template."),
-    device: str = DEVICE,
-    runs_dir: Path = RUNS_DIR,
-) -> None:
-    """Continue a prompt with a run's checkpoint, on one device.  Example: trainctl generate RUN --prompt 'def '"""
-    raise typer.Exit(api.generate(run, prompt=prompt, prompts=prompts, prompt_ids=prompt_ids, checkpoint=checkpoint,
-                                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                  chat=chat, device=device, runs_dir=runs_dir))
+def tool_command(name: str, options: type, call: Callable, doc: str) -> Callable:
+    """A command `trainctl NAME RUN [its declared options] [--json] [--runs-dir]`: it calls `call(run, options,
+    runs_dir=...)` and prints the value's text, or its JSON."""
+    param = partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [param("run", default=RUN, annotation=str)]
+    params += [param(o.name, default=_typer_option(o), annotation=o.type) for o in declared(options)]
+    params += [param("as_json", default=AS_JSON, annotation=bool), param("runs_dir", default=RUNS_DIR, annotation=Path)]
+
+    def command(run: str, as_json: bool, runs_dir: Path, **values) -> None:
+        from trainctl.render import print_json
+
+        value = call(run, options(**values), runs_dir=runs_dir)
+        if as_json:
+            print_json(asdict(value))
+        else:
+            sys.stdout.write(value.text() + "\n")  # as the tool wrote it: no markup, wrapping or tab expansion
+
+    command.__signature__ = inspect.Signature(params)  # what Typer reads: the declared options, in their order
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__name__, command.__doc__ = name, doc
+    return command
 
 
-def eval_command(
-    run: str = RUN,
-    data: str = typer.Option(..., "--data", help="A prepared dataset (trainctl data prepare) with a val split.",
-                             show_default=False),
-    checkpoint: str = CHECKPOINT,
-    batches: int = typer.Option(None, "--batches", help="Val batches of the run's micro_batch x seq_len (default: "
-                                "train.eval_batches x the run's data-parallel ranks).", show_default=False),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (for scripts)."),
-    device: str = DEVICE,
-    runs_dir: Path = RUNS_DIR,
-) -> None:
-    """Loss and perplexity of a checkpoint over a dataset's val split.  Example: trainctl eval RUN --data tok"""
-    raise typer.Exit(api.evaluate(run, data, checkpoint=checkpoint, batches=batches, as_json=as_json, device=device,
-                                  runs_dir=runs_dir))
+export = tool_command("export", ExportOptions, api.export, "Write a verified checkpoint's model as safetensors.  "
+                      "Example: trainctl export tiny_cpu-20250101-120000")
+generate = tool_command("generate", GenerateOptions, api.generate, "Continue a prompt with a run's checkpoint, on "
+                        "one device.  Example: trainctl generate RUN --prompt 'def '")
+eval_command = tool_command("eval", EvalOptions, api.evaluate, "Loss and perplexity of a checkpoint over a "
+                            "dataset's val split.  Example: trainctl eval RUN --data tok")
 
 
 def data_prepare(

@@ -19,10 +19,17 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_export import SMALL, make_run  # noqa: E402  (real DCP checkpoints)
 
+from tests.helpers import tool_argv  # noqa: E402
+from trainctl.core.tool_options import ExportOptions  # noqa: E402
 from trainctl.models import export as export_module  # noqa: E402
 from trainctl.models.verify import VerifyError, verify_export  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+def export_main(args: list[str]) -> int:
+    """The exporter's child entry on options written as a user types them (without a result file it prints)."""
+    return export_module.main(tool_argv(ExportOptions, args))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +43,7 @@ def run(tmp_path_factory):
 def test_a_good_export_is_verified(run, tmp_path, capsys, dtype):
     root, _ = run
     args = [str(root), "--out", str(tmp_path / "out"), "--verify"] + (["--dtype", dtype] if dtype else [])
-    assert export_module.main(args) == 0
+    assert export_main(args) == 0
     out = capsys.readouterr().out
     assert "verified: transformers loads it as LlamaForCausalLM with no missing or unexpected keys" in out
     assert (tmp_path / "out" / "model.safetensors").is_file()
@@ -44,7 +51,7 @@ def test_a_good_export_is_verified(run, tmp_path, capsys, dtype):
 
 def test_q_rows_in_the_wrong_rotary_order_are_named(run, tmp_path):
     root, weights = run
-    assert export_module.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    assert export_main([str(root), "--out", str(tmp_path / "out")]) == 0
     file = tmp_path / "out" / "model.safetensors"
     tensors = load_file(file)
     name = "model.layers.1.self_attn.q_proj.weight"
@@ -58,7 +65,7 @@ def test_q_rows_in_the_wrong_rotary_order_are_named(run, tmp_path):
 
 def test_a_config_that_computes_another_model_is_caught_at_the_logits(run, tmp_path):
     root, weights = run
-    assert export_module.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    assert export_main([str(root), "--out", str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     config["hidden_act"] = "relu"  # every tensor still equal: only the computation differs
     (tmp_path / "out" / "config.json").write_text(json.dumps(config))
@@ -73,7 +80,7 @@ def test_a_failed_check_leaves_nothing_and_exits_1(run, tmp_path, capsys, monkey
         raise VerifyError("logits differ (a stand-in for a wrong conversion)")
 
     monkeypatch.setattr(export_module, "verify_export", mismatch)
-    assert export_module.main([str(root), "--out", str(tmp_path / "out"), "--verify"]) == 1
+    assert export_main([str(root), "--out", str(tmp_path / "out"), "--verify"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: export --verify failed, nothing written: logits differ (a stand-in for a wrong conversion)"]
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
@@ -111,7 +118,7 @@ def test_a_lost_tokenizer_record_or_copy_is_one_line_and_writes_nothing(run, tmp
     shutil.copytree(run[0], root)
     record_tokenizer(root)
     (root / (layout.TOKENIZER_RECORD if lost == "record" else f"{layout.TOKENIZER}/tokenizer.json")).unlink()
-    assert export_module.main([str(root), "--verify"]) == 2
+    assert export_main([str(root), "--verify"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     named = root / layout.TOKENIZER_RECORD if lost == "record" else root / layout.TOKENIZER / "tokenizer.json"
@@ -153,6 +160,6 @@ def test_rounding_in_a_deep_sharp_model_is_not_called_a_mismatch(tmp_path, capsy
 
     cfg = ModelConfig(dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=336, vocab_size=2048, max_seq_len=128)
     save_peaked_run(tmp_path / "run", cfg)
-    assert export_module.main([str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--verify"]) == 0, \
+    assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--verify"]) == 0, \
         capsys.readouterr().err
     assert "verified: transformers loads it as LlamaForCausalLM" in capsys.readouterr().out

@@ -17,15 +17,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from worker_runs import base_config, records, train_and_check
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, tool_argv
 from tests.unit.test_masked_loss import ANSWER, chat_set
+from trainctl import api
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import DataConfig, ModelConfig, RunConfig
+from trainctl.core.tool_options import EvalResult, ExportOptions, GenerateOptions
 from trainctl.models import export as export_module
 from trainctl.models.build import build_model
 from trainctl.models.generate import Sampling, generate_ids, load_model
 from trainctl.models.kv_cache import KVCache, forward_cached
-from trainctl.train import evaluate as evaluate_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_export import write_manifest  # noqa: E402
@@ -46,6 +47,11 @@ def trained(tmp_path_factory, data_cache):
     return train_and_check(root, cfg, None), out
 
 
+def export_main(args: list[str]) -> int:
+    """The exporter's child entry on options written as a user types them: RUN_DIR --flag value ..."""
+    return export_module.main(tool_argv(ExportOptions, args))
+
+
 def chat_prompt(digits: str) -> list[int]:
     return list(f"<|im_start|>user\n{digits}<|im_end|>\n<|im_start|>assistant\n".encode())
 
@@ -53,7 +59,7 @@ def chat_prompt(digits: str) -> list[int]:
 def test_greedy_equals_transformers_on_the_export_with_and_without_the_cache(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
     run_dir, _ = trained
-    assert export_module.main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert export_main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     model, _ = load_model(run_dir, None, CPU)
     # Two chat prompts (the answer is learnt) and one cut mid-prompt (the model is unsure: near-ties are likely).
@@ -111,15 +117,16 @@ def test_sampling_is_reproducible_by_seed(trained):
 
 
 def test_eval_loss_equals_the_workers_val_loss(trained, capsys):
+    """Through the api: the options go to the torch child as JSON, its result comes back as a value."""
     run_dir, out = trained
     worker = records(run_dir, "eval")[-1]
     assert worker["step"] == STEPS
-    assert evaluate_module.main([str(run_dir), "--data", str(out), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["step"] == STEPS and result["batches"] == 3
-    assert result["loss"] == pytest.approx(worker["val_loss"], rel=1e-5)
+    result = api.evaluate(run_dir, data=str(out))
+    assert isinstance(result, EvalResult) and capsys.readouterr().out == ""  # a value, nothing printed
+    assert result.step == STEPS and result.batches == 3
+    assert result.loss == pytest.approx(worker["val_loss"], rel=1e-5)
     # the masks are honoured: counting the random digit prompts would put the loss near log(10)
-    assert result["loss"] < 0.1 and result["tokens"] < 3 * 8 * 64 / 2
+    assert result.loss < 0.1 and result.tokens < 3 * 8 * 64 / 2
 
 
 @pytest.mark.cli
@@ -131,6 +138,10 @@ def test_generate_and_eval_through_the_cli(trained, tmp_path):
     assert proc.stdout == ANSWER[:13] + "\n" and proc.probe["heavy"] == []  # the CLI itself never imported torch
     proc = run_cli("eval", str(run_dir), "--data", str(out), timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith(f"step {STEPS}: val loss "), proc.stderr
+    proc = run_cli("generate", str(run_dir), "--prompt-ids", "1,2", "--max-new-tokens", "3", "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    [completion] = json.loads(proc.stdout)["completions"]
+    assert completion["prompt"] == "1,2" and len(completion["ids"]) <= 3
 
 
 @pytest.mark.cli
@@ -186,7 +197,7 @@ def test_text_prompt_with_the_runs_bpe_tokenizer_equals_transformers(tmp_path, d
     cfg = replace(cfg, name="bpe", data=DataConfig(kind="memmap", datasets=[str(tmp_path / "bpe")], vocab_size=300),
                   model=replace(cfg.model, vocab_size=300), optim=replace(cfg.optim, lr=3e-3))
     run_dir = train_and_check(tmp_path, cfg, None)
-    assert export_module.main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert export_main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     prompt = "the cat number 7"
@@ -195,7 +206,8 @@ def test_text_prompt_with_the_runs_bpe_tokenizer_equals_transformers(tmp_path, d
     capsys.readouterr()
     from trainctl.models.generate import main as generate_main
 
-    assert generate_main([str(run_dir), "--prompt", prompt, "--max-new-tokens", "20", "--device", "cpu"]) == 0
+    args = [str(run_dir), "--prompt", prompt, "--max-new-tokens", "20", "--device", "cpu"]
+    assert generate_main(tool_argv(GenerateOptions, args)) == 0
     shown = [t for t in want.tolist() if t != tokenizer.eos_token_id]
     assert capsys.readouterr().out == tokenizer.decode(shown) + "\n"
     assert "sat" in tokenizer.decode(shown)  # trained: the comparison is not of noise

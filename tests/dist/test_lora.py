@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from worker_runs import TINY, base_config, records, run_worker, write_run_dir
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import run_cli, torchrun_cmd, worker_env
+from tests.helpers import run_cli, tool_argv, torchrun_cmd, worker_env
 from trainctl.config.schema import CheckpointConfig, LoRAConfig, OptimConfig, ShardingConfig
 from trainctl.core import checkpoints
 from trainctl.core.lora import is_adapter
+from trainctl.core.tool_options import ExportOptions
 from trainctl.models.build import build_model
 from trainctl.models.hf import from_hf
 from trainctl.plan.flops import lora_formula_count
@@ -148,7 +149,8 @@ def test_cli_refuses_lora_export_without_a_mode_and_lora_with_tp(trained, tmp_pa
 
 
 def export(run_dir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "trainctl.models.export", str(run_dir), "--out", str(out), *flags]
+    cmd = [sys.executable, "-m", "trainctl.models.export", *tool_argv(ExportOptions, [str(run_dir), "--out", str(out),
+                                                                                     *flags])]
     return subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=240)
 
 

@@ -18,10 +18,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from tests.helpers import tool_argv
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import ModelConfig, RunConfig
 from trainctl.core.checkpoints import MANIFEST, list_files, sha256
-from trainctl.models.export import main, parse_size
+from trainctl.core.tool_options import ExportOptions, parse_size
+from trainctl.models import export as export_module
 from trainctl.models.hf import from_hf
 from trainctl.models.hf_folder import plan_shards
 from trainctl.models.llama.model import build_model
@@ -30,6 +32,11 @@ STEP = "step-00000005"
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)  # quick to save and hash
 # The fixture saves in one process without a process group, on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def main(args: list[str]) -> int:
+    """The exporter's child entry on options written as a user types them: RUN_DIR --flag value ..."""
+    return export_module.main(tool_argv(ExportOptions, args))
 
 
 def write_manifest(ckpt: Path, step: int) -> None:

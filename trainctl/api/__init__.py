@@ -5,6 +5,7 @@
     h = api.launch(["recipe=tiny_cpu", "train.steps=5"], wait=False)
     while not api.status(h.name).done: time.sleep(1)
     api.runs()
+    api.evaluate("my-run", data="tok").perplexity
 
 Torch-free like the rest of the launcher side: a launch's workers, export, generate and eval run as children.
 """
@@ -34,11 +35,24 @@ from trainctl.api.launching import (
     start,
 )
 from trainctl.api.sweeping import PreparedSweep, SweepResult, prepare_sweep, start_sweep, sweep
-from trainctl.api.tools import EXPORT_DTYPES, evaluate, export, generate, prepare_data
+from trainctl.api.tools import evaluate, export, generate, prepare_data
 from trainctl.api.watching import Cancelled, RunInfo, SweepRanking, cancel, logs, plot, runs, status, sweep_runs
+from trainctl.core.tool_options import (
+    EXPORT_DTYPES,
+    Completion,
+    EvalOptions,
+    EvalResult,
+    ExportOptions,
+    ExportReport,
+    Generated,
+    GenerateOptions,
+    ToolFailed,
+)
 
 __all__ = [
-    "Cancelled", "EXPORT_DTYPES", "LaunchHandle", "Prepared", "PreparedSweep", "RunInfo", "SweepRanking",
+    "Cancelled", "Completion", "EXPORT_DTYPES", "EvalOptions", "EvalResult", "ExportOptions", "ExportReport",
+    "Generated", "GenerateOptions", "LaunchHandle", "Prepared", "PreparedSweep", "RunInfo", "SweepRanking",
+    "ToolFailed",
     "SweepResult", "cancel", "compare", "cwd_problem", "env_runs_dir", "evaluate", "export", "find_run", "generate",
     "groups", "launch", "launch_problems", "logs", "plan", "plan_record", "plot", "prepare_data", "prepare_launch",
     "prepare_resume", "prepare_sweep", "recipes", "resolved", "resume", "runs", "runs_dir_of", "search",

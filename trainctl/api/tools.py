@@ -1,76 +1,90 @@
 """Export, generate and eval run their torch part as `python -m` children (this side of the wall stays torch-free);
-data preparation runs here. Each checks its arguments first and returns the child's exit code or the dataset."""
+data preparation runs here. Each checks its options (core/tool_options.py) before any child starts, hands them to
+the child as JSON, and returns the value the child wrote back: an export report, the completions, an eval result.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
-import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from trainctl.api.configs import find_run
 from trainctl.core.errors import UserError
+from trainctl.core.tool_options import (
+    EvalOptions,
+    EvalResult,
+    ExportOptions,
+    ExportReport,
+    Generated,
+    GenerateOptions,
+    ToolFailed,
+    child_argv,
+)
 
-EXPORT_DTYPES = ("fp32", "bf16", "fp16")  # models/export.EXPORT_DTYPES' keys (that module imports torch)
 
-
-def export(run: str | Path, *, checkpoint: str | None = None, out_dir: str | None = None,
-           max_shard_size: str | None = None, dtype: str | None = None, verify: bool = False, merged: bool = False,
-           adapter: bool = False, runs_dir: Path | str | None = None) -> int:
+def export(run: str | Path, options: ExportOptions | None = None, *, runs_dir: Path | str | None = None,
+           **values) -> ExportReport:
     """Write a verified checkpoint's model as safetensors (a LoRA run: `merged` weights or a PEFT `adapter`).
 
-    The exporter prints its own one-line errors (exit 2) and warnings; its exit code is returned.
+    `values`: ExportOptions' fields, over `options`. Raises UserError for what the user can fix, ToolFailed
+    when `verify` finds the export differs (nothing is written then).
     """
-    if out_dir is not None and not out_dir.strip():
-        raise UserError(["--out '': empty; name a new folder, e.g. --out exports/mymodel"])
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise UserError([f"--dtype {dtype}: not an export dtype; use one of {', '.join(EXPORT_DTYPES)} "
-                         "(quantized formats are not written)"])
-    if merged and adapter:
-        raise UserError(["--merged and --adapter: pick one (full weights, or a PEFT adapter folder)"])
-    options = {"--checkpoint": checkpoint, "--out": out_dir, "--max-shard-size": max_shard_size, "--dtype": dtype}
-    flags = {"--verify": verify, "--merged": merged, "--adapter": adapter and not merged}
-    return worker_module("trainctl.models.export", find_run(run, runs_dir), options, flags)
+    options = replace(options or ExportOptions(), **values)
+    _check(options)
+    return ExportReport(**_run_child("trainctl.models.export", find_run(run, runs_dir), options))
 
 
-def generate(run: str | Path, *, prompt: str | None = None, prompts: str | None = None,
-             prompt_ids: str | None = None, checkpoint: str | None = None, max_new_tokens: int = 128,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
-             device: str | None = None, runs_dir: Path | str | None = None) -> int:
-    """Continue exactly one of a prompt, a file of prompts or token ids with a run's checkpoint on one device."""
-    given = [key for key, value in (("--prompt", prompt), ("--prompts", prompts), ("--prompt-ids", prompt_ids))
-             if value is not None]
-    if len(given) != 1:
-        raise UserError([f"{' and '.join(given) or 'no prompt'}: give exactly one of --prompt TEXT, "
-                         "--prompts FILE or --prompt-ids 1,2,3"])
+def generate(run: str | Path, options: GenerateOptions | None = None, *, runs_dir: Path | str | None = None,
+             **values) -> Generated:
+    """Continue exactly one of a prompt, a file of prompts or token ids with a run's checkpoint on one device.
+
+    `values`: GenerateOptions' fields, over `options`."""
+    options = replace(options or GenerateOptions(), **values)
+    _check(options)
     run_dir = find_run(run, runs_dir)
-    if prompts is not None:
-        _regular_file("--prompts", prompts)
-    options = {"--prompt": prompt, "--prompts": prompts, "--prompt-ids": prompt_ids, "--checkpoint": checkpoint,
-               "--max-new-tokens": max_new_tokens, "--temperature": temperature, "--top-p": top_p, "--seed": seed,
-               "--device": device}
-    return worker_module("trainctl.models.generate", run_dir, options, {"--chat": chat})
+    if options.prompts is not None:
+        _regular_file("--prompts", options.prompts)
+    return Generated.from_dict(_run_child("trainctl.models.generate", run_dir, options))
 
 
-def evaluate(run: str | Path, data: str, *, checkpoint: str | None = None, batches: int | None = None,
-             as_json: bool = False, device: str | None = None, runs_dir: Path | str | None = None) -> int:
-    """Loss and perplexity of a checkpoint over a prepared dataset's val split."""
-    if batches is not None and batches < 1:
-        raise UserError([f"--batches {batches}: must be at least 1"])
-    options = {"--data": data, "--checkpoint": checkpoint, "--batches": batches, "--device": device}
-    return worker_module("trainctl.train.evaluate", find_run(run, runs_dir), options, {"--json": as_json})
+def evaluate(run: str | Path, options: EvalOptions | None = None, *, runs_dir: Path | str | None = None,
+             **values) -> EvalResult:
+    """Loss and perplexity of a checkpoint over a prepared dataset's val split.
+
+    `values`: EvalOptions' fields (`data` is required), over `options`."""
+    options = replace(options, **values) if options else EvalOptions(**values)
+    _check(options)
+    return EvalResult(**_run_child("trainctl.train.evaluate", find_run(run, runs_dir), options))
 
 
-def worker_module(module: str, run_dir: Path, options: dict[str, object], flags: dict[str, bool]) -> int:
-    """Run `python -m MODULE RUN_DIR --option value... --flag...` (it imports torch); its exit code. It prints its
-    own output and one-line errors (exit 2) on this process's stdout and stderr."""
-    args = [sys.executable, "-m", module, str(run_dir)]
-    for flag, value in options.items():
-        args += [flag, str(value)] if value is not None else []
-    args += [flag for flag, on in flags.items() if on]
-    return subprocess.run(args).returncode
+def _check(options: ExportOptions | GenerateOptions | EvalOptions) -> None:
+    if problems := options.problems():
+        raise UserError(problems)
+
+
+def _run_child(module: str, run_dir: Path, options: object) -> dict:
+    """Run the tool's torch child on `options`; the value it wrote back. Its warnings reach this process's stderr;
+    its one-line error is raised here (UserError for exit 2, ToolFailed for exit 1)."""
+    with tempfile.TemporaryDirectory(prefix="trainctl-tool-") as folder:
+        result = Path(folder) / "answer.json"  # a temporary folder of its own, not the run directory
+        code = subprocess.run(child_argv(module, run_dir, options, result)).returncode
+        try:
+            body = json.loads(result.read_text())
+        except (OSError, ValueError):
+            body = None
+    if not isinstance(body, dict) or body.get("code") != code:
+        raise ToolFailed(f"{module} ended with exit code {code} and no result; its output above says why")
+    if code == 2:
+        raise UserError(body["error"])
+    if code != 0:
+        raise ToolFailed(body["error"])
+    return body["value"]
 
 
 def _regular_file(key: str, path: str) -> None:

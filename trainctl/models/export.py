@@ -1,6 +1,9 @@
 """Export a checkpoint's model weights as safetensors for inference tools.
 
-    python -m trainctl.models.export RUN_DIR [--checkpoint PATH] [--out DIR] [--max-shard-size BYTES] [--dtype bf16]
+    python -m trainctl.models.export RUN_DIR OPTIONS_JSON [RESULT_JSON]
+
+(`trainctl export` starts it so: the options are core/tool_options.ExportOptions as JSON; the report goes to
+RESULT_JSON, or to stdout without one.)
 
 Reads only the model tensors ("model.<fqn>" in the DCP metadata; never the optimizer
 state) of a torch.distributed.checkpoint directory, in one process without a process
@@ -30,13 +33,12 @@ This module holds the command and the all-or-nothing output folder; checkpoint_r
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import sys
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -45,8 +47,8 @@ from safetensors import SafetensorError
 
 from trainctl.config.load import load_run_config
 from trainctl.config.schema import ModelConfig
-from trainctl.core import checkpoints, rundir
-from trainctl.core.errors import UserError
+from trainctl.core import checkpoints, tool_options
+from trainctl.core.tool_options import ExportOptions, ExportReport, ToolFailed, serve
 from trainctl.models import lora_export
 from trainctl.models.checkpoint_reader import (
     ExportError,
@@ -58,20 +60,10 @@ from trainctl.models.checkpoint_reader import (
     read_tensors,
 )
 from trainctl.models.hf_folder import run_tokenizer, write_config, write_tokenizer, write_weights
-from trainctl.models.verify import VerifyError, verify_export
+from trainctl.models.verify import Verified, VerifyError, verify_export
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's save_pretrained default ("5GB")
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "5000000", "500MB" or "2GiB" (decimal KB/MB/GB as Hugging Face counts them)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if unit not in SIZE_UNITS or int(match.group(1)) <= 0:
-        raise ExportError(f"--max-shard-size={text}: expected a positive number of bytes, e.g. 5000000000 or 5GB")
-    return int(match.group(1)) * SIZE_UNITS[unit]
+# The names are tool_options' (torch-free: the CLI checks --dtype against them); these are their torch dtypes.
+EXPORT_DTYPES = dict(zip(tool_options.EXPORT_DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def default_out(run_dir: Path, ckpt: Path) -> Path:
@@ -100,9 +92,10 @@ def missing_parents(path: Path) -> list[Path]:
 
 
 def export(
-    run_dir: Path, checkpoint: str | None = None, out: Path | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-    dtype: torch.dtype | None = None, verify: bool = False, lora_mode: str | None = None,
-) -> tuple[Path, str | None]:
+    run_dir: Path, checkpoint: str | None = None, out: Path | None = None,
+    max_shard_size: int = tool_options.DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None, verify: bool = False,
+    lora_mode: str | None = None,
+) -> tuple[Path, Verified | None]:
     """Export one verified checkpoint of `run_dir` (default: the newest valid one).
 
     Returns the output folder and, with `verify`, what the check against transformers found (models/verify.py);
@@ -146,7 +139,7 @@ def export(
 
 
 def write_full(ckpt: Path, entries: dict, names: list[str], out: Path, max_shard_size: int, cfg: ModelConfig,
-               dtype: torch.dtype | None, tokens: dict | None, verify: bool) -> str | None:
+               dtype: torch.dtype | None, tokens: dict | None, verify: bool) -> Verified | None:
     """The Hugging Face folder (a LoRA run's with its adapters merged); with `verify`, what the check found."""
     read = partial(read_tensors, ckpt, entries)
     if cfg.lora.rank > 0:
@@ -155,7 +148,7 @@ def write_full(ckpt: Path, entries: dict, names: list[str], out: Path, max_shard
     write_weights(ckpt, entries, names, out, max_shard_size, cfg, dtype, read)
     write_config(cfg, ckpt, out, dtype or entries[names[0]][1].properties.dtype, tokens)
     write_tokenizer(tokens, cfg, out)
-    return verify_export(out, read(names), cfg, dtype).line() if verify else None
+    return verify_export(out, read(names), cfg, dtype) if verify else None
 
 
 def write_adapter_folder(run_dir: Path, ckpt: Path, entries: dict, names: list[str], out: Path, cfg: ModelConfig,
@@ -168,49 +161,28 @@ def write_adapter_folder(run_dir: Path, ckpt: Path, entries: dict, names: list[s
     write_tokenizer(tokens, cfg, out)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainctl.models.export",
-                                     description="Export a checkpoint's model as safetensors.")
-    parser.add_argument("run_dir", type=Path,
-                        help=f"the run directory (holds {rundir.CONFIG} and {rundir.CHECKPOINTS}/)")
-    parser.add_argument(
-        "--checkpoint",
-        help="a checkpoint directory, or its name under RUN_DIR/checkpoints; it must verify (default: newest valid)",
-    )
-    parser.add_argument("--out", type=Path, help="output folder (default: RUN_DIR/export/step-NNNNNNNN)")
-    parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE),
-                        help="bytes per file before sharding (5000000000, 500MB, 2GiB)")
-    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast the weights (default: as saved)")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--merged", dest="lora_mode", action="store_const", const="merged",
-                      help="a LoRA run: full weights with the adapters folded in")
-    mode.add_argument("--adapter", dest="lora_mode", action="store_const", const="adapter",
-                      help="a LoRA run: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
-    parser.add_argument("--verify", action="store_true",
-                        help="load the export with transformers and compare tensors and logits before calling it done")
-    return parser.parse_args(argv)
+def run(run_dir: Path, options: ExportOptions) -> ExportReport:
+    """Export as `options` say; what was written (raises UserError, or ToolFailed when --verify finds a
+    difference: not the user's mistake, the conversion is wrong, and nothing was left at --out)."""
+    if problems := options.problems():  # the api checked them; a direct `python -m` call is checked here too
+        raise ExportError(problems)
+    dtype = EXPORT_DTYPES[options.dtype] if options.dtype else None
+    try:
+        out, verified = export(run_dir, options.checkpoint, Path(options.out) if options.out else None,
+                               options.shard_bytes, dtype, verify=options.verify, lora_mode=options.lora_mode)
+    except VerifyError as exc:
+        raise ToolFailed(f"export --verify failed, nothing written: {exc}") from None
+    config = out / "config.json"  # a PEFT adapter folder has none
+    step = json.loads(config.read_text())["trainctl_checkpoint"]["step"] if config.exists() else None
+    figures = None if verified is None else {**asdict(verified), "tokens": list(verified.tokens)}
+    return ExportReport(str(out), sorted(p.name for p in out.iterdir()), options.dtype, step, figures,
+                        verified.line() if verified else None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: 0 on success, 2 with one line on stderr for a user error."""
-    args = parse_args(argv)
-    try:
-        dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-        out, verified = export(args.run_dir, args.checkpoint, args.out, parse_size(args.max_shard_size), dtype,
-                               verify=args.verify, lora_mode=args.lora_mode)
-    except UserError as exc:  # ExportError, and lora_export's
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except VerifyError as exc:  # not the user's mistake: the conversion is wrong, and nothing was left at --out
-        print(f"error: export --verify failed, nothing written: {exc}", file=sys.stderr)
-        return 1
-    files = sorted(p.name for p in out.iterdir())
-    config = out / "config.json"  # a PEFT adapter folder has none
-    step = json.loads(config.read_text())["trainctl_checkpoint"]["step"] if config.exists() else None
-    print(f"exported {f'step {step} ' if step is not None else 'the adapters '}to {out}: {', '.join(files)}")
-    if verified:
-        print(verified)
-    return 0
+    """Child entry (`tool_options.child_argv`): 0 on success, 2 for a user error, 1 when --verify finds a
+    difference."""
+    return serve(ExportOptions, sys.argv[1:] if argv is None else argv, run)
 
 
 if __name__ == "__main__":

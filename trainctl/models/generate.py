@@ -1,7 +1,8 @@
 """Sample from a run's checkpoint on one device: `trainctl generate` runs this module (the CLI stays torch-free).
 
-    python -m trainctl.models.generate RUN_DIR (--prompt TEXT | --prompts FILE | --prompt-ids 1,2,3)
-        [--checkpoint C] [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--chat] [--device D]
+    python -m trainctl.models.generate RUN_DIR OPTIONS_JSON [RESULT_JSON]
+
+(the options: core/tool_options.GenerateOptions as JSON; the completions go to RESULT_JSON, else to stdout.)
 
 The newest valid checkpoint (or a named one that verifies), read with DCP in one process as the export reads it,
 into the family's model; the run's own tokenizer (models/run_tokens.py). Decoding uses a key/value cache
@@ -11,13 +12,11 @@ temperature, keeps the smallest set of tokens whose probability reaches --top-p 
 and draws with a generator seeded by --seed: the same seed gives the same text. Generation stops at an
 end-of-sequence id (the tokenizer's, generation_config.json's) or after --max-new-tokens.
 
-One prompt prints its completion; --prompts FILE (one prompt per line) prints one JSON object per line.
+One prompt's completion is printed as it is; --prompts FILE (one prompt per line) prints one JSON object per line.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import stat
 import sys
 import warnings
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from trainctl.core.errors import UserError
+from trainctl.core.tool_options import Completion, Generated, GenerateOptions, serve
 from trainctl.models.build import build_model
 from trainctl.models.checkpoint_reader import (
     check_against_config,
@@ -179,76 +179,43 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainctl.models.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--checkpoint")
-    given = parser.add_mutually_exclusive_group(required=True)
-    given.add_argument("--prompt")
-    given.add_argument("--prompts", type=Path)
-    given.add_argument("--prompt-ids")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chat", action="store_true")
-    parser.add_argument("--device")
-    return parser.parse_args(argv)
-
-
-def check_sampling(args: argparse.Namespace) -> Sampling:
-    if args.max_new_tokens < 1:
-        raise GenerateError([f"--max-new-tokens {args.max_new_tokens}: must be at least 1"])
-    if not args.temperature >= 0:
-        raise GenerateError([f"--temperature {args.temperature}: must be >= 0 (0: greedy)"])
-    if not 0 < args.top_p <= 1:
-        raise GenerateError([f"--top-p {args.top_p}: must be in (0, 1]"])
-    return Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-
-
-def run(args: argparse.Namespace) -> None:
-    sampling = check_sampling(args)
-    if args.prompt is not None and not args.prompt.strip():
-        raise GenerateError(["--prompt '': empty; give some text, or --prompts FILE"])
-    prompts = read_prompts(args.prompts) if args.prompts is not None else [args.prompt or args.prompt_ids]
-    device = pick_device(args.device)
-    read_model_config(args.run_dir)  # not a run directory: refused before the tokenizer is looked for
-    tokens = run_tokens(args.run_dir)
-    if args.chat and args.prompt_ids is not None:
-        raise GenerateError(["--chat with --prompt-ids: ids are already what the model reads; leave --chat out"])
-    encoded = [parse_ids(p) if args.prompt_ids is not None else prompt_ids(p, tokens, args.chat) for p in prompts]
-    model, ckpt = load_model(args.run_dir, args.checkpoint, device)
+def run(run_dir: Path, options: GenerateOptions) -> Generated:
+    """Continue the prompts `options` name with the run's checkpoint; their completions (raises UserError)."""
+    if problems := options.problems():  # the api checked them; a direct `python -m` call is checked here too
+        raise GenerateError(problems)
+    sampling = Sampling(options.max_new_tokens, options.temperature, options.top_p, options.seed)
+    from_file, as_ids = options.prompts is not None, options.prompt_ids is not None
+    prompts = read_prompts(Path(options.prompts)) if from_file else [options.prompt or options.prompt_ids]
+    device = pick_device(options.device)
+    read_model_config(run_dir)  # not a run directory: refused before the tokenizer is looked for
+    tokens = run_tokens(run_dir)
+    encoded = [parse_ids(p) if as_ids else prompt_ids(p, tokens, options.chat) for p in prompts]
+    model, _ = load_model(run_dir, options.checkpoint, device)
     vocab = model.cfg.vocab_size
     if max(max(ids) for ids in encoded) >= vocab:
-        key = "--prompt-ids" if args.prompt_ids is not None else "the run's tokenizer"
+        key = "--prompt-ids" if as_ids else "the run's tokenizer"
         raise GenerateError([f"{key}: token id {max(max(ids) for ids in encoded)} >= model.vocab_size={vocab}; "
                              "the model has no embedding for it (use ids below it)"])
-    end = tokens.end_of_turn() if args.chat else None
+    end = tokens.end_of_turn() if options.chat else None
     # Each new token holds at least one byte of text: the last len(end) bytes' worth of tokens is enough to look at.
     tail = len(end.encode("utf-8")) + 1 if end else 0
     stop = (lambda new: end in tokens.decode(new[-tail:])) if end else None
+    completions = []
     for text, ids in zip(prompts, encoded, strict=True):
         new = generate_ids(model, ids, fit_to_context(ids, sampling, model.cfg.max_seq_len), tokens.eos_ids,
                            stop=stop)
         shown = new[:-1] if new and new[-1] in tokens.eos_ids else new
-        completion = tokens.decode(shown) if args.prompt_ids is None else " ".join(map(str, shown))
+        completion = " ".join(map(str, shown)) if as_ids else tokens.decode(shown)
         completion = completion.split(end)[0] if end else completion  # the answer, without the end-of-turn text
-        if args.prompts is None:
-            print(completion, flush=True)
-        else:
-            print(json.dumps({"prompt": text, "completion": completion, "ids": new}, ensure_ascii=False), flush=True)
+        completions.append(Completion(text, completion, new))
+    return Generated(completions, from_file)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            run(args)
-    except UserError as exc:  # GenerateError, ExportError, TokenizerError: one line each
-        print(f"error: {'; '.join(exc.problems)}", file=sys.stderr)
-        return 2
-    return 0
+    """Child entry (`tool_options.child_argv`): 0 on success, 2 for a user error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return serve(GenerateOptions, sys.argv[1:] if argv is None else argv, run)
 
 
 if __name__ == "__main__":

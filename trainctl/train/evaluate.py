@@ -1,6 +1,8 @@
 """Loss and perplexity of a run's checkpoint over a prepared dataset's val split: `trainctl eval` runs this module.
 
-    python -m trainctl.train.evaluate RUN_DIR --data DIR [--checkpoint C] [--batches N] [--json] [--device D]
+    python -m trainctl.train.evaluate RUN_DIR OPTIONS_JSON [RESULT_JSON]
+
+(the options: core/tool_options.EvalOptions as JSON; the result goes to RESULT_JSON, else to stdout.)
 
 The worker's own reading code (train/data.py's TokenBatches.eval_batches: the same fixed windows, the loss
 masks of chat / instruction data honoured) and its loss (the model's summed token cross-entropy over the
@@ -12,8 +14,6 @@ rounding). A dataset tokenized with another tokenizer than the run's is refused:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import warnings
@@ -26,6 +26,7 @@ from trainctl.config.schema import DataConfig, RunConfig
 from trainctl.core import checkpoints
 from trainctl.core import rundir as layout
 from trainctl.core.errors import UserError
+from trainctl.core.tool_options import EvalOptions, EvalResult, serve
 from trainctl.data import format as dataset
 from trainctl.models.checkpoint_reader import read_model_config
 from trainctl.models.generate import load_model, pick_device
@@ -99,7 +100,8 @@ def loss_totals(model: torch.nn.Module, batches: list, device: torch.device) -> 
     return total, count
 
 
-def evaluate(run_dir: Path, data_dir: str, checkpoint: str | None, batches: int | None, device: torch.device) -> dict:
+def evaluate(run_dir: Path, data_dir: str, checkpoint: str | None, batches: int | None,
+             device: torch.device) -> EvalResult:
     model_cfg = read_model_config(run_dir)
     cfg = load_run_config(run_dir)
     check_dataset(run_dir, data_dir, model_cfg.vocab_size)
@@ -111,40 +113,21 @@ def evaluate(run_dir: Path, data_dir: str, checkpoint: str | None, batches: int 
         raise EvalError([f"--data {data_dir}: no target of the {batches} val batches counts in the loss (every "
                          "token masked); evaluate more --batches or a dataset with answers in its val split"])
     loss = total / count
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count, "batches": batches,
-            "seq_len": cfg.train.seq_len, "micro_batch": cfg.train.micro_batch, "step": checkpoints.step_of(ckpt),
-            "checkpoint": str(ckpt), "data": str(Path(data_dir).resolve())}
+    return EvalResult(loss, math.exp(min(loss, 700.0)), count, batches, cfg.train.seq_len, cfg.train.micro_batch,
+                      checkpoints.step_of(ckpt), str(ckpt), str(Path(data_dir).resolve()))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainctl.train.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--checkpoint")
-    parser.add_argument("--batches", type=int)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--device")
-    return parser.parse_args(argv)
+def run(run_dir: Path, options: EvalOptions) -> EvalResult:
+    if problems := options.problems():  # the api checked them; a direct `python -m` call is checked here too
+        raise EvalError(problems)
+    return evaluate(run_dir, options.data, options.checkpoint, options.batches, pick_device(options.device))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.batches is not None and args.batches < 1:
-            raise EvalError([f"--batches {args.batches}: must be at least 1"])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            result = evaluate(args.run_dir, args.data, args.checkpoint, args.batches, pick_device(args.device))
-    except UserError as exc:
-        print(f"error: {'; '.join(exc.problems)}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"step {result['step']}: val loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over "
-              f"{result['tokens']:,} tokens ({result['batches']} batches of {result['micro_batch']} x "
-              f"{result['seq_len']}) of {result['data']}")
-    return 0
+    """Child entry (`tool_options.child_argv`): 0 on success, 2 for a user error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return serve(EvalOptions, sys.argv[1:] if argv is None else argv, run)
 
 
 if __name__ == "__main__":
