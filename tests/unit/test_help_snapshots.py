@@ -1,8 +1,9 @@
 """Every command's `--help` against a committed snapshot, so an option cannot appear, vanish or change its default
 unnoticed.
 
-Rendered in process (typer.testing.CliRunner) at a fixed width without colour or a terminal, so the text depends
-on the code only. After an intended change, regenerate the snapshots and review their diff:
+Rendered in process (typer.testing.CliRunner) without colour or a terminal, and at a fixed width (click wraps at
+80 columns at most; COLUMNS=100 keeps a narrower terminal from changing that), so the text depends on the code
+only. After an intended change, regenerate the snapshots and review their diff:
 
     UPDATE_SNAPSHOTS=1 python -m pytest tests/unit/test_help_snapshots.py
 """
