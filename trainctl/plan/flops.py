@@ -7,7 +7,7 @@ published counts of the named models (tests/dist/test_families.py builds transfo
 from __future__ import annotations
 
 from trainctl.config.schema import ModelConfig
-from trainctl.core.lora import target_paths
+from trainctl.core.lora import adapter_count
 from trainctl.models.registry import spec
 
 
@@ -45,11 +45,8 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 
 def lora_formula_count(m: ModelConfig) -> int:
-    """LoRA's trainable parameters: per target, rank x (in + out), in every layer; 0 without model.lora."""
-    if m.lora.rank <= 0:
-        return 0
-    shapes = linear_shapes(m)
-    return m.n_layers * sum(m.lora.rank * sum(shapes[path]) for path in target_paths(m.lora))
+    """LoRA's trainable parameters (core/lora.py's count, which the worker reports too)."""
+    return adapter_count(m.lora, m.n_layers, linear_shapes(m))
 
 
 def trainable_count(m: ModelConfig) -> int:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainctl.models.llama.spec import LlamaSpec
+from trainctl.models.common.shape import DecoderSpec
 from trainctl.models.registry import HFConfigError, flag
 
 
-class Qwen2Spec(LlamaSpec):
+class Qwen2Spec(DecoderSpec):
     family = "qwen2"
     hf_model_types = ("qwen2",)
     hf_architectures = ("Qwen2ForCausalLM",)

@@ -10,15 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainctl.core.tensors import Tensor
-from trainctl.models.llama.spec import FP32, LlamaSpec
+from trainctl.models.common.shape import FP32, DecoderSpec
 from trainctl.models.registry import HFConfigError, flag
 
 
-class Qwen3Spec(LlamaSpec):
+class Qwen3Spec(DecoderSpec):
     family = "qwen3"
     hf_model_types = ("qwen3",)
     hf_architectures = ("Qwen3ForCausalLM",)
-    hf_block_names = {**LlamaSpec.hf_block_names,
+    hf_block_names = {**DecoderSpec.hf_block_names,
                       "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
 
     def attention_tensors(self, m, p: str) -> list[Tensor]:

@@ -21,12 +21,13 @@ from trainctl.config.schema import RunConfig, TrainConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
+from trainctl.core.lora import adapter_count
 from trainctl.core.measured import performance
 from trainctl.core.support import lora_unsupported
 from trainctl.core.wrapping import wrapping_of
+from trainctl.models import registry
 from trainctl.models.build import build_model
-from trainctl.models.llama.model import attention_backends
-from trainctl.plan.flops import flops_per_token, lora_formula_count
+from trainctl.models.common.attention import attention_backends
 from trainctl.train.checkpoint import state as checkpoint_state
 from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
 from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
@@ -206,7 +207,8 @@ def step_metrics(job: Job, result: StepResult, lap: tuple[float, int]) -> dict:
         **job.guard.metrics(),
     }
     if job.peak_flops:
-        flops = flops_per_token(job.cfg.model, job.cfg.train.seq_len) * tokens_per_s
+        model = job.cfg.model  # FLOPs per token: the family spec's, as the plan counts them
+        flops = registry.spec(model.family).flops_per_token(model, job.cfg.train.seq_len) * tokens_per_s
         values["mfu"] = flops / (job.world.world_size * job.peak_flops)
     if job.world.device.type == "cuda":
         values["peak_mem_gib"] = torch.cuda.max_memory_allocated(job.world.device) / 2**30
@@ -247,6 +249,11 @@ def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> 
     return parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, device), None
 
 
+def trainable_adapters(m) -> int:
+    """model.lora's adapter parameters, counted as the plan counts them (core/lora.py, the family's shapes)."""
+    return adapter_count(m.lora, m.n_layers, registry.spec(m.family).linear_shapes(m))
+
+
 def check_lora_supported(cfg: RunConfig) -> None:
     """The launcher refuses these layouts with LoRA; a hand-edited config.yaml meets the same line here."""
     missing = lora_unsupported(cfg.model.lora, cfg.sharding, cfg.precision)
@@ -277,7 +284,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(wrap, mesh))
     if cfg.model.lora.rank > 0:
         print0(f"lora: rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}; "
-               f"{lora_formula_count(cfg.model):,} trainable parameters, the rest frozen", world.is_main)
+               f"{trainable_adapters(cfg.model):,} trainable parameters, the rest frozen", world.is_main)
     register_float8_scale_precompute(optimizer, model, cfg.precision, wrap.fsdp)
     watchdog.pause()  # a first tokenization or cache build is long by nature
     train_data, val_data = build_data(cfg, mesh, world)
