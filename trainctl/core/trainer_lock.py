@@ -2,7 +2,7 @@
 
 Separate from the layout and its tolerant readers (core/rundir.py) because this is the one part that holds OS
 state (an flock'd descriptor, /proc identities) rather than reading files; rundir.py's `python -m` entry point,
-which launch scripts call, runs `main` here.
+which launch scripts call, runs this module's `main` (rundir.py never imports this module).
 """
 
 from __future__ import annotations
@@ -165,3 +165,7 @@ def said_completed(run_dir: Path) -> bool:
     print(f"trainctl: run {run_dir.name} already finished (see {run_dir / RESULT}); nothing to train. "
           f"To train further: trainctl resume {run_dir.name} train.steps=N", file=sys.stderr)
     return True
+
+
+if __name__ == "__main__":  # run as `python -m trainctl.core.rundir ...` (rundir.py forwards here)
+    sys.exit(main(sys.argv[1:]))

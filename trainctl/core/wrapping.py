@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from trainctl.core.dims import ParallelDims
 
-STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "hsdp")
-# Input spellings validate turns into a strategy above; nothing after validation sees them.
+# What sharding.strategy may name (config/schema.py's choices), in the order errors list them.
+STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+# Input spellings validate turns into another strategy; nothing after validation sees them.
 ALIASES = {"fsdp": "zero3"}
 # Parameters replicated on every data-parallel rank (dp_shard must be 1).
 REPLICATING = ("ddp", "zero1")

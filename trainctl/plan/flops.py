@@ -20,15 +20,6 @@ def layer_params(m: ModelConfig) -> int:
     return spec(m.family).layer_params(m)
 
 
-def embedding_params(m: ModelConfig) -> int:
-    return spec(m.family).embedding_tensor(m).numel
-
-
-def output_params(m: ModelConfig) -> int:
-    """The output projection; zero extra parameters when tied to the embedding."""
-    return 0 if m.tie_embeddings else m.vocab_size * m.dim
-
-
 def param_count(m: ModelConfig) -> int:
     """Total parameters, counting a tied embedding once."""
     return spec(m.family).param_count(m)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainctl.config.schema import RunConfig, TrainConfig
+from trainctl.config.schema import RunConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
@@ -170,10 +170,6 @@ def resumed_own_run(job: Job) -> bool:
     return path is not None and path.resolve().parent == job.checkpoints.root.resolve()
 
 
-def tokens_per_step(train: TrainConfig) -> int:
-    return train.global_batch * train.seq_len
-
-
 def make_summary(job: Job, begin: int, stopped: bool, val_loss: float, wall_time_s: float) -> dict:
     """result.json: where the run ended and its last numbers."""
     progress = job.progress
@@ -186,7 +182,7 @@ def make_summary(job: Job, begin: int, stopped: bool, val_loss: float, wall_time
         "final_val_loss": val_loss,
         "initial_val_loss": progress.initial_val_loss,
         "wall_time_s": wall_time_s,
-        "tokens_seen": tokens_per_step(job.cfg.train) * progress.step,
+        "tokens_seen": job.cfg.train.tokens_per_step * progress.step,
         **job.guard.metrics(),
     }
 
@@ -195,14 +191,14 @@ def step_metrics(job: Job, result: StepResult, lap: tuple[float, int]) -> dict:
     """The logged numbers of one step (loss and norm already agreed across ranks)."""
     elapsed, steps = lap
     step_time = elapsed / max(steps, 1)
-    tokens_per_s = tokens_per_step(job.cfg.train) / step_time
+    tokens_per_s = job.cfg.train.tokens_per_step / step_time
     values = {
         "loss": result.loss,
         "lr": result.lr,
         "grad_norm": result.grad_norm,
         "tokens_per_s": tokens_per_s,
         "step_time_s": step_time,
-        "tokens_seen": tokens_per_step(job.cfg.train) * result.step,
+        "tokens_seen": job.cfg.train.tokens_per_step * result.step,
         **job.scaler.metrics(),
         **job.guard.metrics(),
     }
