@@ -55,6 +55,8 @@ class DecoderSpec:
         "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
         "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
     qkv_bias = False  # q, k and v projections carry biases (qwen2)
+    # Qwen's config.json: a window applies only with use_sliding_window, and then to some layers (refused).
+    windows_per_layer = False
     # Tensor parallelism: split by output rows (ColwiseParallel), by input columns (RowwiseParallel).
     tp_colwise = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
     tp_rowwise = ("wo", "w2")
@@ -272,6 +274,11 @@ class DecoderSpec:
 
     def _hf_window(self, data: dict, where: Path) -> int:
         """The sliding window in effect (0: none); validate refuses one shorter than train.seq_len."""
+        if self.windows_per_layer:
+            if flag(where, data, "use_sliding_window", False):
+                raise HFConfigError(f"{where}: use_sliding_window=true (sliding windows on some layers) is not "
+                                    f"implemented; trainctl's {self.family} attends to the whole sequence")
+            return 0
         window = data.get("sliding_window")
         if window is None or data.get("use_sliding_window") is False:
             return 0
@@ -307,6 +314,8 @@ class DecoderSpec:
 
     def hf_extra(self, m) -> dict:
         """Family-specific config.json fields."""
+        if self.windows_per_layer:
+            return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers}
         return {}
 
     # ---- Hugging Face tensor names ----
