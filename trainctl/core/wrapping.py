@@ -1,6 +1,6 @@
 """The wrapping decision: what the worker wraps the model with, decided once, without torch.
 
-`wrapping(strategy, dims, precision)` is read by the worker (train/parallelize.py, precision.py,
+`wrapping(strategy, dims, precision)` is read by the worker (train/parallel/parallelize.py, precision.py,
 float8.py) to wrap the model, and by the plan (memory, throughput, notes) and validation to count
 and check what that wrapping costs. Neither side restates the conditions below.
 
