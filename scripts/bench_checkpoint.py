@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainctl.config.schema import ClusterConfig, ModelConfig, OptimConfig
-from trainctl.models.llama.model import build_model, count_params
+from trainctl.models.build import build_model
+from trainctl.models.common.decoder import count_params
 from trainctl.train.checkpoint import state as checkpoint_state
 from trainctl.train.checkpoint.store import CheckpointManager, list_committed, verify
 from trainctl.train.optim import build_optimizer

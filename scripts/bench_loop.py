@@ -36,7 +36,8 @@ from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import CheckpointConfig, DataConfig, RunConfig
 from trainctl.config.validate import resolve
-from trainctl.models.llama.model import attention_backends, build_model
+from trainctl.models.build import build_model
+from trainctl.models.common.attention import attention_backends
 from trainctl.train.loop.stop import StopRequest
 from trainctl.train.loop.trainer import setup, train_loop
 from trainctl.train.optim import build_optimizer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import re
 import sys
@@ -19,8 +20,6 @@ from pathlib import Path
 PACKAGE = "trainctl"
 WIDTH = 120
 MODULE_LINES = 400
-# The launcher side's layer order: a package may import only packages to its right.
-LAYERS = ("cli", "launch", "plan", "config", "core")
 HOOK_PATTERN = re.compile(r"TRAINCTL_TEST_|def inject_|^\s+inject_\w+: ")  # test env vars, injectors, config keys
 
 
@@ -28,14 +27,24 @@ def python_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / PACKAGE).rglob("*.py") if "__pycache__" not in p.parts)
 
 
-# The torch-free part of models/ (the family registry and each family's spec.py) is a layer of its own, "specs",
-# below config; the rest of models/ is the worker's (as tests/unit/test_layering.py draws the layers).
-SPEC_MODULES = re.compile(r"^models\.(registry|[a-z0-9_]+\.spec)$")
+
+
+def _layering():
+    """tests/unit/test_layering.py, the one map of the layers (LAUNCHER, WORKER, SPEC_MODULES, allowed): the
+    figures here judge imports by the rules the test enforces."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "unit" / "test_layering.py"
+    spec = importlib.util.spec_from_file_location("trainctl_layering", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAYERING = _layering()
 
 
 def layer_of(parts: tuple[str, ...]) -> str:
     """The package a module (its parts below trainctl) counts as: plan.memory -> plan, models.llama.spec -> specs."""
-    return "specs" if SPEC_MODULES.match(".".join(parts)) else parts[0]
+    return "specs" if LAYERING.SPEC_MODULES.match(".".join((PACKAGE, *parts))) else parts[0]
 
 
 def package_of(path: Path, root: Path) -> str:
@@ -94,9 +103,10 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def against_layers(edges: dict[str, set[str]]) -> list[str]:
-    order = {name: index for index, name in enumerate(LAYERS)}
+    """Imports the layering test forbids, between packages it places (a made-up package is not judged)."""
+    placed = set(LAYERING.LAUNCHER) | set(LAYERING.WORKER)
     return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
-                  if a in order and b in order and order[b] < order[a])
+                  if a in placed and b in placed and not LAYERING.allowed(a, b))
 
 
 def measure(root: Path) -> dict:

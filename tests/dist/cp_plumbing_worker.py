@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainctl.core.dims import ParallelDims
-from trainctl.models.llama.model import rope_frequencies
+from trainctl.models.common.rope import rope_frequencies
 from trainctl.train.parallel.context_parallel import cp_mesh_of, sharded_sequences
 from trainctl.train.parallel.distributed import build_mesh, dp_coordinates
 from trainctl.train.parallel.parallelize import dp_mesh_for

@@ -18,7 +18,7 @@ from worker_runs import assert_same_steps, base_config, records, series, train_a
 
 from tests.helpers import REL, run_torchrun
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 
 pytestmark = pytest.mark.dist
 

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from trainctl.config.schema import ModelConfig
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.train.parallel.parallelize import apply_fsdp
 
 # A process group (a world of one, in this process): the dist tier, not unit.

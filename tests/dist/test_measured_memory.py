@@ -25,8 +25,7 @@ from worker_runs import TINY
 from tests.helpers import REL
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
-from trainctl.models.build import build_model as build_family_model
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.plan import memory as plan_memory
 from trainctl.plan.stages import rank_stages
 from trainctl.train.loop.trainer import token_loss_sum
@@ -177,7 +176,7 @@ def planned_activation_bytes(model_cfg: ModelConfig, strategy: str, precision: P
 def measured_activation_bytes(model_cfg: ModelConfig, precision: str, mode: str, batch: int, seq: int) -> tuple[int, int]:
     """(saved-tensor hook bytes, live storage bytes) of one forward + loss, as the trainer computes it."""
     torch.manual_seed(0)
-    model = build_family_model(model_cfg, "cpu")
+    model = build_model(model_cfg, "cpu")
     model.init_weights()
     apply_activation_checkpointing(model, mode, every=2)
     if precision == "bf16_fsdp":

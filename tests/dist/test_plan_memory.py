@@ -160,7 +160,7 @@ def test_a_blocks_saved_activations_match_the_plan(compiled):
     import torch
 
     from trainctl.config.schema import ModelConfig
-    from trainctl.models.llama.model import build_model
+    from trainctl.models.build import build_model
     from trainctl.plan import activations as act
 
     m = ModelConfig(name="t", dim=256, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=256,

@@ -19,7 +19,7 @@ from worker_runs import TINY
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.core.wrapping import wrapping_of
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.train.parallel.distributed import build_mesh
 from trainctl.train.parallel.parallelize import parallelize, unwrap
 from trainctl.train.parallel.precision import autocast_for

@@ -27,7 +27,7 @@ from worker_runs import TINY, base_config, records, series, train_and_check
 from tests.helpers import REL
 from trainctl.config.schema import ShardingConfig
 from trainctl.core.dims import ParallelDims
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.plan import rank_states
 from trainctl.plan.flops import param_count
 from trainctl.plan.stages import rank_stages

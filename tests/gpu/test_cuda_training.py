@@ -122,7 +122,8 @@ def test_attention_runs_the_kernel_the_plan_predicts(first, n_kv_heads):
     from torch.profiler import ProfilerActivity, profile
 
     from trainctl.config.schema import ClusterConfig, RunConfig, TrainConfig
-    from trainctl.models.llama.model import attention_backends, build_model
+    from trainctl.models.build import build_model
+    from trainctl.models.common.attention import attention_backends
     from trainctl.plan.attention_kernel import predicted_kernel
 
     model_cfg = replace(MODEL, n_kv_heads=n_kv_heads)

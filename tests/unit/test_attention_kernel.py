@@ -8,7 +8,7 @@ from torch.nn.attention import SDPBackend
 from trainctl.config import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
-from trainctl.models.llama import model as llama
+from trainctl.models.common import attention
 from trainctl.plan.attention_kernel import predicted_kernel
 from trainctl.plan.runplan import build
 
@@ -35,9 +35,9 @@ def test_the_plan_names_the_kernel(overrides, kernel):
 
 def test_flash_leaves_cudnn_out_of_the_order(monkeypatch):
     seen = []
-    monkeypatch.setattr(llama, "sdpa_kernel", lambda order, set_priority: seen.append(list(order)))
-    llama.attention_backends("cudnn")
-    llama.attention_backends("flash")
+    monkeypatch.setattr(attention, "sdpa_kernel", lambda order, set_priority: seen.append(list(order)))
+    attention.attention_backends("cudnn")
+    attention.attention_backends("flash")
     assert seen[0][0] == SDPBackend.CUDNN_ATTENTION
     assert SDPBackend.CUDNN_ATTENTION not in seen[1] and seen[1][0] == SDPBackend.FLASH_ATTENTION
 

@@ -14,7 +14,7 @@ import torch
 
 from trainctl.config.schema import ModelConfig
 from trainctl.models import loss_head
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.models.loss_head import chunk_tokens, dense_loss_sum, linear_cross_entropy
 
 real_chunk = loss_head._chunk

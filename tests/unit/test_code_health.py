@@ -35,6 +35,16 @@ def test_figures_of_a_made_up_package(tmp_path):
     assert figures["test_hooks"] == ["trainctl/plan/b.py:3"]
 
 
+def test_it_judges_by_the_layering_tests_map(tmp_path):
+    """One map of the layers: the worker importing the planner, or core importing data, is against it here too."""
+    health = load_script()
+    write(tmp_path, "train/x.py", "from trainctl.plan import flops\n")
+    write(tmp_path, "core/y.py", "from trainctl.data import format\n")
+    write(tmp_path, "data/z.py", "from trainctl.core import y\n")
+    assert health.measure(tmp_path)["imports_against_layers"] == ["core -> data", "train -> plan"]
+    assert "specs" in health.LAYERING.LAUNCHER and "train" in health.LAYERING.WORKER
+
+
 def test_runs_on_this_repository(capsys):
     health = load_script()
     assert health.main([str(ROOT), "--json"]) == 0

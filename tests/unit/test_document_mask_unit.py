@@ -8,10 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional
 
 from trainctl.config.schema import ModelConfig
 from trainctl.data.format import DOC_START, LOSS
-from trainctl.models.build import build_model, family_module
+from trainctl.models.build import build_model
+from trainctl.models.common import rope
 from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.train.loop.data import _to_inputs_targets, document_positions
 from trainctl.train.loop.loss import token_loss_sum
@@ -75,15 +77,14 @@ def test_a_packed_row_gives_each_document_its_own_loss_and_gradients(family):
 
 def test_without_positions_attention_is_the_plain_causal_call(monkeypatch):
     """data.document_mask=false: no mask is built, SDPA gets is_causal=True as before (its fast kernels)."""
-    llama = family_module(BASE)
     calls = []
-    real = llama.functional.scaled_dot_product_attention
+    real = functional.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
         calls.append(sorted(kwargs.items(), key=lambda kv: kv[0]))
         return real(q, k, v, **kwargs)
 
-    monkeypatch.setattr(llama.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", spy)
     model = _model(BASE)
     _, row, positions = _packed_row()
     with torch.no_grad():
@@ -98,15 +99,14 @@ def test_without_positions_attention_is_the_plain_causal_call(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rope_restarts_at_each_document(family, monkeypatch):
     """Logits barely tell restarted positions from running ones (RoPE is relative): compare the rotated q, k."""
-    llama = family_module(BASE)
     seen = []
-    real = llama.functional.scaled_dot_product_attention
+    real = functional.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
         seen.append((q, k))
         return real(q, k, v, **kwargs)
 
-    monkeypatch.setattr(llama.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", spy)
     model = _model(FAMILIES[family])
     docs, row, positions = _packed_row()
     start, end = LENGTHS[0], LENGTHS[0] + LENGTHS[1]
@@ -150,13 +150,12 @@ def test_a_target_that_starts_the_next_document_does_not_count():
 
 def test_rope_of_per_token_positions_is_the_rotation_each_document_gets_alone():
     """RoPE is relative, so logits barely tell restarted from running positions: check the rotation itself."""
-    llama = family_module(BASE)
-    freqs = llama.rope_frequencies(8, 64, 10000.0)
+    freqs = rope.rope_frequencies(8, 64, 10000.0)
     x = torch.randn(1, 28, 2, 8)
     _, _, positions = _packed_row()
-    packed = llama.apply_rope(x, freqs[positions])
+    packed = rope.apply_rope(x, freqs[positions])
     start = LENGTHS[0]
-    assert torch.equal(packed[:, start:start + LENGTHS[1]], llama.apply_rope(x[:, start:start + LENGTHS[1]], freqs))
+    assert torch.equal(packed[:, start:start + LENGTHS[1]], rope.apply_rope(x[:, start:start + LENGTHS[1]], freqs))
 
 
 # ---------------------------------------------------------------- config: refused in one line each

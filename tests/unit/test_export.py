@@ -24,9 +24,9 @@ from trainctl.config.schema import ModelConfig, RunConfig
 from trainctl.core.checkpoints import MANIFEST, list_files, sha256
 from trainctl.core.tool_options import ExportOptions, parse_size
 from trainctl.models import export as export_module
+from trainctl.models.build import build_model
 from trainctl.models.hf import from_hf
 from trainctl.models.hf_folder import plan_shards
-from trainctl.models.llama.model import build_model
 
 STEP = "step-00000005"
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)  # quick to save and hash

@@ -48,6 +48,21 @@ def test_spec_tensors_are_the_modules_parameters_in_order(family):
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
+def test_checkpoint_names_are_the_specs_tensors(family):
+    """Every key of the module's state dict is a tensor the spec declares, in order: checkpoints (DCP keys) and
+    the HF name maps are written against these names, so a refactor of the module classes must keep them.
+
+    A tied output weight is one parameter under two names: the state dict lists it again after the norm."""
+    from trainctl.models.build import build_model
+    from trainctl.plan.shapes import stage_tensors
+
+    cfg = SHAPES[family]
+    declared = [t.name for t in stage_tensors(cfg, range(cfg.n_layers), first=True, last=True)]
+    tied = ["output.weight"] if cfg.tie_embeddings else []
+    assert list(build_model(cfg, "meta").state_dict()) == declared + tied
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
 def test_config_json_round_trips_through_the_spec(family, tmp_path):
     from trainctl.config.hf_config import model_fields
 

@@ -13,8 +13,8 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.hf_config import model_fields
 from trainctl.config.schema import ModelConfig
 from trainctl.config.validate import resolve
+from trainctl.models.build import build_model
 from trainctl.models.hf import from_hf, from_hf_name, from_hf_rows, to_hf, to_hf_name, to_hf_rows
-from trainctl.models.llama.model import build_model
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 300, "max_position_embeddings": 128,

@@ -2,7 +2,8 @@
 the worker (train, models) on the left.
 
 `specs` is the torch-free part of models/ that the launcher side may import: the family registry
-(models/registry.py) and each family's models/<family>/spec.py; the rest of models/ is the worker's.
+(models/registry.py), the shared decoder's shape (models/common/shape.py) and each family's models/<family>/spec.py;
+the rest of models/ is the worker's. docs/design.md draws these tuples (a test below keeps it equal).
 
 Read from the source with ast (nothing is imported), lazy imports inside functions included: a package-level
 import cycle, or an import against the direction, fails with the module and the line that makes it.
@@ -21,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # The launcher side, lowest first: a package imports only its own layer and those before it.
 LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "api", "render", "cli_tools", "cli")
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
-WORKER = {"train": ("core", "data", "specs", "config", "plan", "models", "train"),
+WORKER = {"train": ("core", "data", "specs", "config", "models", "train"),
           "models": ("core", "data", "specs", "config", "models")}
-SPEC_MODULES = re.compile(r"^trainctl\.models\.(registry|[a-z0-9_]+\.spec)$")
+SPEC_MODULES = re.compile(r"^trainctl\.models\.(registry|common\.shape|[a-z0-9_]+\.spec)$")
 
 
 def module_name(path: Path) -> str:
@@ -133,6 +134,30 @@ def test_imports_go_one_way(source):
     assert wrong == {}
 
 
+def test_the_worker_does_not_import_the_planner():
+    """Math both halves need (lr_at, LoRA's count) sits in core; a family's shape (FLOPs per token) in its spec."""
+    assert ("plan", "config") in package_edges()  # the finder sees plan's own imports
+    assert {f"{s} -> plan": where for (s, t), where in package_edges().items() if t == "plan" and s in WORKER} == {}
+
+
+DESIGN_PAGE = ROOT.parent / "docs" / "design.md"
+
+
+def drawn_layers(text: str) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """The launcher layers and the worker's imports as the design page lists them (its two layer lines)."""
+    launcher = next(line for line in text.splitlines() if line.startswith("Launcher layers, lowest first:"))
+    worker = next(line for line in text.splitlines() if line.startswith("Worker packages and what they import:"))
+    parts = worker.split(":", 1)[1].split(";")
+    return (tuple(re.findall(r"`(\w+)`", launcher)),
+            {re.findall(r"`(\w+)`", p)[0]: tuple(re.findall(r"`(\w+)`", p)[1:]) for p in parts})
+
+
+def test_the_design_page_draws_the_layers_this_test_enforces():
+    assert drawn_layers("Launcher layers, lowest first: `a`, `b`\nWorker packages and what they import: `w`: `a`, "
+                        "`w`; `m`: `a`") == (("a", "b"), {"w": ("a", "w"), "m": ("a",)})
+    assert drawn_layers(DESIGN_PAGE.read_text()) == (LAUNCHER, WORKER)
+
+
 def test_every_package_has_a_place():
     packages = {package_of(module_name(p)) for p in ROOT.rglob("*.py")} - {None}
     assert packages <= set(LAUNCHER) | set(WORKER)
@@ -151,31 +176,19 @@ def importers_of(family: str, imports: dict[str, list[str]]) -> dict[str, list[s
     return found
 
 
-def test_what_imports_each_familys_modules():
+def test_nothing_outside_a_family_imports_its_modules():
     """A family is reached through the registry (specs, torch-free) and models/build.py (module, plan) by name,
-    never imported by the plan, the config or the worker: adding one touches its folder and a model YAML.
-
-    llama is also the base the other families subclass, and its module holds the pieces every family shares
-    (the SDPA backend order, the attention class context parallelism adjusts, the sharding-independent init).
-    """
+    never imported by the plan, the config, the worker or another family: what families share lives in
+    models/common/, so adding one touches its folder and a model YAML."""
     from trainctl.models import registry
 
     families = registry.names()
-    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(families)
-    in_families = {f"trainctl.models.{f}.{m}" for f in families for m in ("spec", "model", "parallel")}
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(families) and "common" not in families
     imports = {module_name(p): [name for name, _ in imported_modules(p)] for p in sorted(ROOT.rglob("*.py"))}
-    for family in families:
-        outside = {m: names for m, names in importers_of(family, imports).items() if m not in in_families}
-        if family != "llama":
-            assert outside == {}, family
-            continue
-        assert outside == {
-            "trainctl.models.hf": ["trainctl.models.llama.model"],
-            "trainctl.models.kv_cache": ["trainctl.models.llama.model"],  # apply_rope, for generate's decode path
-            "trainctl.models.lora": ["trainctl.models.llama.model"],  # the sharding-independent init of A and B
-            "trainctl.train.parallel.context_parallel": ["trainctl.models.llama.model"],
-            "trainctl.train.loop.trainer": ["trainctl.models.llama.model"],
-        }
+    # The finder sees such an import: one family's module reaching into another's.
+    probe = {"trainctl.models.qwen2.model": ["trainctl.models.llama.model"], "trainctl.models.llama.spec": ["x"]}
+    assert importers_of("llama", probe) == {"trainctl.models.qwen2.model": ["trainctl.models.llama.model"]}
+    assert {family: importers_of(family, imports) for family in families} == {family: {} for family in families}
 
 
 def test_every_family_is_a_complete_folder_with_a_model_config():

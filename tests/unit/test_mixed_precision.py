@@ -10,7 +10,7 @@ from torch import nn
 
 from tests.faults import worker_faults
 from trainctl.config.schema import ModelConfig, PrecisionConfig
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.models.loss_head import OutputHead
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.loop.loss_scaling import DynamicLossScaler, NoLossScaling, build_loss_scaler
@@ -146,7 +146,7 @@ def test_tensor_parallel_uses_float8_styles_only_where_every_linear_is_float8(ex
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    from trainctl.models.llama.parallel import block_plan
+    from trainctl.models.common.parallel import block_plan
 
     model = build_model(SMALL, "meta")
     precision = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_exclude=exclude)

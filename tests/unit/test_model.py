@@ -10,7 +10,9 @@ from trainctl.config.compose import conf_dir
 from trainctl.config.load import from_dict
 from trainctl.config.schema import ModelConfig
 from trainctl.models import build
-from trainctl.models.llama.model import apply_rope, build_model, count_params, rope_frequencies
+from trainctl.models.build import build_model
+from trainctl.models.common.decoder import count_params
+from trainctl.models.common.rope import apply_rope, rope_frequencies
 from trainctl.plan.flops import param_count
 
 MODEL_YAMLS = sorted((conf_dir() / "model").glob("*.yaml"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainctl.config.schema import ModelConfig, OptimConfig, ScheduleConfig
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.optim import build_optimizer, lr_at, param_groups
 

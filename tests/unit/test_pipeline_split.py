@@ -10,7 +10,7 @@ import torch
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig
 from trainctl.core.stages import local_stage_ids, stage_layers
 from trainctl.core.support import unsupported
-from trainctl.models.llama.model import build_model
+from trainctl.models.build import build_model
 from trainctl.train.parallel.pipeline import build_stage_model
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=32)

@@ -14,7 +14,8 @@ from trainctl.config.schema import ClusterConfig, PrecisionConfig, RunConfig, Sh
 from trainctl.config.slurm import SlurmClusterConfig
 from trainctl.launch.command import command_record, default_run_dir, launch_argv, plan_record
 from trainctl.plan import fit
-from trainctl.plan.runplan import ASSUMED_MFU, PlanError, build, refusal
+from trainctl.plan.runplan import PlanError, build, refusal
+from trainctl.plan.throughput import DEFAULT_MFU
 
 P_7B = 6_738_415_616  # published; see test_memory for the arithmetic
 BLOCK_7B = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
@@ -78,9 +79,9 @@ def test_params_and_flops_of_llama2_7b():
 def test_step_time_is_compute_at_the_assumed_mfu_when_nothing_else_costs():
     plan = build(llama7b_zero3_h100(activation_checkpointing="none"))
     assert plan.peak_flops_per_device == pytest.approx(989.4e12)
-    assert plan.assumed_mfu == ASSUMED_MFU == 0.4
+    assert plan.assumed_mfu == DEFAULT_MFU == 0.4
     # 8192 tokens per micro-batch (full speed), no checkpointing, no pipeline, FSDP traffic hidden behind compute.
-    assert plan.step_time_s == pytest.approx(plan.flops_per_step / (8 * 989.4e12 * ASSUMED_MFU))
+    assert plan.step_time_s == pytest.approx(plan.flops_per_step / (8 * 989.4e12 * DEFAULT_MFU))
     t = plan.throughput()
     assert t["time_to_tokens_s"] == pytest.approx(1000 * plan.step_time_s)
     assert t["gpu_hours"] == pytest.approx(8 * 1000 * plan.step_time_s / 3600)

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from trainctl.config.fields import at_least, at_most, choice, positive, within
-from trainctl.core import optimizers, schedules
+from trainctl.core import optimizers, schedules, wrapping
 
 # Allowed values of the string-valued choices that no registry lists (the fields below declare theirs).
 PRECISIONS = ("fp32", "bf16", "fp16")
-SHARDING_STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 SCHEDULES = schedules.names()
 OPTIMIZERS = optimizers.names()
 DEVICES = ("cpu", "cuda")
@@ -121,7 +120,7 @@ class ShardingConfig:
     pipeline microbatch: the schedule runs grad_accum of them per optimizer step.
     """
 
-    strategy: str = choice("none", SHARDING_STRATEGIES)  # none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp
+    strategy: str = choice("none", wrapping.STRATEGIES)  # none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -291,6 +290,11 @@ class TrainConfig:
     # a rank with no step, eval or save finished for this long dumps its stacks and exits (a restart follows,
     # cluster.max_restarts); 0: no watchdog
     hang_timeout_s: float = at_least(1800.0, 0, "0 turns the hang watchdog off")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on (global_batch resolved: validate fills in -1)."""
+        return self.global_batch * self.seq_len
 
 
 @dataclass(frozen=True)

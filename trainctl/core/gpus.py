@@ -79,7 +79,6 @@ def match_gpu(device_name: str) -> str | None:
 # not causally halved, sequence, against the compute dtype's dense peak. An fp8 run is measured against the
 # bf16 peak too, as torchtitan reports it: an fp8 speed-up then reads as a higher MFU, never as a regression.
 MFU_FORMULA = "MFU = tokens/s x (6N + 12*L*d*s, full attention) / (GPUs x bf16 dense peak)"
-MFU_TAG = "6N+12Lds/bf16 peak"
 
 
 def peak_flops(gpu: str, compute_dtype: str) -> float | None:
@@ -98,13 +97,3 @@ def fp8_speedup_bound(gpu: str, compute_dtype: str) -> float | None:
     if spec is None or "fp8" not in spec.peak_tflops or compute_dtype not in spec.peak_tflops:
         return None
     return spec.peak_tflops["fp8"] / spec.peak_tflops[compute_dtype]
-
-
-def device_kinds() -> dict[str, GpuSpec]:
-    """One entry per distinct kind (aliases left out), for device listings and tests."""
-    seen, kinds = set(), {}
-    for key, spec in GPUS.items():
-        if id(spec) not in seen:
-            seen.add(id(spec))
-            kinds[key] = spec
-    return kinds

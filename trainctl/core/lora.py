@@ -53,6 +53,15 @@ def target_paths(lora) -> list[str]:
     return [TARGETS[t] for t in lora.targets]
 
 
+def adapter_count(lora, n_layers: int, shapes: dict[str, tuple[int, int]]) -> int:
+    """LoRA's trainable parameters: per target, rank x (in + out), in every layer; 0 without adapters.
+
+    `shapes`: each matmul's (in, out) by its path in a block (the family spec's linear_shapes)."""
+    if not enabled(lora):
+        return 0
+    return n_layers * sum(lora.rank * sum(shapes[path]) for path in target_paths(lora))
+
+
 def adapter_tensors(block: list[Tensor], lora) -> list[Tensor]:
     """The A and B tensors the adapters add to one block (`block`: the block's weights, the family's spec)."""
     if not enabled(lora):

@@ -31,7 +31,6 @@ import json
 import os
 import socket
 import stat
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -297,7 +296,8 @@ def clear_stop(run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    # Launch scripts (and those of older run directories) call `python -m trainctl.core.rundir hold|refusal|completed`.
-    from trainctl.core.trainer_lock import main
+    # Launch scripts (and those of older run directories) call `python -m trainctl.core.rundir hold|refusal|completed`:
+    # run trainer_lock as that command. Not an import: trainer_lock builds on this module, never the reverse.
+    import runpy
 
-    sys.exit(main(sys.argv[1:]))
+    runpy.run_module("trainctl.core.trainer_lock", run_name="__main__", alter_sys=True)

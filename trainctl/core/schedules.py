@@ -2,8 +2,10 @@
 
 After linear warmup, a schedule holds the peak rate until `decay_start` and then multiplies the
 distance to the floor by `decay(progress)`, progress going from 0 (right after decay_start) to 1 (the
-last step). trainctl/plan/schedule.py's `lr_at` is the one lr function built on these (the worker
-steps by it); the names here are the field's choices (config/schema.py), one source.
+last step). `lr_at` below is the one lr function built on these: the worker steps by it and the plan
+(trainctl/plan/schedule.py) describes it; the names here are the field's choices (config/schema.py), one source.
+
+`schedule` arguments are a config.schema.ScheduleConfig (not imported: core sits below config).
 """
 
 from __future__ import annotations
@@ -60,3 +62,33 @@ def names() -> tuple[str, ...]:
 
 def spec(name: str) -> ScheduleSpec:
     return SCHEDULES[name]
+
+
+def decay_start(schedule, total_steps: int) -> int:
+    """The last step at the peak rate before the decay (warmup's end; for wsd, where its decay begins)."""
+    return spec(schedule.name).decay_start(schedule.warmup_steps, schedule.decay_fraction, total_steps)
+
+
+def lr_at(step: int, lr: float, schedule, total_steps: int) -> float:
+    """Learning rate for 0-indexed optimizer step `step` of `total_steps`.
+
+    Linear warmup: step w (< warmup_steps) gets lr * (w + 1) / warmup_steps, so it starts
+    near zero and the last warmup step reaches lr. Then the schedule `schedule.name` picks:
+    `constant` stays at lr; `linear` and `cosine` decay from lr right after warmup to
+    min_lr_ratio * lr at the last step; `wsd` holds lr and decays linearly to the floor over
+    the last decay_fraction of steps.
+    """
+    warmup = schedule.warmup_steps
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule.name not in SCHEDULES:
+        raise ValueError(f"schedule.name={schedule.name!r}: unknown schedule; use {', '.join(names())}")
+    decay = spec(schedule.name).decay
+    if decay is None:
+        return lr
+    floor = schedule.min_lr_ratio * lr
+    start, last = decay_start(schedule, total_steps), total_steps - 1
+    if step <= start:
+        return lr
+    progress = min(1.0, (step - start) / max(1, last - start))
+    return floor + (lr - floor) * decay(progress)

@@ -1,4 +1,4 @@
-"""The pipeline-stage split, shared by the worker (train/pipeline.py) and the plan (plan/stages.py).
+"""The pipeline-stage split, shared by the worker (train/parallel/pipeline.py) and the plan (plan/stages.py).
 
 `pp x pp_stages_per_rank` stages of consecutive blocks: `sharding.pp_layers` when given, else an
 even split with the remainder on the first stages. pp rank r holds stages r, r + pp, ... (looped

@@ -2,7 +2,7 @@
 
 Separate from the layout and its tolerant readers (core/rundir.py) because this is the one part that holds OS
 state (an flock'd descriptor, /proc identities) rather than reading files; rundir.py's `python -m` entry point,
-which launch scripts call, runs `main` here.
+which launch scripts call, runs this module's `main` (rundir.py never imports this module).
 """
 
 from __future__ import annotations
@@ -18,7 +18,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainctl.core.rundir import HOLDER, LOCK, RESULT, as_int, as_str, read_json, result, write_json_atomic
+from trainctl.core.rundir import (
+    HOLDER,
+    LOCK,
+    RESULT,
+    as_int,
+    as_str,
+    open_regular,
+    read_json,
+    result,
+    write_json_atomic,
+)
 
 # ---------------------------------------------------------------- process identity
 
@@ -126,18 +136,14 @@ def acquire(run_dir: Path, inheritable: bool = False) -> TrainerLock:
 def lock_holder(run_dir: Path) -> dict | None:
     """Who trains in this run directory now (its trainer.json, possibly {}), or None when nobody holds the lock."""
     run_dir = Path(run_dir)
-    try:
-        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there must not block
-    except OSError:
+    lock = open_regular(run_dir / LOCK)  # a FIFO planted there must not block
+    if lock is None:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return read_json(run_dir / HOLDER)
-    finally:
-        os.close(fd)
+    with lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return read_json(run_dir / HOLDER)
     return None
 
 
@@ -165,3 +171,7 @@ def said_completed(run_dir: Path) -> bool:
     print(f"trainctl: run {run_dir.name} already finished (see {run_dir / RESULT}); nothing to train. "
           f"To train further: trainctl resume {run_dir.name} train.steps=N", file=sys.stderr)
     return True
+
+
+if __name__ == "__main__":  # run as `python -m trainctl.core.rundir ...` (rundir.py forwards here)
+    sys.exit(main(sys.argv[1:]))

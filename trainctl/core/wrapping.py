@@ -1,6 +1,6 @@
 """The wrapping decision: what the worker wraps the model with, decided once, without torch.
 
-`wrapping(strategy, dims, precision)` is read by the worker (train/parallelize.py, precision.py,
+`wrapping(strategy, dims, precision)` is read by the worker (train/parallel/parallelize.py, precision.py,
 float8.py) to wrap the model, and by the plan (memory, throughput, notes) and validation to count
 and check what that wrapping costs. Neither side restates the conditions below.
 
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from trainctl.core.dims import ParallelDims
 
-STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "hsdp")
-# Input spellings validate turns into a strategy above; nothing after validation sees them.
+# What sharding.strategy may name (config/schema.py's choices), in the order errors list them.
+STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+# Input spellings validate turns into another strategy; nothing after validation sees them.
 ALIASES = {"fsdp": "zero3"}
 # Parameters replicated on every data-parallel rank (dp_shard must be 1).
 REPLICATING = ("ddp", "zero1")

@@ -23,11 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, assistant_spans, load_template
-from trainctl.data.format import DOC_START, LOSS, DatasetError
-from trainctl.data.inputs import BOM, JSON_LINES, Unit, _decoded, _parquet, json_kind, open_regular
+from trainctl.data.format import CONTENTS, DOC_START, LOSS, DatasetError
+from trainctl.data.inputs import JSON_LINES, Unit, _decoded, _parquet, json_kind, json_lines, unit_bytes
 from trainctl.data.split import is_val
 
-FORMATS = ("text", "chat", "instruction")
 OVERLONG = ("refuse", "truncate")
 
 
@@ -66,8 +65,8 @@ def resolve_options(records: RecordOptions | None, chat_template: str | None, gi
             raise DatasetError(f"--max-doc-tokens {records.max_doc_tokens}: only with --format chat or instruction "
                                "(text documents are cut into pieces as they are)")
         return None
-    if records.format not in FORMATS:
-        raise DatasetError(f"--format {records.format}: use one of {', '.join(FORMATS)}")
+    if records.format not in CONTENTS:
+        raise DatasetError(f"--format {records.format}: use one of {', '.join(CONTENTS)}")
     if train_tokenizer:
         raise DatasetError(f"--format {records.format} and --train-tokenizer: train a tokenizer on the text first, "
                            "or pass --tokenizer (a Hugging Face tokenizer.json or its folder) or bytes")
@@ -92,20 +91,12 @@ def unit_records(unit: Unit) -> Iterator[tuple[str, object]]:
         for n, row in enumerate(rows):
             yield f"row {first + n}", row
         return
-    with open_regular(unit.path) as f:
-        f.seek(unit.start)
-        data = f.read(unit.size)
-    offset = unit.start
-    if offset == 0 and data.startswith(BOM):
-        data, offset = data[len(BOM):], len(BOM)
-    for line in data.split(b"\n"):
-        if line.strip():
-            try:
-                record = json.loads(_decoded(line, unit.path, offset))
-            except ValueError:
-                raise DatasetError(f"{unit.path}: byte {offset}: not a JSON object per line (.jsonl)") from None
-            yield f"byte {offset}", record
-        offset += len(line) + 1
+    for offset, line in json_lines(*unit_bytes(unit)):
+        try:
+            record = json.loads(_decoded(line, unit.path, offset))
+        except ValueError:
+            raise DatasetError(f"{unit.path}: byte {offset}: not a JSON object per line (.jsonl)") from None
+        yield f"byte {offset}", record
 
 
 def document_text(record: object, options: RecordOptions) -> tuple[str, list[tuple[int, int]]]:

@@ -36,10 +36,9 @@ META_FILE = "meta.json"
 FORMAT = "trainctl-tokens"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: written before masks; the same layout without them
-MASK_DTYPE = "uint8"
 LOSS = 1  # mask bit: the token is a target that counts in the loss
 DOC_START = 2  # mask bit: the first token of a document
-CONTENTS = ("text", "chat", "instruction")
+CONTENTS = ("text", "chat", "instruction")  # what a dataset holds: the record formats prepare reads
 ITEMSIZE = {"uint16": 2, "uint32": 4}
 SPLITS = ("train", "val")
 MAX_VOCAB = 1 << 32  # ids 0 .. 2**32-1: what the widest token width (uint32) holds
@@ -139,10 +138,6 @@ def _fingerprint_of(path: str, size: int, mtime_ns: int) -> str:
                 "pre_tokenizer": data.get("pre_tokenizer")}
     text = json.dumps(decisive, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def is_prepared(path: str | Path) -> bool:
-    return (Path(path).expanduser() / META_FILE).is_file()
 
 
 def read_meta(path: str | Path) -> DatasetMeta:

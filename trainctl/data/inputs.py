@@ -188,20 +188,31 @@ def unit_documents(unit: Unit, text_field: str) -> Iterator[str]:
     if unit.row_group is not None:
         yield from _parquet_texts(unit, text_field)
         return
+    data, start = unit_bytes(unit)
+    if unit.path.suffix not in JSON_LINES:
+        yield _decoded(data, unit.path, start)
+        return
+    for offset, line in json_lines(data, start):
+        text = _json_text(line, text_field, unit.path, offset)
+        if text:
+            yield text
+
+
+def unit_bytes(unit: Unit) -> tuple[bytes, int]:
+    """The bytes of one text piece and the file offset of the first; a leading byte-order mark is not text."""
     with open_regular(unit.path) as f:
         f.seek(unit.start)
         data = f.read(unit.size)
-    offset = unit.start
-    if offset == 0 and data.startswith(BOM):  # a byte-order mark is not text
-        data, offset = data[len(BOM):], len(BOM)
-    if unit.path.suffix not in JSON_LINES:
-        yield _decoded(data, unit.path, offset)
-        return
+    if unit.start == 0 and data.startswith(BOM):
+        return data[len(BOM):], len(BOM)
+    return data, unit.start
+
+
+def json_lines(data: bytes, offset: int) -> Iterator[tuple[int, bytes]]:
+    """(file offset, line) of each non-blank line of a .jsonl piece that starts at `offset`."""
     for line in data.split(b"\n"):
         if line.strip():
-            text = _json_text(line, text_field, unit.path, offset)
-            if text:
-                yield text
+            yield offset, line
         offset += len(line) + 1
 
 

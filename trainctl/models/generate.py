@@ -69,7 +69,7 @@ def load_model(run_dir: Path, checkpoint: str | None, device: torch.device) -> t
     model = build_model(cfg, device="meta")
     model.to_empty(device=device)
     if cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # to_empty unties them (see Llama.init_weights)
+        model.output.weight = model.tok_embeddings.weight  # to_empty unties them (see Decoder.init_weights)
     with torch.no_grad():
         model.freqs.copy_(model._rope_table(device=device))  # not in the checkpoint: derived from the config
     missing, unexpected = model.load_state_dict(tensors, strict=False)

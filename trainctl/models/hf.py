@@ -1,7 +1,7 @@
 """Hugging Face weights in and out for every family: tensor names, the rotary layout, config.json, loading.
 
 The names and which tensors hold rotary rows are the family's (models/<family>/spec.py). trainctl rotates
-interleaved pairs (x[2i], x[2i+1]) of each head (models/llama/model.py, as Meta's reference code);
+interleaved pairs (x[2i], x[2i+1]) of each head (models/common/rope.py, as Meta's reference code);
 transformers rotates halves (x[i], x[i + head_dim/2]). The attention outputs agree when the rows of every q
 and k head are reordered (and with them q/k biases and per-head q/k norm weights): `to_hf_rows` and
 `from_hf_rows` (inverses of each other).
@@ -22,7 +22,7 @@ from trainctl.config.hf_config import weight_files
 from trainctl.config.schema import ModelConfig
 from trainctl.core.lora import is_adapter
 from trainctl.models import registry
-from trainctl.models.llama.model import _fill
+from trainctl.models.common.init import fill
 
 # Segments that wrappers (DDP, torch.compile, activation checkpointing, FSDP1) add to parameter names.
 WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -107,7 +107,7 @@ def _copy_into(param: nn.Parameter, tensor: torch.Tensor, key: str, ours: str, p
     if tuple(tensor.shape) != tuple(param.shape):
         raise HFWeightsError(f"checkpoint.init_from={path}: {key} has shape {list(tensor.shape)}, "
                              f"the model's {ours} is {list(param.shape)}")
-    _fill(param, lambda full: full.copy_(tensor))
+    fill(param, lambda full: full.copy_(tensor))
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from trainctl.models.llama.model import apply_rope
+from trainctl.models.common.rope import apply_rope
 
 
 class KVCache:

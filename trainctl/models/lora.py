@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional
 
 from trainctl.core import lora as spec
-from trainctl.models.llama.model import _fill, _rng_for
+from trainctl.models.common.init import fill, rng_for
 
 
 class LoRALinear(nn.Linear):
@@ -37,8 +37,8 @@ class LoRALinear(nn.Linear):
     @torch.no_grad()
     def reset_adapter(self) -> None:
         """peft's init: A as nn.Linear's default (kaiming-uniform, a=sqrt(5)), B zero, so training starts at W."""
-        _fill(self.lora_a, partial(nn.init.kaiming_uniform_, a=math.sqrt(5)))
-        _fill(self.lora_b, nn.init.zeros_)
+        fill(self.lora_a, partial(nn.init.kaiming_uniform_, a=math.sqrt(5)))
+        fill(self.lora_b, nn.init.zeros_)
 
     def merged_weight(self) -> torch.Tensor:
         return self.weight + self.scale * (self.lora_b @ self.lora_a)
@@ -80,7 +80,7 @@ def init_adapters(model: nn.Module) -> None:
     seed = torch.initial_seed()
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            with _rng_for(f"lora:{_clean(name)}", seed, module.lora_a.device):
+            with rng_for(f"lora:{_clean(name)}", seed, module.lora_a.device):
                 module.reset_adapter()
 
 

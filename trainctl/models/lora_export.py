@@ -23,7 +23,6 @@ from trainctl.core.errors import UserError
 from trainctl.core.lora import HF_TARGETS, is_adapter, peft_name
 from trainctl.models.hf import to_hf, to_hf_name
 
-MODES = ("merged", "adapter")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

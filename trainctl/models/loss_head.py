@@ -87,7 +87,7 @@ def _pure_body(logits: torch.Tensor, targets: torch.Tensor, with_grads: bool):
 
 
 def _can_compile() -> bool:
-    """Triton builds its launcher with a C compiler and Python's headers (train/parallelize.py refuses
+    """Triton builds its launcher with a C compiler and Python's headers (train/parallel/parallelize.py refuses
     train.compile without them; here the head quietly stays eager)."""
     compiler = os.environ.get("CC") or "cc"
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"

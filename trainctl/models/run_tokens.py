@@ -18,8 +18,7 @@ from trainctl.core import rundir as layout
 from trainctl.core.errors import UserError
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, load_template, render
 from trainctl.data.format import DatasetError
-
-BYTES_EOS = 0  # the byte tokenizer's and the stdlib corpus's end-of-document id (data/tokenizer.py, loop/data_setup.py)
+from trainctl.data.tokenizer import BYTES_EOS  # the byte tokenizer's (and the stdlib corpus's) end of document
 
 
 class TokenizerError(UserError):

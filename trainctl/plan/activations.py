@@ -3,7 +3,7 @@
 Counted op by op from what autograd saves in the family's module (checked against the saved-tensor hooks
 and live storages of trainctl/train/observe/memory_stats.py in tests/dist). What one block keeps per token, per
 checkpointing mode, is the family's (models/<family>/spec.py: block_none, block_compiled, block_full,
-block_op, block_grad_bytes; the llama spec's docstring has the table); this module adds the layout, the head,
+block_op, block_grad_bytes; models/common/shape.py's docstring has the table); this module adds the layout, the head,
 the loss and the stage sums.
 
 Tensor parallelism (sequence parallel) divides it by tp except the two gathered matmul inputs

@@ -67,7 +67,7 @@ def step_time(
         return None
     m, t, s, mfu = cfg.model, cfg.train, cfg.sharding, assumed_mfu(cfg)
     c = DTYPE_BYTES[cfg.precision.compute_dtype]
-    tokens = t.global_batch * t.seq_len
+    tokens = t.tokens_per_step
     rate = dims.world_size * peak * mfu * tp_model.micro_batch_efficiency(mem.tokens_per_micro_batch)
     compute = flops_per_token(m, t.seq_len) * tokens / rate
     wrapped = checkpointed_blocks(t.activation_checkpointing, m.n_layers, t.ac_every)

@@ -23,7 +23,7 @@ def compare(cfg: RunConfig, axis: str) -> list[dict]:
         relative = a.relative_step.total_s
         base = relative if base is None else base
         step = None if a.step is None else a.step.total_s
-        tokens = variant.cfg.train.global_batch * variant.cfg.train.seq_len
+        tokens = variant.cfg.train.tokens_per_step
         rows.append({
             "variant": variant.label,
             "overrides": list(variant.overrides),

@@ -7,7 +7,7 @@ published counts of the named models (tests/dist/test_families.py builds transfo
 from __future__ import annotations
 
 from trainctl.config.schema import ModelConfig
-from trainctl.core.lora import target_paths
+from trainctl.core.lora import adapter_count
 from trainctl.models.registry import spec
 
 
@@ -18,15 +18,6 @@ def head_dim(m: ModelConfig) -> int:
 def layer_params(m: ModelConfig) -> int:
     """Parameters of one transformer block."""
     return spec(m.family).layer_params(m)
-
-
-def embedding_params(m: ModelConfig) -> int:
-    return spec(m.family).embedding_tensor(m).numel
-
-
-def output_params(m: ModelConfig) -> int:
-    """The output projection; zero extra parameters when tied to the embedding."""
-    return 0 if m.tie_embeddings else m.vocab_size * m.dim
 
 
 def param_count(m: ModelConfig) -> int:
@@ -45,11 +36,8 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 
 def lora_formula_count(m: ModelConfig) -> int:
-    """LoRA's trainable parameters: per target, rank x (in + out), in every layer; 0 without model.lora."""
-    if m.lora.rank <= 0:
-        return 0
-    shapes = linear_shapes(m)
-    return m.n_layers * sum(m.lora.rank * sum(shapes[path]) for path in target_paths(m.lora))
+    """LoRA's trainable parameters (core/lora.py's count, which the worker reports too)."""
+    return adapter_count(m.lora, m.n_layers, linear_shapes(m))
 
 
 def trainable_count(m: ModelConfig) -> int:

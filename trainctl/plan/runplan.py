@@ -18,9 +18,7 @@ from trainctl.core.support import unsupported
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
 from trainctl.plan.flops import flops_per_token, lora_formula_count, param_count, trainable_count
-from trainctl.plan.throughput import DEFAULT_MFU, StepTime, attention_flops_causal, hours
-
-ASSUMED_MFU = DEFAULT_MFU  # kept for callers of the earlier name
+from trainctl.plan.throughput import StepTime, attention_flops_causal, hours
 
 
 class PlanError(UserError):
@@ -134,7 +132,7 @@ def batch_math(train: TrainConfig, dp: int) -> BatchMath:
     if unresolved:
         raise PlanError(f"{', '.join(unresolved)}: the plan needs resolved batch sizes; run the config through "
                         "validate first")
-    tokens_per_step = train.global_batch * train.seq_len
+    tokens_per_step = train.tokens_per_step
     return BatchMath(
         global_batch=train.global_batch,
         micro_batch=train.micro_batch,

@@ -1,4 +1,4 @@
-"""The learning-rate schedules as pure functions: the worker steps by them, the plan describes them.
+"""What the plan says of the learning-rate schedule (core/schedules.py's lr_at, which the worker steps by).
 
 Torch-free on purpose: `trainctl resume NAME train.steps=N` tells, before anything starts, what the
 schedule does at the step the run continues from (a cosine re-stretched, a WSD decay begun anew).
@@ -8,39 +8,7 @@ from __future__ import annotations
 
 from trainctl.config.schema import ScheduleConfig
 from trainctl.core import schedules
-
-KINDS = schedules.names()
-
-
-def decay_start(schedule: ScheduleConfig, total_steps: int) -> int:
-    """The last step at the peak rate before the decay (warmup's end; for wsd, where its decay begins)."""
-    return schedules.spec(schedule.name).decay_start(schedule.warmup_steps, schedule.decay_fraction, total_steps)
-
-
-def lr_at(step: int, lr: float, schedule: ScheduleConfig, total_steps: int) -> float:
-    """Learning rate for 0-indexed optimizer step `step` of `total_steps`.
-
-    Linear warmup: step w (< warmup_steps) gets lr * (w + 1) / warmup_steps, so it starts
-    near zero and the last warmup step reaches lr. Then the schedule `schedule.name` picks
-    (core/schedules.py): `constant` stays at lr; `linear` and `cosine` decay from lr right after
-    warmup to min_lr_ratio * lr at the last step; `wsd` holds lr and decays linearly to the
-    floor over the last decay_fraction of steps.
-    """
-    warmup = schedule.warmup_steps
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    if schedule.name not in KINDS:
-        raise ValueError(f"schedule.name={schedule.name!r}: unknown schedule; use {', '.join(KINDS)}")
-    decay = schedules.spec(schedule.name).decay
-    if decay is None:
-        return lr
-    floor = schedule.min_lr_ratio * lr
-    start, last = decay_start(schedule, total_steps), total_steps - 1
-    if step <= start:
-        return lr
-    progress = min(1.0, (step - start) / max(1, last - start))
-    return floor + (lr - floor) * decay(progress)
-
+from trainctl.core.schedules import decay_start, lr_at
 
 # A step-to-step change of the rate beyond this share is a jump, not the schedule's own slope.
 JUMP_RATIO = 0.05

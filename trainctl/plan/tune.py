@@ -176,7 +176,7 @@ def layouts(cfg: RunConfig) -> list[Variant]:
 def candidate(variant: Variant) -> Candidate:
     cfg = variant.cfg
     a = assess(cfg, dims_of(cfg))
-    tokens = cfg.train.global_batch * cfg.train.seq_len
+    tokens = cfg.train.tokens_per_step
     predicted = tokens / a.step.total_s if a.step is not None and a.step.total_s > 0 else None
     relative = tokens / a.relative_step.total_s if a.relative_step.total_s > 0 else 0.0
     return Candidate(variant.label, variant.overrides, cfg, a.fit.peak_bytes, a.fit.need_bytes, a.fit.verdict,

@@ -4,7 +4,7 @@
 
 (the options: core/tool_options.EvalOptions as JSON; the result goes to RESULT_JSON, else to stdout.)
 
-The worker's own reading code (train/data.py's TokenBatches.eval_batches: the same fixed windows, the loss
+The worker's own reading code (train/loop/data.py's TokenBatches.eval_batches: the same fixed windows, the loss
 masks of chat / instruction data honoured) and its loss (the model's summed token cross-entropy over the
 targets that count, divided by their number). With the run's seq_len and micro_batch, and by default its
 train.eval_batches times its data-parallel degree (the union of what every dp rank evaluated), the loss equals

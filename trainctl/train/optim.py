@@ -20,8 +20,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from trainctl.config.schema import OptimConfig, ScheduleConfig
+from trainctl.core.schedules import lr_at as schedule_lr_at
 from trainctl.core.wrapping import Wrapping
-from trainctl.plan.schedule import lr_at as schedule_lr_at
 from trainctl.train.errors import WorkerConfigError
 
 
@@ -91,7 +91,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def lr_at(step: int, lr: float, schedule: ScheduleConfig, total_steps: int) -> float:
-    """Learning rate for 0-indexed optimizer step `step` of `total_steps` (trainctl.plan.schedule)."""
+    """Learning rate for 0-indexed optimizer step `step` of `total_steps` (trainctl.core.schedules)."""
     try:
         return schedule_lr_at(step, lr, schedule, total_steps)
     except ValueError as exc:

@@ -1,7 +1,7 @@
-"""The mistral family's module: the llama decoder (the sliding window is refused unless it covers the sequence)."""
+"""The mistral family's module: the shared decoder (the sliding window is refused unless it covers the sequence)."""
 
 from __future__ import annotations
 
-from trainctl.models.llama.model import Llama
+from trainctl.models.common.decoder import Decoder
 
-MODEL = Llama  # what models/build.py builds for model.family=mistral
+MODEL = Decoder  # what models/build.py builds for model.family=mistral

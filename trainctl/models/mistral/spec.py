@@ -7,10 +7,10 @@ model.sliding_window).
 
 from __future__ import annotations
 
-from trainctl.models.llama.spec import LlamaSpec
+from trainctl.models.common.shape import DecoderSpec
 
 
-class MistralSpec(LlamaSpec):
+class MistralSpec(DecoderSpec):
     family = "mistral"
     hf_model_types = ("mistral",)
     hf_architectures = ("MistralForCausalLM",)

@@ -1,9 +1,11 @@
-"""The qwen2 family's module: the llama decoder with biases on q, k and v (initialized to zero)."""
+"""The qwen2 family's module: the shared decoder with biases on q, k and v (initialized to zero)."""
 
 from __future__ import annotations
 
 from trainctl.config.schema import ModelConfig
-from trainctl.models.llama.model import Attention, Llama, TransformerBlock
+from trainctl.models.common.attention import Attention
+from trainctl.models.common.decoder import Decoder
+from trainctl.models.common.layers import TransformerBlock
 
 
 class Qwen2Attention(Attention):
@@ -15,7 +17,7 @@ class Qwen2Block(TransformerBlock):
     attention_class = Qwen2Attention
 
 
-class Qwen2(Llama):
+class Qwen2(Decoder):
     block_class = Qwen2Block
 
 

@@ -8,29 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainctl.models.llama.spec import LlamaSpec
-from trainctl.models.registry import HFConfigError, flag
+from trainctl.models.common.shape import DecoderSpec
 
 
-class Qwen2Spec(LlamaSpec):
+class Qwen2Spec(DecoderSpec):
     family = "qwen2"
     hf_model_types = ("qwen2",)
     hf_architectures = ("Qwen2ForCausalLM",)
     qkv_bias = True
-
-    def _hf_window(self, data: dict, where: Path) -> int:
-        """Qwen's window applies only with use_sliding_window, and then per layer (from max_window_layers)."""
-        if flag(where, data, "use_sliding_window", False):
-            raise HFConfigError(f"{where}: use_sliding_window=true (sliding windows on some layers) is not "
-                                "implemented; trainctl's qwen attends to the whole sequence")
-        return 0
+    windows_per_layer = True
 
     def hf_unsupported(self, data: dict, where: Path) -> list[str]:
         # Qwen2's q/k/v biases are part of the architecture (no attention_bias key); mlp_bias does not exist.
         return [p for p in super().hf_unsupported(data, where) if not p.startswith("attention_bias")]
-
-    def hf_extra(self, m) -> dict:
-        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers}
 
     def to_hf(self, m) -> dict:
         data = super().to_hf(m)

@@ -1,11 +1,13 @@
-"""The qwen3 family's module: the llama decoder with an RMSNorm over each q and k head before RoPE."""
+"""The qwen3 family's module: the shared decoder with an RMSNorm over each q and k head before RoPE."""
 
 from __future__ import annotations
 
 import torch
 
 from trainctl.config.schema import ModelConfig
-from trainctl.models.llama.model import Attention, Llama, RMSNorm, TransformerBlock
+from trainctl.models.common.attention import Attention
+from trainctl.models.common.decoder import Decoder
+from trainctl.models.common.layers import RMSNorm, TransformerBlock
 
 
 class Qwen3Attention(Attention):
@@ -28,7 +30,7 @@ class Qwen3Block(TransformerBlock):
     attention_class = Qwen3Attention
 
 
-class Qwen3(Llama):
+class Qwen3(Decoder):
     block_class = Qwen3Block
 
 

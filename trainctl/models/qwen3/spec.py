@@ -7,18 +7,16 @@ halves): the norm itself does not care about the order of a head's elements, its
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from trainctl.core.tensors import Tensor
-from trainctl.models.llama.spec import FP32, LlamaSpec
-from trainctl.models.registry import HFConfigError, flag
+from trainctl.models.common.shape import FP32, DecoderSpec
 
 
-class Qwen3Spec(LlamaSpec):
+class Qwen3Spec(DecoderSpec):
     family = "qwen3"
     hf_model_types = ("qwen3",)
     hf_architectures = ("Qwen3ForCausalLM",)
-    hf_block_names = {**LlamaSpec.hf_block_names,
+    windows_per_layer = True
+    hf_block_names = {**DecoderSpec.hf_block_names,
                       "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
 
     def attention_tensors(self, m, p: str) -> list[Tensor]:
@@ -38,16 +36,6 @@ class Qwen3Spec(LlamaSpec):
         if name.startswith("layers.") and name.endswith(("q_norm.weight", "k_norm.weight")):
             return 1
         return super().rotary_heads(name, m)
-
-    def _hf_window(self, data: dict, where: Path) -> int:
-        """Qwen's window applies only with use_sliding_window, and then per layer (from max_window_layers)."""
-        if flag(where, data, "use_sliding_window", False):
-            raise HFConfigError(f"{where}: use_sliding_window=true (sliding windows on some layers) is not "
-                                "implemented; trainctl's qwen3 attends to the whole sequence")
-        return 0
-
-    def hf_extra(self, m) -> dict:
-        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layers}
 
     def to_hf(self, m) -> dict:
         data = super().to_hf(m)

@@ -17,16 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainctl.config.schema import RunConfig, TrainConfig
+from trainctl.config.schema import RunConfig
 from trainctl.core import rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
+from trainctl.core.lora import adapter_count
 from trainctl.core.measured import performance
 from trainctl.core.support import lora_unsupported
 from trainctl.core.wrapping import wrapping_of
+from trainctl.models import registry
 from trainctl.models.build import build_model
-from trainctl.models.llama.model import attention_backends
-from trainctl.plan.flops import flops_per_token, lora_formula_count
+from trainctl.models.common.attention import attention_backends
 from trainctl.train.checkpoint import state as checkpoint_state
 from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
 from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
@@ -169,10 +170,6 @@ def resumed_own_run(job: Job) -> bool:
     return path is not None and path.resolve().parent == job.checkpoints.root.resolve()
 
 
-def tokens_per_step(train: TrainConfig) -> int:
-    return train.global_batch * train.seq_len
-
-
 def make_summary(job: Job, begin: int, stopped: bool, val_loss: float, wall_time_s: float) -> dict:
     """result.json: where the run ended and its last numbers."""
     progress = job.progress
@@ -185,7 +182,7 @@ def make_summary(job: Job, begin: int, stopped: bool, val_loss: float, wall_time
         "final_val_loss": val_loss,
         "initial_val_loss": progress.initial_val_loss,
         "wall_time_s": wall_time_s,
-        "tokens_seen": tokens_per_step(job.cfg.train) * progress.step,
+        "tokens_seen": job.cfg.train.tokens_per_step * progress.step,
         **job.guard.metrics(),
     }
 
@@ -194,19 +191,20 @@ def step_metrics(job: Job, result: StepResult, lap: tuple[float, int]) -> dict:
     """The logged numbers of one step (loss and norm already agreed across ranks)."""
     elapsed, steps = lap
     step_time = elapsed / max(steps, 1)
-    tokens_per_s = tokens_per_step(job.cfg.train) / step_time
+    tokens_per_s = job.cfg.train.tokens_per_step / step_time
     values = {
         "loss": result.loss,
         "lr": result.lr,
         "grad_norm": result.grad_norm,
         "tokens_per_s": tokens_per_s,
         "step_time_s": step_time,
-        "tokens_seen": tokens_per_step(job.cfg.train) * result.step,
+        "tokens_seen": job.cfg.train.tokens_per_step * result.step,
         **job.scaler.metrics(),
         **job.guard.metrics(),
     }
     if job.peak_flops:
-        flops = flops_per_token(job.cfg.model, job.cfg.train.seq_len) * tokens_per_s
+        model = job.cfg.model  # FLOPs per token: the family spec's, as the plan counts them
+        flops = registry.spec(model.family).flops_per_token(model, job.cfg.train.seq_len) * tokens_per_s
         values["mfu"] = flops / (job.world.world_size * job.peak_flops)
     if job.world.device.type == "cuda":
         values["peak_mem_gib"] = torch.cuda.max_memory_allocated(job.world.device) / 2**30
@@ -247,6 +245,11 @@ def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> 
     return parallelize(build_model(cfg.model, "meta"), mesh, cfg.sharding, cfg.train, cfg.precision, device), None
 
 
+def trainable_adapters(m) -> int:
+    """model.lora's adapter parameters, counted as the plan counts them (core/lora.py, the family's shapes)."""
+    return adapter_count(m.lora, m.n_layers, registry.spec(m.family).linear_shapes(m))
+
+
 def check_lora_supported(cfg: RunConfig) -> None:
     """The launcher refuses these layouts with LoRA; a hand-edited config.yaml meets the same line here."""
     missing = lora_unsupported(cfg.model.lora, cfg.sharding, cfg.precision)
@@ -277,7 +280,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(wrap, mesh))
     if cfg.model.lora.rank > 0:
         print0(f"lora: rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}; "
-               f"{lora_formula_count(cfg.model):,} trainable parameters, the rest frozen", world.is_main)
+               f"{trainable_adapters(cfg.model):,} trainable parameters, the rest frozen", world.is_main)
     register_float8_scale_precompute(optimizer, model, cfg.precision, wrap.fsdp)
     watchdog.pause()  # a first tokenization or cache build is long by nature
     train_data, val_data = build_data(cfg, mesh, world)

@@ -20,8 +20,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-MODEL_STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
-
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank stores (a DTensor's shard)."""

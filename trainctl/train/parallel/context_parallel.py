@@ -55,7 +55,7 @@ def expand_kv_heads_for_cp(model: nn.Module) -> None:
     SDPA's enable_gqa would otherwise route fp32 attention to the math kernel, which the ring
     does not replace.
     """
-    from trainctl.models.llama.model import Attention  # every family's attention subclasses it
+    from trainctl.models.common.attention import Attention  # every family's attention subclasses it
 
     for module in model.modules():
         if isinstance(module, Attention):

@@ -4,9 +4,9 @@ The model is cut into `pp x pp_stages_per_rank` stages of consecutive blocks (ev
 `sharding.pp_layers` says; core/stages.py, the split the plan counts too); the first stage also
 holds the embedding, the last the final norm and output head. Rank r of the pp mesh holds stages
 r, r + pp, ... (the looped placement the interleaved schedules expect). Each stage is built on the
-meta device as a Llama that lacks what it does not hold, keeps the global block keys (stable names
+meta device as a Decoder that lacks what it does not hold, keeps the global block keys (stable names
 for checkpoints), and goes through the same `parallelize` as an unsplit model (TP, float8, AC,
-compile, FSDP). Init is per block and per name (see Llama.init_weights), so a stage starts from
+compile, FSDP). Init is per block and per name (see Decoder.init_weights), so a stage starts from
 exactly the weights the full model would.
 
 One optimizer step is one schedule step over this dp rank's `train.grad_accum` micro-batches,
