@@ -32,6 +32,10 @@ compares this file with the schema). Every key has a type and a default; an unkn
 outside its choices or range is refused at compose time, one line per problem, exit code 2. Set a key on the
 command line as `group.key=value` (`train.steps=50`), pick a group's option as `group=option` (`sharding=fsdp`);
 `trainctl config show ...` prints the resolved config and `trainctl config groups` lists the options.
+
+The defaults below are the schema's. A group's option (`conf/GROUP/OPTION.yaml`) and a recipe set keys of their
+own on top (`cluster=slurm`, for one, asks for 8 GPU workers per node and 24 hours): `trainctl config show
+recipe=R` prints what a run really gets.
 """
 
 
