@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_blocks import REPO, blocks, pages
+from tests.doc_blocks import blocks, pages
 from tests.helpers import worker_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -16,7 +16,8 @@ MAX_SKIPPED = 8  # blocks CI cannot run (GPU, real cluster, the suite itself): f
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # Words that speak of how the docs were written instead of the product.
 NOT_PRODUCT = re.compile(r"2-core machine|this machine's 2|\bsessions?\b|not yet run|no GPU figures", re.I)
-X
+# Pages that come with other changes of the same release (the design page; the GPU tables): checked once present.
+PENDING = {"docs/design.md", "benchmarks/h200/README.md"}
 
 
 def test_the_readme_is_short():
