@@ -39,6 +39,8 @@ COVERED = {
     # its torchtitan side; the run itself: .ci/run's `gpu_proof.sh --rehearse` (the titan stage)
     "titan_worker.py":
         "tests/dist/test_bench_scripts.py::test_bench_titan_writes_torchtitan_s_config_and_compares_results",
+    "config_reference.py":
+        "tests/unit/test_config_reference.py::test_the_committed_reference_is_what_the_schema_renders",
     "bench_prepare.py":
         "tests/dist/test_bench_scripts.py::test_bench_prepare_compares_data_prepare_with_tokenizers_alone",
 }
