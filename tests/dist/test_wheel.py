@@ -36,7 +36,7 @@ def installed(tmp_path_factory) -> Path:
     assert built.returncode == 0, built.stderr
     (wheel,) = (base / "dist").glob("trainctl-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "trainctl/conf/config.yaml" in names and "trainctl/conf/recipes/tiny_cpu.yaml" in names
+    assert "trainctl/conf/config.yaml" in names and "trainctl/recipes/tiny_cpu.yaml" in names
     venv = base / "venv"
     assert run([sys.executable, "-m", "venv", str(venv)], cwd=base).returncode == 0
     py = venv / "bin" / "python"
