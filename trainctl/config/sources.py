@@ -46,12 +46,14 @@ def is_plain_name(name: str) -> bool:
     return bool(_PLAIN_NAME.match(name)) and ".." not in name
 
 
-def shipped_base() -> Path:
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def shipped_base(package: Path = PACKAGE_DIR) -> Path:
     """The folder holding the shipped conf/ and recipes/: the package in a built wheel, else the checkout.
 
     Only a wheel's build copies them into the package; a checkout keeps them at its top level, once.
     """
-    package = Path(__file__).resolve().parents[1]
     return package if (package / CONF_FOLDER / PRIMARY_FILE).is_file() else package.parent
 
 
