@@ -1,9 +1,10 @@
 """An installed wheel works from any directory: `recipes`, `plan` and a short CPU launch from an empty folder.
 
-The wheel is built from the checkout and installed (without dependencies) into a fresh virtual
-environment outside it. The environment sees this interpreter's packages (torch, hydra, ...) through
-a plain path entry, which adds the folder to sys.path without running its `.pth` files, so the
-checkout's editable install of trainctl stays invisible: every trainctl module comes from the wheel.
+The wheel is built from a clean copy of the checkout (tests/wheel_build.py) and installed (without
+dependencies) into a fresh virtual environment outside it. The environment sees this interpreter's
+packages (torch, hydra, ...) through a plain path entry, which adds the folder to sys.path without
+running its `.pth` files, so the checkout's editable install of trainctl stays invisible: every trainctl
+module comes from the wheel.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.wheel_build import build_wheel, clean_copy, shipped_in_wheel
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -31,12 +32,10 @@ def run(cmd: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) 
 def installed(tmp_path_factory) -> Path:
     """A virtual environment holding only the trainctl wheel; returns its bin folder."""
     base = tmp_path_factory.mktemp("wheel")
-    built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                 "-w", str(base / "dist"), str(REPO)], cwd=base)
-    assert built.returncode == 0, built.stderr
-    (wheel,) = (base / "dist").glob("trainctl-*.whl")
+    source = clean_copy(base / "source")
+    wheel = build_wheel(source, base / "dist")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "trainctl/conf/config.yaml" in names and "trainctl/conf/recipes/tiny_cpu.yaml" in names
+    assert shipped_in_wheel(source) <= set(names) and "trainctl/recipes/tiny_cpu.yaml" in names
     venv = base / "venv"
     assert run([sys.executable, "-m", "venv", str(venv)], cwd=base).returncode == 0
     py = venv / "bin" / "python"

@@ -59,10 +59,10 @@ def test_a_prepared_sweep_and_its_ranking_are_values(tmp_path, capsys):
 
 
 def test_a_shadowing_config_folder_is_a_note_returned_not_printed(tmp_path, capsys):
-    from trainctl.config.sources import shipped_dir
+    from trainctl.config.sources import shipped_recipes_dir
 
     (tmp_path / "recipes").mkdir()
-    (tmp_path / "recipes" / "tiny_cpu.yaml").write_text((shipped_dir() / "recipes" / "tiny_cpu.yaml").read_text())
+    (tmp_path / "recipes" / "tiny_cpu.yaml").write_text((shipped_recipes_dir() / "tiny_cpu.yaml").read_text())
     sp = api.search([tmp_path])
     assert [n for n in api.shadow_notes(sp) if "recipe tiny_cpu" in n and str(tmp_path) in n]
     assert api.resolved(TINY, sp).train.steps == 3

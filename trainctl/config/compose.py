@@ -62,7 +62,7 @@ def project_root() -> Path:
 
 
 def conf_dir() -> Path:
-    """The shipped configs (inside the package)."""
+    """The shipped group folders and config.yaml: the checkout's top-level conf/ (a wheel's trainctl/conf/)."""
     return shipped_dir()
 
 

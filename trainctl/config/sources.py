@@ -1,9 +1,11 @@
 """Where config options come from: the shipped configs, the user's config directories, a recipe file.
 
-The shipped configs live inside the package (`trainctl/conf/`: `config.yaml`, one folder per group,
-`recipes/`), so a wheel installed anywhere finds them. A user adds options with `--config-dir DIR`
-(repeatable) or `TRAINCTL_CONFIG_PATH=DIR1:DIR2`, laid out like the shipped folder (`DIR/model/*.yaml`,
-`DIR/recipes/*.yaml`, ...), and may name a recipe file directly (`recipe=path/to/foo.yaml`).
+The shipped configs are the repository's top-level `conf/` (`config.yaml`, one folder per group) and
+`recipes/`. A checkout (editable install included) reads them there; a built wheel carries copies as
+package data (`trainctl/conf/`, `trainctl/recipes/`, copied in by setup.py's build_py), so a wheel
+installed anywhere finds them. A user adds options with `--config-dir DIR` (repeatable) or
+`TRAINCTL_CONFIG_PATH=DIR1:DIR2`, one folder holding both kinds (`DIR/model/*.yaml`, `DIR/recipes/*.yaml`,
+...), and may name a recipe file directly (`recipe=path/to/foo.yaml`).
 
 Precedence: `--config-dir` folders in the order given, then `TRAINCTL_CONFIG_PATH`, then the shipped
 configs; the first folder holding an option wins, and `shadowed()` names every user option that hides a
@@ -32,6 +34,8 @@ PRIMARY_NAME = "config"
 RECIPE = "recipe"
 # The folder of a group inside a config directory: groups keep their own name; recipes live in recipes/.
 RECIPES_FOLDER = "recipes"
+# The shipped group folders and config.yaml: the top-level conf/ of a checkout, trainctl/conf/ of a wheel.
+CONF_FOLDER = "conf"
 SHIPPED = "shipped"
 YAML_SUFFIXES = (".yaml", ".yml")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -42,9 +46,46 @@ def is_plain_name(name: str) -> bool:
     return bool(_PLAIN_NAME.match(name)) and ".." not in name
 
 
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def shipped_base(package: Path = PACKAGE_DIR) -> Path:
+    """The folder holding the shipped conf/ and recipes/: the package in a built wheel, else the checkout.
+
+    Only a wheel's build copies them into the package; a checkout keeps them at its top level, once.
+    """
+    return package if (package / CONF_FOLDER / PRIMARY_FILE).is_file() else package.parent
+
+
 def shipped_dir() -> Path:
-    """The configs that ship inside the package."""
-    return Path(__file__).resolve().parents[1] / "conf"
+    """The shipped group folders and primary config.yaml (conf/)."""
+    return shipped_base() / CONF_FOLDER
+
+
+def shipped_recipes_dir() -> Path:
+    """The shipped recipes (recipes/)."""
+    return shipped_base() / RECIPES_FOLDER
+
+
+@dataclass(frozen=True)
+class Root:
+    """One config folder as searched: where its groups' folders and its recipes are, and its origin."""
+
+    groups: Path
+    recipes: Path
+    origin: str
+
+    def folder(self, group: str) -> Path:
+        return self.recipes if group == RECIPE else self.groups / group
+
+
+def user_root(folder: Path) -> Root:
+    """A user's config folder holds both kinds: DIR/GROUP/*.yaml and DIR/recipes/*.yaml."""
+    return Root(folder, folder / RECIPES_FOLDER, str(folder))
+
+
+def shipped_root() -> Root:
+    return Root(shipped_dir(), shipped_recipes_dir(), SHIPPED)
 
 
 @dataclass(frozen=True)
@@ -68,8 +109,8 @@ class SearchPath:
     user_dirs: tuple[Path, ...] = ()
     recipe_file: Path | None = None  # recipe=path/to/foo.yaml, taken as recipe `foo` above every folder
 
-    def roots(self) -> list[tuple[Path, str]]:
-        return [*((d, str(d)) for d in self.user_dirs), (shipped_dir(), SHIPPED)]
+    def roots(self) -> list[Root]:
+        return [*(user_root(d) for d in self.user_dirs), shipped_root()]
 
     def with_recipe_file(self, path: Path) -> SearchPath:
         return SearchPath(self.user_dirs, path)
@@ -81,6 +122,7 @@ def search_path(cli_dirs: Sequence[str] = (), environ: dict | None = None) -> Se
     given = [(d, "--config-dir") for d in cli_dirs]
     given += [(d, ENV_VAR) for d in env.get(ENV_VAR, "").split(os.pathsep) if d.strip()]
     dirs, problems = [], []
+    shipped = (shipped_dir(), shipped_base())  # naming the shipped folders again adds nothing (and shadows nothing)
     for raw, where in given:
         path = Path(raw).expanduser()
         if not path.is_dir():
@@ -89,15 +131,11 @@ def search_path(cli_dirs: Sequence[str] = (), environ: dict | None = None) -> Se
                             f"({', '.join(GROUPS[:3])}, ...) and {RECIPES_FOLDER}/ of YAML files")
             continue
         resolved = path.resolve()
-        if resolved != shipped_dir() and resolved not in dirs:
+        if resolved not in shipped and resolved not in dirs:
             dirs.append(resolved)
     if problems:
         raise ConfigError(problems)
     return SearchPath(tuple(dirs))
-
-
-def group_folder(root: Path, group: str) -> Path:
-    return root / (RECIPES_FOLDER if group == RECIPE else group)
 
 
 def _files(folder: Path) -> list[Path]:
@@ -112,8 +150,8 @@ def all_options(group: str, sp: SearchPath) -> list[Option]:
     found = []
     if group == RECIPE and sp.recipe_file is not None:
         found.append(Option(group, sp.recipe_file.stem, sp.recipe_file, str(sp.recipe_file.parent)))
-    for root, origin in sp.roots():
-        found += [Option(group, p.stem, p, origin) for p in _files(group_folder(root, group))]
+    for root in sp.roots():
+        found += [Option(group, p.stem, p, root.origin) for p in _files(root.folder(group))]
     return found
 
 
