@@ -238,7 +238,7 @@ stage_loss_head() {
   if [ "$REHEARSE" = 1 ]; then
     limit "$PY" scripts/bench_loss_head.py --device cpu --quick --json "$OUT/loss_head.json"
   else
-    limit "$PY" scripts/bench_loss_head.py --device cuda --json "$OUT/loss_head.json"
+    limit "$PY" scripts/bench_loss_head.py --device cuda --chunks 1024 2048 8192 all --json "$OUT/loss_head.json"
   fi
 }
 
