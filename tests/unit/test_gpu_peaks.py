@@ -59,7 +59,7 @@ def test_fp8_compute_follows_the_share_of_flops_that_runs_in_fp8():
     from trainctl.plan.runplan import build
     from trainctl.plan.throughput import FP8_GEMM_EFFICIENCY
 
-    bf16_cfg, fp8_cfg = _resolved("bf16"), _resolved("fp8")
+    bf16_cfg, fp8_cfg = _resolved("bf16"), _resolved("fp8", "precision.fp8_filter=all")
     bf16, fp8 = build(bf16_cfg), build(fp8_cfg)
     m, seq = fp8_cfg.model, fp8_cfg.train.seq_len
     q, kv = m.n_heads * (m.dim // m.n_heads), m.n_kv_heads * (m.dim // m.n_heads)

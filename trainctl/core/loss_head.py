@@ -11,10 +11,11 @@ the config's model and precision sections (core imports no config module).
 
 from __future__ import annotations
 
+from trainctl.core.float8 import converts
+
 CHUNK_ALIGN = 128  # tokens per chunk are a multiple of this: matmul tiles stay whole on every device
 CHUNK_BYTES = 2**30  # one chunk's fp32 logits at most, whatever the model
 DENSE_SHARE = 4  # a chunk's temporaries may take this fraction of the dense loss's fp32 gradients, at least
-FP8_ALIGNMENT = 16  # float8 matmuls need both dimensions of a Linear to be multiples of this
 
 
 def chunk_budget(vocab_size: int, dim: int) -> int:
@@ -57,10 +58,10 @@ def planned_chunk_tokens(vocab_size: int, dim: int, tokens: int, room: int, comp
 
 
 def output_in_float8(m, precision) -> bool:
-    """Whether float8 converts the output Linear (not excluded by name, both dimensions aligned)."""
-    if not precision.fp8 or any(part in "output" for part in precision.fp8_exclude):
+    """Whether float8 converts the output Linear (core/float8.py's rule: name excludes, alignment, fp8_filter)."""
+    if not precision.fp8:
         return False
-    return m.dim % FP8_ALIGNMENT == 0 and m.vocab_size % FP8_ALIGNMENT == 0
+    return converts(precision.fp8_filter, precision.fp8_recipe, "output", m.vocab_size, m.dim, precision.fp8_exclude)
 
 
 def chunked_loss(m, precision, tp: int, pp: int) -> bool:

@@ -77,7 +77,7 @@ def step_time(
     if cfg.precision.fp8:
         factor = tp_model.fp8_time_factor(m, t.seq_len, cfg.precision.fp8_exclude,
                                           fp8_speedup_bound(cfg.cluster.gpu, cfg.precision.compute_dtype),
-                                          cfg.precision.fp8_recipe)
+                                          cfg.precision.fp8_recipe, cfg.precision.fp8_filter)
         compute, recompute = compute * factor, recompute * factor
     if t.activation_checkpointing == "op":
         recompute = tp_model.OP_RECOMPUTE_OVERHEAD * compute

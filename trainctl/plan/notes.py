@@ -105,7 +105,7 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
                      "on the device); one block's tensors come back at a time")
     if cfg.precision.fp8:
         recipe = cfg.precision.fp8_recipe
-        share = tp_model.fp8_share(cfg.model, t.seq_len, cfg.precision.fp8_exclude, recipe)
+        share = tp_model.fp8_share(cfg.model, t.seq_len, cfg.precision.fp8_exclude, recipe, cfg.precision.fp8_filter)
         notes.append(f"fp8: float8 matmuls run {share:.0%} of the model FLOPs (the converted Linears); attention and "
                      f"{', '.join(cfg.precision.fp8_exclude) or 'nothing else'} stay bf16; compute modelled at "
                      f"{tp_model.FP8_GEMM_EFFICIENCY.get(recipe, 1.0):g} x the fp8/bf16 peak ratio on that share "

@@ -165,18 +165,19 @@ def hours(seconds: float | None) -> float | None:
     return None if seconds is None else seconds / 3600
 
 
-def fp8_share(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...], recipe: str = "tensorwise") -> float:
+def fp8_share(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...], recipe: str = "tensorwise",
+              fp8_filter: str = "all") -> float:
     """The share of the model FLOPs per token that float8 matmuls run (rowwise_with_gw_hp: 2 of their 3 GEMMs)."""
     gemms = 2 / 3 if recipe == "rowwise_with_gw_hp" else 1.0
-    return gemms * 6.0 * fp8_matmul_params(m, exclude) / flops_per_token(m, seq_len)
+    return gemms * 6.0 * fp8_matmul_params(m, exclude, fp8_filter, recipe) / flops_per_token(m, seq_len)
 
 
 def fp8_time_factor(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...],
-                    peak_ratio: float | None, recipe: str = "tensorwise") -> float:
+                    peak_ratio: float | None, recipe: str = "tensorwise", fp8_filter: str = "all") -> float:
     """Compute time with float8 over the same run's bf16 time (module doc: fp8); 1.0 when the device's fp8 peak
     is unknown."""
     if not peak_ratio:
         return 1.0
-    share = fp8_share(m, seq_len, exclude, recipe)
+    share = fp8_share(m, seq_len, exclude, recipe, fp8_filter)
     efficiency = FP8_GEMM_EFFICIENCY.get(recipe, FP8_GEMM_EFFICIENCY["tensorwise"])
     return (1.0 - share) + share / (efficiency * peak_ratio)
