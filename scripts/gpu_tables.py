@@ -130,6 +130,24 @@ def loss_head_table(head: dict | None, device: str, date: str) -> list[str]:
                      f"{1e3 * s['dense_time_s']:.1f} | {1e3 * s['chunked_time_s']:.1f} | {s['ratio_time']:.2f} | "
                      f"{s['dense_peak_bytes'] / 2**20:.0f} | {s['chunked_peak_bytes'] / 2**20:.0f} | "
                      f"{s['ratio_peak']:.2f} |")
+    lines.append("")
+    for s in head["sizes"]:
+        lines += _sweep(s)
+    return lines
+
+
+def _sweep(size: dict) -> list[str]:
+    """One size's chunk sweep against the compiled dense head (bench_loss_head --chunks; absent before it)."""
+    if not size.get("sweep") or not size.get("dense_compiled"):
+        return []
+    dense_s, dense_peak = size["dense_compiled_time_s"], size["dense_compiled_peak_bytes"]
+    lines = [f"{size['tokens']}x{size['dim']}x{size['vocab']} against the compiled dense head "
+             f"({1e3 * dense_s:.1f} ms, {dense_peak / 2**20:.0f} MiB; targets: time <= 1.05x, peak <= 0.5x):", "",
+             "| chunk tokens | ms | time vs compiled dense | peak MiB | peak vs compiled dense |",
+             "|---|---|---|---|---|"]
+    for row in size["sweep"]:
+        lines.append(f"| {row['chunk_tokens']} | {1e3 * row['time_s']:.1f} | {row['time_s'] / dense_s:.2f} | "
+                     f"{row['peak_bytes'] / 2**20:.0f} | {row['peak_bytes'] / dense_peak:.2f} |")
     return lines + [""]
 
 

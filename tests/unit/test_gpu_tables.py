@@ -38,3 +38,16 @@ def test_a_partial_results_folder_renders_what_it_has(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "## Loss head" in text and "| 8192x4096x128256 | 1024 |" in text
     assert "## Variants" not in text and "torchtitan" not in text
+
+
+def test_a_chunk_sweep_is_rendered_against_the_compiled_dense_head(tmp_path, capsys):
+    size = {"tokens": 1024, "dim": 64, "vocab": 512, "chunk_tokens": 256, "dense_time_s": 0.004,
+            "chunked_time_s": 0.003, "ratio_time": 0.75, "dense_peak_bytes": 4 * 2**20, "chunked_peak_bytes": 2**20,
+            "ratio_peak": 0.25, "dense_compiled": True, "dense_compiled_time_s": 0.002,
+            "dense_compiled_peak_bytes": 2 * 2**20,
+            "sweep": [{"chunk_tokens": 256, "time_s": 0.003, "peak_bytes": 2**20},
+                      {"chunk_tokens": 1024, "time_s": 0.0021, "peak_bytes": 3 * 2**20}]}
+    (tmp_path / "loss_head.json").write_text(json.dumps({"device": "cuda", "sizes": [size]}))
+    assert gpu_tables.main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| 256 | 3.0 | 1.50 | 1 | 0.50 |" in text and "| 1024 | 2.1 | 1.05 | 3 | 1.50 |" in text
