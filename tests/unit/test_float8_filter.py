@@ -86,3 +86,18 @@ def test_the_keys_compose_and_a_wrong_filter_is_one_line():
     with pytest.raises(ConfigError, match="precision.fp8_filter") as caught:
         resolve(compose(["recipe=llama1b_bench", "precision=fp8", "precision.fp8_filter=some"]))
     assert "auto" in str(caught.value) and "all" in str(caught.value)
+
+
+def test_the_plan_counts_no_autocast_copy_of_a_converted_weight():
+    """torchao's Float8Linear casts the fp32 weight to float8 itself: autocast makes no bf16 copy to keep."""
+    from trainctl.plan.runplan import build
+
+    def casts(*more: str) -> int:
+        return build(resolve(compose(["recipe=llama1b_bench", "train.compile=false", *more]))).memory.weight_casts
+
+    bf16 = casts()
+    m = compose(["recipe=llama1b_bench"]).model
+    kv = m.n_kv_heads * (m.dim // m.n_heads)
+    assert casts("precision=fp8", "precision.fp8_filter=all") == 0  # every block Linear converted; the head chunks
+    # auto (tensorwise): wk and wv do not gain at this width: their bf16 copies stay.
+    assert casts("precision=fp8") == 2 * 2 * kv * m.dim * m.n_layers < bf16

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, replace
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
+from trainctl.core.float8 import converts
 from trainctl.core.loss_head import chunked_loss, planned_chunk_tokens
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import activations as act
@@ -176,7 +177,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         saved = offloaded(saved, m, lay, train, stage, tokens)
     mode = train.activation_checkpointing
     wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
-    casts = weight_cast_bytes(tensors, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
+    cast = autocast_cast(tensors, precision)
+    casts = weight_cast_bytes(cast, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
     first_part, head_part = end_parts(tensors, stage)
     at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r, precision)
     accumulating = train.grad_accum > 1
@@ -217,6 +219,16 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         return mem
     chunk = loss_chunk(m, lay, mem)
     return replace(mem, loss_chunk=chunk, loss_buffers=act.loss_transient_bytes(m, lay, tokens, head_reduce, chunk))
+
+
+def autocast_cast(tensors: list, precision: PrecisionConfig) -> list:
+    """The matmul weights autocast copies: not those float8 converts (torchao's Float8Linear casts the fp32 weight
+    to float8 itself and saves the fp32 parameter for backward, no compute-dtype copy; core/float8.py's rule)."""
+    if not precision.fp8:
+        return tensors
+    return [t for t in tensors if not (t.is_matmul and converts(
+        precision.fp8_filter, precision.fp8_recipe, t.name.removesuffix(".weight"), t.rows, t.cols,
+        precision.fp8_exclude))]
 
 
 def loss_chunk(m: ModelConfig, lay: act.ActLayout, unchunked: RankMemory) -> int:
