@@ -132,7 +132,7 @@ def test_fp8_converts_every_block_linear_but_the_output(runs):
     log = (runs["fp8"] / "logs" / "rank0.log").read_text()
     linears = 7 * TINY.n_layers  # wq wk wv wo w1 w2 w3, all 16-aligned in TINY
     expected = (f"float8: {linears} of {linears + 1} Linear layers converted "
-                "(recipe tensorwise, fsdp float8 all-gather True)")
+                "(recipe tensorwise, filter all, fsdp float8 all-gather True)")
     assert expected in log
 
 
