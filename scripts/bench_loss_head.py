@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
 """The chunked loss head (models/loss_head.py) next to the dense one: forward + backward time and peak memory.
 
-    python scripts/bench_loss_head.py [--device cpu|cuda] [--sizes 4096x2048x32768 8192x4096x128256]
+    python scripts/bench_loss_head.py [--device cpu|cuda] [--sizes 16384x2048x128256 8192x4096x128256]
                                       [--quick] [--dtype fp32|bf16] [--body auto|eager|compiled]
+                                      [--chunks 1024 4096 all] [--dense-compiled auto|on|off]
                                       [--warmup 1] [--repeats 3] [--json OUT]
 
 Each size is TOKENSxDIMxVOCAB: hidden [tokens, dim] and an output weight [vocab, dim], both requiring
 gradients, the targets with one token in 64 ignored. The dense arm is F.linear + F.cross_entropy (the
 softmax in fp32, as the model's dense path); the chunked arm is `linear_cross_entropy`. Both take the
 gradient of the mean loss (summed, divided by the tokens, as the trainer's normalization does).
+The default sizes are the real heads: Llama 3.2 1B at 8 x 2048 tokens and Llama 3.1 8B's width at 1 x 8192.
+The chunked arm runs the chunk size the trainer would pick with no headroom (core/loss_head.planned_chunk_tokens);
+--chunks adds a sweep of other sizes ("all": one chunk). The compiled dense arm is torch.compile of the dense one
+(what torchtitan runs; by default on CUDA only, where compiling it takes seconds): the chunked head's targets are
+set against it (time <= 1.05x, peak <= 0.5x).
 
 Time: the median of --repeats forward + backward passes after --warmup, synchronized on CUDA, the two
 arms interleaved so that load from others on a shared machine falls on both.
@@ -36,11 +42,12 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from trainctl.core import loss_head as rule  # noqa: E402
 from trainctl.models import loss_head  # noqa: E402
 from trainctl.models.loss_head import IGNORE_INDEX, dense_loss_sum, linear_cross_entropy  # noqa: E402
 from trainctl.train.observe.peak_memory import _allocation_events, largest_rise, stderr_silenced  # noqa: E402
 
-DEFAULT_SIZES = ["4096x2048x32768", "8192x4096x128256"]
+DEFAULT_SIZES = ["16384x2048x128256", "8192x4096x128256"]
 QUICK_SIZE = "512x128x4096"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -66,8 +73,17 @@ def dense(hidden, weight, targets):
     return dense_loss_sum(F.linear(hidden, weight), targets)
 
 
-def chunked(hidden, weight, targets):
-    return linear_cross_entropy(hidden, weight, targets)
+def chunked_arm(chunk: int):
+    def chunked(hidden, weight, targets):
+        return linear_cross_entropy(hidden, weight, targets, chunk)
+
+    return chunked
+
+
+def planned_chunk(size: tuple[int, int, int], dtype: torch.dtype) -> int:
+    """The trainer's chunk for this head with no headroom under its step's peak (the plan may grant more)."""
+    tokens, dim, vocab = size
+    return rule.planned_chunk_tokens(vocab, dim, tokens, 0, torch.finfo(dtype).bits // 8)
 
 
 def one_pass(arm, hidden, weight, targets) -> torch.Tensor:
@@ -116,11 +132,11 @@ def peak_arm(arm, args, device: str) -> int:
     return largest_rise(_allocation_events(prof))
 
 
-def agreement(args) -> dict:
+def agreement(args, chunk: int) -> dict:
     """How far the chunked loss and gradients are from the dense ones (relative to the dense maxima)."""
     hidden, weight, targets = args
     want = [one_pass(dense, *args), hidden.grad.clone(), weight.grad.clone()]
-    got = [one_pass(chunked, *args), hidden.grad, weight.grad]
+    got = [one_pass(chunked_arm(chunk), *args), hidden.grad, weight.grad]
     names = ("loss", "grad_hidden", "grad_weight")
     out = {n: ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
            for n, g, w in zip(names, got, want, strict=True)}
@@ -128,30 +144,56 @@ def agreement(args) -> dict:
     return out
 
 
-def bench_size(size, device: str, dtype: torch.dtype, warmup: int, repeats: int) -> dict:
+def arms_of(size, dtype, sweep: list[str], dense_compiled: bool) -> tuple[dict, dict[str, int]]:
+    """The arms to time by name, and the chunk of each chunked one ("chunked" is the trainer's choice)."""
+    chunks = {"chunked": planned_chunk(size, dtype)}
+    for text in sweep:
+        chunk = size[0] if text == "all" else int(text)
+        chunks.setdefault(f"chunked_{chunk}", chunk)
+    arms = {"dense": dense, **{name: chunked_arm(chunk) for name, chunk in chunks.items()}}
+    if dense_compiled:
+        arms["dense_compiled"] = torch.compile(dense)
+    return arms, chunks
+
+
+def bench_size(size, device: str, dtype: torch.dtype, warmup: int, repeats: int, sweep: list[str] = (),
+               dense_compiled: bool = False) -> dict:
     args = inputs(size, device, dtype)
-    result = {"tokens": size[0], "dim": size[1], "vocab": size[2],
-              "chunk_tokens": loss_head.chunk_tokens(size[2], size[1]), "compiled": loss_head.compiled(device)}
-    arms = {"dense": dense, "chunked": chunked}
+    arms, chunks = arms_of(size, dtype, list(sweep), dense_compiled)
+    result = {"tokens": size[0], "dim": size[1], "vocab": size[2], "chunk_tokens": chunks["chunked"],
+              "compiled": loss_head.compiled(device), "dense_compiled": dense_compiled}
     for name, times in time_arms(arms, args, device, warmup, repeats).items():
         result[f"{name}_times_s"] = times
         result[f"{name}_time_s"] = statistics.median(times)
         result[f"{name}_peak_bytes"] = peak_arm(arms[name], args, device)
     result["ratio_time"] = result["chunked_time_s"] / result["dense_time_s"]
     result["ratio_peak"] = result["chunked_peak_bytes"] / result["dense_peak_bytes"]
-    result["relative_error"] = agreement(args)
+    if dense_compiled:
+        result["ratio_time_vs_compiled"] = result["chunked_time_s"] / result["dense_compiled_time_s"]
+        result["ratio_peak_vs_compiled"] = result["chunked_peak_bytes"] / result["dense_compiled_peak_bytes"]
+    result["sweep"] = [{"chunk_tokens": chunk, "time_s": result[f"{name}_time_s"],
+                        "peak_bytes": result[f"{name}_peak_bytes"]} for name, chunk in sorted(
+                            chunks.items(), key=lambda item: item[1])]
+    result["relative_error"] = agreement(args, chunks["chunked"])
     return result
 
 
 def report(result: dict) -> None:
     size = f"{result['tokens']}x{result['dim']}x{result['vocab']}"
     print(f"{size}: chunks of {result['chunk_tokens']} tokens, compiled body: {result['compiled']}")
-    for name in ("dense", "chunked"):
+    names = ["dense"] + (["dense_compiled"] if result["dense_compiled"] else [])
+    for name in names + ["chunked"]:
         ms, mib = result[f"{name}_time_s"] * 1e3, result[f"{name}_peak_bytes"] / 2**20
-        print(f"  {name:8s} {ms:9.1f} ms  peak {mib:9.1f} MiB")
+        print(f"  {name:15s} {ms:9.1f} ms  peak {mib:9.1f} MiB")
+    for row in result["sweep"]:
+        ms, mib = row["time_s"] * 1e3, row["peak_bytes"] / 2**20
+        print(f"  chunk {row['chunk_tokens']:>7d}   {ms:9.1f} ms  peak {mib:9.1f} MiB")
     print(f"  relative error: {', '.join(f'{k} {v:.1e}' for k, v in result['relative_error'].items())}")
     print(f"ratio time chunked/dense {result['ratio_time']:.2f}  ({size})")
     print(f"ratio peak chunked/dense {result['ratio_peak']:.2f}  ({size})")
+    if result["dense_compiled"]:
+        print(f"ratio time chunked/compiled dense {result['ratio_time_vs_compiled']:.2f}  ({size}; target <= 1.05)")
+        print(f"ratio peak chunked/compiled dense {result['ratio_peak_vs_compiled']:.2f}  ({size}; target <= 0.5)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--body", choices=["auto", "eager", "compiled"], default="auto",
                         help="the chunk body: auto (compiled on CUDA where Triton can build), or forced")
+    parser.add_argument("--chunks", nargs="*", default=[], help="chunk sizes to sweep (tokens, or 'all')")
+    parser.add_argument("--dense-compiled", choices=["auto", "on", "off"], default="auto",
+                        help="time torch.compile(dense) too (auto: on CUDA)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
@@ -172,14 +217,19 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in (opts.sizes or ([QUICK_SIZE] if opts.quick else DEFAULT_SIZES))]
     repeats = 1 if opts.quick else max(1, opts.repeats)
     dtype = DTYPES[opts.dtype or ("bf16" if opts.device == "cuda" else "fp32")]
+    bad = [c for c in opts.chunks if c != "all" and not (c.isdigit() and int(c) > 0)]
+    if bad:
+        raise SystemExit(f"error: --chunks: {bad[0]!r} is not a positive number of tokens or 'all'")
+    compile_dense = opts.dense_compiled == "on" or (opts.dense_compiled == "auto" and opts.device == "cuda")
     results = []
     for size in sizes:
-        results.append(bench_size(size, opts.device, dtype, max(0, opts.warmup), repeats))
+        results.append(bench_size(size, opts.device, dtype, max(0, opts.warmup), repeats, opts.chunks, compile_dense))
         report(results[-1])
     if opts.json:
-        meta = {"device": opts.device, "body": opts.body, "dtype": str(dtype).removeprefix("torch."),
-                "torch": torch.__version__, "threads": torch.get_num_threads(), "warmup": opts.warmup,
-                "repeats": repeats}
+        name = torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"
+        meta = {"device": opts.device, "device_name": name, "body": opts.body,
+                "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "warmup": opts.warmup, "repeats": repeats}
         opts.json.write_text(json.dumps({**meta, "sizes": results}, indent=2) + "\n")
     return 0
 

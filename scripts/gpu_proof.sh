@@ -205,8 +205,9 @@ stage_tests() {
   if [ "$REHEARSE" = 1 ]; then
     # On CPU the CUDA tests skip; these show the carried wheels and torch 2.11 train here (fp8 via torchao,
     # the GPU tests' configs resolved, the bench scripts' bookkeeping).
-    limit "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/gpu tests/unit/test_mixed_precision.py \
-      tests/unit/test_bench_variants_unit.py tests/unit/test_gpu_out_check.py
+    limit "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/unit/test_gpu_configs.py \
+      tests/unit/test_op_checkpointing.py tests/unit/test_mixed_precision.py tests/unit/test_bench_variants_unit.py \
+      tests/unit/test_gpu_out_check.py
   fi
 }
 
@@ -237,7 +238,7 @@ stage_loss_head() {
   if [ "$REHEARSE" = 1 ]; then
     limit "$PY" scripts/bench_loss_head.py --device cpu --quick --json "$OUT/loss_head.json"
   else
-    limit "$PY" scripts/bench_loss_head.py --device cuda --json "$OUT/loss_head.json"
+    limit "$PY" scripts/bench_loss_head.py --device cuda --chunks 1024 2048 8192 all --json "$OUT/loss_head.json"
   fi
 }
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.dist
 def test_bench_loss_head_reports_time_and_peak_of_both_heads(tmp_path):
     out = tmp_path / "loss_head.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--chunks", "128", "all",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ratio time chunked/dense" in proc.stdout and "ratio peak chunked/dense" in proc.stdout
@@ -36,6 +37,11 @@ def test_bench_loss_head_reports_time_and_peak_of_both_heads(tmp_path):
         assert size[f"{arm}_time_s"] > 0 and size[f"{arm}_peak_bytes"] > 0
     assert size["ratio_time"] > 0 and 0 < size["ratio_peak"] < 1  # 4 chunks: far below the dense logits
     assert max(size["relative_error"].values()) < 1e-5
+    # The trainer's chunk with no headroom (a quarter of the dense fp32 gradients: 256 of 512 tokens), then the sweep.
+    assert size["chunk_tokens"] == 256
+    assert [row["chunk_tokens"] for row in size["sweep"]] == [128, 256, 512]
+    assert all(row["time_s"] > 0 and row["peak_bytes"] > 0 for row in size["sweep"])
+    assert size["dense_compiled"] is False and "dense_compiled_time_s" not in size  # compiled dense: CUDA by default
 
 
 def test_bench_loss_head_refuses_a_malformed_size():

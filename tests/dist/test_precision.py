@@ -31,7 +31,7 @@ INJECT_STEP = 9  # 0-based optimizer step; its metrics are logged at step INJECT
 FSDP2 = ShardingConfig(strategy="fsdp", dp_shard=2)
 BF16 = PrecisionConfig(compute_dtype="bf16")
 FP16 = PrecisionConfig(compute_dtype="fp16", loss_scaling=True, init_scale=1024.0)
-FP8 = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_recipe="tensorwise")
+FP8 = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_recipe="tensorwise", fp8_filter="all")  # tiny Linears
 TP2 = ShardingConfig(strategy="none", tp=2)
 TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp8": 2e-2, "fp8_tp": 2e-2}
 FP32_NOISE = 1e-6
@@ -132,7 +132,7 @@ def test_fp8_converts_every_block_linear_but_the_output(runs):
     log = (runs["fp8"] / "logs" / "rank0.log").read_text()
     linears = 7 * TINY.n_layers  # wq wk wv wo w1 w2 w3, all 16-aligned in TINY
     expected = (f"float8: {linears} of {linears + 1} Linear layers converted "
-                "(recipe tensorwise, fsdp float8 all-gather True)")
+                "(recipe tensorwise, filter all, fsdp float8 all-gather True)")
     assert expected in log
 
 

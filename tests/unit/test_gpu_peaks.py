@@ -59,16 +59,16 @@ def test_fp8_compute_follows_the_share_of_flops_that_runs_in_fp8():
     from trainctl.plan.runplan import build
     from trainctl.plan.throughput import FP8_GEMM_EFFICIENCY
 
-    bf16_cfg, fp8_cfg = _resolved("bf16"), _resolved("fp8")
+    bf16_cfg, fp8_cfg = _resolved("bf16"), _resolved("fp8", "precision.fp8_filter=all")
     bf16, fp8 = build(bf16_cfg), build(fp8_cfg)
     m, seq = fp8_cfg.model, fp8_cfg.train.seq_len
     q, kv = m.n_heads * (m.dim // m.n_heads), m.n_kv_heads * (m.dim // m.n_heads)
     block = m.dim * (2 * q + 2 * kv) + 3 * m.dim * m.ffn_dim  # wq wo wk wv w1 w2 w3 (the head is excluded)
     share = 6.0 * m.n_layers * block / flops_per_token(m, seq)
     ratio = GPUS[fp8_cfg.cluster.gpu].peak_tflops["fp8"] / GPUS[fp8_cfg.cluster.gpu].peak_tflops["bf16"]
-    expected = (1 - share) + share / (FP8_GEMM_EFFICIENCY * ratio)
+    expected = (1 - share) + share / (FP8_GEMM_EFFICIENCY[fp8_cfg.precision.fp8_recipe] * ratio)
     assert fp8.step_time.compute_s / bf16.step_time.compute_s == pytest.approx(expected)
-    assert 1.2 < 1 / expected < ratio  # a speed-up, never the whole peak ratio
+    assert 1.0 < 1 / expected < ratio  # a speed-up, never the whole peak ratio
     assert fp8.peak_flops_per_device == bf16.peak_flops_per_device  # MFU against the bf16 peak
 
 

@@ -58,11 +58,15 @@ def test_the_weight_gradient_is_accumulated_in_place_in_one_buffer(autocast):
     weight = torch.randn(vocab, dim, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,))
     mode = BigOutputs(vocab * dim)
-    with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        linear_cross_entropy(hidden, weight, targets, 8)  # 5 chunks, each [8, vocab] smaller than [vocab, dim]
-    # The one fp32 accumulator; under autocast also the weight's cast to bf16 and the result's cast back.
-    want = ["zeros"] + (["_to_copy", "_to_copy"] if autocast else [])
+    with mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = linear_cross_entropy(hidden, weight, targets, 8)  # 5 chunks, each [8, vocab] < [vocab, dim]
+        loss.backward()
+    # The one fp32 accumulator; under autocast also the weight's cast to bf16 for the projection, and no cast of
+    # the gradient: the fp32 weight gets the accumulator itself (no fp32 -> bf16 -> fp32 round trip).
+    want = ["zeros"] + (["_to_copy"] if autocast else [])
     assert sorted(mode.ops) == sorted(want), mode.ops
+    assert weight.grad.dtype == torch.float32
 
 
 def _case(vocab=50, tokens=30):
@@ -86,15 +90,19 @@ def test_the_compiled_body_computes_what_the_eager_body_does():
 
 
 def test_the_body_is_compiled_only_on_cuda_with_a_compiler_and_headers(monkeypatch):
+    def compiled(device) -> bool:
+        loss_head._can_compile.cache_clear()  # looked up once per process; each case here is a new "process"
+        return loss_head.compiled(device)
+
     monkeypatch.setattr(loss_head.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(loss_head.Path, "exists", lambda self: True)
-    assert loss_head.compiled("cuda") and loss_head.compiled(torch.device("cuda", 1))
-    assert not loss_head.compiled("cpu")  # eager on CPU: as fast there, no compile time
+    assert compiled("cuda") and compiled(torch.device("cuda", 1))
+    assert not compiled("cpu")  # eager on CPU: as fast there, no compile time
     monkeypatch.setattr(loss_head.shutil, "which", lambda name: None)  # no C compiler: Triton could not build
-    assert not loss_head.compiled("cuda")
+    assert not compiled("cuda")
     monkeypatch.setattr(loss_head.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(loss_head.Path, "exists", lambda self: False)  # no Python.h
-    assert not loss_head.compiled("cuda")
+    assert not compiled("cuda")
 
 
 def test_a_second_backward_through_the_same_graph_is_refused_not_doubled():
@@ -113,3 +121,14 @@ def test_a_frozen_weight_gets_no_gradient_and_the_input_the_dense_one():
     (want,) = torch.autograd.grad(dense_loss_sum(hidden @ weight.t(), targets) / 3, hidden)
     (got,) = torch.autograd.grad(linear_cross_entropy(hidden, weight, targets, 3) / 3, hidden)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_compiler_lookup_is_not_repeated_per_call(monkeypatch):
+    """The forward makes no file-system lookups: whether the body compiles is decided once per process."""
+    loss_head._can_compile.cache_clear()
+    lookups = []
+    monkeypatch.setattr(loss_head.shutil, "which", lambda name: lookups.append(name) or f"/usr/bin/{name}")
+    for _ in range(3):
+        loss_head.compiled("cuda")
+    assert len(lookups) == 1
+    loss_head._can_compile.cache_clear()

@@ -193,10 +193,12 @@ def test_fsdp_reduce_scatters_the_heads_gradient_in_the_loss_phase():
 
 def test_chunked_loss_buffers_hold_no_whole_fp32_logits():
     chunked = estimate("zero3", precision=BF16, dp_shard=8)
-    # The largest of: the fp32 weight-gradient accumulator + one chunk of 1024 tokens (a multiple of 128 whose
-    # fp32 logits are a quarter of the accumulator: bf16 logits, fp32, bf16 gradient); the accumulator and its
-    # bf16 cast at the end of forward; backward scales in place and adds nothing (no autocast here).
-    chunk = 1024
+    # The largest of: the fp32 weight-gradient accumulator + one chunk (bf16 logits, fp32, bf16 gradient); the
+    # accumulator and its bf16 cast at the end of forward; backward scales in place and adds nothing (no autocast).
+    # The step's other phases leave room for all 4096 tokens of the micro-batch under the peak: one chunk.
+    chunk = chunked.tokens_per_micro_batch
+    assert chunked.loss_chunk == chunk == 4096
+    assert chunked.peak_phase != "loss"
     forward = 4 * 32000 * 4096 + chunk * 32000 * (4 + 2 + 2)
     cast = (4 + 2) * 32000 * 4096
     assert chunked.loss_buffers == max(forward, cast)

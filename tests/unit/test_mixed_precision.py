@@ -106,13 +106,15 @@ def test_state_dict_round_trip_keeps_scale_and_skips():
     ("layers.0.feed_forward.w2", (40, 64), False),
 ])
 def test_float8_filter(fqn, shape, wanted):
-    assert wants_float8(nn.Linear(*shape, device="meta"), fqn, ("output",)) is wanted
+    every = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_exclude=["output"], fp8_filter="all")
+    assert wants_float8(nn.Linear(*shape, device="meta"), fqn, every) is wanted
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_converts_every_eligible_linear_of_the_meta_model(recipe):
     model = build_model(SMALL, "meta")
-    precision = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_recipe=recipe, fp8_exclude=["output", "w2"])
+    precision = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_recipe=recipe, fp8_exclude=["output", "w2"],
+                                fp8_filter="all")
     converted = apply_float8(model, precision, fsdp=False)
     # w2 of every block and the output layer are excluded by name.
     assert converted == count_float8_linears(model) == (LINEARS_PER_BLOCK - 1) * SMALL.n_layers
@@ -149,7 +151,7 @@ def test_tensor_parallel_uses_float8_styles_only_where_every_linear_is_float8(ex
     from trainctl.models.common.parallel import block_plan
 
     model = build_model(SMALL, "meta")
-    precision = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_exclude=exclude)
+    precision = PrecisionConfig(compute_dtype="bf16", fp8=True, fp8_exclude=exclude, fp8_filter="all")
     apply_float8(model, precision, fsdp=False)
     plan = block_plan(model.layers["0"], float8_tensorwise=True)
     assert type(plan["attention.wq"]) is Float8ColwiseParallel

@@ -15,7 +15,7 @@ from trainctl.config.slurm import SlurmClusterConfig
 from trainctl.launch.command import command_record, default_run_dir, launch_argv, plan_record
 from trainctl.plan import fit
 from trainctl.plan.runplan import PlanError, build, refusal
-from trainctl.plan.throughput import DEFAULT_MFU
+from trainctl.plan.throughput import DEFAULT_MFU, RECOMPUTE_SPEEDUP
 
 P_7B = 6_738_415_616  # published; see test_memory for the arithmetic
 BLOCK_7B = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
@@ -97,7 +97,9 @@ def test_full_checkpointing_adds_a_forward_of_the_blocks():
     plain = build(llama7b_zero3_h100(activation_checkpointing="none")).step_time
     full = build(llama7b_zero3_h100()).step_time
     block_forward = 2 * (BLOCK_7B - 2 * 4096) + 4 * 4096 * 4096
-    assert full.recompute_s / plain.compute_s == pytest.approx(32 * block_forward / plain_flops_per_token())
+    # at RECOMPUTE_SPEEDUP times the step's rate (measured on NVIDIA H200: plan/throughput.py)
+    assert full.recompute_s / plain.compute_s == pytest.approx(
+        32 * block_forward / plain_flops_per_token() / RECOMPUTE_SPEEDUP)
 
 
 def test_memory_of_zero3_on_8_ranks_fits_without_warning():

@@ -30,6 +30,7 @@ COVERED = {
     "gpu_proof.sh": "tests/dist/test_bench_scripts.py::test_gpu_proof_checks_the_box_and_refuses_unknown_stages",
     "gpu_wheels.sh": "tests/dist/test_bench_scripts.py::test_gpu_wheels_names_what_the_gpu_box_lacks",
     "_gpu_common.sh": "tests/dist/test_bench_scripts.py::test_gpu_wheels_names_what_the_gpu_box_lacks",  # sourced
+    "gpu_tables.py": "tests/unit/test_gpu_tables.py::test_the_committed_h200_tables_render_from_the_raw_results",
     "gpu_out_check.py": "tests/unit/test_gpu_out_check.py::test_the_proofs_own_layout_comes_back",
     "hostile_probe.py": "tests/dist/test_hostile_probe.py::test_every_hostile_case_is_ok",
     "bench_loss_head.py":

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from trainctl.config.fields import at_least, at_most, choice, positive, within
 from trainctl.core import optimizers, schedules, wrapping
+from trainctl.core.float8 import FP8_FILTERS
 
 # Allowed values of the string-valued choices that no registry lists (the fields below declare theirs).
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -28,7 +29,7 @@ AC_MODES = ("none", "full", "selective", "op")
 ATTENTION_KERNELS = ("cudnn", "flash")  # the SDPA kernel tried first on CUDA
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 WANDB_MODES = ("online", "offline", "disabled")
-FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 LOAD_ONLY = ("all", "model", "model_optim")
 NONFINITE_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("off", "warn", "skip")
@@ -105,6 +106,8 @@ class PrecisionConfig:
     reduce_dtype: str = choice("fp32", REDUCE_DTYPES)  # gradient reduction dtype
     fp8: bool = False  # torchao float8 linear layers on top of bf16
     fp8_recipe: str = choice("tensorwise", FP8_RECIPES)
+    # auto: only the Linears torchao's size rule says gain for the recipe; all: every 16-aligned one (core/float8.py)
+    fp8_filter: str = choice("auto", FP8_FILTERS)
     # Linear layers whose name contains one of these stay in bf16 (the output layer is
     # sensitive; torchao also skips layers whose dims are not multiples of 16).
     fp8_exclude: list[str] = field(default_factory=lambda: ["output"])

@@ -9,10 +9,12 @@ of one buffer) and its share of the weight gradient (added in place into one fp3
 [vocab, dim] partial per chunk). Backward then only scales the two saved gradients, in place, by the
 incoming one: the projection is not recomputed (a checkpoint-per-chunk variant would recompute
 2 * dim * vocab FLOPs per token, about 7% of a 1B-parameter step). What stays alive until backward: the
-input gradient [tokens, dim] and the weight gradient [vocab, dim], in the compute dtype.
+input gradient [tokens, dim] in the compute dtype and the weight gradient [vocab, dim] in the weight's dtype: an
+fp32 weight under autocast gets the fp32 accumulator itself (no round trip through the compute dtype).
 
 Speed (scripts/bench_loss_head.py): every chunk reads and writes the whole accumulator, so chunks are
-large, whole multiples of 128 tokens (core/loss_head.py's rule); on CUDA the chunk's softmax-gradient body
+large, whole multiples of 128 tokens, as many as the plan's headroom affords, down to one chunk
+(core/loss_head.py's rule); on CUDA the chunk's softmax-gradient body
 is compiled (fused into a couple of passes over the logits) where Triton can build, else eager.
 
 `OutputHead` is the model's output Linear (same parameter, same checkpoint key) whose forward also takes
@@ -86,9 +88,11 @@ def _pure_body(logits: torch.Tensor, targets: torch.Tensor, with_grads: bool):
     return loss, (grad * valid[:, None]).to(logits.dtype)
 
 
+@functools.cache
 def _can_compile() -> bool:
     """Triton builds its launcher with a C compiler and Python's headers (train/parallel/parallelize.py refuses
-    train.compile without them; here the head quietly stays eager)."""
+    train.compile without them; here the head quietly stays eager). Looked up once per process: the answer
+    cannot change during a run, and the lookups are file-system calls the forward must not make."""
     compiler = os.environ.get("CC") or "cc"
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     return shutil.which(compiler.split()[0]) is not None and headers.exists()
@@ -155,18 +159,23 @@ class LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                dtype: torch.dtype):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         body = _compiled_body() if compiled(hidden.device) else _eager_body
+        # The projection runs in `dtype` (autocast's); the weight is cast here, not outside the Function, so that
+        # its gradient leaves the fp32 accumulator as it is for an fp32 weight: no fp32 -> bf16 -> fp32 round trip.
+        projection = weight.to(dtype)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty(hidden.shape, device=hidden.device, dtype=hidden.dtype) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            total += _chunk(hidden[rows], weight, targets[rows], body,
+            total += _chunk(hidden[rows], projection, targets[rows], body,
                             None if grad_hidden is None else grad_hidden[rows], grad_weight)
+        del projection
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)  # no copy in fp32
+            grad_weight = grad_weight.to(weight.dtype)  # no copy for an fp32 weight
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
@@ -177,25 +186,22 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight.mul_(grad_total.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk: int | None = None) -> torch.Tensor:
     """Summed cross-entropy of hidden [..., dim] @ weight[vocab, dim].T against targets [...], fp32.
 
-    Under torch.autocast the projection runs in the autocast dtype, as nn.Linear's would; the casts
-    sit outside the Function, so their gradients flow back to fp32 weights as usual.
+    Under torch.autocast the projection runs in the autocast dtype, as nn.Linear's would; an fp32 weight gets
+    its gradient in fp32 straight from the accumulator. chunk: tokens per chunk (None: core's floor rule).
     """
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-    elif hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    hidden = hidden.to(dtype)
     chunk = chunk or chunk_tokens(*weight.shape)
     with torch.autocast(device_type, enabled=False):
-        return LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk)
+        return LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk, dtype)
 
 
 class OutputHead(nn.Linear):
@@ -206,8 +212,9 @@ class OutputHead(nn.Linear):
     """
 
     chunked = True
+    chunk: int | None = None  # tokens per chunk: the plan's (train/loop/loss.py sets it), else core's floor rule
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return super().forward(hidden)
-        return linear_cross_entropy(hidden, self.weight, targets)
+        return linear_cross_entropy(hidden, self.weight, targets, self.chunk)

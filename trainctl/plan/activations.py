@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainctl.config.schema import ModelConfig
-from trainctl.core.loss_head import chunk_tokens
+from trainctl.core.loss_head import chunk_temp_bytes, chunk_tokens
 from trainctl.models.registry import spec
 
 FP32 = 4
@@ -106,37 +106,46 @@ def head_bytes(m: ModelConfig, lay: ActLayout) -> float:
 
 
 def head_fixed_bytes(m: ModelConfig, lay: ActLayout) -> int:
-    """Per micro-batch, whatever its tokens: the chunked loss keeps the output weight's gradient [V, dim]."""
-    return lay.compute_bytes * m.vocab_size * m.dim if lay.chunked_loss else 0
+    """Per micro-batch, whatever its tokens: the chunked loss keeps the output weight's gradient [V, dim], in the
+    weight's dtype: fp32 under autocast (the accumulator itself), else the compute dtype."""
+    if not lay.chunked_loss:
+        return 0
+    return (FP32 if lay.autocast else lay.compute_bytes) * m.vocab_size * m.dim
 
 
-def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int, head_reduce: int = 0) -> int:
+def loss_transient_bytes(m: ModelConfig, lay: ActLayout, tokens: int, head_reduce: int = 0,
+                         chunk: int | None = None) -> int:
     """Bytes alive around the loss beyond what the head keeps.
 
     head_reduce: FSDP2's reduce-scatter input for the head's unit (reduce dtype x its elements), written at the
     head's post-backward while that backward's own gradient is still alive; 0 without FSDP2 or with the head in
     the root unit (tied embeddings: it reduces at the end of backward).
+    chunk: tokens per chunk (the plan's choice, memory.estimate); None: core/loss_head.py's floor; 0: no chunk.
 
     Dense: two fp32 [tokens, V] gradients at the start of backward (nll_loss's backward writes one and
     log_softmax's another before the first is freed; the forward's own peak is lower).
     Chunked (models/loss_head.py), the largest of three moments:
-    - a chunk in forward: the one fp32 weight-gradient accumulator [V, dim] and the chunk's logits
-      (compute-dtype, their fp32 working copy, the compute-dtype gradient; in fp32 one buffer); the
-      weight gradient is accumulated in place, so there is no [V, dim] partial;
-    - the end of forward below fp32: the accumulator and its cast to the compute dtype;
-    - backward scales the saved gradients in place: nothing new, but under autocast the weight
-      gradient's cast back to fp32 [V, dim].
+    - a chunk in forward: the one fp32 weight-gradient accumulator [V, dim] (under autocast it is the saved
+      gradient head_fixed_bytes counts) and the chunk's temporaries (core/loss_head.chunk_temp_bytes); the weight
+      gradient is accumulated in place, no [V, dim] partial;
+    - the end of forward for a weight in the compute dtype (FSDP2's or a low-precision weight): the accumulator
+      and its cast; under autocast the fp32 weight takes the accumulator as it is;
+    - backward scales the saved gradients in place: nothing new but FSDP2's reduce-scatter input.
     """
     if not lay.chunked_loss:
         dense = 2 * FP32 * m.vocab_size * tokens  # the head's unsharded gradient and its reduce-scatter input after
         return max(dense, lay.compute_bytes * m.vocab_size * m.dim // lay.tp + head_reduce) if head_reduce else dense
     c, weight = lay.compute_bytes, m.vocab_size * m.dim
-    chunk = min(tokens, chunk_tokens(m.vocab_size, m.dim))
-    chunk_temps = chunk * m.vocab_size * (FP32 + (2 * c if c != FP32 else 0))
-    forward = FP32 * weight + chunk_temps
-    cast = (FP32 + c) * weight if c != FP32 else 0
-    backward = (FP32 * weight if lay.autocast else 0) + head_reduce
-    return max(forward, cast, backward)
+    chunk = min(tokens, chunk_tokens(m.vocab_size, m.dim) if chunk is None else chunk)
+    forward = loss_accumulator_bytes(m, lay) + chunk * chunk_temp_bytes(m.vocab_size, c)
+    cast = (FP32 + c) * weight if c != FP32 and not lay.autocast else 0
+    return max(forward, cast, head_reduce)
+
+
+def loss_accumulator_bytes(m: ModelConfig, lay: ActLayout) -> int:
+    """The chunked head's fp32 weight-gradient accumulator beyond what head_fixed_bytes counts: none under
+    autocast, where the accumulator is the saved gradient itself."""
+    return 0 if lay.autocast else FP32 * m.vocab_size * m.dim
 
 
 def block_grad_bytes(m: ModelConfig, lay: ActLayout) -> float:

@@ -69,12 +69,15 @@ def step_time(
     c = DTYPE_BYTES[cfg.precision.compute_dtype]
     tokens = t.tokens_per_step
     rate = dims.world_size * peak * mfu * tp_model.micro_batch_efficiency(mem.tokens_per_micro_batch)
+    rate *= tp_model.COMPILE_SPEEDUP if t.compile else 1.0
     compute = flops_per_token(m, t.seq_len) * tokens / rate
     wrapped = checkpointed_blocks(t.activation_checkpointing, m.n_layers, t.ac_every)
-    recompute = tp_model.recompute_flops_per_token(m, t.seq_len, t.activation_checkpointing, wrapped) * tokens / rate
+    recompute_flops = tp_model.recompute_flops_per_token(m, t.seq_len, t.activation_checkpointing, wrapped)
+    recompute = recompute_flops * tokens / (rate * tp_model.RECOMPUTE_SPEEDUP)
     if cfg.precision.fp8:
         factor = tp_model.fp8_time_factor(m, t.seq_len, cfg.precision.fp8_exclude,
-                                          fp8_speedup_bound(cfg.cluster.gpu, cfg.precision.compute_dtype))
+                                          fp8_speedup_bound(cfg.cluster.gpu, cfg.precision.compute_dtype),
+                                          cfg.precision.fp8_recipe, cfg.precision.fp8_filter)
         compute, recompute = compute * factor, recompute * factor
     if t.activation_checkpointing == "op":
         recompute = tp_model.OP_RECOMPUTE_OVERHEAD * compute

@@ -7,6 +7,7 @@ published counts of the named models (tests/dist/test_families.py builds transfo
 from __future__ import annotations
 
 from trainctl.config.schema import ModelConfig
+from trainctl.core.float8 import converts
 from trainctl.core.lora import adapter_count
 from trainctl.models.registry import spec
 
@@ -45,7 +46,6 @@ def trainable_count(m: ModelConfig) -> int:
     return lora_formula_count(m) if m.lora.rank > 0 else param_count(m)
 
 
-FP8_ALIGNMENT = 16  # torchao float8 converts a Linear only when both of its dimensions are multiples of this
 
 
 def linear_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -53,13 +53,14 @@ def linear_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     return spec(m.family).linear_shapes(m)
 
 
-def fp8_matmul_params(m: ModelConfig, exclude: list[str] | tuple[str, ...]) -> int:
-    """Matmul weights that run in float8 (the worker's rule, train/float8.wants_float8): not excluded by name
-    (`precision.fp8_exclude`, matched against `layers.N.<name>` and `output`), both dimensions 16-aligned."""
+def fp8_matmul_params(m: ModelConfig, exclude: list[str] | tuple[str, ...], fp8_filter: str = "all",
+                      recipe: str = "tensorwise") -> int:
+    """Matmul weights that run in float8 (the worker's rule, core/float8.converts): not excluded by name
+    (`precision.fp8_exclude`, matched against `layers.N.<name>` and `output`), both dimensions 16-aligned, and
+    under fp8_filter=auto only the shapes torchao's size rule says gain for the recipe."""
     total = 0
     for name, (n_in, n_out) in linear_shapes(m).items():
         fqn = name if name == "output" else f"layers.0.{name}"
-        if any(part in fqn for part in exclude) or n_in % FP8_ALIGNMENT or n_out % FP8_ALIGNMENT:
-            continue
-        total += n_in * n_out * (1 if name == "output" else m.n_layers)
+        if converts(fp8_filter, recipe, fqn, n_out, n_in, exclude):
+            total += n_in * n_out * (1 if name == "output" else m.n_layers)
     return total

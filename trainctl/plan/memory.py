@@ -44,12 +44,13 @@ and at the loss only when grad_accum > 1 (earlier micro-batches' gradients are t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
-from trainctl.core.loss_head import chunked_loss
+from trainctl.core.float8 import converts
+from trainctl.core.loss_head import chunked_loss, planned_chunk_tokens
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import activations as act
 from trainctl.plan.rank_states import (
@@ -106,6 +107,7 @@ class RankMemory:
     tokens_per_micro_batch: int  # on this rank: micro_batch x seq_len / cp
     in_flight: float
     local_params: int  # elements of this rank's tensor-parallel share of its stage, before data-parallel sharding
+    loss_chunk: int = 0  # tokens per chunk of the chunked loss head (0: the dense loss or no head on this rank)
 
     @property
     def states(self) -> int:
@@ -141,7 +143,7 @@ class RankMemory:
         return max(phases, key=phases.get)
 
     def to_dict(self) -> dict:
-        counts = ("pp_rank", "tokens_per_micro_batch", "in_flight", "local_params")
+        counts = ("pp_rank", "tokens_per_micro_batch", "in_flight", "local_params", "loss_chunk")
         data = {k: v for k, v in asdict(self).items() if k not in counts}
         out = {f"{k}_bytes": v for k, v in data.items()}
         out["states_bytes"] = self.states
@@ -149,7 +151,7 @@ class RankMemory:
         out["peak_bytes"] = self.peak
         out["peak_phase"] = self.peak_phase
         out.update(pp_rank=self.pp_rank, tokens_per_micro_batch=self.tokens_per_micro_batch, in_flight=self.in_flight,
-                   local_params=self.local_params)
+                   local_params=self.local_params, loss_chunk=self.loss_chunk)
         return out
 
 
@@ -175,16 +177,18 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         saved = offloaded(saved, m, lay, train, stage, tokens)
     mode = train.activation_checkpointing
     wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
-    casts = weight_cast_bytes(tensors, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
+    cast = autocast_cast(tensors, precision)
+    casts = weight_cast_bytes(cast, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
     first_part, head_part = end_parts(tensors, stage)
     at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r, precision)
     accumulating = train.grad_accum > 1
     unsharded = max(c, r) * learn_local if fsdp and accumulating else 0
+    head_reduce = head_reduce_bytes(m, stage, dims, wrap, r)
     step_temp = optimizers.spec(optim).step_temp_bytes(stepped, device == "cuda" and not sharding.cpu_offload)
     host = saved.host
     if sharding.cpu_offload:
         host, params, grads, optimizer, step_temp = host + params + grads + optimizer, 0, 0, 0, 0
-    return RankMemory(
+    mem = RankMemory(
         pp_rank=stage.pp_rank,
         params=params,
         grads=grads,
@@ -199,8 +203,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         weight_casts=casts,
         activations=saved.everything,
         activations_per_micro_batch=saved.one,
-        loss_buffers=(act.loss_transient_bytes(m, lay, tokens, head_reduce_bytes(m, stage, dims, wrap, r))
-                      if stage.last else 0),
+        loss_buffers=act.loss_transient_bytes(m, lay, tokens, head_reduce, 0) if stage.last else 0,
         recompute=(int(act.recompute_bytes(m, lay, mode) * tokens) if wrapped else 0) + saved.unpacked,
         grad_temp=int(act.block_grad_bytes(m, lay) * tokens) if stage.layers else 0,
         head_activations=saved.head,
@@ -212,3 +215,26 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         in_flight=stage.in_flight,
         local_params=local,
     )
+    if not (stage.last and lay.chunked_loss):
+        return mem
+    chunk = loss_chunk(m, lay, mem)
+    return replace(mem, loss_chunk=chunk, loss_buffers=act.loss_transient_bytes(m, lay, tokens, head_reduce, chunk))
+
+
+def autocast_cast(tensors: list, precision: PrecisionConfig) -> list:
+    """The matmul weights autocast copies: not those float8 converts (torchao's Float8Linear casts the fp32 weight
+    to float8 itself and saves the fp32 parameter for backward, no compute-dtype copy; core/float8.py's rule)."""
+    if not precision.fp8:
+        return tensors
+    return [t for t in tensors if not (t.is_matmul and converts(
+        precision.fp8_filter, precision.fp8_recipe, t.name.removesuffix(".weight"), t.rows, t.cols,
+        precision.fp8_exclude))]
+
+
+def loss_chunk(m: ModelConfig, lay: act.ActLayout, unchunked: RankMemory) -> int:
+    """Tokens per chunk of the loss head: as many as fit under the step's other phases' peak, so the loss never
+    becomes the peak by its chunks (core/loss_head.planned_chunk_tokens); `unchunked` counts no chunk."""
+    phases = unchunked.phases()
+    others = max(v for k, v in phases.items() if k != "loss")
+    room = others - (phases["loss"] - unchunked.loss_buffers + act.loss_accumulator_bytes(m, lay))
+    return planned_chunk_tokens(m.vocab_size, m.dim, unchunked.tokens_per_micro_batch, room, lay.compute_bytes)

@@ -10,7 +10,7 @@ from trainctl.config.schema import RunConfig
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
-from trainctl.core.loss_head import chunk_tokens, chunked_loss
+from trainctl.core.loss_head import chunked_loss
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import throughput as tp_model
@@ -75,7 +75,7 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
     if not mem.loss_buffers:
         notes = []
     elif chunked_loss(cfg.model, cfg.precision, dims.tp, dims.pp):
-        chunk = chunk_tokens(cfg.model.vocab_size, cfg.model.dim)
+        chunk = mem.loss_chunk
         notes = [f"loss_buffers {_gib(mem.loss_buffers)}: the output projection and cross-entropy run in chunks of "
                  f"{chunk} tokens, computing their gradients in forward: no fp32 "
                  "[tokens, vocab] tensor is ever whole; the head keeps the input's and the weight's gradients"]
@@ -104,11 +104,12 @@ def activation_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> lis
         notes.append("activation_offload: saved tensors live in host memory until backward (the op-level cache stays "
                      "on the device); one block's tensors come back at a time")
     if cfg.precision.fp8:
-        share = tp_model.fp8_share(cfg.model, t.seq_len, cfg.precision.fp8_exclude)
+        recipe = cfg.precision.fp8_recipe
+        share = tp_model.fp8_share(cfg.model, t.seq_len, cfg.precision.fp8_exclude, recipe, cfg.precision.fp8_filter)
         notes.append(f"fp8: float8 matmuls run {share:.0%} of the model FLOPs (the converted Linears); attention and "
                      f"{', '.join(cfg.precision.fp8_exclude) or 'nothing else'} stay bf16; compute modelled at "
-                     f"{tp_model.FP8_GEMM_EFFICIENCY:g} x the fp8/bf16 peak ratio on that share (an assumption until a "
-                     "GPU measures it); MFU stays against the bf16 peak")
+                     f"{tp_model.FP8_GEMM_EFFICIENCY.get(recipe, 1.0):g} x the fp8/bf16 peak ratio on that share "
+                     f"({recipe}, measured on NVIDIA H200 at the Llama 3.2 1B shape); MFU stays against the bf16 peak")
         notes.append("fp8: torchao's Float8Linear saves the bf16 input and weight and re-casts in backward, so "
                      "activations are counted as bf16; its transient fp8 copies (1 byte per element of one layer) are "
                      "not; FSDP's float8 all-gather (tensorwise) gathers 1 byte per block weight element")

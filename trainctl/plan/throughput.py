@@ -12,8 +12,10 @@ The time model, stated once (every term is per optimizer step, on the busiest ra
               efficiency and the communication that overlaps with compute
     small     the assumed MFU holds for micro-batches of at least 8192 tokens per rank; each halving
               below that costs 5% (smaller matmuls, fixed per-micro-batch overheads)
+    compile   train.compile runs COMPILE_SPEEDUP times faster than eager (measured; see the constants)
     recompute full checkpointing re-runs each wrapped block's forward: +2 x its matmul FLOPs
-              + attention's forward per token (about a third of the blocks' work); op re-runs
+              + attention's forward per token (about a third of the blocks' work), at RECOMPUTE_SPEEDUP
+              times the step's rate (measured); op re-runs
               only pointwise ops: no FLOPs, counted as +3% of the compute time (memory-bound)
     bubble    pipeline idle time: compute x (pp - 1) / (v x m) for gpipe/1f1b (v = 1) and
               interleaved 1f1b (m micro-batches, v stages per rank); a third of that for zero-bubble
@@ -28,7 +30,7 @@ The time model, stated once (every term is per optimizer step, on the busiest ra
               gradients are reduce-scattered once per step; hidden behind compute up to its length; the
               cp ranks join the group (the worker's dp_shard_cp or dp_cp mesh: same weights, other tokens)
     fp8       float8 matmuls run the converted Linears' share of the FLOPs (6 x their weights per token, over
-              the model FLOPs) FP8_GEMM_EFFICIENCY x (fp8 peak / bf16 peak) times faster; attention, the
+              the model FLOPs) FP8_GEMM_EFFICIENCY[recipe] x (fp8 peak / bf16 peak) times faster; attention, the
               excluded layers (the output head by default) and everything else stay at the bf16 rate
               (Amdahl); the casts and amax reductions are inside the assumed MFU
     offload   cpu_offload: the parameter shard crosses PCIe (25 GB/s) at every gather, gradients once,
@@ -49,9 +51,19 @@ FULL_SPEED_TOKENS = 8192
 HALVING_COST = 0.05
 OP_RECOMPUTE_OVERHEAD = 0.03
 PCIE_BYTES_PER_S = 25e9
-# The part of the fp8/bf16 peak ratio that float8 GEMMs reach at LLM shapes (scaled matmuls run below their
-# peak more than bf16 ones): an assumption until a GPU measures it (benchmarks/<gpu>/, issue 22).
-FP8_GEMM_EFFICIENCY = 0.8
+# Calibrated on NVIDIA H200 (torch 2.11.0+cu130, torchao 0.18.0, Llama 3.2 1B shape, 8 x 2048 tokens: the
+# variants in benchmarks/h200/2026-11-27/variants-*.json; tests/unit/test_plan_calibration.py checks the plan
+# against them). One shape only: how these terms move with the model's width is for the next GPU run to measure.
+# The part of the fp8/bf16 peak ratio float8 training reaches per recipe, casts and amax reductions included:
+# tensorwise measured 1.133x and rowwise 0.981x the compiled bf16 run with 71% of the FLOPs in float8 matmuls.
+# rowwise_with_gw_hp runs its weight-gradient GEMMs (a third of the matmul FLOPs) in bf16 (fp8_share).
+FP8_GEMM_EFFICIENCY = {"tensorwise": 0.599, "rowwise": 0.487, "rowwise_with_gw_hp": 0.487}
+# torch.compile (Inductor's fused pointwise and norm kernels) over eager: 62,909 / 52,517 tokens/s measured.
+COMPILE_SPEEDUP = 1.198
+# Recomputed forward work runs faster than the step's average FLOP (no optimizer, loss head or launch overheads
+# repeat): full AC measured 0.854x and selective 0.920x the compiled no-AC speed, where the FLOPs alone give
+# 0.788x and 0.881x; both fit recomputation at 1.56x the step's rate.
+RECOMPUTE_SPEEDUP = 1.56
 HOST_ADAMW_PARAMS_PER_S = 1e9  # per node (DeepSpeed's CPU Adam class of speed on a many-core host)
 
 
@@ -153,16 +165,19 @@ def hours(seconds: float | None) -> float | None:
     return None if seconds is None else seconds / 3600
 
 
-def fp8_share(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...]) -> float:
-    """The share of the model FLOPs per token that float8 matmuls run."""
-    return 6.0 * fp8_matmul_params(m, exclude) / flops_per_token(m, seq_len)
+def fp8_share(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...], recipe: str = "tensorwise",
+              fp8_filter: str = "all") -> float:
+    """The share of the model FLOPs per token that float8 matmuls run (rowwise_with_gw_hp: 2 of their 3 GEMMs)."""
+    gemms = 2 / 3 if recipe == "rowwise_with_gw_hp" else 1.0
+    return gemms * 6.0 * fp8_matmul_params(m, exclude, fp8_filter, recipe) / flops_per_token(m, seq_len)
 
 
 def fp8_time_factor(m: ModelConfig, seq_len: int, exclude: list[str] | tuple[str, ...],
-                    peak_ratio: float | None) -> float:
+                    peak_ratio: float | None, recipe: str = "tensorwise", fp8_filter: str = "all") -> float:
     """Compute time with float8 over the same run's bf16 time (module doc: fp8); 1.0 when the device's fp8 peak
     is unknown."""
     if not peak_ratio:
         return 1.0
-    share = fp8_share(m, seq_len, exclude)
-    return (1.0 - share) + share / (FP8_GEMM_EFFICIENCY * peak_ratio)
+    share = fp8_share(m, seq_len, exclude, recipe, fp8_filter)
+    efficiency = FP8_GEMM_EFFICIENCY.get(recipe, FP8_GEMM_EFFICIENCY["tensorwise"])
+    return (1.0 - share) + share / (efficiency * peak_ratio)

@@ -23,7 +23,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainctl.models.loss_head import IGNORE_INDEX, dense_loss_sum
+from trainctl.config.schema import RunConfig
+from trainctl.core.dims import ParallelDims
+from trainctl.models.loss_head import IGNORE_INDEX, OutputHead, dense_loss_sum
+from trainctl.plan import memory as plan_memory
+from trainctl.plan.stages import rank_stages
+
+
+def use_planned_chunks(model: nn.Module, cfg: RunConfig, device_type: str) -> int:
+    """Gives the chunked output head the plan's tokens per chunk (plan/memory.py's loss_chunk), computed once here
+    from the config as the launcher's plan computed it: the plan counts the memory of exactly these chunks.
+    Returns the chunk (0: no chunked head on this rank)."""
+    heads = [m for m in model.modules() if isinstance(m, OutputHead) and m.chunked]
+    if not heads:
+        return 0
+    dims = ParallelDims.from_config(cfg.sharding)
+    last = rank_stages(cfg.model, cfg.sharding, cfg.train.grad_accum)[-1]
+    chunk = plan_memory.estimate(cfg.model, cfg.precision, cfg.sharding, cfg.train, dims, last, device_type,
+                                 cfg.optim.name).loss_chunk
+    for head in heads:
+        head.chunk = chunk or None
+    return chunk
 
 
 def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,

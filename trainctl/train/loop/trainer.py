@@ -39,7 +39,10 @@ from trainctl.train.loop.gc_schedule import collect_every
 from trainctl.train.loop.guards import StepGuard
 from trainctl.train.loop.hooks import Hooks
 from trainctl.train.loop.job import Job
-from trainctl.train.loop.loss import token_loss_sum  # noqa: F401  (re-exported: tests measure the loop's own loss)
+from trainctl.train.loop.loss import (
+    token_loss_sum,  # noqa: F401  (re-exported: tests measure the loop's own loss)
+    use_planned_chunks,
+)
 from trainctl.train.loop.loss_scaling import build_loss_scaler
 from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.loop.sources import DataError
@@ -277,6 +280,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     wrap = wrapping_of(sharding, cfg.precision)  # what parallelize wrapped with; the rest of setup follows it
     scaler = build_loss_scaler(cfg.precision, world.device)
     model, pipeline = build_parallel_model(cfg, mesh, world.device, scaler)
+    use_planned_chunks(model, cfg, world.device.type)
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(wrap, mesh))
     if cfg.model.lora.rank > 0:
         print0(f"lora: rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}; "

@@ -32,11 +32,13 @@ def _aten_overloads(*names: str) -> frozenset:
     return frozenset(op.default for op in ops if op is not None)
 
 
-# Ops whose outputs the `op` mode keeps: matmuls (nn.Linear lowers to mm/addmm, batched ones to bmm; a
-# float8 Linear to _scaled_mm) and fused attention kernels. Recomputing them would redo most of the forward's
-# FLOPs.
+# Ops whose outputs the `op` mode keeps: matmuls (nn.Linear lowers to mm/addmm, batched ones to bmm) and fused
+# attention kernels, whose recomputation would redo most of the forward's FLOPs; and the float8 scales' amax
+# reductions (max, amax: a few bytes each, as torchtitan keeps them). A torchao float8 Linear shows this policy
+# aten.mm on its float8 subclass, whatever it runs below (torch._scaled_mm): keeping mm keeps its output, so
+# _scaled_mm, which no policy ever sees, is not listed (tests/unit/test_op_checkpointing.py counts both).
 SAVED_OPS = _aten_overloads(
-    "mm", "addmm", "bmm", "_scaled_mm",
+    "mm", "addmm", "bmm", "max", "amax",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
