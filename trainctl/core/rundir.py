@@ -232,6 +232,15 @@ def result(run_dir: Path) -> dict | None:
     return read_json(path)  # a regular file: a FIFO put there is not a result
 
 
+def planned_loss_chunk(run_dir: Path) -> int | None:
+    """Tokens per chunk of the chunked loss head on the last pipeline rank (the one holding the head), as the
+    launcher's plan counted its memory (plan.json: memory.per_pp_rank[-1].loss_chunk); None when unreadable."""
+    ranks = read_json(Path(run_dir) / PLAN).get("memory", {}).get("per_pp_rank")
+    if not isinstance(ranks, list) or not ranks or not isinstance(ranks[-1], dict):
+        return None
+    return as_int(ranks[-1].get("loss_chunk"))
+
+
 def stop_record(run_dir: Path) -> dict:
     return read_json(Path(run_dir) / STOPPED)
 

@@ -18,29 +18,25 @@ it is summed over the world once per step (`step_divisor`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainctl.config.schema import RunConfig
-from trainctl.core.dims import ParallelDims
+from trainctl.core import rundir
 from trainctl.models.loss_head import IGNORE_INDEX, OutputHead, dense_loss_sum
-from trainctl.plan import memory as plan_memory
-from trainctl.plan.stages import rank_stages
 
 
-def use_planned_chunks(model: nn.Module, cfg: RunConfig, device_type: str) -> int:
-    """Gives the chunked output head the plan's tokens per chunk (plan/memory.py's loss_chunk), computed once here
-    from the config as the launcher's plan computed it: the plan counts the memory of exactly these chunks.
-    Returns the chunk (0: no chunked head on this rank)."""
+def use_planned_chunks(model: nn.Module, run_dir: Path) -> int:
+    """Gives the chunked output head the plan's tokens per chunk, read from the run directory's plan record (the
+    launcher computed it for this config; the plan counts the memory of exactly these chunks). The worker does not
+    import the planner: it trusts the record. Without a readable one the head keeps its own default chunk.
+    Returns the chunk (0: no chunked head on this rank, or no planned chunk)."""
     heads = [m for m in model.modules() if isinstance(m, OutputHead) and m.chunked]
     if not heads:
         return 0
-    dims = ParallelDims.from_config(cfg.sharding)
-    last = rank_stages(cfg.model, cfg.sharding, cfg.train.grad_accum)[-1]
-    chunk = plan_memory.estimate(cfg.model, cfg.precision, cfg.sharding, cfg.train, dims, last, device_type,
-                                 cfg.optim.name).loss_chunk
+    chunk = rundir.planned_loss_chunk(run_dir) or 0
     for head in heads:
         head.chunk = chunk or None
     return chunk

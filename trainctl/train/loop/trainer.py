@@ -280,7 +280,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     wrap = wrapping_of(sharding, cfg.precision)  # what parallelize wrapped with; the rest of setup follows it
     scaler = build_loss_scaler(cfg.precision, world.device)
     model, pipeline = build_parallel_model(cfg, mesh, world.device, scaler)
-    use_planned_chunks(model, cfg, world.device.type)
+    use_planned_chunks(model, run_dir)
     optimizer = build_optimizer(model, cfg.optim, world.device.type, zero1_group(wrap, mesh))
     if cfg.model.lora.rank > 0:
         print0(f"lora: rank {cfg.model.lora.rank} on {', '.join(cfg.model.lora.targets)}; "
