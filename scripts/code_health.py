@@ -20,7 +20,7 @@ PACKAGE = "trainctl"
 WIDTH = 120
 MODULE_LINES = 400
 # The launcher side's layer order: a package may import only packages to its right.
-LAYERS = ("cli", "launch", "plan", "config", "core")
+LAYERS = ("cli", "runs", "launch", "plan", "config", "core")
 HOOK_PATTERN = re.compile(r"TRAINCTL_TEST_|def inject_|^\s+inject_\w+: ")  # test env vars, injectors, config keys
 
 

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # The launcher side, lowest first: a package imports only its own layer and those before it.
-LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "api", "render", "cli_tools", "cli")
+LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "runs", "api", "render", "cli_tools", "cli")
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
 WORKER = {"train": ("core", "data", "specs", "config", "plan", "models", "train"),
           "models": ("core", "data", "specs", "config", "models")}
