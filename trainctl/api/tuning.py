@@ -125,8 +125,8 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
               for i, c in enumerate(ranked[:top])]
     result.probes = probes
     backend = backends.for_cluster(cfg.cluster)
+    short += backend.probe_overrides(probe_timeout_s)  # e.g. a job time limit: a hung queued probe ends by itself
     if backend.queues_probes:
-        short += backend.probe_overrides(probe_timeout_s)
         tuning_queued.submit_probes(result, [(p, merged(overrides, p.overrides, short)) for p in probes], config_dirs)
         write(result)
         return result
