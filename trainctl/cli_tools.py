@@ -145,7 +145,7 @@ def tune(
                   highlight=False, soft_wrap=True)
 
     if collect is not None:
-        from trainctl.api.tuning_slurm import collect as collected
+        from trainctl.api.tuning_queued import collect as collected
 
         result = collected(collect, runs_dir, api.search(config_dirs))
     else:

@@ -258,7 +258,7 @@ def duration(seconds: float) -> str:
 
 def status_panel(console: Console, info) -> None:
     """`trainctl status RUN` (api.RunInfo): one `key value` line for each thing known."""
-    from trainctl.launch.figures import sparkline
+    from trainctl.runs.figures import sparkline
 
     st, f = info.state, info.figures
     peak = f.peak_text() + (f", by {f.peak_source}" if f.peak_source else "")

@@ -14,8 +14,8 @@ import pytest
 
 from tests.helpers import wait_for
 from trainctl.config.schema import ClusterConfig
-from trainctl.launch import local
-from trainctl.launch.command import local_argv, shell_join
+from trainctl.launch.backends.local import launcher as local
+from trainctl.launch.command import shell_join
 
 pytestmark = pytest.mark.dist
 
@@ -39,7 +39,7 @@ def make_run_dir(tmp_path: Path, env: str) -> Path:
     (run_dir / "logs").mkdir(parents=True)
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    argv = local_argv(ClusterConfig(procs_per_node=2), run_dir)
+    argv = local.local_argv(ClusterConfig(procs_per_node=2), run_dir)
     assert argv[-3:-1] == ["-m", "trainctl.train"]
     argv = [*argv[:-3], str(worker), str(tmp_path)]
     (run_dir / "launch.sh").write_text(f"#!/usr/bin/env bash\n{textwrap.dedent(env)}export PYTHONUNBUFFERED=1\nexec {shell_join(argv)}\n")
@@ -65,7 +65,7 @@ def test_ctrl_c_stops_torchrun_and_its_workers(tmp_path):
         [
             sys.executable,
             "-c",
-            f"import sys; from pathlib import Path; from trainctl.launch import local; sys.exit(local.run(Path({str(run_dir)!r})))",
+            f"import sys; from pathlib import Path; from trainctl.launch.backends.local import launcher as local; sys.exit(local.run(Path({str(run_dir)!r})))",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

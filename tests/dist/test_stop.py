@@ -24,8 +24,8 @@ from tests.helpers import torchrun_cmd, wait_for, worker_env
 from trainctl.config.schema import CheckpointConfig, RunConfig, ShardingConfig
 from trainctl.core import rundir
 from trainctl.core.checkpoints import checkpoint_dir, list_committed, step_name, verify
+from trainctl.launch.backends.local.failure import first_failure
 from trainctl.launch.command import TORCHRUN_ENV, output_args
-from trainctl.launch.failure import first_failure
 
 pytestmark = pytest.mark.dist
 

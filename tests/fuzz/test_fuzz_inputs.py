@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from tests.fuzz.guard import BOUNDED, USER_ERRORS, deadline
 from trainctl.config import hf_config
 from trainctl.core import rundir as layout
-from trainctl.launch import figures, runs, sweep
+from trainctl.launch import sweep
+from trainctl.runs import figures
+from trainctl.runs import registry as runs
 
 LLAMA = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 352, "vocab_size": 512, "max_position_embeddings": 512,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_cli, start_cli, wait_for
-from trainctl.launch import runs
+from trainctl.runs import registry as runs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_slurm_cluster import FAST, JOB_TIMEOUT_S, SLURM_CPU, trainctl, wait_done
 
-from trainctl.launch import runs
+from trainctl.runs import registry as runs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 

@@ -1,13 +1,15 @@
 """Launcher backends: typed cluster config per backend, and a third backend that plugs in from this file alone.
 
-The fake backend below registers its typed config and its Backend; the CLI then composes `cluster=fake`,
-writes its launch script, starts, lists, shows the log of and cancels its runs through it. Nothing
-outside this file knows it exists.
+The fake backend below is a folder the registry finds (launch/backends/fake/, written to a temporary directory on
+the registry's package path) plus its typed config and its conf/cluster/fake.yaml; the CLI and the api then
+compose `cluster=fake`, write its launch script (for real and as a dry run), start, list, show the log of and
+cancel its runs, and queue tune's probes through it. Nothing outside this file knows it exists.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -91,6 +93,7 @@ class FakeClusterConfig(ClusterConfig):
 
 class FakeBackend(Backend):
     name = "fake"
+    queues_probes = True  # tune submits its probes as one sweep here
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -125,19 +128,39 @@ class FakeBackend(Backend):
     def cancel(self, run_dir: Path, job_id: str) -> None:
         self.calls.append(("cancel", run_dir.name, job_id))
 
+    def start_sweep(self, cfg, name: str, folder: Path, run_dirs: list[Path]) -> Launched:
+        self.calls.append(("start_sweep", name, len(run_dirs)))
+        return Launched(job_id="batch-9", message="queued")
+
+    def sweep_label(self, job_id: str) -> str:
+        return f"fake batch {job_id}"
+
+    def probe_overrides(self, timeout_s: float) -> list[str]:
+        return [f"cluster.namespace=probes-{timeout_s:.0f}s"]
+
+
+# What launch/backends/fake/__init__.py holds: the backend registers itself when the registry imports its folder.
+FOLDER_INIT = (f"from trainctl.launch.backends import register\nfrom {__name__} import FakeBackend\n\n"
+               "register(FakeBackend())\n")
+
 
 @pytest.fixture
-def fake(tmp_path):
-    """The fake backend registered, and a config folder with its option cluster/fake.yaml."""
+def fake(tmp_path, monkeypatch):
+    """The fake backend as a folder on the registry's package path, its typed config registered, and a config
+    folder with its option cluster/fake.yaml."""
+    extra = tmp_path / "more_backends"
+    (extra / "fake").mkdir(parents=True)
+    (extra / "fake" / "__init__.py").write_text(FOLDER_INIT)
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(extra)])
     register_cluster(FakeClusterConfig)
-    backend = backends.register(FakeBackend())
     conf = tmp_path / "conf"
     (conf / "cluster").mkdir(parents=True)
     (conf / "cluster" / "fake.yaml").write_text("launcher: fake\nnamespace: research\nprocs_per_node: 2\n")
     try:
-        yield backend, conf
+        yield backends.named("fake"), conf  # found by the registry, not registered by this fixture
     finally:
         backends.unregister("fake")
+        sys.modules.pop("trainctl.launch.backends.fake", None)
         schema.unregister_cluster("fake")
 
 
@@ -178,3 +201,40 @@ def test_a_fake_backend_validates_its_own_keys(fake):
     with pytest.raises(ConfigError) as err:
         compose(["recipe=tiny_cpu", "cluster=fake", "cluster.partition=gpu"], SearchPath(user_dirs=(conf,)))
     assert err.value.problems[0].startswith("cluster.partition='gpu': cluster=fake has no such key")
+
+
+def test_the_registry_finds_the_fake_backends_folder(fake):
+    backend, _ = fake
+    assert isinstance(backend, FakeBackend) and backend in backends.every()
+    assert sys.modules["trainctl.launch.backends.fake"].__file__.endswith("fake/__init__.py")
+
+
+def test_a_dry_run_of_the_fake_backend_writes_its_script_and_starts_nothing(fake, tmp_path, monkeypatch, capsys):
+    backend, conf = fake
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(monkeypatch, capsys, "launch", "--dry-run", "--config-dir", str(conf), "recipe=tiny_cpu",
+                         "cluster=fake", "--name", "d1")
+    run_dir = tmp_path / "runs" / "d1"
+    assert code == 0, err
+    assert f"fakectl apply -f {run_dir / 'launch.sh'}" in " ".join(out.split())  # its own start command
+    assert (run_dir / "launch.sh").read_text().startswith("# fake manifest\n") and backend.calls == []
+    code, out, _ = run(monkeypatch, capsys, "runs", "--runs-dir", "runs")
+    assert code == 0 and "d1" in out and "NOT_STARTED" in out
+    code, _, err = run(monkeypatch, capsys, "cancel", "d1", "--runs-dir", "runs")
+    assert code == 2 and "not active (NOT_STARTED" in err and not [c for c in backend.calls if c[0] == "cancel"]
+
+
+def test_tune_queues_its_probes_through_the_fake_backend(fake, tmp_path, monkeypatch):
+    """A backend that queues runs gets tune's probes as one sweep, with its own overrides on each probe."""
+    from trainctl.api import tuning
+    from trainctl.config.sources import SearchPath
+
+    backend, conf = fake
+    monkeypatch.chdir(tmp_path)
+    result = tuning.tune(["recipe=tiny_cpu", "cluster=fake", f"runs_dir={tmp_path / 'runs'}"],
+                         SearchPath(user_dirs=(conf,)), top=2, probe_steps=4, probe_timeout_s=30, name="t")
+    assert result.job_id == "batch-9" and result.message.startswith("submitted fake batch batch-9 (2 probes); ")
+    assert "trainctl tune --collect t" in result.message and backend.calls == [("start_sweep", "tune-t", 2)]
+    for probe in result.probes:
+        assert probe.status == "submitted"
+        assert load_run_config(Path(probe.run_dir)).cluster.namespace == "probes-30s"

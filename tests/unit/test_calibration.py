@@ -1,4 +1,4 @@
-"""`trainctl plan`'s calibration (trainctl/launch/calibration.py): its error on past runs of the same layout."""
+"""`trainctl plan`'s calibration (trainctl/runs/calibration.py): its error on past runs of the same layout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from trainctl import api
 from trainctl.config.load import to_yaml
-from trainctl.launch.calibration import calibration
+from trainctl.runs.calibration import calibration
 
 
 def fake_run(run_dir, cfg, tokens_per_s, peak, plan_peak, plan_tokens=None):

@@ -1,4 +1,5 @@
-"""launch.failure: the first failing rank from torchelastic's error files, tolerant of damage; the summary fallback."""
+"""The local backend's failure.py: the first failing rank from torchelastic's error files, tolerant of damage;
+the summary fallback."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainctl.launch.failure import find_failure, first_failure
+from trainctl.launch.backends.local.failure import find_failure, first_failure
 
 T0 = 1_800_000_000.0
 

@@ -8,7 +8,7 @@ import pytest
 from test_runs import cli
 
 from tests.helpers import make_run
-from trainctl.launch.figures import Figures, figures
+from trainctl.runs.figures import Figures, figures
 
 GIB = 2**30
 

@@ -13,9 +13,9 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import hangs, rundir
-from trainctl.launch.failure import find_failure
-from trainctl.launch.local import report_failure
-from trainctl.launch.runs import failure_detail
+from trainctl.launch.backends.local.failure import find_failure
+from trainctl.launch.backends.local.launcher import report_failure
+from trainctl.launch.backends.local.state import failure_detail
 from trainctl.train.loop.watchdog import HangWatchdog, restart_record
 
 T0 = 1_800_000_000.0

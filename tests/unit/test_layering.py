@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "trainctl"
 # The launcher side, lowest first: a package imports only its own layer and those before it.
-LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "api", "render", "cli_tools", "cli")
+LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "runs", "api", "render", "cli_tools", "cli")
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
 WORKER = {"train": ("core", "data", "specs", "config", "models", "train"),
           "models": ("core", "data", "specs", "config", "models")}
@@ -207,10 +207,10 @@ def test_every_family_is_a_complete_folder_with_a_model_config():
 # ---------------------------------------------------------------- launcher backends
 
 # A backend's own modules: the only places that may know a backend by its name.
-BACKEND_MODULES = {
-    "slurm": ("trainctl/config/slurm.py", "trainctl/launch/slurm.py", "trainctl/launch/slurm_jobs.py",
-              "trainctl/launch/backends/slurm.py"),
-    "local": ("trainctl/launch/local.py", "trainctl/launch/backends/local.py"),
+BACKEND_MODULES = {  # each backend's folder, and its typed config (the config layer sits below launch)
+    kind: (f"trainctl/config/{kind}.py",) + tuple(
+        str(p.relative_to(ROOT.parent)) for p in sorted((ROOT / "launch" / "backends" / kind).glob("*.py")))
+    for kind in ("slurm", "local")
 }
 # `== "slurm"`, `"slurm" !=`, `in ("slurm", ...)`, `launcher == ...`: deciding by a backend's name.
 NAME_TESTS = re.compile(

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import wait_for
 from trainctl.config.schema import ClusterConfig
-from trainctl.launch import local
+from trainctl.launch.backends.local import launcher as local
 
 pytestmark = pytest.mark.cli
 
@@ -130,7 +130,7 @@ def test_failure_without_summary_points_at_the_logs(tmp_path, capsys):
 RUNNER = """\
 import sys
 from pathlib import Path
-from trainctl.launch import local
+from trainctl.launch.backends.local import launcher as local
 sys.exit(local.run(Path(sys.argv[1])))
 """
 

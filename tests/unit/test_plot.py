@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import make_run, run_cli
 from trainctl.launch.errors import LaunchError
-from trainctl.launch.plot import plot, series
+from trainctl.runs.plot import plot, series
 
 pytest.importorskip("matplotlib")
 

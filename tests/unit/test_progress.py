@@ -8,7 +8,7 @@ import json
 from rich.console import Console
 
 from tests.helpers import wait_for
-from trainctl.launch.progress import ProgressSink
+from trainctl.launch.backends.local.progress import ProgressSink
 
 
 def test_progress_follows_metrics_and_passes_lines(tmp_path):

@@ -16,9 +16,10 @@ from trainctl.config.schema import RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import rundir as layout
 from trainctl.core import trainer_lock
-from trainctl.launch import plot, sweep
+from trainctl.launch import sweep
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.rundir import check_name
+from trainctl.runs import plot
 
 DEADLINE_S = 10
 

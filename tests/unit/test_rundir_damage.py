@@ -17,7 +17,8 @@ import pytest
 from tests.helpers import cli_in_process
 from trainctl.config.schema import ClusterConfig, RunConfig, TrainConfig
 from trainctl.core import rundir as layout
-from trainctl.launch import local, rundir
+from trainctl.launch import rundir
+from trainctl.launch.backends.local import launcher as local
 from trainctl.plan.runplan import build
 
 FILES = [

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_run, run_cli, wait_for, write_exe
-from trainctl.launch import runs, slurm_jobs
+from trainctl.launch.backends.slurm import jobs as slurm_jobs
 from trainctl.launch.errors import LaunchError
 from trainctl.launch.rundir import check_name
+from trainctl.runs import registry as runs
 
 
 def test_state_of_a_queued_and_a_running_job_comes_from_squeue(tmp_path, slurm_bin):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_run, run_cli
-from trainctl.launch.figures import figures, sparkline
+from trainctl.runs.figures import figures, sparkline
 
 pytestmark = pytest.mark.cli
 LONG = "a-rather-long-run-name-that-a-table-would-cut-20261124-120000"

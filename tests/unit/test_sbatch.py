@@ -13,7 +13,9 @@ import pytest
 from tests.helpers import wait_for, write_exe
 from trainctl.config.schema import RunConfig, ShardingConfig, TrainConfig
 from trainctl.config.slurm import PreemptionConfig, SlurmClusterConfig
-from trainctl.launch import slurm, slurm_setup, slurm_submit
+from trainctl.launch.backends.slurm import script as slurm
+from trainctl.launch.backends.slurm import setup_check as slurm_setup
+from trainctl.launch.backends.slurm import submit as slurm_submit
 from trainctl.launch.command import Expand, shell_join
 from trainctl.launch.errors import LaunchError
 
@@ -288,7 +290,7 @@ def test_submit_reports_sbatch_rejection(fake_sbatch, run_dir):
 def test_launch_scripts_give_restarted_workers_a_fresh_rendezvous_store(tmp_path):
     # Without it torchrun's restarts hang (see trainctl.launch.command.TORCHRUN_ENV).
     from trainctl.config.schema import ClusterConfig
-    from trainctl.launch import local
+    from trainctl.launch.backends.local import launcher as local
 
     line = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
     assert line in local.render_script(ClusterConfig(), tmp_path / "run").splitlines()

@@ -17,7 +17,7 @@ from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.slurm import ContainerConfig
 from trainctl.config.validate import resolve
-from trainctl.launch import slurm
+from trainctl.launch.backends.slurm import script as slurm
 
 
 def srun_words(script: str) -> list[str]:

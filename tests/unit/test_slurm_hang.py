@@ -14,7 +14,7 @@ from tests.helpers import wait_for, write_exe
 from tests.unit.test_hang_watchdog import write_hang
 from tests.unit.test_sbatch import SLURM_ENV, slurm_config, stub_bin
 from trainctl.core import hangs
-from trainctl.launch import slurm
+from trainctl.launch.backends.slurm import script as slurm
 
 JOB = SLURM_ENV["SLURM_JOB_ID"]
 T0 = 1_800_000_000.0

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.helpers import write_exe
-from trainctl.launch import slurm_jobs
+from trainctl.launch.backends.slurm import jobs as slurm_jobs
 from trainctl.launch.errors import LaunchError
 
 UNREACHABLE = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)"

@@ -131,7 +131,7 @@ def test_a_name_that_is_not_one_folder_is_refused(tmp_path, monkeypatch):
 
 
 def test_collecting_an_unknown_tune_is_one_line(tmp_path):
-    from trainctl.api.tuning_slurm import collect
+    from trainctl.api.tuning_queued import collect
 
     with pytest.raises(UserError, match="--collect nope: no tune of that name"):
         collect("nope", tmp_path)

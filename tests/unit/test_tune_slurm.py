@@ -1,5 +1,5 @@
-"""`trainctl tune` on Slurm (trainctl/api/tuning_slurm.py): the probes as one job array with a stub sbatch, then
-`--collect` reading what they measured (the Slurm states faked)."""
+"""`trainctl tune` on Slurm (api/tuning_queued.py through the Slurm backend): the probes as one job array with a
+stub sbatch, then `--collect` reading what they measured (the Slurm states faked)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import yaml
 
 from tests.helpers import write_exe
 from trainctl import api
-from trainctl.api import tuning, tuning_slurm
-from trainctl.launch import runs as run_states_module
+from trainctl.api import tuning, tuning_queued
 from trainctl.plan import tune as planner
+from trainctl.runs import registry as run_states_module
 
 pytestmark = pytest.mark.cli  # a stub sbatch runs as a subprocess
 
@@ -64,7 +64,7 @@ def test_collect_ranks_what_ended_and_pins_the_winner(submitted, monkeypatch):
                                            detail="" if d != third else "exit 1") for d in run_dirs]
 
     monkeypatch.setattr(run_states_module, "run_states", states)
-    collected = tuning_slurm.collect("s", tmp_path / "runs")
+    collected = tuning_queued.collect("s", tmp_path / "runs")
     assert [p.status for p in collected.probes] == ["ok", "ok", "failed: FAILED (exit 1)"]
     assert [p.measured_tokens_per_s for p in collected.probes[:2]] == [300.0, 100.0]
     pinned = api.resolved([f"recipe={collected.recipe_file}"])

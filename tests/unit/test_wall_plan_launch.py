@@ -13,7 +13,7 @@ CHECK = """
 import sys
 from pathlib import Path
 import trainctl.plan.runplan, trainctl.plan.memory
-import trainctl.launch.command, trainctl.launch.rundir, trainctl.launch.local, trainctl.launch.slurm
+import trainctl.launch.command, trainctl.launch.rundir, trainctl.launch.backends.local, trainctl.launch.backends.slurm
 from trainctl.config.schema import RunConfig, TrainConfig
 cfg = RunConfig(train=TrainConfig(global_batch=1, micro_batch=1, grad_accum=1))
 plan = trainctl.plan.runplan.build(cfg)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from trainctl.core import rundir
-from trainctl.launch.failure import first_failure
+from trainctl.launch.backends.local.failure import first_failure
 from trainctl.train import __main__ as worker_main
 from trainctl.train.checkpoint.store import CheckpointError
 from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerConfigError, WorkerError

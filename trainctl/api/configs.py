@@ -112,6 +112,6 @@ def runs_dir_of(runs_dir: Path | str | None = None, overrides: Sequence[str] | N
 
 def find_run(run: str | Path, runs_dir: Path | str | None = None) -> Path:
     """A run directory given as a path or as a name under runs_dir (default: $TRAINCTL_RUNS_DIR, else runs/)."""
-    from trainctl.launch import runs
+    from trainctl.runs import registry as runs
 
     return runs.find_run(str(run), runs_dir_of(runs_dir))

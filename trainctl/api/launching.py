@@ -48,8 +48,8 @@ def plan(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
 def plan_record(config: RunConfig) -> dict:
     """The plan with the command that would launch it, as the run directory's plan.json will hold it, and its
     calibration against past runs of the same model and layout under runs_dir."""
-    from trainctl.launch.calibration import calibration
     from trainctl.launch.command import plan_record as record
+    from trainctl.runs.calibration import calibration
 
     # The plan's error on past measured runs of the same model and layout (issue 26), when there are some.
     found = calibration(config)
@@ -152,15 +152,15 @@ def prepare_resume(run: str | Path, overrides: Sequence[str] | None = None, *, f
 
 def _check_idle(run_dir: Path) -> None:
     """A UserError when the run is active, or its state cannot be known now (before anything is written)."""
-    from trainctl.launch import runs
+    from trainctl.runs import registry as runs
 
     state = runs.run_state(run_dir)
     if state.active:
         raise UserError([f"run {state.name} is still {state.state} ({state.detail}); "
                          f"wait for it, or `trainctl cancel {state.name}` first"])
-    if state.detail.startswith("Slurm controller unreachable"):
+    if state.maybe_active:
         raise UserError([f"run {state.name}: {state.detail}; its job may still be running, "
-                         "so try again when Slurm answers"])
+                         "so try again when it answers"])
 
 
 def start(prepared: Prepared, *, wait: bool = True, on_output: Callable[[bytes], None] | None = None,

@@ -5,88 +5,29 @@ The probes run here one after another, each a normal run directory under RUNS_DI
 status`, `logs` and `runs --runs-dir` read them): train.steps=N without eval, with a log line every step and no
 final checkpoint. A probe that is refused, fails (an out-of-memory error, a crash) or outlives its timeout (a hang:
 it is cancelled) is recorded as failed with why; the tune goes on. What a probe measured is read from what its
-rank 0 wrote (trainctl/core/measured.py). On Slurm the probes are one job array instead (tuning_slurm.py).
+rank 0 wrote (trainctl/core/measured.py). A backend that queues its runs (Slurm) gets the probes as one sweep
+instead, collected once they ended (tuning_queued.py); the table and the pinned recipe are tune_table.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainctl.api import tuning_queued
 from trainctl.api.configs import ConfigDirs, override_list, resolved
+from trainctl.api.tune_table import TUNE_JSON, Probe, TuneResult, finish, merged, pin, write
 from trainctl.core.errors import UserError
-from trainctl.core.measured import error, measured
+from trainctl.core.measured import measured
 
-TUNE_JSON = "tune.json"
+__all__ = ["CANCEL_GRACE_S", "DEFAULT_PROBE_STEPS", "DEFAULT_PROBE_TIMEOUT_S", "DEFAULT_TOP", "TUNE_JSON", "Probe",
+           "TuneInterrupted", "TuneResult", "finish", "merged", "pin", "probe_overrides", "tune", "write"]
+
 DEFAULT_TOP = 4
 DEFAULT_PROBE_STEPS = 20
 DEFAULT_PROBE_TIMEOUT_S = 600.0
 CANCEL_GRACE_S = 60.0  # a cancelled probe's time to checkpoint-free exit before it is left behind
-
-
-@dataclass
-class Probe:
-    """One probed layout: the plan's prediction and what its short run measured."""
-
-    label: str
-    overrides: list[str]
-    predicted_rank: int  # 1: the plan's fastest
-    predicted_tokens_per_s: float | None
-    predicted_peak_bytes: int
-    run_dir: str = ""
-    status: str = "not run"  # ok | failed: why | timed out | refused: why
-    measured_tokens_per_s: float | None = None
-    measured_peak_bytes: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def tokens_error(self) -> float | None:
-        """measured / predicted - 1 (+0.10: 10% faster than predicted)."""
-        return error(self.measured_tokens_per_s, self.predicted_tokens_per_s)
-
-    @property
-    def peak_error(self) -> float | None:
-        return error(self.measured_peak_bytes, self.predicted_peak_bytes)
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tokens_error": self.tokens_error, "peak_error": self.peak_error}
-
-
-@dataclass
-class TuneResult:
-    name: str
-    folder: Path
-    probe_steps: int
-    candidates: int  # the layouts that fit, of which the top were probed
-    probes: list[Probe] = field(default_factory=list)  # sorted by measured tokens/s, failed ones last
-    recipe_file: Path | None = None  # the pinned recipe of the winner (None: every probe failed)
-    base_overrides: list[str] = field(default_factory=list)  # the user's (a collect composes the winner from them)
-    job_id: str = ""  # Slurm: the probes' job array
-    message: str = ""  # Slurm: what the submission said
-    interrupted: bool = False  # Ctrl-C (or SIGTERM) ended the tune: the table holds the probes that finished
-
-    @property
-    def winner(self) -> Probe | None:
-        return next((p for p in self.probes if p.ok), None)
-
-    @property
-    def launch_command(self) -> str:
-        return "" if self.recipe_file is None else f"trainctl launch recipe={self.recipe_file}"
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "folder": str(self.folder), "probe_steps": self.probe_steps,
-                "candidates": self.candidates, "rows": [p.to_dict() for p in self.probes],
-                "winner": None if self.winner is None else self.winner.label,
-                "recipe_file": None if self.recipe_file is None else str(self.recipe_file),
-                "launch": self.launch_command, "base_overrides": self.base_overrides, "job_id": self.job_id,
-                "interrupted": self.interrupted}
 
 
 class TuneInterrupted(KeyboardInterrupt):
@@ -101,16 +42,6 @@ def probe_overrides(warmup_steps: int, steps: int) -> list[str]:
     """A short run that measures speed and memory only (warmup kept below the steps, as validate wants)."""
     return [f"train.steps={steps}", f"schedule.warmup_steps={min(warmup_steps, steps // 2)}", "train.eval_every=0",
             "logging.log_every=1", "checkpoint.every=0", "checkpoint.save_final=false"]
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def merged(base: Sequence[str], *later: Sequence[str]) -> list[str]:
-    """`base` without the keys a later list sets (Hydra refuses one key twice), then the later lists."""
-    taken = {_key(o) for group in later for o in group}
-    return [o for o in base if _key(o) not in taken] + [o for group in later for o in group]
 
 
 def _run_probe(probe: Probe, overrides: list[str], config_dirs: ConfigDirs, name: str, timeout_s: float,
@@ -162,27 +93,14 @@ def _stop(run_dir: Path, handle, cancel) -> None:
         handle.wait(CANCEL_GRACE_S)
 
 
-def pin(cfg, folder: Path, label: str) -> Path:
-    """The winner's whole config as a recipe file (`recipe=PATH` launches it as is)."""
-    from trainctl.config.load import to_yaml
-
-    base = cfg.recipe or cfg.model.name or "run"
-    recipe = f"{Path(base).stem}_tuned"
-    description = f"{cfg.description + '; ' if cfg.description else ''}tuned by trainctl tune: {label}"
-    pinned = dataclasses.replace(cfg, recipe=recipe, name="", description=description)
-    path = folder / f"{recipe}.yaml"
-    path.write_text("# @package _global_\n# Written by `trainctl tune`: the fastest measured layout.\n"
-                    + to_yaml(pinned))
-    return path
-
-
 def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None, *, top: int = DEFAULT_TOP,
          probe_steps: int = DEFAULT_PROBE_STEPS, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, name: str = "",
          on_probe: Callable[[Probe, int, int], None] | None = None,
          on_output: Callable[[bytes], None] | None = None) -> TuneResult:
     """Rank, probe the top `top` here one after another (`on_probe(probe, i, total)` before each), write the table
-    (NAME/tune.json) and the winner's pinned recipe. On Slurm: submit the probes as one job array and return (the
-    table comes from `tuning_slurm.collect` once they ended)."""
+    (NAME/tune.json) and the winner's pinned recipe. A backend that queues its runs: submit the probes as one sweep
+    and return (the table comes from `tuning_queued.collect` once they ended)."""
+    from trainctl.launch import backends
     from trainctl.launch.rundir import check_name
     from trainctl.plan import tune as planner
 
@@ -206,12 +124,11 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
     probes = [Probe(c.label, list(c.overrides), i + 1, c.predicted_tokens_per_s, c.peak_bytes)
               for i, c in enumerate(ranked[:top])]
     result.probes = probes
-    if not cfg.cluster.on_this_machine:
-        from trainctl.api import tuning_slurm
-
-        short.append(f"cluster.time_limit={tuning_slurm.time_limit(probe_timeout_s)}")  # a hang ends with its job
-        tuning_slurm.submit_probes(result, [(p, merged(overrides, p.overrides, short)) for p in probes], config_dirs)
-        tuning_slurm.write(result)
+    backend = backends.for_cluster(cfg.cluster)
+    short += backend.probe_overrides(probe_timeout_s)  # e.g. a job time limit: a hung queued probe ends by itself
+    if backend.queues_probes:
+        tuning_queued.submit_probes(result, [(p, merged(overrides, p.overrides, short)) for p in probes], config_dirs)
+        write(result)
         return result
     from trainctl.launch.sweep import terminate_as_interrupt
 
@@ -229,10 +146,3 @@ def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
     return finish(result, lambda p: ranked[p.predicted_rank - 1].cfg)
 
 
-def finish(result: TuneResult, cfg_of: Callable[[Probe], object]) -> TuneResult:
-    """Sort by measured tokens/s (failed last), pin the winner (its config from `cfg_of`), write tune.json."""
-    result.probes.sort(key=lambda p: (not p.ok, -(p.measured_tokens_per_s or 0.0)))
-    if (best := result.winner) is not None and not result.interrupted:
-        result.recipe_file = pin(cfg_of(best), result.folder, best.label)
-    (result.folder / TUNE_JSON).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    return result

@@ -9,8 +9,8 @@ from typing import BinaryIO
 
 from trainctl.api.configs import ConfigDirs, env_runs_dir, find_run, runs_dir_of
 from trainctl.core.errors import UserError
-from trainctl.launch.figures import Figures
-from trainctl.launch.runs import RunState
+from trainctl.runs.figures import Figures
+from trainctl.runs.registry import RunState
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class RunInfo:
 def runs(runs_dir: Path | str | None = None, overrides: Sequence[str] | None = None,
          config_dirs: ConfigDirs = None) -> list[RunInfo]:
     """Every run under runs_dir (default: the config's runs_dir, $TRAINCTL_RUNS_DIR, else runs/), oldest first."""
-    from trainctl.launch import runs as found
-    from trainctl.launch.figures import figures
+    from trainctl.runs import registry as found
+    from trainctl.runs.figures import figures
 
     states = found.run_states(found.list_runs(runs_dir_of(runs_dir, overrides, config_dirs)))
     return [RunInfo(st, figures(st.path)) for st in states]
@@ -52,8 +52,8 @@ def runs(runs_dir: Path | str | None = None, overrides: Sequence[str] | None = N
 
 def status(run: str | Path, runs_dir: Path | str | None = None) -> RunInfo:
     """One run's state, figures, ETA (while active) and log path; `run` is a path or a name under runs_dir."""
-    from trainctl.launch import runs as found
-    from trainctl.launch.figures import figures
+    from trainctl.runs import registry as found
+    from trainctl.runs.figures import figures
 
     run_dir = find_run(run, runs_dir)
     st, f = found.run_state(run_dir), figures(run_dir)
@@ -69,7 +69,7 @@ class Cancelled:
 def cancel(run: str | Path, runs_dir: Path | str | None = None) -> Cancelled:
     """Stop a running or pending run (it checkpoints first; scancel on Slurm)."""
     from trainctl.launch import backends
-    from trainctl.launch import runs as found
+    from trainctl.runs import registry as found
 
     st = found.cancel(find_run(run, runs_dir))
     return Cancelled(st, backends.named(st.launcher).job_label(st.job_id))
@@ -84,8 +84,8 @@ class SweepRanking:
 
 def sweep_runs(name: str, runs_dir: Path | str | None = None) -> SweepRanking:
     """A sweep's points ranked by their final eval loss (else train loss), finished points first."""
-    from trainctl.launch import runs as found
     from trainctl.launch import sweep
+    from trainctl.runs import registry as found
 
     record = sweep.read(Path(runs_dir) if runs_dir is not None else env_runs_dir(), name)
     dirs = sweep.point_run_dirs(record)
@@ -98,7 +98,7 @@ def logs(run: str | Path, out: BinaryIO, *, rank: int | None = None, follow: boo
          runs_dir: Path | str | None = None) -> None:
     """Copy a run's log (a rank's own, else its workers' newest output) to `out`; `follow`: until the run ends."""
     from trainctl.core import rundir as layout
-    from trainctl.launch import runs as found
+    from trainctl.runs import registry as found
 
     run_dir = find_run(run, runs_dir)
     if rank is not None and rank < 0:
@@ -131,10 +131,10 @@ def _no_log(path: Path, rank: int | None, state: str, run_dir: Path) -> str:
 def plot(runs: Sequence[str | Path] = (), *, sweep_name: str | None = None, out_file: Path | str | None = None,
          runs_dir: Path | str | None = None) -> Path:
     """Draw train/eval loss, learning rate, tokens/s and grad norm of runs (or a sweep's points) overlaid; the PNG."""
-    from trainctl.launch import runs as found
     from trainctl.launch import sweep
-    from trainctl.launch.plot import plot as draw
-    from trainctl.launch.plot import target_path
+    from trainctl.runs import registry as found
+    from trainctl.runs.plot import plot as draw
+    from trainctl.runs.plot import target_path
 
     where = Path(runs_dir) if runs_dir is not None else env_runs_dir()
     run_dirs = [found.find_run(str(r), where) for r in runs]

@@ -50,7 +50,7 @@ def lock_lines(python: str, accept_inherited: bool) -> list[str]:
 
     The lock is a flock on RUN_DIR/trainer.lock held by the script's shell and whatever it execs (torchrun);
     it dies with them. `accept_inherited`: a launcher that already holds it passes the descriptor in
-    TRAINCTL_LOCK_FD (trainctl.launch.local). `python` is already shell-quoted.
+    TRAINCTL_LOCK_FD (the local backend, launch/backends/local). `python` is already shell-quoted.
     """
     take = f'exec {{TRAINCTL_LOCK_FD}}>>"$RUN_DIR/{rundir.LOCK}"'
     lines = ['case "${TRAINCTL_LOCK_FD:-}" in', f"  ''|*[!0-9]*) {take} ;;", "esac"] if accept_inherited else [take]
@@ -78,19 +78,6 @@ def output_args(run_dir: RunDir) -> list[str]:
 
 def worker_args(run_dir: RunDir) -> list[str]:
     return ["-m", WORKER_MODULE, run_dir if isinstance(run_dir, Expand) else str(run_dir)]
-
-
-def local_argv(cluster: ClusterConfig, run_dir: RunDir, python: str | None = None) -> list[str]:
-    """torchrun on this machine: one node, a standalone rendezvous on a free port."""
-    return [
-        *torchrun_prefix(python),
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc_per_node={cluster.procs_per_node}",
-        f"--max_restarts={cluster.max_restarts}",
-        *output_args(run_dir),
-        *worker_args(run_dir),
-    ]
 
 
 def handled_signals(cluster: ClusterConfig) -> str:

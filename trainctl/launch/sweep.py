@@ -6,7 +6,7 @@ single launch would be, before anything is written: one bad point and nothing st
 named. Each point then gets an ordinary run directory (`SWEEP-00`, `SWEEP-01`, ...: `runs`, `status`,
 `resume`, `export` treat it as any run), and the sweep directory RUNS_DIR/sweeps/SWEEP/sweep.json names
 them with their overrides. Locally the points run one after another; on Slurm the sweep is one job array
-(launch/slurm_submit.py) whose task i runs point i's own launch script (preemption and requeue as for any run).
+(launch/backends/slurm/submit.py) whose task i runs point i's own launch script (preemption and requeue as for any run).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Reads only the run directory. Every rank logs to RUN_DIR/logs/rank{R}.log. How a
 - failed: one line on stderr (the console), the traceback of an unexpected error in the rank's log once,
   and torchelastic's error file (TORCHELASTIC_ERROR_FILE, set by torchrun per worker) holding the same
   line, the rank and the exact time, from which the launcher names the first rank that failed
-  (launch/failure.py). Exit 2 for what the user can fix in the run directory, 1 otherwise.
+  (launch/backends/local/failure.py). Exit 2 for what the user can fix in the run directory, 1 otherwise.
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
-"""The registry of launcher backends, by `cluster.launcher`; built-ins load on first use.
+"""The registry of launcher backends, by `cluster.launcher`: every folder here is one, loaded on first use.
 
-A third backend is a `Backend` subclass registered with `register`, and its typed config registered with
-`config.schema.register_cluster`; nothing else changes (tests/unit/test_backends.py plugs a fake one in).
+A third backend is a folder launch/backends/<kind>/ whose `__init__` registers a `Backend` subclass with
+`register`, plus its typed config registered with `config.schema.register_cluster` and its conf/cluster/<kind>.yaml;
+nothing else changes (tests/unit/test_backends.py plugs a fake one in).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from trainctl.config.schema import ClusterConfig
-from trainctl.launch.backends.base import Backend, Launched
+from trainctl.launch.backends.base import Backend, Launched, State
 from trainctl.launch.errors import LaunchError
 
-__all__ = ["Backend", "Launched", "for_cluster", "for_record", "named", "register", "unregister"]
+__all__ = ["Backend", "Launched", "State", "every", "for_cluster", "for_record", "named", "register", "unregister"]
 
-BUILTIN_MODULES = ("trainctl.launch.backends.local", "trainctl.launch.backends.slurm")
-DEFAULT = "local"  # a run whose record names no backend (never launched, or written before the record said)
+# A run whose record names no backend (never launched, or written before the record said): the default cluster's.
+DEFAULT = ClusterConfig.NAME
 _BACKENDS: dict[str, Backend] = {}
 
 
@@ -29,9 +31,16 @@ def unregister(name: str) -> None:
 
 
 def _all() -> dict[str, Backend]:
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
+    # Each backend's folder registers itself on import; importing one twice is free.
+    for folder in pkgutil.iter_modules(__path__):
+        if folder.ispkg:
+            importlib.import_module(f"{__name__}.{folder.name}")
     return _BACKENDS
+
+
+def every() -> list[Backend]:
+    """All known backends."""
+    return list(_all().values())
 
 
 def named(name: str) -> Backend:

@@ -1,10 +1,12 @@
 """The launcher backend interface: everything trainctl asks of "where the workers run".
 
 A backend renders the run's launch script, checks what only it can check before anything is written,
-starts a run (here, or by submitting it to a scheduler), and later reads the state of its runs, names
-their logs, cancels and requeues them. The CLI, the run directory and `trainctl runs` ask the backend
-the run's `cluster.launcher` names (`backends.for_cluster`, `backends.for_record`), never that name.
-Its typed config (`config.schema.ClusterConfig` and subclasses) answers what plan/ and config/ need.
+starts a run (here, or by submitting it to a scheduler), starts sweeps and tune's probes, and later reads the
+state of its runs, names their logs, cancels and requeues them. Each backend is one folder,
+launch/backends/<kind>/, holding all of itself; nothing outside it imports its modules or compares its name: the
+CLI, the api, the run directory and `trainctl runs` ask the backend the run's `cluster.launcher` names
+(`backends.for_cluster`, `backends.for_record`). Its typed config (`config.schema.ClusterConfig` and its
+subclasses, in config/ since composing is below launch) answers what plan/ and config/ need.
 """
 
 from __future__ import annotations
@@ -12,13 +14,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, ClassVar
+from typing import BinaryIO, ClassVar, NamedTuple
 
 from trainctl.config.schema import ClusterConfig, RunConfig
 from trainctl.launch.errors import LaunchError
 
-# (state, active, detail) of one run, as `trainctl runs` shows it.
-StateTuple = tuple[str, bool, str]
+
+class State(NamedTuple):
+    """One run's state as its backend tells it (a plain (state, active, detail) tuple reads as one too)."""
+
+    state: str  # NOT_STARTED, PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ... (Slurm's names), UNKNOWN
+    active: bool
+    detail: str
+    maybe_active: bool = False  # the backend could not be asked now: the run may still be running
+
+
+StateTuple = tuple[str, bool, str] | State
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,18 @@ class Backend(ABC):
         """Start every point at once, or None: the caller starts the points one after another with `start`."""
         return None
 
+    def sweep_label(self, job_id: str) -> str:
+        """How messages name the one job `start_sweep` queued for all the points."""
+        return f"the {self.name} sweep {job_id}"
+
+    # ---- tune's probes (api/tuning.py): run here one after another, or queued as one sweep
+
+    queues_probes: ClassVar[bool] = False  # True: tune submits its probes with `start_sweep`, collected later
+
+    def probe_overrides(self, timeout_s: float) -> list[str]:
+        """Overrides every tune probe gets, e.g. a job time limit, so that a hung queued probe ends by itself."""
+        return []
+
     # ---- watching and stopping
 
     @abstractmethod
@@ -98,6 +121,11 @@ class Backend(ABC):
     @abstractmethod
     def cancel(self, run_dir: Path, job_id: str) -> None:
         """Ask an active run to stop (it checkpoints first)."""
+
+    def holder_job(self, holder: dict) -> str:
+        """The job of this backend a trainer lock's holder (trainer.json) records, "" if none: a launch script of
+        a dry run started by hand still gets cancelled through the backend that runs it."""
+        return ""
 
     def requeue(self, run_dir: Path, job_id: str) -> None:
         """Put a run's job back in the queue; a backend without a queue refuses."""

@@ -32,17 +32,20 @@ from typing import BinaryIO
 
 from trainctl.config.schema import ClusterConfig
 from trainctl.core import rundir, trainer_lock
+from trainctl.launch.backends.local.failure import Failure, find_failure
+from trainctl.launch.backends.local.progress import ProgressSink
 from trainctl.launch.command import (
     RUN_DIR_VAR,
-    local_argv,
+    RunDir,
     lock_lines,
     omp_threads_export,
+    output_args,
     shell_join,
     torchrun_env_exports,
+    torchrun_prefix,
+    worker_args,
 )
 from trainctl.launch.errors import LaunchError
-from trainctl.launch.failure import Failure, find_failure
-from trainctl.launch.progress import ProgressSink
 
 TAIL_BYTES = 64 * 1024  # enough for torchrun's error summary with a few failures listed
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -53,6 +56,19 @@ _LOCATE = [
     'RUN_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)',
     'export TRAINCTL_RUN_DIR="$RUN_DIR"',
 ]
+
+
+def local_argv(cluster: ClusterConfig, run_dir: RunDir, python: str | None = None) -> list[str]:
+    """torchrun on this machine: one node, a standalone rendezvous on a free port."""
+    return [
+        *torchrun_prefix(python),
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc_per_node={cluster.procs_per_node}",
+        f"--max_restarts={cluster.max_restarts}",
+        *output_args(run_dir),
+        *worker_args(run_dir),
+    ]
 
 
 def render_script(cluster: ClusterConfig, run_dir: Path, workdir: Path | None = None) -> str:

@@ -1,6 +1,6 @@
 """`bash -n` checks of `cluster.setup`, the user's own shell in a Slurm run's sbatch script.
 
-Separate from the script's rendering (launch/slurm.py) because it runs bash in a subprocess and reads its
+Separate from the script's rendering (script.py) because it runs bash in a subprocess and reads its
 complaints back: the rendering stays pure text, and this one place owns the subprocess and its deadline.
 """
 

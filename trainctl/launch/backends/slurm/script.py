@@ -1,4 +1,4 @@
-"""Slurm: the sbatch script of a run (submission: `slurm_submit.py`; job state, logs, cancel: `slurm_jobs.py`).
+"""Slurm: the sbatch script of a run (submission: `submit.py`; job state and scancel: `jobs.py`; the rest: `__init__`).
 
 One task per node runs torchrun, which starts `procs_per_node` workers; the
 first node of the allocation hosts the c10d rendezvous. CPUs: `cluster.cpus_per_task`,
@@ -25,6 +25,7 @@ from pathlib import Path
 from trainctl.config.schema import RunConfig
 from trainctl.config.slurm import PreemptionConfig, SlurmClusterConfig, cpus_per_task, exec_words, gpus_per_node
 from trainctl.core import rundir
+from trainctl.launch.backends.slurm.setup_check import setup_syntax_problems
 from trainctl.launch.command import (
     Expand,
     handled_signals,
@@ -36,7 +37,6 @@ from trainctl.launch.command import (
     worker_args,
 )
 from trainctl.launch.errors import LaunchError
-from trainctl.launch.slurm_setup import setup_syntax_problems
 
 ATTEMPTS_FILE = rundir.ATTEMPTS  # one line per attempt start and end, written by the job itself
 REQUEUE_WAIT_S = 120  # longer than Slurm takes to end a requeued job's steps (KillWait is 30 s by default)

@@ -3,7 +3,7 @@
 squeue knows pending and running jobs, and finished ones for the controller's
 MinJobAge (5 minutes by default); sacct knows them for longer but only where
 accounting is configured. Whatever neither knows, the caller decides from the run
-directory (see `runs.py`).
+directory (see `state_from_records` in this folder's __init__).
 
 A controller (or accounting database) that does not answer is not a job Slurm forgot:
 the queries raise `SlurmUnavailable` for it, after a short timeout, so that `trainctl runs`
@@ -30,6 +30,7 @@ UNREACHABLE_RE = re.compile(
     r"|zero bytes were transmitted|unable to connect|communication connection failure|no route to host",
     re.IGNORECASE,
 )
+UNREACHABLE = "Slurm controller unreachable"  # how SlurmUnavailable's message starts when nobody answered
 # States in which the job may still run (or run again); everything else is final.
 ACTIVE_STATES = frozenset(
     {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
@@ -69,17 +70,17 @@ def _run(argv: list[str], timeout_s: float | None = None) -> subprocess.Complete
         # Its own session, so that a timeout kills wrappers' children too (they would hold the pipes open).
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     except OSError as exc:
-        raise SlurmUnavailable(f"Slurm controller unreachable: cannot run {argv[0]} ({exc.strerror or exc})") from None
+        raise SlurmUnavailable(f"{UNREACHABLE}: cannot run {argv[0]} ({exc.strerror or exc})") from None
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         reason = f"{argv[0]} did not answer within {timeout_s:g} s"
-        raise SlurmUnavailable(f"Slurm controller unreachable: {reason}") from None
+        raise SlurmUnavailable(f"{UNREACHABLE}: {reason}") from None
     done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
     if done.returncode != 0 and UNREACHABLE_RE.search(done.stderr):
-        raise SlurmUnavailable(f"Slurm controller unreachable: {argv[0]}: {_reason(done)}")
+        raise SlurmUnavailable(f"{UNREACHABLE}: {argv[0]}: {_reason(done)}")
     return done
 
 

@@ -1,9 +1,10 @@
-"""The Slurm backend (`cluster=slurm`): an sbatch script per run (a job array per sweep), submitted and watched
-through Slurm's clients. The script is `launch/slurm.py`'s, its submission
-`launch/slurm_submit.py`'s, the queries `launch/slurm_jobs.py`'s."""
+"""The Slurm backend (`cluster=slurm`): an sbatch script per run (a job array per sweep and per tune), submitted
+and watched through Slurm's clients. The script is script.py's (its `cluster.setup` checked by setup_check.py),
+its submission submit.py's, the queries and scancel jobs.py's; its typed config is config/slurm.py."""
 
 from __future__ import annotations
 
+import math
 import shlex
 import shutil
 import subprocess
@@ -11,9 +12,11 @@ from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, RunConfig
 from trainctl.core import rundir
-from trainctl.launch import slurm, slurm_jobs, slurm_submit
 from trainctl.launch.backends import register
-from trainctl.launch.backends.base import Backend, Launched, StateTuple
+from trainctl.launch.backends.base import Backend, Launched, State, StateTuple
+from trainctl.launch.backends.slurm import jobs as slurm_jobs
+from trainctl.launch.backends.slurm import script as slurm
+from trainctl.launch.backends.slurm import submit as slurm_submit
 from trainctl.launch.errors import LaunchError
 
 REQUEUE_TIMEOUT_S = 30
@@ -37,20 +40,20 @@ def state_from_records(run_dir: Path, job_id: str, why: str) -> tuple[str, bool,
     return "UNKNOWN", False, why
 
 
-def slurm_state(
-    run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = ""
-) -> tuple[str, bool, str]:
+def slurm_state(run_dir: Path, job_id: str, info: slurm_jobs.JobInfo | None, unreachable: str = "") -> State:
     if info is not None:
         detail = info.reason if info.state == "PENDING" else ", ".join(x for x in (info.nodes, info.reason) if x)
         if info.exit_code and info.exit_code != "0:0":
             detail = ", ".join(x for x in (detail, f"exit {info.exit_code}") if x)
-        return info.state, info.active, detail
+        return State(info.state, info.active, detail)
     if unreachable:
         # Nothing is known: the job may well be running. The run's own records can still tell an ended attempt.
         state, active, detail = state_from_records(run_dir, job_id, unreachable)
-        return (state, active, detail) if state != "UNKNOWN" else ("UNKNOWN", False, unreachable)
+        if state != "UNKNOWN":
+            return State(state, active, detail)
+        return State("UNKNOWN", False, unreachable, maybe_active=unreachable.startswith(slurm_jobs.UNREACHABLE))
     why = f"Slurm no longer knows job {job_id}" if slurm_jobs.slurm_available() else "squeue not found on PATH"
-    return state_from_records(run_dir, job_id, why)
+    return State(*state_from_records(run_dir, job_id, why))
 
 
 def slurm_log_path(run_dir: Path, job_id: str) -> Path:
@@ -60,6 +63,11 @@ def slurm_log_path(run_dir: Path, job_id: str) -> Path:
     batch_log = run_dir / "logs" / f"slurm-{job_id}.out"
     # Before srun starts only the batch log exists (and holds any error of the script's own lines).
     return attempt_log if attempt_log.exists() or not batch_log.exists() else batch_log
+
+
+def time_limit(timeout_s: float) -> str:
+    """sbatch --time in minutes (Slurm's M format), at least one."""
+    return str(max(1, math.ceil(timeout_s / 60)))
 
 
 class SlurmBackend(Backend):
@@ -101,8 +109,16 @@ class SlurmBackend(Backend):
 
     def start_sweep(self, cfg: RunConfig, name: str, folder: Path, run_dirs: list[Path]) -> Launched | None:
         array_id = slurm_submit.submit_array(cfg, name, folder, run_dirs)
-        return Launched(job_id=array_id, message=f"submitted Slurm job array {array_id} ({len(run_dirs)} tasks); "
+        return Launched(job_id=array_id, message=f"submitted {self.sweep_label(array_id)} ({len(run_dirs)} tasks); "
                         f"watch it with: trainctl runs --sweep {name}")
+
+    def sweep_label(self, job_id: str) -> str:
+        return f"Slurm job array {job_id}"
+
+    queues_probes = True
+
+    def probe_overrides(self, timeout_s: float) -> list[str]:
+        return [f"cluster.time_limit={time_limit(timeout_s)}"]  # a hung probe ends with its job
 
     def states(self, records: dict[Path, dict]) -> dict[Path, StateTuple]:
         """One squeue (and at most one sacct) call for all the runs."""
@@ -119,6 +135,9 @@ class SlurmBackend(Backend):
 
     def cancel(self, run_dir: Path, job_id: str) -> None:
         slurm_jobs.cancel_job(job_id)
+
+    def holder_job(self, holder: dict) -> str:
+        return rundir.as_str(holder.get("slurm_job_id"))  # what the trainer lock records inside a Slurm job
 
     def requeue(self, run_dir: Path, job_id: str) -> None:
         try:

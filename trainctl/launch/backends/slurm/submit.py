@@ -1,6 +1,6 @@
 """Handing sbatch scripts to Slurm: one run's launch script, or a sweep's points as one job array.
 
-Separate from the script's rendering (launch/slurm.py): this is where trainctl talks to `sbatch` and records
+Separate from the script's rendering (script.py): this is where trainctl talks to `sbatch` and records
 the job in the run directory (launch.json); the array script reuses the run script's directives.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from trainctl.config.schema import RunConfig
 from trainctl.core import rundir
+from trainctl.launch.backends.slurm.script import directive_value, resource_directives, sbatch_directives
 from trainctl.launch.errors import LaunchError
-from trainctl.launch.slurm import directive_value, resource_directives, sbatch_directives
 
 SBATCH_TIMEOUT_S = 60
 

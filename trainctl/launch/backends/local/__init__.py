@@ -1,4 +1,8 @@
-"""The local backend (`cluster=local`): torchrun on this machine, started and watched by this process."""
+"""The local backend (`cluster=local`): torchrun on this machine, started and watched by this process.
+
+Its script and run (launcher.py), progress bar (progress.py), failure reading (failure.py) and the state of its
+runs and their stopping (state.py) are all in this folder; its typed config is config.schema.ClusterConfig.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,10 @@ import sys
 from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, RunConfig
-from trainctl.launch import local, runs
 from trainctl.launch.backends import register
 from trainctl.launch.backends.base import Backend, Launched, StateTuple
-from trainctl.launch.command import local_argv
+from trainctl.launch.backends.local import launcher as local
+from trainctl.launch.backends.local import state
 from trainctl.plan.fit import local_device_problems, this_machine
 
 
@@ -24,7 +28,7 @@ class LocalBackend(Backend):
         return local.render_script(cfg.cluster, run_dir, workdir)
 
     def argv(self, cluster: ClusterConfig, run_dir: Path) -> list[str]:
-        return local_argv(cluster, run_dir, sys.executable)
+        return local.local_argv(cluster, run_dir, sys.executable)
 
     def start_command(self, script: Path) -> list[str]:
         return ["bash", str(script)]
@@ -43,7 +47,7 @@ class LocalBackend(Backend):
         return Launched(exit_code=code, message=said[-1] if said else "")
 
     def states(self, records: dict[Path, dict]) -> dict[Path, StateTuple]:
-        return {run_dir: runs.local_state(run_dir, record) for run_dir, record in records.items()}
+        return {run_dir: state.local_state(run_dir, record) for run_dir, record in records.items()}
 
     def log_path(self, run_dir: Path, record: dict) -> Path:
         return run_dir / "logs" / "rank0.log"
@@ -52,7 +56,7 @@ class LocalBackend(Backend):
         return "the local launch"
 
     def cancel(self, run_dir: Path, job_id: str) -> None:
-        runs.cancel_holder(run_dir)
+        state.cancel_holder(run_dir)
 
 
 register(LocalBackend())

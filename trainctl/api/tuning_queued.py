@@ -1,30 +1,26 @@
-"""`trainctl tune` on Slurm: the probes as one job array (the sweep machinery, launch/sweep.py), and `tune --collect
-NAME` that reads what they measured once they ended.
+"""`trainctl tune` on a backend that queues its runs (Slurm): the probes as one sweep (launch/sweep.py; on Slurm one
+job array), and `tune --collect NAME` that reads what they measured once they ended.
 
-Each probe is checked like a launch first (a refused one is recorded, the others go ahead) and runs with the Slurm
-time limit of --probe-timeout: a hung probe ends with its job, recorded as failed. The table and the pinned recipe
+Each probe is checked like a launch first (a refused one is recorded, the others go ahead) and runs with what the
+backend adds to every probe (`Backend.probe_overrides`; on Slurm the time limit of --probe-timeout): a hung probe
+ends with its job, recorded as failed. The table and the pinned recipe
 are written by the collect (the same reading as a local tune's); probes still queued or running are said and left
 out, so collecting again later completes the table.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 from trainctl.api.configs import ConfigDirs, resolved
+from trainctl.api.tune_table import TUNE_JSON, Probe, TuneResult, finish, merged
 from trainctl.core.errors import UserError
 
 
-def time_limit(timeout_s: float) -> str:
-    """sbatch --time in minutes (Slurm's M format), at least one."""
-    return str(max(1, math.ceil(timeout_s / 60)))
-
-
-def submit_probes(result, probes_overrides: list[tuple[object, list[str]]], config_dirs: ConfigDirs) -> None:
-    """Check every probe, write their run directories as one sweep under the tune folder and submit the array (its
-    id and message go on `result`). `probes_overrides`: (Probe, its whole override list) in order."""
+def submit_probes(result: TuneResult, probes_overrides: list[tuple[Probe, list[str]]],
+                  config_dirs: ConfigDirs) -> None:
+    """Check every probe, write their run directories as one sweep under the tune folder and submit it (its
+    job and message go on `result`). `probes_overrides`: (Probe, its whole override list) in order."""
     from trainctl.api.launching import launch_problems
     from trainctl.launch import backends, rundir, sweep
     from trainctl.plan import build
@@ -51,21 +47,21 @@ def submit_probes(result, probes_overrides: list[tuple[object, list[str]]], conf
     run_dirs = sweep.point_run_dirs(sweep.read(folder.parent.parent, name))
     for probe, run_dir in zip(submitted, run_dirs, strict=True):
         probe.run_dir, probe.status = str(run_dir), "submitted"
-    launched = backends.for_cluster(points[0].cfg.cluster).start_sweep(points[0].cfg, name, folder, run_dirs)
+    backend = backends.for_cluster(points[0].cfg.cluster)
+    launched = backend.start_sweep(points[0].cfg, name, folder, run_dirs)
     if launched is not None:
         result.job_id = launched.job_id
         runs_dir = result.folder.parent.parent
-        result.message = (f"submitted Slurm job array {launched.job_id} ({len(run_dirs)} probes); when they "
+        result.message = (f"submitted {backend.sweep_label(launched.job_id)} ({len(run_dirs)} probes); when they "
                           f"end: trainctl tune --collect {result.name} --runs-dir {runs_dir}")
 
 
-def collect(name: str, runs_dir: Path | str, config_dirs: ConfigDirs = None):
+def collect(name: str, runs_dir: Path | str, config_dirs: ConfigDirs = None) -> TuneResult:
     """Re-read a tune's probes (tune.json) and write its table and pinned recipe from what they measured."""
-    from trainctl.api.tuning import TUNE_JSON, Probe, TuneResult, finish, merged
     from trainctl.core import rundir as layout
     from trainctl.core.measured import measured
     from trainctl.launch.rundir import check_name
-    from trainctl.launch.runs import run_states
+    from trainctl.runs.registry import run_states
 
     check_name(name)
     folder = (Path(runs_dir) / "tune" / name).absolute()
@@ -89,8 +85,3 @@ def collect(name: str, runs_dir: Path | str, config_dirs: ConfigDirs = None):
                         base_overrides=list(data.get("base_overrides") or []), job_id=data.get("job_id", ""))
     return finish(result, lambda p: resolved(merged(result.base_overrides, p.overrides), config_dirs))
 
-
-def write(result) -> None:
-    from trainctl.api.tuning import TUNE_JSON
-
-    (result.folder / TUNE_JSON).write_text(json.dumps(result.to_dict(), indent=2) + "\n")

@@ -1,27 +1,21 @@
 """Runs after launch: find them, tell their state, pick and follow their logs, cancel them.
 
-A run's state comes from its own records (read through trainctl.core.rundir, which never raises):
-  local  the trainer lock says whether something trains there now (and trainer.json who); result.json
-         that it finished; stopped.json that it stopped on request with a checkpoint; launch.json the
-         launcher's outcome otherwise (exit code, first failing rank);
-  slurm  launch.json holds the job id; squeue/sacct say what Slurm knows, and the job's own
-         RUN_DIR/slurm-attempts.jsonl covers jobs Slurm forgot (launch/backends/slurm.py).
-Each run's backend (its launch.json's `launcher`) answers for its own runs: state, log, cancel.
-A run directory with none of these was written by `launch --dry-run` and never started.
+A run's state comes from its own records (read through trainctl.core.rundir, which never raises) and from the
+backend its launch.json's `launcher` names (trainctl.launch.backends): each backend answers for its own runs
+(state, log, cancel), all of them in one query where it can. A run directory with no launch record was written
+by `launch --dry-run` and never started (the default backend tells).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from trainctl.core import rundir, trainer_lock
-from trainctl.launch import backends, slurm_jobs
+from trainctl.core import rundir
+from trainctl.launch import backends
 from trainctl.launch.errors import LaunchError
 
 
@@ -38,6 +32,7 @@ class RunState:
     detail: str = ""  # nodes, pending reason, exit code, or why the state is unknown
     step: int | None = None  # last logged training step
     steps: int | None = None  # train.steps of the config
+    maybe_active: bool = False  # its backend could not be asked (e.g. the scheduler did not answer): it may still run
 
 
 def find_run(ref: str, runs_dir: Path) -> Path:
@@ -80,73 +75,22 @@ def configured_steps(run_dir: Path) -> int | None:
     return rundir.configured_steps(run_dir)
 
 
-def stopped_detail(stop: dict) -> str:
-    step = rundir.as_int(stop.get("step"))
-    at = f" at step {step}" if step is not None else ""
-    signal_name = rundir.as_str(stop.get("signal"), "a signal")
-    return f"stopped by {signal_name}{at}, checkpoint saved; `trainctl resume` continues"
-
-
-def failure_detail(record: dict) -> str:
-    code = rundir.as_int(record.get("exit_code"))
-    failure = record.get("failure") if isinstance(record.get("failure"), dict) else {}
-    rank, message = rundir.as_int(failure.get("rank")), rundir.as_str(failure.get("message"))
-    parts = [f"exit code {code}" if code is not None else "no exit code recorded"]
-    if rundir.as_str(failure.get("reason")) == "hang":  # the message names the ranks and their stack files
-        parts.append(f"hung: {message[:300]}")
-    elif rank is not None:
-        parts.append(f"rank {rank} failed first" + (f": {message.splitlines()[0][:200]}" if message.strip() else ""))
-    return ", ".join(parts)
-
-
-def _same_dir(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except (OSError, RuntimeError, ValueError):
-        return False
-
-
-def local_state(run_dir: Path, record: dict) -> tuple[str, bool, str]:
-    """(state, active, detail) of a run on this machine, from its lock and records (never from a pid alone)."""
-    holder = trainer_lock.lock_holder(run_dir)
-    if holder is not None:
-        return "RUNNING", True, trainer_lock.describe_holder(holder)
-    if rundir.result(run_dir) is not None:
-        return "COMPLETED", False, ""
-    stop = rundir.stop_record(run_dir)
-    if stop:
-        return "CANCELLED", False, stopped_detail(stop)
-    recorded_dir = rundir.as_str(record.get("run_dir"))
-    if recorded_dir and not _same_dir(Path(recorded_dir), run_dir):
-        return "UNKNOWN", False, f"copied or moved from {recorded_dir}; `trainctl resume` trains it here"
-    code = rundir.as_int(record.get("exit_code"))
-    if code == 0:
-        return "COMPLETED", False, ""  # the launcher records 0 only for a run that wrote its result
-    if code is not None or rundir.as_str(record.get("state")) == "FAILED":
-        return "FAILED", False, failure_detail(record)
-    if record:
-        return "UNKNOWN", False, "the launcher ended without recording an outcome (killed?)"
-    if rundir.metrics(run_dir, 4096):
-        return "UNKNOWN", False, f"started (bash {rundir.SCRIPT}?) and ended without a result"
-    return "NOT_STARTED", False, "written by --dry-run"
-
-
 def run_states(run_dirs: list[Path]) -> list[RunState]:
     """The state of each run; each backend answers for its own runs at once (one squeue call for all on Slurm)."""
     records = {d: rundir.launch_record(d) for d in run_dirs}
     by_backend: dict[str, dict[Path, dict]] = {}
     for run_dir, record in records.items():
         by_backend.setdefault(backends.for_record(record).name, {})[run_dir] = record
-    answers: dict[Path, tuple[str, bool, str]] = {}
+    answers: dict[Path, backends.State] = {}
     for name, group in by_backend.items():
-        answers.update(backends.named(name).states(group))
+        answers.update({d: backends.State(*answer) for d, answer in backends.named(name).states(group).items()})
     states = []
     for run_dir, record in records.items():
-        state, active, detail = answers[run_dir]
+        state, active, detail, maybe_active = answers[run_dir]
         launcher = rundir.as_str(record.get("launcher")) or (
             backends.for_record(record).name if state != "NOT_STARTED" else "")
         states.append(RunState(run_dir.name, run_dir, launcher, state, active, str(record.get("job_id", "")), detail,
-                               last_step(run_dir), configured_steps(run_dir)))
+                               last_step(run_dir), configured_steps(run_dir), maybe_active))
     return states
 
 
@@ -202,25 +146,3 @@ def cancel(run_dir: Path) -> RunState:
         raise LaunchError(f"run {state.name} is not active ({state.state}{detail}); nothing to cancel")
     backends.for_record(rundir.launch_record(run_dir)).cancel(run_dir, state.job_id)
     return state
-
-
-def cancel_holder(run_dir: Path) -> None:
-    """SIGTERM the trainer that holds the run's lock, known by the pid, start time and host it recorded.
-
-    Never by a pid alone (pids are reused) or by its command line. A holder that recorded a Slurm job (its
-    launch script submitted by hand) is cancelled through Slurm.
-    """
-    holder = trainer_lock.lock_holder(run_dir) or {}
-    job = rundir.as_str(holder.get("slurm_job_id"))
-    if job:
-        slurm_jobs.cancel_job(job)
-        return
-    if not trainer_lock.same_process(holder.get("pid"), holder.get("pid_start"), holder.get("host")):
-        where = rundir.as_str(holder.get("host"), "another machine")
-        raise LaunchError(f"run {run_dir.name} is trained by {trainer_lock.describe_holder(holder)}, which is not a "
-                          f"process on this machine ({where} or not recorded); stop it there")
-    try:
-        # The trainer finishes its step, saves, and records the stop (a launcher forwards the signal to torchrun).
-        os.kill(rundir.as_int(holder.get("pid")), signal.SIGTERM)
-    except ProcessLookupError:
-        pass  # ended between the check and the signal
