@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -97,27 +97,30 @@ def step_terms(model: ModelConfig, seq_len: int, tokens: int, grad_norm: bool = 
     return terms + (param_count(model) if grad_norm else 0)
 
 
-# The largest of the worker tests' tiny runs (tests/dist/worker_runs.py: TINY with TINY_OVERRIDES' ffn_dim, a
-# global batch of 8 sequences of 64 tokens).
+# The largest of the worker tests' tiny runs (tests/dist/worker_runs.py: TINY with TINY_OVERRIDES' ffn_dim and
+# the qwen3 runs' head_dim; a global batch of 8 sequences of 64 tokens by default).
 TINY_SHAPE = ModelConfig(name="tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256,
-                         max_seq_len=64)
+                         max_seq_len=64, head_dim=32)
 
 
-def curve_rel(step: int, key: str = "loss", dtype: torch.dtype | None = None) -> float:
-    """How far `key` of a tiny run (TINY_SHAPE) may be off another computation of the same run after `step`
-    steps: each step's rounding carries into the next, so the chain is `step` steps long."""
+def curve_rel(step: int, key: str = "loss", model: ModelConfig = TINY_SHAPE, seq_len: int = 64, batch: int = 8,
+              dtype: torch.dtype | None = None) -> float:
+    """How far `key` of a run (`batch` sequences of `seq_len` a step) may be off another computation of the same
+    run after `step` steps (0: before any): each step's rounding carries into the next, so the chain is that long."""
     import torch
 
-    per_step = step_terms(TINY_SHAPE, 64, 8 * 64, grad_norm=key == "grad_norm")
-    return rounding_rel(dtype or torch.float32, step * per_step)
+    per_step = step_terms(model, seq_len, batch * seq_len, grad_norm=key == "grad_norm")
+    return rounding_rel(dtype or torch.float32, max(step, 1) * per_step)
 
 
-def assert_same_curve(got: list[float], want: list[float], key: str, first_step: int = 1) -> None:
-    """Two series of `key` from tiny runs (one value a step from `first_step`) agree step by step to rounding
-    (curve_rel); the message names the first step that does not."""
-    assert len(got) == len(want), f"{key}: {len(got)} steps, want {len(want)}"
-    for step, (g, w) in enumerate(zip(got, want, strict=True), start=first_step):
-        rel = curve_rel(step, key)
+def assert_curve_close(got: list[float], want: list[float], key: str, steps: Sequence[int] | None = None,
+                       **shape: object) -> None:
+    """Two series of `key`, logged at `steps` (default 1, 2, ...), agree to rounding step by step (curve_rel, to
+    which `shape` goes: model, seq_len, batch); the message names the first step that does not."""
+    steps = range(1, len(want) + 1) if steps is None else steps
+    assert len(got) == len(want) == len(steps), f"{key}: {len(got)} values against {len(want)} at steps {steps}"
+    for step, g, w in zip(steps, got, want, strict=True):
+        rel = curve_rel(step, key, **shape)
         assert abs(g - w) <= rel * abs(w), (f"{key} at step {step}: {g!r} against {w!r}, relative "
                                             f"{abs(g - w) / abs(w):.2e} > {rel:.2e} (rounding's bound)")
 
