@@ -46,8 +46,9 @@ LLAMA2_7B = ModelConfig(
 # probabilistic model of rounding (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019, Theorem 2.4), a chain of n
 # operations at unit roundoff u = eps/2 lands within lam*sqrt(n)*u of the exact result, relative to the
 # magnitudes it sums, with probability at least 1 - 2n*exp(-lam**2/2): lam is set so that a comparison fails by
-# chance less than once in FAILURE_ODDS. Both sides round, so two results may differ by twice that. A bound read
-# off one machine's differences passes there and fails on the next CPU's kernels.
+# chance less than once in FAILURE_ODDS. A short chain takes the worst case instead when it is smaller, n*u/(1-n*u)
+# (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1). Both sides round, so two results
+# may differ by twice that. A bound read off one machine's differences passes there and fails on the next CPU's.
 # Comparisons meant to be exact (bitwise resume, the same layout twice) use torch.equal or ==, not these.
 
 FAILURE_ODDS = 1e9
@@ -61,7 +62,8 @@ def rounding_rel(dtype: torch.dtype, terms: int, sides: int = 2) -> float:
 
     u = torch.finfo(dtype).eps / 2
     lam = math.sqrt(2 * math.log(2 * terms * FAILURE_ODDS))
-    return sides * lam * math.sqrt(terms) * u
+    worst = terms * u / (1 - terms * u) if terms * u < 1 else math.inf
+    return sides * min(lam * math.sqrt(terms) * u, worst)
 
 
 def assert_close_fp(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, terms: int, *,
