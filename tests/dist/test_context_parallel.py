@@ -16,7 +16,7 @@ import pytest
 import torch
 from worker_runs import assert_same_steps, base_config, records, series, train_and_check
 
-from tests.helpers import assert_curve_close, run_torchrun
+from tests.helpers import assert_close_fp, assert_curve_close, forward_terms, run_torchrun
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
 from trainctl.models.llama.model import build_model
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.dist
 
 HERE = Path(__file__).parent
 CPU_RING_WORKER = HERE / "cpu_ring_worker.py"
-# Ring attention merges per-chunk softmaxes (log-sum-exp), so a cp run is close, not bitwise:
-# measured within 2e-7 (loss) and 8e-7 (grad norm) of one process over 10 steps.
+# Ring attention merges per-chunk softmaxes (log-sum-exp), so a cp run is close, not bitwise (rounding's
+# bound, tests.helpers.curve_rel): measured within 2e-7 (loss) and 8e-7 (grad norm) of one process over 10 steps.
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=32)
 
 
@@ -83,6 +83,7 @@ def _model() -> torch.nn.Module:
 
 def test_explicit_rope_rows_equal_the_default_positions():
     model, tokens = _model(), torch.randint(0, 64, (2, 16))
+    # The same table rows into the same kernels in the same order: bitwise equal.
     assert torch.equal(model(tokens, model.freqs[:16].clone()), model(tokens))
 
 
@@ -92,7 +93,8 @@ def test_repeated_kv_heads_equal_grouped_query_attention():
     for module in model.modules():
         if hasattr(module, "repeat_kv"):
             module.repeat_kv = True
-    torch.testing.assert_close(model(tokens), grouped, rtol=1e-5, atol=1e-6)
+    # Repeated heads take another SDPA path than grouped ones: rounding's bound for the forward.
+    assert_close_fp(model(tokens), grouped, torch.float32, forward_terms(SMALL, tokens.shape[1]))
 
 
 @pytest.mark.gpu
@@ -103,5 +105,5 @@ def test_cp_loss_parity_on_gpus(tmp_path, data_cache):
     single = train_and_check(tmp_path, replace(cuda, name="cp1"), 1)
     cp2 = replace(cuda, name="cp2", sharding=ShardingConfig(strategy="fsdp", dp_shard=1, cp=2))
     run = train_and_check(tmp_path, cp2, 2)
-    assert series(run, "loss") == pytest.approx(series(single, "loss"), rel=1e-4)
-    assert series(run, "grad_norm") == pytest.approx(series(single, "grad_norm"), rel=1e-3)
+    for key in ("loss", "grad_norm"):
+        assert_curve_close(series(run, key), series(single, key), key)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
+from tests.helpers import assert_close_fp, forward_terms
 from trainctl.config.schema import ModelConfig
 from trainctl.models.llama import model as llama
 
@@ -47,4 +48,5 @@ def test_copied_kv_heads_give_the_same_attention_as_enable_gqa(monkeypatch):
     monkeypatch.setattr(llama, "expands_kv", lambda q: True)  # what fp32 on CUDA takes
     expanded = attention(x, model.freqs)
     assert calls == [(GQA.n_kv_heads, True), (GQA.n_heads, False)]
-    torch.testing.assert_close(expanded, grouped, rtol=1e-6, atol=1e-6)
+    # Another SDPA path sums the scores and values in another order: one block's chain bounds it.
+    assert_close_fp(expanded, grouped, torch.float32, forward_terms(GQA, x.shape[1]))
