@@ -67,7 +67,8 @@ def test_accumulating_4_micro_batches_matches_one_4x_batch(runs, key):
 def test_eval_loss_matches_across_layouts(runs):
     # Same held-out set (dp x eval_batches x micro_batch samples) only where those products match.
     for name in ("fsdp", "hsdp"):
-        assert records(runs[name], "eval")[0]["val_loss"] == pytest.approx(records(runs["single"], "eval")[0]["val_loss"], rel=curve_rel(0))
+        want = records(runs["single"], "eval")[0]["val_loss"]
+        assert records(runs[name], "eval")[0]["val_loss"] == pytest.approx(want, rel=curve_rel(0)), name
 
 
 def test_the_steps_actually_differ(runs):
