@@ -74,7 +74,7 @@ def assert_close_fp(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
     import torch
 
     rel = rounding_rel(dtype, terms, sides)
-    scale = float(expected.abs().max()) if scale is None else scale
+    scale = float(expected.detach().abs().max()) if scale is None else scale
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rel, atol=rel * scale,
                                msg=lambda m: f"{what}: {m}\n(rounding allows {rel:.2e} of {scale:.3g}: "
                                              f"{terms} operations in {dtype}, {sides} side(s))")

@@ -81,12 +81,14 @@ def _model() -> torch.nn.Module:
     return model
 
 
+@pytest.mark.parity
 def test_explicit_rope_rows_equal_the_default_positions():
     model, tokens = _model(), torch.randint(0, 64, (2, 16))
     # The same table rows into the same kernels in the same order: bitwise equal.
     assert torch.equal(model(tokens, model.freqs[:16].clone()), model(tokens))
 
 
+@pytest.mark.parity
 def test_repeated_kv_heads_equal_grouped_query_attention():
     model, tokens = _model(), torch.randint(0, 64, (2, 16))
     grouped = model(tokens)

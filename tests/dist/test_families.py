@@ -115,6 +115,7 @@ def imported(request, tmp_path_factory):
     return name, theirs, cfg, ours, tokens
 
 
+@pytest.mark.parity
 def test_imported_logits_equal_transformers_in_one_process(imported):
     name, theirs, cfg, ours, tokens = imported
     assert cfg.family == SHAPES[VARIANTS[name][0]][0]
@@ -138,6 +139,7 @@ def test_rope_scaling_changes_the_logits_it_is_checked_on(shape, scaling):
         assert (scaled(tokens).logits - want).abs().max().item() > 10 * logits_bound(SHAPES[shape][1], want)
 
 
+@pytest.mark.parity
 def test_export_loads_in_transformers_with_every_key(imported, tmp_path):
     """The export's names, rotary layout and config.json (the functions models/hf_folder.py writes with)."""
     from safetensors.torch import save_file

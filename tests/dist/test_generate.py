@@ -69,6 +69,7 @@ def test_greedy_equals_transformers_on_the_export_with_and_without_the_cache(tra
             assert bytes(want) == ANSWER.encode()[:new], bytes(want)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_cached_logits_equal_the_full_forward_for_every_family(tmp_path, family):
     """fp32, prefill then single tokens then a chunk; weights perturbed so that q/k norms and biases matter."""

@@ -84,6 +84,7 @@ def activation_bytes() -> dict[str, dict[str, int]]:
     return out
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("mode,offload", [("selective", False), ("full", False), ("op", False), ("none", True), ("op", True)])
 def test_mode_matches_no_checkpointing(reference, mode, offload):
     loss, grads = loss_and_grads(mode, offload)

@@ -11,7 +11,7 @@ from worker_runs import base_config, records, series, train_and_check
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import ShardingConfig
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.parity]
 
 PARITY_STEPS = 10
 

@@ -30,6 +30,7 @@ def test_only_fp32_on_cuda_copies_the_kv_heads():
     assert not llama.expands_kv(torch.zeros(1, dtype=torch.bfloat16))
 
 
+@pytest.mark.parity
 def test_copied_kv_heads_give_the_same_attention_as_enable_gqa(monkeypatch):
     torch.manual_seed(0)
     model = llama.build_model(GQA, "cpu")

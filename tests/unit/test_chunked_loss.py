@@ -35,6 +35,7 @@ def _grads(model, loss):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7, 48, 10_000])
 def test_chunked_loss_and_gradients_equal_the_dense_ones_in_fp32(monkeypatch, tie, chunk):
@@ -58,6 +59,7 @@ def test_chunked_loss_and_gradients_equal_the_dense_ones_in_fp32(monkeypatch, ti
         assert_close_fp(got[name], want[name], torch.float32, terms, what=name)
 
 
+@pytest.mark.parity
 def test_a_wrong_gradient_would_be_caught():
     # Rounding's bound is sharp enough: halving one chunk's gradient is far outside it.
     torch.manual_seed(0)
@@ -74,6 +76,7 @@ def test_a_wrong_gradient_would_be_caught():
         assert_close_fp(got, want, torch.float32, terms)
 
 
+@pytest.mark.parity
 def test_bf16_autocast_projects_in_bf16_like_the_linear():
     torch.manual_seed(0)
     hidden = torch.randn(2, 24, 16, requires_grad=True)
@@ -94,6 +97,7 @@ def test_bf16_autocast_projects_in_bf16_like_the_linear():
         torch.testing.assert_close(g, w, rtol=rel, atol=rel * w.abs().max().item())
 
 
+@pytest.mark.parity
 def test_no_gradients_are_computed_under_no_grad(monkeypatch):
     calls = []
     real = loss_head._chunk
@@ -106,6 +110,7 @@ def test_no_gradients_are_computed_under_no_grad(monkeypatch):
     assert calls == [(None, None), (None, None)]  # no gradient buffers
 
 
+@pytest.mark.parity
 def test_tensor_parallel_heads_keep_the_dense_loss():
     model = _model(tie=False)
     tokens = torch.randint(0, TINY.vocab_size, (2, 8))

@@ -45,6 +45,7 @@ def _packed_row() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     return docs, torch.cat(docs)[None], positions
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_packed_row_gives_each_document_its_own_logits(family):
     model = _model(FAMILIES[family])
@@ -59,6 +60,7 @@ def test_a_packed_row_gives_each_document_its_own_logits(family):
     assert (unmasked[LENGTHS[0]:] - alone[LENGTHS[0]:]).abs().max() > 1e-2
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_packed_row_gives_each_document_its_own_loss_and_gradients(family):
     model = _model(FAMILIES[family])
@@ -98,6 +100,7 @@ def test_without_positions_attention_is_the_plain_causal_call(monkeypatch):
     assert all(dict(c)["attn_mask"].shape == (1, 1, row.shape[1], row.shape[1]) for c in calls)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rope_restarts_at_each_document(family, monkeypatch):
     """Logits barely tell restarted positions from running ones (RoPE is relative): compare the rotated q, k."""
@@ -123,6 +126,7 @@ def test_rope_restarts_at_each_document(family, monkeypatch):
         assert_close_fp(got[:, :, start:end], want, torch.float32, terms)
 
 
+@pytest.mark.parity
 def test_one_document_per_row_through_the_mask_equals_plain_causal():
     model = _model(BASE)
     _, row, _ = _packed_row()
@@ -252,6 +256,7 @@ def test_the_plan_notes_the_masks_memory_and_kernel(chat_and_text):
     assert not [n for n in build_plan(plain).notes if n.startswith("document_mask:")]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_activation_checkpointing_keeps_the_mask(mode):
     """The mask reaches the blocks by keyword: a checkpointed block recomputes with it, the same gradients."""

@@ -135,6 +135,7 @@ def test_adapters_start_at_the_base_model_and_only_they_get_gradients():
     assert with_grad and all(".lora_" in n for n in with_grad)
 
 
+@pytest.mark.parity
 def test_merge_equals_the_adapted_forward_and_b_follows_the_rotary_rows():
     model = _lora_model()
     with torch.no_grad():

@@ -74,6 +74,7 @@ def _case(vocab=50, tokens=30):
     return logits, targets
 
 
+@pytest.mark.parity
 def test_the_compiled_body_computes_what_the_eager_body_does():
     logits, targets = _case()
     leaf = logits.clone().requires_grad_()
@@ -107,6 +108,7 @@ def test_a_second_backward_through_the_same_graph_is_refused_not_doubled():
         loss.backward()
 
 
+@pytest.mark.parity
 def test_a_frozen_weight_gets_no_gradient_and_the_input_the_dense_one():
     hidden = torch.randn(10, 8, requires_grad=True)
     weight = torch.randn(20, 8)

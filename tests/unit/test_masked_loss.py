@@ -61,6 +61,7 @@ def test_only_answer_targets_count(tmp_path):
     assert counted > 0 and prompts > 0
 
 
+@pytest.mark.parity
 def test_masked_loss_equals_hand_computation(tmp_path):
     data = batches(chat_set(tmp_path), micro=4, accum=1)
     (inputs, targets), = data.micro_batches(0)
@@ -84,6 +85,7 @@ def test_masked_loss_equals_hand_computation(tmp_path):
     assert abs(unmasked.item() - want.item()) > 1e-3  # the prompt tokens would change it: the test can fail
 
 
+@pytest.mark.parity
 def test_gradients_ignore_prompt_targets(tmp_path):
     data = batches(chat_set(tmp_path), micro=4, accum=1)
     (inputs, targets), = data.micro_batches(1)

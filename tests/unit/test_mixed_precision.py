@@ -53,6 +53,7 @@ def test_without_loss_scaling_the_scaler_is_a_no_op():
     assert isinstance(build_loss_scaler(PrecisionConfig(), torch.device("cpu")), NoLossScaling)
 
 
+@pytest.mark.parity
 def test_unscaled_gradients_match_plain_fp32_backward():
     plain_model, plain_opt = linear_and_sgd()
     plain_norm = one_step(NoLossScaling(), plain_model, plain_opt)

@@ -56,6 +56,7 @@ def test_init_is_deterministic_and_recomputes_rope():
     assert not torch.equal(other_seed.layers["0"].attention.wq.weight, a.layers["0"].attention.wq.weight)
 
 
+@pytest.mark.parity
 def test_forward_shape_and_causality():
     model = _materialized(SMALL)
     tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
@@ -70,6 +71,7 @@ def test_forward_shape_and_causality():
     assert not torch.allclose(logits[:, 10:], logits_changed[:, 10:])
 
 
+@pytest.mark.parity
 def test_rope_is_a_rotation_and_position_zero_is_identity():
     freqs = rope_frequencies(8, 16, 10000.0)
     x = torch.randn(1, 16, 2, 8)

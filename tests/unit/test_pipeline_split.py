@@ -64,6 +64,7 @@ def test_parts_start_from_the_full_models_weights(layers):
     assert seen == set(full)
 
 
+@pytest.mark.parity
 def test_chained_parts_compute_the_full_models_logits():
     full = _materialize(build_model(CFG))
     tokens = torch.randint(0, CFG.vocab_size, (2, 16))
