@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
 from trainctl.config.schema import ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
-
-# Relative tolerance of a parallel run against one process: fp32 runs agree to rounding (~1e-7 measured),
-# so 1e-5 catches any real mistake (a missing reduction, a mis-sliced weight) without flaking.
-REL = 1e-5
 
 # Llama 2 7B, the model the plan's memory and throughput figures are checked against (6,738,415,616 parameters).
 LLAMA2_7B = ModelConfig(
@@ -39,6 +39,93 @@ LLAMA2_7B = ModelConfig(
     vocab_size=32000,
     max_seq_len=4096,
 )
+
+# --- tolerances ------------------------------------------------------------------------------------
+# Two computations of the same math that sum in different orders (a cached and a full forward, two ranks and one,
+# one CPU's kernels and another's) differ by rounding alone, and how much follows from the arithmetic. In the
+# probabilistic model of rounding (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019, Theorem 2.4), a chain of n
+# operations at unit roundoff u = eps/2 lands within lam*sqrt(n)*u of the exact result, relative to the
+# magnitudes it sums, with probability at least 1 - 2n*exp(-lam**2/2): lam is set so that a comparison fails by
+# chance less than once in FAILURE_ODDS. A short chain takes the worst case instead when it is smaller, n*u/(1-n*u)
+# (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Lemma 3.1). Both sides round, so two results
+# may differ by twice that. A bound read off one machine's differences passes there and fails on the next CPU's.
+# Comparisons meant to be exact (bitwise resume, the same layout twice) use torch.equal or ==, not these.
+
+FAILURE_ODDS = 1e9
+
+
+def rounding_rel(dtype: torch.dtype, terms: int, sides: int = 2) -> float:
+    """The relative difference rounding allows between two computations (`sides`=2) of a chain of `terms`
+    operations in `dtype`, or between one and the exact result (`sides`=1, e.g. against a float64 reference);
+    relative to the magnitudes summed."""
+    import torch
+
+    u = torch.finfo(dtype).eps / 2
+    lam = math.sqrt(2 * math.log(2 * terms * FAILURE_ODDS))
+    worst = terms * u / (1 - terms * u) if terms * u < 1 else math.inf
+    return sides * min(lam * math.sqrt(terms) * u, worst)
+
+
+def assert_close_fp(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, terms: int, *,
+                    sides: int = 2, scale: float | None = None, what: str = "") -> None:
+    """`actual` equals `expected` to the rounding of `terms` operations in `dtype` (see rounding_rel), compared in
+    float64. The bound is relative to `scale`, by default the largest |expected|: it stands for the magnitudes each
+    element summed (a relative test per element would ask for accuracy where a sum cancelled to nearly zero)."""
+    import torch
+
+    rel = rounding_rel(dtype, terms, sides)
+    scale = float(expected.detach().abs().max()) if scale is None else scale
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rel, atol=rel * scale,
+                               msg=lambda m: f"{what}: {m}\n(rounding allows {rel:.2e} of {scale:.3g}: "
+                                             f"{terms} operations in {dtype}, {sides} side(s))")
+
+
+def forward_terms(model: ModelConfig, seq_len: int) -> int:
+    """The operations along one forward's longest chain: per block the two norms, the attention and MLP input
+    projections and the attention output (dim each), the scores (head_dim), the softmax and the weighted values
+    (seq_len each) and the MLP output (ffn_dim); then the last norm and the head (dim each)."""
+    head_dim = model.head_dim or model.dim // model.n_heads
+    block = 5 * model.dim + head_dim + 2 * seq_len + model.ffn_dim
+    return model.n_layers * block + 2 * model.dim
+
+
+def step_terms(model: ModelConfig, seq_len: int, tokens: int, grad_norm: bool = False) -> int:
+    """The operations along one training step's chain: the forward, the backward (the same chain transposed), the
+    loss (a log-sum-exp over the vocabulary, a mean over the step's `tokens`, which every weight gradient sums too);
+    with `grad_norm`, the sum of squares over every parameter as well."""
+    from trainctl.plan.flops import param_count
+
+    terms = 2 * forward_terms(model, seq_len) + model.vocab_size + tokens
+    return terms + (param_count(model) if grad_norm else 0)
+
+
+# The largest of the worker tests' tiny runs (tests/dist/worker_runs.py: TINY with TINY_OVERRIDES' ffn_dim and
+# the qwen3 runs' head_dim; a global batch of 8 sequences of 64 tokens by default).
+TINY_SHAPE = ModelConfig(name="tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256,
+                         max_seq_len=64, head_dim=32)
+
+
+def curve_rel(step: int, key: str = "loss", model: ModelConfig = TINY_SHAPE, seq_len: int = 64, batch: int = 8,
+              dtype: torch.dtype | None = None) -> float:
+    """How far `key` of a run (`batch` sequences of `seq_len` a step) may be off another computation of the same
+    run after `step` steps (0: before any): each step's rounding carries into the next, so the chain is that long."""
+    import torch
+
+    per_step = step_terms(model, seq_len, batch * seq_len, grad_norm=key == "grad_norm")
+    return rounding_rel(dtype or torch.float32, max(step, 1) * per_step)
+
+
+def assert_curve_close(got: list[float], want: list[float], key: str, steps: Sequence[int] | None = None,
+                       **shape: object) -> None:
+    """Two series of `key`, logged at `steps` (default 1, 2, ...), agree to rounding step by step (curve_rel, to
+    which `shape` goes: model, seq_len, batch); the message names the first step that does not."""
+    steps = range(1, len(want) + 1) if steps is None else steps
+    assert len(got) == len(want) == len(steps), f"{key}: {len(got)} values against {len(want)} at steps {steps}"
+    for step, g, w in zip(steps, got, want, strict=True):
+        rel = curve_rel(step, key, **shape)
+        assert abs(g - w) <= rel * abs(w), (f"{key} at step {step}: {g!r} against {w!r}, relative "
+                                            f"{abs(g - w) / abs(w):.2e} > {rel:.2e} (rounding's bound)")
+
 
 # --- torchrun --------------------------------------------------------------------------------------
 

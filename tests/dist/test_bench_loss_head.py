@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.helpers import rounding_rel
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_loss_head.py"
 
@@ -36,7 +39,10 @@ def test_bench_loss_head_reports_time_and_peak_of_both_heads(tmp_path):
     for arm in ("dense", "chunked"):
         assert size[f"{arm}_time_s"] > 0 and size[f"{arm}_peak_bytes"] > 0
     assert size["ratio_time"] > 0 and 0 < size["ratio_peak"] < 1  # 4 chunks: far below the dense logits
-    assert max(size["relative_error"].values()) < 1e-5
+    # Relative to the dense maxima; the chain: the logits (dim), the softmax and the gradients' products (vocab
+    # each), the loss's sum over tokens (tests.helpers.rounding_rel).
+    terms = size["dim"] + 2 * size["vocab"] + size["tokens"]
+    assert max(size["relative_error"].values()) <= rounding_rel(torch.float32, terms), size["relative_error"]
     # The trainer's chunk with no headroom (a quarter of the dense fp32 gradients: 256 of 512 tokens), then the sweep.
     assert size["chunk_tokens"] == 256
     assert [row["chunk_tokens"] for row in size["sweep"]] == [128, 256, 512]

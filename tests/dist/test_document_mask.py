@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 from worker_runs import TINY, assert_same_evals, assert_same_steps, base_config, records, series, train_and_check
 
-from tests.helpers import REL
 from tests.unit.test_masked_loss import chat_set
 from trainctl.config.schema import DataConfig, ShardingConfig
 
@@ -60,9 +59,9 @@ def test_a_masked_run_learns_end_to_end_and_the_mask_reaches_the_model(chat, dat
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_a_sharded_layout_with_the_mask_matches_one_process(runs, name, key):
-    assert_same_steps(runs[name], runs["single"], key, STEPS, REL)
+    assert_same_steps(runs[name], runs["single"], key, STEPS, seq_len=SEQ)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_eval_with_the_mask_matches_one_process(runs, name):
-    assert_same_evals(runs[name], runs["single"], REL)
+    assert_same_evals(runs[name], runs["single"], seq_len=SEQ)

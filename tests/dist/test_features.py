@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from worker_runs import base_config, run_worker, series, train_and_check, write_run_dir
 
+from tests.helpers import assert_curve_close
 from trainctl.config.schema import LoggingConfig, ShardingConfig, WandbConfig
 
 pytestmark = pytest.mark.dist
@@ -41,12 +42,12 @@ def selective_ac_fsdp(root, data_cache):
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_full_checkpointing_matches_no_checkpointing(reference, full_ac_with_wandb, key):
-    assert series(full_ac_with_wandb, key) == pytest.approx(series(reference, key), rel=1e-5)
+    assert_curve_close(series(full_ac_with_wandb, key), series(reference, key), key)
 
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_selective_checkpointing_under_fsdp_matches(reference, selective_ac_fsdp, key):
-    assert series(selective_ac_fsdp, key) == pytest.approx(series(reference, key), rel=1e-5)
+    assert_curve_close(series(selective_ac_fsdp, key), series(reference, key), key)
 
 
 def test_wandb_offline_writes_under_run_dir(full_ac_with_wandb):
@@ -72,8 +73,8 @@ def test_wandb_run_id_is_kept_for_restarts(full_ac_with_wandb):
 def test_compile_smoke(root, data_cache, reference):
     cfg = replace(base_config(data_cache, steps=STEPS, compile=True), name="compiled")
     run_dir = train_and_check(root, cfg, None)
-    # Inductor may fuse differently from eager: close, not bitwise.
-    assert series(run_dir, "loss") == pytest.approx(series(reference, "loss"), rel=1e-3)
+    # Inductor fuses and orders the same sums differently from eager: rounding's bound, not bitwise.
+    assert_curve_close(series(run_dir, "loss"), series(reference, "loss"), "loss")
 
 
 def test_unsupported_option_fails_with_one_line_naming_the_key(root, data_cache):

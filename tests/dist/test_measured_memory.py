@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from worker_runs import TINY
 
-from tests.helpers import REL
+from tests.helpers import assert_close_fp, step_terms
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.models.build import build_model
@@ -83,13 +83,16 @@ def activation_bytes() -> dict[str, dict[str, int]]:
     return out
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("mode,offload", [("selective", False), ("full", False), ("op", False), ("none", True), ("op", True)])
 def test_mode_matches_no_checkpointing(reference, mode, offload):
     loss, grads = loss_and_grads(mode, offload)
     want_loss, want_grads = reference
-    assert loss == pytest.approx(want_loss, rel=REL)
-    for got, want in zip(grads, want_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=REL, atol=1e-7)
+    # Recomputation and offload may change the order in which a gradient's terms are added: rounding's bound.
+    terms = step_terms(MODEL, 64, 4 * 64)
+    assert_close_fp(torch.tensor(loss), torch.tensor(want_loss), torch.float32, terms, what="loss")
+    for i, (got, want) in enumerate(zip(grads, want_grads, strict=True)):
+        assert_close_fp(got, want, torch.float32, terms, what=f"gradient {i}")
 
 
 def test_modes_wrap_the_blocks_they_name():

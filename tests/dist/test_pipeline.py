@@ -17,7 +17,7 @@ import pytest
 from worker_runs import TINY, base_config, records, series, train_and_check
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import REL
+from tests.helpers import assert_curve_close
 from trainctl.config.schema import GuardsConfig, ShardingConfig
 
 pytestmark = pytest.mark.dist
@@ -65,14 +65,14 @@ def runs(tmp_path_factory, data_cache):
 def test_pipeline_matches_one_process(runs, name, key):
     got, want = series(runs[name], key), series(runs["reference"], key)
     assert len(got) == len(want) == STEPS
-    assert got == pytest.approx(want, rel=REL), key
+    assert_curve_close(got, want, key)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_eval_matches_one_process(runs, name):
     got, want = records(runs[name], "eval"), records(runs["reference"], "eval")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, STEPS]
-    assert [r["val_loss"] for r in got] == pytest.approx([r["val_loss"] for r in want], rel=REL)
+    assert_curve_close([r["val_loss"] for r in got], [r["val_loss"] for r in want], "val_loss", steps=[0, STEPS])
 
 
 def test_the_steps_actually_differ(runs):
@@ -110,7 +110,7 @@ def test_activation_offload_runs_on_every_pipeline_stage(offloaded):
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_activation_offload_under_a_pipeline_matches_one_process(runs, offloaded, key):
     run_dir, _ = offloaded
-    assert series(run_dir, key) == pytest.approx(series(runs["reference"], key), rel=REL)
+    assert_curve_close(series(run_dir, key), series(runs["reference"], key), key)
 
 
 def test_nan_at_a_step_reaches_the_guard_through_the_pipeline(tmp_path, data_cache):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import torchrun_cmd, worker_env
+from tests.helpers import curve_rel, torchrun_cmd, worker_env
 from trainctl.config.schema import CheckpointConfig, GuardsConfig, OptimConfig, ShardingConfig
 from trainctl.train.checkpoint.store import list_committed, verify
 
@@ -157,9 +157,9 @@ def test_resharded_resume_continues_the_loss(four_worker_runs, data_cache, targe
     ok(launch(run_dir, nproc), run_dir)
     got, want = losses(run_dir), losses(straight)
     assert sorted(got) == list(range(STOP_AT + 1, STEPS + 1))
-    # Resharding changes the order of floating-point sums: fp32 noise, not bitwise.
+    # Resharding changes the order of floating-point sums: rounding's bound for the steps so far, not bitwise.
     for step in got:
-        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+        assert got[step] == pytest.approx(want[step], rel=curve_rel(step)), step
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "resharded" in log or nproc == 4
 

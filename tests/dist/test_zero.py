@@ -24,7 +24,7 @@ from dataclasses import replace
 import pytest
 from worker_runs import TINY, base_config, records, series, train_and_check
 
-from tests.helpers import REL
+from tests.helpers import assert_curve_close
 from trainctl.config.schema import ShardingConfig
 from trainctl.core.dims import ParallelDims
 from trainctl.models.build import build_model
@@ -78,7 +78,7 @@ def memory(run_dir) -> dict:
 def test_first_steps_match_one_process(runs, name, key):
     got, want = series(runs[name], key), series(runs["none"], key)
     assert len(got) == len(want) == STEPS
-    assert got == pytest.approx(want, rel=REL)
+    assert_curve_close(got, want, key)
 
 
 def per_rank(runs, name: str, key: str) -> list[int]:

@@ -8,9 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-
-from tests.helpers import run_group, torchrun_cmd, worker_env
+from tests.helpers import assert_curve_close, run_group, torchrun_cmd, worker_env
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import (
     DataConfig,
@@ -90,16 +88,20 @@ def series(run_dir: Path, key: str) -> list[float]:
     return [r[key] for r in records(run_dir, "train")]
 
 
-def assert_same_steps(run_dir: Path, reference: Path, key: str, steps: int, rel: float, distinct: bool = True) -> None:
-    """`key` of every train step of `run_dir` equals the reference run's within `rel`, over exactly `steps` steps;
-    with `distinct`, the reference's values all differ (a constant series would match anything vacuously)."""
+def assert_same_steps(run_dir: Path, reference: Path, key: str, steps: int, distinct: bool = True,
+                      **shape: object) -> None:
+    """`key` of every train step of `run_dir` equals the reference run's to rounding (tests.helpers.curve_rel, to
+    which `shape` goes), over exactly `steps` steps; with `distinct`, the reference's values all differ (a constant
+    series would match anything vacuously)."""
     got, want = series(run_dir, key), series(reference, key)
     assert len(got) == len(want) == steps
     assert not distinct or len(set(want)) == steps, f"{key}: the reference repeats values: {want}"
-    assert got == pytest.approx(want, rel=rel), key
+    assert_curve_close(got, want, key, **shape)
 
 
-def assert_same_evals(run_dir: Path, reference: Path, rel: float) -> None:
-    """Every eval's val_loss equals the reference run's within `rel` (at least two evals)."""
-    got, want = ([r["val_loss"] for r in records(run, "eval")] for run in (run_dir, reference))
-    assert len(got) == len(want) >= 2 and got == pytest.approx(want, rel=rel)
+def assert_same_evals(run_dir: Path, reference: Path, **shape: object) -> None:
+    """Every eval's val_loss equals the reference run's to rounding after as many steps (at least two evals)."""
+    got, want = (records(run, "eval") for run in (run_dir, reference))
+    assert len(got) == len(want) >= 2
+    assert_curve_close([r["val_loss"] for r in got], [r["val_loss"] for r in want], "val_loss",
+                       [r["step"] for r in want], **shape)

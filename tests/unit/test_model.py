@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.helpers import assert_close_fp, forward_terms
 from trainctl.config.compose import conf_dir
 from trainctl.config.load import from_dict
 from trainctl.config.schema import ModelConfig
@@ -57,6 +58,7 @@ def test_init_is_deterministic_and_recomputes_rope():
     assert not torch.equal(other_seed.layers["0"].attention.wq.weight, a.layers["0"].attention.wq.weight)
 
 
+@pytest.mark.parity
 def test_forward_shape_and_causality():
     model = _materialized(SMALL)
     tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
@@ -66,16 +68,19 @@ def test_forward_shape_and_causality():
     changed[:, 10] = (changed[:, 10] + 1) % SMALL.vocab_size
     logits_changed = model(changed)
     # Positions before the change see the same prefix; position 10 onward must differ.
-    torch.testing.assert_close(logits[:, :10], logits_changed[:, :10])
+    # Same shapes through the same kernels, but a kernel may block rows by what follows them: rounding's bound.
+    assert_close_fp(logits_changed[:, :10], logits[:, :10], torch.float32, forward_terms(SMALL, tokens.shape[1]))
     assert not torch.allclose(logits[:, 10:], logits_changed[:, 10:])
 
 
+@pytest.mark.parity
 def test_rope_is_a_rotation_and_position_zero_is_identity():
     freqs = rope_frequencies(8, 16, 10000.0)
     x = torch.randn(1, 16, 2, 8)
     rotated = apply_rope(x, freqs)
-    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
-    torch.testing.assert_close(rotated[:, 0], x[:, 0])
+    # A rotation rounds each pair once (two products and a sum); the norm sums the head's squares.
+    assert_close_fp(rotated.norm(dim=-1), x.norm(dim=-1), torch.float32, 3 + x.shape[-1])
+    assert torch.equal(rotated[:, 0], x[:, 0])  # cos 0 = 1 and sin 0 = 0 exactly: the identity rounds nothing
 
 
 def test_gradients_reach_every_parameter():
