@@ -10,6 +10,7 @@ Python on purpose: both sides of the wall import it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import typing
@@ -126,8 +127,8 @@ class GenerateOptions:
             found.append("--chat with --prompt-ids: ids are already what the model reads; leave --chat out")
         if self.max_new_tokens < 1:
             found.append(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
-        if not self.temperature >= 0:
-            found.append(f"--temperature {self.temperature}: must be >= 0 (0: greedy)")
+        if not 0 <= self.temperature < math.inf:  # inf flattens every logit to one: uniform random tokens
+            found.append(f"--temperature {self.temperature}: must be a finite number >= 0 (0: greedy)")
         if not 0 < self.top_p <= 1:
             found.append(f"--top-p {self.top_p}: must be in (0, 1]")
         return found
