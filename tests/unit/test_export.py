@@ -22,7 +22,7 @@ from tests.helpers import tool_argv
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import ModelConfig, RunConfig
 from trainctl.core.checkpoints import MANIFEST, list_files, sha256
-from trainctl.core.tool_options import ExportOptions, parse_size
+from trainctl.core.tool_options import ExportOptions
 from trainctl.models import export as export_module
 from trainctl.models.build import build_model
 from trainctl.models.hf import from_hf
@@ -200,12 +200,6 @@ def test_bad_config_yaml_is_a_user_error(run, capsys):
     run_dir, _ = run
     (run_dir / "config.yaml").write_text("model:\n  dim: not-a-number\n")
     assert "cannot be read as a run config" in user_error([str(run_dir)], capsys)
-
-
-@pytest.mark.parametrize("text, size",
-                         [("5000000000", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30), ("7 kb", 7000)])
-def test_parse_size(text, size):
-    assert parse_size(text) == size
 
 
 def test_plan_shards_keeps_order_and_gives_big_tensors_their_own_shard():

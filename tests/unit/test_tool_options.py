@@ -22,6 +22,7 @@ from trainctl.core.tool_options import (
     GenerateOptions,
     child_argv,
     declared,
+    parse_size,
     read_child_argv,
 )
 
@@ -95,3 +96,9 @@ def test_results_render_as_the_commands_print_them():
     result = EvalResult(1.5, 4.4817, 1024, 2, 64, 8, 7, "ckpt", "tok")
     assert result.text() == "step 7: val loss 1.5000, perplexity 4.482 over 1,024 tokens (2 batches of 8 x 64) of tok"
     assert [f.name for f in fields(EvalResult)][:3] == ["loss", "perplexity", "tokens"]
+
+
+@pytest.mark.parametrize("text, size",
+                         [("5000000000", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30), ("7 kb", 7000)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
