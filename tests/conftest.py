@@ -7,8 +7,10 @@ A `unit` test that starts a process or opens a torch process group fails, saying
 
 `pytest -m unit` runs on up to UNIT_WORKERS processes (pytest-xdist, in the dev extra) where the machine has the
 cores: the tier is about 1450 in-process tests, most of them one Hydra composition (~0.1 s) each, and two cores
-halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process: the dist tests
-start torchrun workers of their own and would only fight over the cores.
+halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process unless it asks
+for workers; scripts/test.sh runs the whole suite on two with `--dist loadgroup` (xdist_group_of keeps a module's
+shared torchrun run, and the Slurm cluster, on one worker): a torchrun test spends much of its time starting
+interpreters and waiting on its ranks, which a second test fills.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm", "fuzz": "fuzz"}
 # Fixtures that start programs: a test using one is not in-process.
 PROCESS_FIXTURES = {"slurm_bin": "cli", "small_fs": "cli"}  # small_fs: mount/umount a tmpfs (test_checkpoint_store)
 UNIT_WORKERS = 4
+# Session fixtures that set up and tear down something outside the worker (the Slurm cluster: a second worker's
+# teardown would stop it under the first). The others (caches, temp folders) are per worker by nature.
+ONE_WORKER_SESSION_FIXTURES = {"slurm_cluster"}
 
 
 def unit_tier_workers(config: pytest.Config) -> int:
@@ -57,13 +62,26 @@ def tier_of(item: pytest.Item) -> str | None:
     return FOLDER_TIER.get(item.path.parent.name)
 
 
+def xdist_group_of(item: pytest.Item) -> str | None:
+    """The tests that must share one xdist worker under `--dist loadgroup`: those of a module-scoped fixture (its
+    torchrun runs once per worker that needs it: one module, one worker) and those of a project session fixture
+    (the Slurm cluster, brought up and down once). Every other test goes to whichever worker is free."""
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for fixture in defs:
+            if fixture.scope in ("class", "module", "package"):
+                return str(item.path)
+            if fixture.argname in ONE_WORKER_SESSION_FIXTURES:
+                return f"session:{fixture.argname}"
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if any(item.get_closest_marker(tier) for tier in TIERS):
-            continue
-        tier = tier_of(item)
-        if tier is not None:
+        if not any(item.get_closest_marker(tier) for tier in TIERS) and (tier := tier_of(item)) is not None:
             item.add_marker(tier)
+        if item.get_closest_marker("unit") is None and (group := xdist_group_of(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
@@ -84,11 +102,7 @@ def unit_tests_start_no_process(request, monkeypatch):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    process_leaks.mark_session()
-    config.stash[LEAKS] = []
-
-
-LEAKS = pytest.StashKey[list]()
+    process_leaks.mark_session(own=hasattr(config, "workerinput"))
 
 
 @pytest.fixture(autouse=True)
@@ -100,12 +114,24 @@ def no_process_outlives_its_test(request):
     before = set(process_leaks.session_processes())
     yield
     left = process_leaks.leftovers(before)
-    if left:
-        request.config.stash[LEAKS].append((request.node.nodeid, left))
+    if left:  # on the test's report, so an xdist worker's leak reaches the controller's summary
+        request.node.user_properties.append((LEAK_PROPERTY, left))
+
+
+LEAK_PROPERTY = "trainctl-leaked-processes"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, left in getattr(report, "user_properties", ()):
+        if name == LEAK_PROPERTY and report.when == "teardown":
+            LEAKS_SEEN.append((report.nodeid, {int(pid): cmd for pid, cmd in left.items()}))
+
+
+LEAKS_SEEN: list[tuple[str, dict[int, str]]] = []
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    for nodeid, left in config.stash.get(LEAKS, []):
+    for nodeid, left in LEAKS_SEEN:
         terminalreporter.write_line(f"LEAK {nodeid}: killed {len(left)} process(es) alive "
                                     f"{process_leaks.LEAK_GRACE_S:g} s after it: "
                                     + "; ".join(f"{pid} {cmd[:120]}" for pid, cmd in sorted(left.items())))

@@ -2,9 +2,10 @@
 
 Every process a test starts inherits SESSION_ENV (set once in the pytest process), so /proc tells which live
 processes belong to this run, even once they have left their parent (torchrun's workers in their own session).
-A process that appeared during a serial test (dist, cli, slurm: the unit tier runs in xdist workers that share the
-variable, and starts no process anyway) and outlives it by LEAK_GRACE_S is a leak: left alone it would hold the
-cores, a port or a lock for the tests that follow (an 8-worker test then ran 7x slower than alone).
+A process that appeared during a dist, cli or slurm test and outlives it by LEAK_GRACE_S is a leak: left alone it
+would hold the cores, a port or a lock for the tests that follow (an 8-worker test then ran 7x slower than alone).
+Under pytest-xdist each worker marks its own session (its children carry the worker's value), so one worker never
+takes another's torchrun for its leak.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ SESSION_ENV = "TRAINCTL_TEST_SESSION"
 LEAK_GRACE_S = 30.0
 
 
-def mark_session() -> None:
-    os.environ.setdefault(SESSION_ENV, str(os.getpid()))
+def mark_session(own: bool = False) -> None:
+    """Mark this process's session; `own` (an xdist worker) replaces the value inherited from the controller."""
+    if own:
+        os.environ[SESSION_ENV] = str(os.getpid())
+    else:
+        os.environ.setdefault(SESSION_ENV, str(os.getpid()))
 
 
 def session_processes() -> dict[int, str]:
