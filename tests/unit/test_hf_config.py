@@ -180,3 +180,16 @@ def test_a_tied_folder_shipping_another_head_is_refused_and_the_same_head_is_tak
     write_hf_weights(folder, head=b"\x01" + embedding[1:])
     (line,) = _init_from_problems(folder, *PLAIN, f"model.path={folder}")
     assert "tie_word_embeddings true, but lm_head.weight differs" in line, line
+
+
+def test_the_worker_refuses_a_tensor_the_model_has_no_place_for(tmp_path):
+    from trainctl.models.hf import HFWeightsError, load_hf_weights
+
+    folder = hf_folder(tmp_path / "llama", LLAMA, weights=False)
+    m = ModelConfig(**model_fields(folder))
+    model = build_model(m, "cpu")
+    write_hf_weights(folder)
+    assert load_hf_weights(model, folder, m) == len(model.state_dict())
+    write_hf_weights(folder, extra={"model.layers.0.mlp.gate_proj.bias": [176]})
+    with pytest.raises(HFWeightsError, match="gate_proj.bias is not part of the llama model"):
+        load_hf_weights(model, folder, m)
