@@ -51,3 +51,19 @@ def refusal(where: str, saved: dict | None, m, fix: str, base_only: bool = False
         return None
     more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
     return f"{where}: saved from another model than the config describes: {', '.join(differ[:3])}{more}; {fix}"
+
+
+def saved_lora_rank(saved: dict | None) -> int:
+    """The LoRA rank a record says its checkpoint holds adapters of (0: none, or no record)."""
+    lora = saved.get("lora") if isinstance(saved, dict) else None
+    rank = lora.get("rank", 0) if isinstance(lora, dict) else 0
+    return rank if isinstance(rank, int) else 0
+
+
+def lora_left_behind(path, rank: int) -> str:
+    """A run without LoRA starting from a LoRA run's checkpoint: one line naming what would be lost, and the way."""
+    rank_text = f"rank {rank} " if rank > 0 else ""
+    return (f"checkpoint.resume={path}: it holds LoRA adapters ({rank_text}trained by its run) that a run without "
+            "LoRA would not load, starting from the base weights; export that run with the adapters folded in "
+            "(trainctl export RUN --merged --out DIR) and start from it with checkpoint.init_from=DIR, or keep "
+            "model.lora as that run had it")

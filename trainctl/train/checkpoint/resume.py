@@ -97,13 +97,13 @@ def check_model(path: Path, load_only: str, live: ModelConfig) -> None:
         return
     rank = saved_adapters(path, saved) if live.lora.rank == 0 else 0
     if rank:
-        raise WorkerConfigError(lora_left_behind(path, rank))
+        raise WorkerConfigError(model_record.lora_left_behind(path, rank))
 
 
 def saved_adapters(path: Path, saved: dict | None) -> int:
     """The LoRA rank the checkpoint was saved with (its record, else: -1 when its tensors hold adapters, 0 not)."""
     if isinstance(saved, dict):
-        return int((saved.get("lora") or {}).get("rank", 0))
+        return model_record.saved_lora_rank(saved)
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -111,14 +111,6 @@ def saved_adapters(path: Path, saved: dict | None) -> int:
     except Exception:  # noqa: BLE001 (unreadable metadata: manager.load reports it in its own words)
         return 0
     return -1 if any(is_adapter(_clean(k.removeprefix("model."))) for k in keys) else 0
-
-
-def lora_left_behind(path: Path, rank: int) -> str:
-    rank_text = f"rank {rank} " if rank > 0 else ""
-    return (f"checkpoint.resume={path}: it holds LoRA adapters ({rank_text}trained by its run) that a run without "
-            "LoRA would not load, starting from the base weights; export that run with the adapters folded in "
-            "(trainctl export RUN --merged --out DIR) and start from it with checkpoint.init_from=DIR, or keep "
-            "model.lora as that run had it")
 
 
 def restore(manager: CheckpointManager, path: Path, load_only: str, model, optimizer, world_size: int,
