@@ -16,6 +16,9 @@ import json
 from dataclasses import asdict
 
 KEY = "model"  # meta.json's key
+# The way out of a resume under another model (the run directory's config file named by the reader's caller).
+RESUME_FIX = ("resume with the config the run was saved with (restore {config}), or start a new run from its "
+              "weights with checkpoint.resume=RUN_DIR checkpoint.load_only=model")
 UNCHECKED = ("name", "path", "max_seq_len")
 LORA_KEYS = ("rank", "alpha", "targets")
 

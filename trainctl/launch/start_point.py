@@ -13,8 +13,7 @@ from pathlib import Path
 from trainctl.config.schema import RunConfig
 from trainctl.core import checkpoints, model_record, rundir
 
-OWN_FIX = ("resume with the config it was saved with (restore config.yaml), or launch a new run from its weights "
-           "with checkpoint.resume=RUN_DIR checkpoint.load_only=model")
+OWN_FIX = model_record.RESUME_FIX.format(config=rundir.CONFIG)
 
 
 def saved_record(ckpt: Path) -> dict | None:

@@ -162,7 +162,7 @@ def check_against_config(entries: dict, cfg: ModelConfig, ckpt: Path) -> list[st
     # The same shapes can compute otherwise (rope_theta, norm_eps, LoRA's alpha): the checkpoint's own record.
     saved = rundir.read_json(ckpt / checkpoints.META).get(model_record.KEY)
     line = model_record.refusal(str(ckpt), saved, cfg, "read it with the run that saved it, or restore this run's "
-                                "config.yaml as it was when the checkpoint was saved")
+                                f"{rundir.CONFIG} as it was when the checkpoint was saved")
     if line:
         raise ExportError(line)
     return list(expected)

@@ -89,9 +89,8 @@ def check_model(path: Path, load_only: str, live: ModelConfig) -> None:
     from a LoRA run's checkpoint: its trained adapters would be left behind, the run starting from the base."""
     saved = (rundir.read_json(path / META) or {}).get(model_record.KEY)
     if load_only == "all":
-        line = model_record.refusal(f"checkpoint {path}", saved, live, "resume with the config the run was saved "
-                                    "with (restore config.yaml), or start a new run from it with "
-                                    "checkpoint.resume=PATH checkpoint.load_only=model")
+        line = model_record.refusal(f"checkpoint {path}", saved, live,
+                                    model_record.RESUME_FIX.format(config=rundir.CONFIG))
         if line:
             raise WorkerConfigError(line)
         return
