@@ -193,3 +193,16 @@ def test_the_worker_refuses_a_tensor_the_model_has_no_place_for(tmp_path):
     write_hf_weights(folder, extra={"model.layers.0.mlp.gate_proj.bias": [176]})
     with pytest.raises(HFWeightsError, match="gate_proj.bias is not part of the llama model"):
         load_hf_weights(model, folder, m)
+
+
+@pytest.mark.parametrize("name", ["tied", "qwen3"])  # a tied head; a family with more tensors (q/k norms)
+def test_folders_transformers_saves_pass_the_header_checks(tmp_path, name):
+    # The checks above refuse what transformers never writes: every family's own folder (sharded: an index) passes.
+    transformers = pytest.importorskip("transformers")
+    from tests.dist.test_hf import SHAPES, save_random_model
+
+    model_type, shape = SHAPES[name]
+    folder = tmp_path / name
+    save_random_model(folder, transformers.AutoConfig.for_model(model_type, **shape), max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    resolve(compose([*PLAIN, f"model.path={folder}", f"checkpoint.init_from={folder}"]))
