@@ -358,3 +358,31 @@ def tool_argv(options_cls: type, args: list[str], result: Path | None = None) ->
         values[option.name] = True if kind is bool else kind(rest.pop(0))
     argv = [str(run_dir), json.dumps(values)]
     return [*argv, str(result)] if result is not None else argv
+
+
+def write_hf_weights(folder: Path, extra: dict[str, list[int]] | None = None, drop: tuple[str, ...] = (),
+                     head: bytes | None = None) -> Path:
+    """model.safetensors of zeros (F32) holding every tensor folder/config.json's model loads, by the family's spec.
+
+    `extra`: more tensors (name -> shape); `drop`: tensors left out; `head`: an lm_head.weight of these bytes (a
+    tied model's head shipped anyway). The plan reads headers (names, shapes, dtypes), not the values.
+    """
+    import struct
+
+    from trainctl.config.hf_config import model_fields
+    from trainctl.config.hf_tensors import EMBEDDING, HEAD, expected_tensors
+
+    shapes = {k: v for k, v in expected_tensors(ModelConfig(**model_fields(folder))).items() if k not in drop}
+    shapes.update(extra or {})
+    blobs = {name: bytes(4 * math.prod(shape)) for name, shape in shapes.items()}
+    if head is not None:
+        shapes[HEAD] = shapes[EMBEDDING]
+        blobs[HEAD] = head
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(blobs[name])]}
+        offset += len(blobs[name])
+    raw = json.dumps(header).encode()
+    path = folder / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs[n] for n in shapes))
+    return path

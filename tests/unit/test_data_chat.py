@@ -183,6 +183,13 @@ REFUSED = {
                          "no token of the answer within --max-doc-tokens"),
     "field": ([{"text": "x"}], ["--chat-template", "chatml"], "no field 'messages'"),
     "prefix": ([GOOD], ["--chat-template", "PREFIX"], "the prefix property does not hold"),
+    # what text input refuses: a tokenizer would write '?' for a lone surrogate, and the byte one drops NUL
+    "surrogate": ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\ud800"}]}],
+                  ["--chat-template", "chatml"], "message 1: content holds an unpaired"),
+    "nul": ([{"messages": [{"role": "user", "content": "a\u0000b"}, {"role": "assistant", "content": "c"}]}],
+            ["--chat-template", "chatml"], "message 0: content holds a NUL character"),
+    "nul-role": ([{"messages": [{"role": "user\u0000", "content": "a"}, {"role": "assistant", "content": "c"}]}],
+                 ["--chat-template", "chatml"], "message 0: role holds a NUL"),
 }
 
 
@@ -352,4 +359,13 @@ def test_text_files_are_refused_for_records(tmp_path):
     with pytest.raises(dataset.DatasetError, match=r"--format instruction: reads \.jsonl and \.parquet records, not "
                                                    r"\.txt files"):
         prepare([str(tmp_path / "a.txt")], tmp_path / "out", records=RecordOptions("instruction"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("completion", ["b\ud800", "b\u0000c"])
+def test_instruction_fields_holding_what_text_input_refuses_are_refused(tmp_path, monkeypatch, capsys, completion):
+    source = write_jsonl(tmp_path / "i.jsonl", [{"prompt": "a", "completion": completion}])
+    code, err = answer(monkeypatch, capsys, str(source), "--out", str(tmp_path / "out"), "--format", "instruction",
+                       "--workers", "1")
+    assert code == 2 and "i.jsonl: byte 0: field 'completion' holds" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

@@ -214,3 +214,10 @@ def test_a_file_changed_while_it_was_read_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_job, "tokenize_unit", tokenize_then_append)
     message = refused([str(folder)], tmp_path / "out", "changed while `data prepare` read it")
     assert message.startswith(str(folder / "0.txt") + ":")
+
+
+def test_a_nul_escape_in_a_text_field_is_refused(tmp_path):
+    # The byte tokenizer's end of document: it would vanish from the text (and a BPE tokenizer's text has none).
+    path = tmp_path / "n.jsonl"
+    path.write_text('{"text": "fine text here"}\n{"text": "a\\u0000b"}\n')
+    refused([str(path)], tmp_path / "out", "byte 27: field 'text' holds a NUL character")

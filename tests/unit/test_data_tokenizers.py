@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 import pytest
 
+from tests.helpers import write_hf_weights
 from trainctl.config.compose import compose
 from trainctl.config.data_check import model_tokenizer_problems
 from trainctl.config.errors import ConfigError
@@ -187,8 +187,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_
 
 def hf_model(folder, tokenizer=None):
     write_json(folder / "config.json", LLAMA)
-    # a valid safetensors header with no tensors: the plan reads headers (dtypes, sizes), not the weights
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    write_hf_weights(folder)
     if tokenizer is not None:
         (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
     return folder

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from tests.helpers import tool_argv
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import ModelConfig, RunConfig
+from trainctl.core import model_record
 from trainctl.core.checkpoints import MANIFEST, list_files, sha256
 from trainctl.core.tool_options import ExportOptions
 from trainctl.models import export as export_module
@@ -64,7 +65,7 @@ def make_run(root: Path, model_cfg: ModelConfig, steps: tuple[int, ...] = (5,)) 
         optimizer.zero_grad()
         ckpt = root / "checkpoints" / f"step-{step:08d}"
         dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
-        (ckpt / "meta.json").write_text(json.dumps({"step": step}))
+        (ckpt / "meta.json").write_text(json.dumps({"step": step, "model": model_record.record(model_cfg)}))
         write_manifest(ckpt, step)
         tensors[step] = {name: t.detach().clone() for name, t in model.state_dict().items()}
     return tensors
@@ -194,6 +195,22 @@ def test_checkpoint_of_another_model_shape_is_refused(run, capsys):
     (run_dir / "config.yaml").write_text(to_yaml(RunConfig(model=ModelConfig(n_layers=5, dim=128))))
     message = user_error([str(run_dir)], capsys)
     assert "does not match the run's model config" in message and "missing layers.4" in message
+
+
+def test_a_config_edited_after_training_or_another_runs_checkpoint_is_refused(run, tmp_path, capsys):
+    run_dir, _ = run
+    edited = (run_dir / "config.yaml").read_text().replace("rope_theta: 10000.0", "rope_theta: 500000.0")
+    assert "500000.0" in edited
+    (run_dir / "config.yaml").write_text(edited)
+    message = user_error([str(run_dir), "--out", str(tmp_path / "out")], capsys)
+    assert "saved from another model" in message and "model.rope_theta=500000.0 (saved: 10000.0)" in message
+    assert not (tmp_path / "out").exists()
+    # another run's checkpoint, of the same shapes, under this run's config: its norm_eps is not this model's
+    make_run(tmp_path / "other", replace(ModelConfig(), rope_theta=500000.0, norm_eps=1e-6))
+    other = tmp_path / "other" / "checkpoints" / STEP
+    message = user_error([str(run_dir), "--checkpoint", str(other), "--out", str(tmp_path / "out")], capsys)
+    assert "model.norm_eps=1e-05 (saved: 1e-06)" in message and "rope_theta" not in message
+    assert main([str(tmp_path / "other"), "--out", str(tmp_path / "out")]) == 0  # under its own config: fine
 
 
 def test_bad_config_yaml_is_a_user_error(run, capsys):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import struct
 
 import pytest
 import torch
 
+from tests.helpers import write_hf_weights
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.hf_config import model_fields
@@ -25,8 +25,7 @@ def hf_folder(root, config: dict, weights: bool = True):
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config))
     if weights:
-        # a valid safetensors header with no tensors: the plan reads headers (dtypes, sizes), not the weights
-        (root / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+        write_hf_weights(root)
     return root
 
 
@@ -76,7 +75,7 @@ def _init_from_problems(folder, *overrides) -> list[str]:
     ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0"),
 ])
 def test_configs_trainctl_cannot_reproduce_are_refused_in_one_line(tmp_path, change, words):
-    folder = hf_folder(tmp_path / "x", {**LLAMA, **change})
+    folder = hf_folder(tmp_path / "x", {**LLAMA, **change}, weights=False)  # model.path reads config.json only
     with pytest.raises(ConfigError) as err:
         resolve(compose(["model=hf", f"model.path={folder}"]))
     (line,) = err.value.problems
@@ -143,3 +142,67 @@ def test_only_q_and_k_are_reordered():
         hf_name, moved = to_hf(name, w, cfg)
         assert torch.equal(moved, w) == name.endswith("wv.weight")
         assert torch.equal(from_hf(hf_name, moved, cfg)[1], w)
+
+
+PLAIN = ["model=hf", "data=synthetic", "train.seq_len=64"]
+
+
+def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path):
+    folder = hf_folder(tmp_path / "llama", LLAMA)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (folder / "model.safetensors").rename(outside / "x.safetensors")
+    for name in ("../elsewhere/x.safetensors", str(outside / "x.safetensors"), "sub/../../elsewhere/x.safetensors"):
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": name}}))
+        (line,) = _init_from_problems(folder, *PLAIN, f"model.path={folder}")
+        assert "outside" in line and repr(name) in line, line
+
+
+def test_init_from_tensors_are_checked_against_the_family_before_launch(tmp_path):
+    folder = hf_folder(tmp_path / "llama", LLAMA, weights=False)
+    cases = {"no tensor model.norm.weight": {"drop": ("model.norm.weight",)},
+             "model.vision.weight is not part of the llama model": {"extra": {"model.vision.weight": [4, 4]}},
+             "model.layers.0.self_attn.q_proj.bias is not part": {"extra": {"model.layers.0.self_attn.q_proj.bias":
+                                                                          [64]}},
+             "lm_head.weight has shape [300, 32]": {"drop": ("lm_head.weight",), "extra": {"lm_head.weight":
+                                                                                          [300, 32]}}}
+    for words, change in cases.items():
+        write_hf_weights(folder, **change)
+        (line,) = _init_from_problems(folder, *PLAIN, f"model.path={folder}")
+        assert line.startswith(f"checkpoint.init_from={folder}") and words in line, line
+
+
+def test_a_tied_folder_shipping_another_head_is_refused_and_the_same_head_is_taken(tmp_path):
+    folder = hf_folder(tmp_path / "llama", {**LLAMA, "tie_word_embeddings": True}, weights=False)
+    embedding = bytes(4 * 300 * 64)
+    write_hf_weights(folder, head=embedding)  # what save_pretrained writes for a tied model: the same matrix
+    resolve(compose([*PLAIN, f"model.path={folder}", f"checkpoint.init_from={folder}"]))
+    write_hf_weights(folder, head=b"\x01" + embedding[1:])
+    (line,) = _init_from_problems(folder, *PLAIN, f"model.path={folder}")
+    assert "tie_word_embeddings true, but lm_head.weight differs" in line, line
+
+
+def test_the_worker_refuses_a_tensor_the_model_has_no_place_for(tmp_path):
+    from trainctl.models.hf import HFWeightsError, load_hf_weights
+
+    folder = hf_folder(tmp_path / "llama", LLAMA, weights=False)
+    m = ModelConfig(**model_fields(folder))
+    model = build_model(m, "cpu")
+    write_hf_weights(folder)
+    assert load_hf_weights(model, folder, m) == len(model.state_dict())
+    write_hf_weights(folder, extra={"model.layers.0.mlp.gate_proj.bias": [176]})
+    with pytest.raises(HFWeightsError, match="gate_proj.bias is not part of the llama model"):
+        load_hf_weights(model, folder, m)
+
+
+@pytest.mark.parametrize("name", ["tied", "qwen3"])  # a tied head; a family with more tensors (q/k norms)
+def test_folders_transformers_saves_pass_the_header_checks(tmp_path, name):
+    # The checks above refuse what transformers never writes: every family's own folder (sharded: an index) passes.
+    transformers = pytest.importorskip("transformers")
+    from tests.dist.test_hf import SHAPES, save_random_model
+
+    model_type, shape = SHAPES[name]
+    folder = tmp_path / name
+    save_random_model(folder, transformers.AutoConfig.for_model(model_type, **shape), max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    resolve(compose([*PLAIN, f"model.path={folder}", f"checkpoint.init_from={folder}"]))

@@ -295,3 +295,37 @@ def test_an_override_nested_too_deeply_for_the_parser_is_one_line():
         resumer.apply_overrides(compose(["recipe=tiny_cpu"]), [deep])
     assert exc.value.problems == ["an override nests too deeply to parse; a resume takes key=value overrides, "
                                   "e.g. train.steps=2000"]
+
+
+def _record(run_dir: Path, step: int, model) -> None:
+    """The model record a worker's checkpoint keeps in its meta.json (core/model_record.py)."""
+    from trainctl.core import model_record
+
+    meta = run_dir / "checkpoints" / f"step-{step:08d}" / "meta.json"
+    meta.write_text(json.dumps({"step": step, "model": model_record.record(model)}))
+
+
+def test_a_resume_under_a_config_edited_since_the_checkpoint_is_refused_naming_the_key(tmp_path):
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    _record(run_dir, 5, load_run_config(run_dir).model)
+    resumer.check(run_dir, [])
+    config = run_dir / layout.CONFIG
+    config.write_text(config.read_text().replace("rope_theta: 10000.0", "rope_theta: 500000.0"))
+    with pytest.raises(ConfigError) as err:
+        resumer.check(run_dir, [])
+    (line,) = problems(err)
+    assert "step-00000005" in line and "model.rope_theta=500000.0 (saved: 10000.0)" in line, line
+
+
+def test_a_launch_from_another_runs_checkpoint_checks_its_model_record(tmp_path):
+    from trainctl.config.validate import resolve
+    from trainctl.launch.start_point import source_problems
+
+    source = make_run(tmp_path / "a", "model.lora.rank=4", finished=False, step=5)
+    _record(source, 5, load_run_config(source).model)
+    base = [*SMALL, f"checkpoint.resume={source}"]
+    (line,) = source_problems(resolve(compose([*base, "checkpoint.load_only=model"])))
+    assert "LoRA adapters (rank 4" in line and "--merged" in line and "checkpoint.init_from" in line, line
+    assert source_problems(resolve(compose([*base, "checkpoint.load_only=model", "model.lora.rank=4"]))) == []
+    (line,) = source_problems(resolve(compose([*base, "model.lora.rank=4", "model.lora.alpha=8"])))
+    assert "model.lora={rank: 4, alpha: 8.0" in line, line  # load_only=all: a continuation of that very model

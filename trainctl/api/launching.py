@@ -98,12 +98,12 @@ def start_command(cfg: RunConfig, script: Path) -> str:
 def prepare_launch(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None, *, dry_run: bool = False,
                    force: bool = False, name: str = "", config: RunConfig | None = None) -> Prepared:
     """Check the run and write its directory; nothing starts. `config`: an already resolved config instead."""
-    from trainctl.launch import rundir
+    from trainctl.launch import rundir, start_point
     from trainctl.plan import build
 
     cfg = config if config is not None else resolved(overrides, config_dirs)
     run_plan = build(cfg)
-    if problems := launch_problems(cfg, run_plan, dry_run, force):
+    if problems := launch_problems(cfg, run_plan, dry_run, force) + start_point.source_problems(cfg):
         raise UserError(problems)
     run_dir = rundir.create(cfg, run_plan, runs_dir=Path(cfg.runs_dir), name=name or cfg.name or None,
                             overrides=override_list(overrides))

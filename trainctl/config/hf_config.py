@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainctl.core.rundir import open_regular, read_bytes
@@ -67,7 +68,9 @@ def weight_files(path: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise HFConfigError(f"{index}: not a safetensors index ({exc})") from None
-        files = [where / name for name in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise HFConfigError(f"{index}: not a safetensors index (weight_map is not a mapping of file names)")
+        files = [_inside(where, index, name) for name in sorted(set(weight_map.values()))]
     elif (where / SINGLE_FILE).is_file():
         files = [where / SINGLE_FILE]
     else:
@@ -79,14 +82,27 @@ def weight_files(path: str | Path) -> list[Path]:
     return files
 
 
+def _inside(where: Path, index: Path, name: str) -> Path:
+    """A weight_map's file, which must lie in the folder: `../x` or `/abs` would load weights from outside it (a
+    downloaded folder is data, never a pointer elsewhere). Judged by the name, not by resolving links: the Hugging
+    Face cache's snapshot folders hold symlinks into its blobs/."""
+    normal = os.path.normpath(name) if name else ""
+    if not normal or os.path.isabs(normal) or normal == "." or normal.split(os.sep)[0] == "..":
+        raise HFConfigError(f"{index}: its weight_map names {name!r}, outside {where}; every shard must be a file "
+                            "in the model folder itself")
+    return where / name
+
+
 # safetensors dtypes the worker can load into a float model; integer ones are quantized or not weights at all
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def check_weight_headers(files: list[Path]) -> None:
+def check_weight_headers(files: list[Path]) -> dict[str, Stored]:
     """Read each safetensors file's header (bounded; never a FIFO) and refuse, in one line, a header that is not
-    safetensors, tensors stored as integers, or offsets past the end of the file (a truncated download)."""
+    safetensors, tensors stored as integers, or offsets past the end of the file (a truncated download).
+    Returns every tensor's header entry by name, with where its bytes lie."""
+    stored: dict[str, Stored] = {}
     for file in files:
         f = open_regular(file)
         if f is None:
@@ -103,6 +119,38 @@ def check_weight_headers(files: list[Path]) -> None:
             except (ValueError, RecursionError):
                 raise HFConfigError(f"{file}: its safetensors header is not JSON; download or save it again") from None
         _check_entries(file, header, size - 8 - length)
+        stored.update({name: Stored(file, 8 + length, entry) for name, entry in header.items()
+                       if name != "__metadata__"})
+    return stored
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor's safetensors header entry (dtype, shape, data_offsets) and where its file's data begins."""
+
+    file: Path
+    data_start: int
+    entry: dict
+
+    @property
+    def shape(self):
+        return self.entry.get("shape")
+
+    def same_bytes(self, other: Stored, chunk: int = 16 << 20) -> bool:
+        """Whether both tensors hold the same bytes (read a chunk at a time: an embedding can be gigabytes)."""
+        sizes = [e.entry["data_offsets"][1] - e.entry["data_offsets"][0] for e in (self, other)]
+        if sizes[0] != sizes[1]:
+            return False
+        with open(self.file, "rb") as a, open(other.file, "rb") as b:
+            a.seek(self.data_start + self.entry["data_offsets"][0])
+            b.seek(other.data_start + other.entry["data_offsets"][0])
+            left = sizes[0]
+            while left > 0:
+                n = min(chunk, left)
+                if a.read(n) != b.read(n):
+                    return False
+                left -= n
+        return True
 
 
 def _check_entries(file: Path, header, data_bytes: int) -> None:
@@ -117,7 +165,11 @@ def _check_entries(file: Path, header, data_bytes: int) -> None:
         if dtype not in FLOAT_DTYPES:
             raise HFConfigError(f"{file}: tensor {name!r} is stored as {dtype!r}; trainctl trains float weights "
                                 "(F32, BF16, F16): use the unquantized checkpoint")
-        end = entry["data_offsets"][-1] if entry["data_offsets"] else None
-        if not isinstance(end, int) or end > data_bytes:
+        offsets = entry["data_offsets"]
+        end = offsets[-1] if offsets else None
+        if len(offsets) != 2 or not all(isinstance(o, int) for o in offsets) or not 0 <= offsets[0] <= end:
+            raise HFConfigError(f"{file}: tensor {name!r} has data offsets {offsets}, not [begin, end]; download or "
+                                "save it again")
+        if end > data_bytes:
             raise HFConfigError(f"{file}: tensor {name!r} ends at byte {end}, past the file's {data_bytes} data bytes "
                                 "(a truncated file?); download or save it again")

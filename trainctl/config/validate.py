@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 
-from trainctl.config import hf_config, schema
+from trainctl.config import hf_config, hf_tensors, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
@@ -83,7 +83,7 @@ def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[s
     key = f"checkpoint.init_from={c.init_from}"
     try:
         theirs = hf_config.model_fields(c.init_from)
-        hf_config.check_weight_headers(hf_config.weight_files(c.init_from))
+        stored = hf_config.check_weight_headers(hf_config.weight_files(c.init_from))
     except hf_config.HFConfigError as exc:
         return [f"{key}: {exc}"]
     ours = dataclasses.asdict(m)
@@ -92,6 +92,10 @@ def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[s
     if differ:
         return [f"{key}: its shape differs from the model's: {', '.join(differ[:4])}; "
                 f"use model=hf model.path={c.init_from} to take the shape from it"]
+    try:
+        hf_tensors.check_tensors(stored, m)
+    except hf_config.HFConfigError as exc:
+        return [f"{key}: {exc}"]
     return []
 
 

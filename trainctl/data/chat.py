@@ -24,7 +24,7 @@ import numpy as np
 
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, assistant_spans, load_template
 from trainctl.data.format import CONTENTS, DOC_START, LOSS, DatasetError
-from trainctl.data.inputs import JSON_LINES, Unit, _decoded, _parquet, json_kind, json_lines, unit_bytes
+from trainctl.data.inputs import JSON_LINES, Unit, _decoded, _parquet, json_kind, json_lines, not_text, unit_bytes
 from trainctl.data.split import is_val
 
 OVERLONG = ("refuse", "truncate")
@@ -127,7 +127,15 @@ def _string_field(record: dict, name: str, option: str) -> str:
                          f"{option}")
     if not isinstance(record[name], str):
         raise ValueError(f"field {name!r} is {json_kind(record[name])}, not a string")
+    _text(record[name], f"field {name!r}")
     return record[name]
+
+
+def _text(value: str, what: str) -> None:
+    """Text input's refusal (inputs.not_text): a '?' in place of a lone surrogate or a vanished NUL is other text."""
+    problem = not_text(value)
+    if problem:
+        raise ValueError(f"{what} holds {problem}, not text; fix the record")
 
 
 def _messages(record: dict, name: str) -> list[dict]:
@@ -146,6 +154,7 @@ def _messages(record: dict, name: str) -> list[dict]:
             if not isinstance(message.get(key), str):
                 what = "missing" if message.get(key) is None else json_kind(message[key])
                 raise ValueError(f"message {i}: {key} is {what}, not a string")
+            _text(message[key], f"message {i}: {key}")
     return messages
 
 

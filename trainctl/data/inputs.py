@@ -241,18 +241,25 @@ def _json_text(line: bytes, field: str, path: Path, offset: int) -> str | None:
     if value is not None and not isinstance(value, str):
         raise DatasetError(f"{path}: byte {offset}: field {field!r} is {json_kind(value)}, not a string; "
                            "name a text field with --text-field")
-    if value and "\\u" in text and _has_lone_surrogate(value):
-        raise DatasetError(f"{path}: byte {offset}: field {field!r} holds an unpaired \\uD800-\\uDFFF escape, "
-                           "not text; fix the record")
+    problem = not_text(value) if value and "\\u" in text else None
+    if problem:
+        raise DatasetError(f"{path}: byte {offset}: field {field!r} holds {problem}, not text; fix the record")
     return value
 
 
-def _has_lone_surrogate(text: str) -> bool:
+def not_text(value: str) -> str | None:
+    """What in a decoded JSON string is not text, or None: a JSON escape can spell what UTF-8 bytes cannot.
+
+    An unpaired surrogate has no UTF-8 form (a tokenizer would write '?' for it), and NUL is the byte
+    tokenizer's end of document (it would vanish from the text): both would train on other text than the file's.
+    """
+    if "\0" in value:
+        return "a NUL character (\\u0000)"
     try:
-        text.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError:
-        return True
-    return False
+        return "an unpaired \\uD800-\\uDFFF escape"
+    return None
 
 
 def _parquet_texts(unit: Unit, field: str) -> Iterator[str]:

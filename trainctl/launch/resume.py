@@ -32,7 +32,7 @@ from trainctl.config.schema import GROUPS, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import checkpoints
 from trainctl.core import rundir as layout
-from trainctl.launch import reshard
+from trainctl.launch import reshard, start_point
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.schedule import continuation
 
@@ -191,6 +191,8 @@ def check(run_dir: Path, overrides: list[str]) -> Resumption:
     if step is not None and steps < step:
         raise ConfigError([f"train.steps={steps}: the run's newest checkpoint is at step {step}; "
                            f"use train.steps >= {step}"])
+    if problems := start_point.own_problems(run_dir, resolved):
+        raise ConfigError(problems)
     # config.yaml holds the resolved config, with the run's own model source (the check above set it aside).
     written = dataclasses.replace(resolved, model=old.model, checkpoint=dataclasses.replace(
         resolved.checkpoint, init_from=old.checkpoint.init_from))

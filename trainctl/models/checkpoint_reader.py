@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from trainctl.config.load import load_run_config
 from trainctl.config.schema import ModelConfig
-from trainctl.core import checkpoints, rundir
+from trainctl.core import checkpoints, model_record, rundir
 from trainctl.core.errors import UserError
 from trainctl.models.build import build_model
 
@@ -159,6 +159,12 @@ def check_against_config(entries: dict, cfg: ModelConfig, ckpt: Path) -> list[st
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ExportError(f"{ckpt}: the checkpoint does not match the run's model config: "
                           f"{'; '.join(problems[:3])}{more}")
+    # The same shapes can compute otherwise (rope_theta, norm_eps, LoRA's alpha): the checkpoint's own record.
+    saved = rundir.read_json(ckpt / checkpoints.META).get(model_record.KEY)
+    line = model_record.refusal(str(ckpt), saved, cfg, "read it with the run that saved it, or restore this run's "
+                                f"{rundir.CONFIG} as it was when the checkpoint was saved")
+    if line:
+        raise ExportError(line)
     return list(expected)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from trainctl.config.hf_config import weight_files
+from trainctl.config.hf_tensors import BUFFER_SUFFIXES, HEAD, expected_tensors
 from trainctl.config.schema import ModelConfig
 from trainctl.core.lora import is_adapter
 from trainctl.models import registry
@@ -121,9 +122,13 @@ def load_hf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int
     # LoRA's adapters are not in a Hugging Face folder: they keep their init (B = 0, so the model starts as loaded).
     params = {name: p for name, p in local_parameters(model).items() if not is_adapter(name)}
     done: set[str] = set()
+    known = {*expected_tensors(cfg), HEAD}  # the whole model's (a pipeline rank holds a part); a tied head: plan's
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key not in known and not key.endswith(BUFFER_SUFFIXES):
+                    raise HFWeightsError(f"checkpoint.init_from={path}: tensor {key} is not part of the {cfg.family} "
+                                         "model, so it would not be loaded; use a folder of that architecture")
                 targets = _targets(from_hf_name(key, cfg), cfg)
                 targets = [t for t in targets if t in params and t not in done]
                 if not targets:

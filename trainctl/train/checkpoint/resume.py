@@ -13,10 +13,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainctl.config.schema import CheckpointConfig
+from trainctl.config.schema import CheckpointConfig, ModelConfig
+from trainctl.core import model_record, rundir
 from trainctl.core.lora import is_adapter
 from trainctl.train.checkpoint import state
 from trainctl.train.checkpoint.store import META, CheckpointError, CheckpointManager, checkpoint_dir
+from trainctl.train.errors import WorkerConfigError
 
 log = logging.getLogger("trainctl.train")
 
@@ -82,8 +84,39 @@ def _clean(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in wrappers)
 
 
-def restore(manager: CheckpointManager, path: Path, load_only: str, model, optimizer, world_size: int) -> StartPoint:
+def check_model(path: Path, load_only: str, live: ModelConfig) -> None:
+    """Refuse a checkpoint of another model than the config's (core/model_record.py), and a start without LoRA
+    from a LoRA run's checkpoint: its trained adapters would be left behind, the run starting from the base."""
+    saved = (rundir.read_json(path / META) or {}).get(model_record.KEY)
+    if load_only == "all":
+        line = model_record.refusal(f"checkpoint {path}", saved, live,
+                                    model_record.RESUME_FIX.format(config=rundir.CONFIG))
+        if line:
+            raise WorkerConfigError(line)
+        return
+    rank = saved_adapters(path, saved) if live.lora.rank == 0 else 0
+    if rank:
+        raise WorkerConfigError(model_record.lora_left_behind(path, rank))
+
+
+def saved_adapters(path: Path, saved: dict | None) -> int:
+    """The LoRA rank the checkpoint was saved with (its record, else: -1 when its tensors hold adapters, 0 not)."""
+    if isinstance(saved, dict):
+        return model_record.saved_lora_rank(saved)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 (unreadable metadata: manager.load reports it in its own words)
+        return 0
+    return -1 if any(is_adapter(_clean(k.removeprefix("model."))) for k in keys) else 0
+
+
+def restore(manager: CheckpointManager, path: Path, load_only: str, model, optimizer, world_size: int,
+            live: ModelConfig | None = None) -> StartPoint:
     """Load `path` into the live model/optimizer (resharding as needed); returns where to continue."""
+    if live is not None:
+        check_model(path, load_only, live)
     parts = _PARTS[load_only]
     skip = fresh_adapters(path, model) if load_only == "model" else frozenset()
     # Stateful parts in the current layout: DCP loads them (from any layout) into the live model and optimizer.

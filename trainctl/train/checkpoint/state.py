@@ -7,9 +7,9 @@ DCP part (resharded on load, so a checkpoint loads into another world size or la
   optim   get_optimizer_state_dict, keyed by the same names (AdamW moments and step counts).
 Per rank (rank_state): RNG states of python, numpy, torch CPU and CUDA; zero1's optimizer shard
   (ZeroRedundancyOptimizer partitions whole tensors by rank, so its shards do not reshard).
-meta.json (`CheckpointMeta`): step, samples and tokens seen, the layout it was saved with, the W&B run id,
-  the loss-scaler and guard state, the first eval loss, the last step's loss and gradient norm. The LR
-  schedule is a function of the step.
+meta.json (`CheckpointMeta`): step, samples and tokens seen, the layout it was saved with, what model it holds
+  (core/model_record.py: checked by resume, export, generate and eval), the W&B run id, the loss-scaler and guard
+  state, the first eval loss, the last step's loss and gradient norm. The LR schedule is a function of the step.
 Every part is a torch.distributed.checkpoint Stateful (state_dict / load_state_dict): DCP calls the model's
 and the optimizer's itself, on save and on load; meta.json is CheckpointMeta's state_dict.
 """

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainctl.config.schema import RunConfig
-from trainctl.core import rundir
+from trainctl.core import model_record, rundir
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.lora import adapter_count
@@ -294,7 +294,8 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
            f"global batch {train.global_batch} = {train.micro_batch} micro x {train.grad_accum} accum x dp",
            world.is_main)
     guard, progress = StepGuard(cfg.guards), TrainProgress(seq_len=train.seq_len, wandb_id=metrics.wandb_id)
-    layout = {"global_batch": train.global_batch, "sharding": asdict(sharding)}
+    layout = {"global_batch": train.global_batch, "sharding": asdict(sharding),
+              model_record.KEY: model_record.record(cfg.model)}  # what model the checkpoint holds
     meta = CheckpointMeta(progress, scaler, guard, layout)
     checkpoints = CheckpointManager(checkpoint_dir(run_dir), cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                     device=world.device.type, before_commit=hooks.before_commit)
@@ -323,7 +324,8 @@ def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: Checkpoint
         if cfg.checkpoint.init_from:
             init_from_hf(cfg, model, world)
         return StartPoint()
-    return restore(checkpoints, path, load_only, model, optimizer, world.world_size)  # said by metrics.resumed
+    # said by metrics.resumed
+    return restore(checkpoints, path, load_only, model, optimizer, world.world_size, cfg.model)
 
 
 def init_from_hf(cfg: RunConfig, model: nn.Module, world: distributed.World) -> None:
