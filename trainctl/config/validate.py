@@ -16,6 +16,7 @@ from trainctl.config import hf_config, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
+from trainctl.config.resume_source import check_resume_optimizer
 from trainctl.config.schema import MAX_SEED  # noqa: F401 (tests import it from here)
 from trainctl.core import lora, optimizers
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
@@ -35,7 +36,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
     problems = declared_problems(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
-    problems += check_names(cfg) + check_offload(cfg.sharding)
+    problems += check_names(cfg) + check_offload(cfg.sharding) + check_resume_optimizer(cfg.checkpoint, cfg.optim)
     problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim) + check_optim_model(cfg.optim, cfg.model)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
