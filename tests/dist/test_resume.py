@@ -49,9 +49,21 @@ def losses(run_dir: Path) -> dict[int, float]:
 def final_weights(run_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
     (step, path), = list_committed(run_dir / "checkpoints")[-1:]
     out = tmp / f"{run_dir.name}-{step}.pt"
-    dcp_to_torch_save(path, out)
+    with torch.serialization.safe_globals(_low_bit_states()):  # DCP reads the optimizer's part too
+        dcp_to_torch_save(path, out)
     state = torch.load(out, weights_only=False)
     return {k: v for k, v in state["model"].items()}
+
+
+def _low_bit_states() -> list[type]:
+    """torchao's quantized optimizer state classes (optim.name=adamw8bit ...), which weights-only loading refuses."""
+    try:
+        from torchao.optim.subclass_4bit import OptimState4bit
+        from torchao.optim.subclass_8bit import OptimState8bit
+        from torchao.optim.subclass_fp8 import OptimStateFp8
+    except ImportError:
+        return []
+    return [OptimState8bit, OptimState4bit, OptimStateFp8]
 
 
 def config(cache, name: str, sharding: ShardingConfig, micro_batch: int, **ckpt):
