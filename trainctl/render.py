@@ -164,14 +164,17 @@ def compare_table(axis: str, rows: list[dict]) -> Table:
     title = f"compare {axis}: your model and cluster, the busiest rank, memory in GiB"
     table = Table(title=title, title_justify="left", title_style="bold", box=None, padding=(0, 1))
     table.add_column("variant", overflow="fold")
-    for column in ("activ.", "peak", "needed", "headroom", "verdict", "step s", "vs now"):
+    # Along optim the optimizer's own states are what changes: their column comes first.
+    keys = (("optimizer_bytes",) if axis == "optim" else ()) + ("activations_bytes", "peak_bytes", "need_bytes")
+    for column in (("optim.",) if axis == "optim" else ()) + ("activ.", "peak", "needed", "headroom", "verdict",
+                                                               "step s", "vs now"):
         table.add_column(column, justify="right", no_wrap=True, min_width=12 if column == "verdict" else None)
     for r in rows:
         step = "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3g}"
         change = "-" if r["slowdown"] is None else f"{r['slowdown']:+.0%}"
         headroom = "-" if r["headroom_bytes"] is None else f"{r['headroom_bytes'] / GIB:.1f}"
         style = VERDICT_STYLE[r["verdict"]]
-        sizes = (f"{r[key] / GIB:.1f}" for key in ("activations_bytes", "peak_bytes", "need_bytes"))
+        sizes = (f"{r[key] / GIB:.1f}" for key in keys)
         table.add_row(r["variant"], *sizes, headroom, f"[{style}]{r['verdict']}[/]", step, change)
     return table
 

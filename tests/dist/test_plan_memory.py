@@ -69,6 +69,11 @@ RUNS = {
     # Adafactor's factored states (rows + cols per matrix) in ZeroRedundancyOptimizer's partition.
     "adafactor_zero1": (2, ShardingConfig(strategy="zero1", dp_replicate=2), PrecisionConfig(),
                         {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="adafactor", weight_decay=0.0)}),
+    # Lion's one moment on FSDP2's DTensor shards; Muon's momentum on the hidden matrices and AdamW's on the rest.
+    "lion_fsdp": (2, ShardingConfig(strategy="fsdp", dp_shard=2), PrecisionConfig(),
+                  {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="lion", lr=1e-4, beta2=0.99)}),
+    "muon_ddp": (2, ShardingConfig(strategy="ddp", dp_replicate=2), PrecisionConfig(),
+                 {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95, nesterov=True)}),
 }
 
 
@@ -107,7 +112,7 @@ def planned_states(cfg, rank: int, world: int) -> dict:
     per_stage = world // dims.pp
     within = rank % per_stage  # the rank inside its stage: (dp_replicate, dp_shard, cp, tp) row-major
     dp_rank = within // (dims.cp * dims.tp)
-    return rank_states.model_states(cfg.model, cfg.sharding, dims, stages[rank // per_stage], dp_rank, cfg.optim.name)
+    return rank_states.model_states(cfg.model, cfg.sharding, dims, stages[rank // per_stage], dp_rank, cfg.optim)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -26,11 +26,12 @@ from trainctl.config.schema import (
 from trainctl.config.validate import resolve
 from trainctl.core import optimizers, schedules
 from trainctl.core.dims import ParallelDims
+from trainctl.core.tensors import Tensor
 from trainctl.models.build import build_model
 from trainctl.plan import memory, rank_states
 from trainctl.plan.runplan import build as build_plan
 from trainctl.plan.stages import rank_stages
-from trainctl.train.observe.memory_stats import model_state_bytes
+from trainctl.train.observe.memory_stats import model_state_bytes, tensor_bytes
 from trainctl.train.optim import OPTIMIZER_BUILDERS, build_optimizer
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
@@ -54,16 +55,48 @@ def planned_optimizer_bytes(model_cfg: ModelConfig, name: str) -> int:
 
 
 def test_the_registry_names_are_the_choices_and_every_one_has_a_builder():
-    assert OPTIMIZERS == optimizers.names() == tuple(OPTIMIZER_BUILDERS) == ("adamw", "adafactor")
+    assert OPTIMIZERS == optimizers.names() == tuple(OPTIMIZER_BUILDERS) == (
+        "adamw", "adafactor", "sgd", "lion", "adamw8bit", "adamw4bit", "adamwfp8", "muon")
 
 
-@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+# The low-bit AdamWs compile their step (torchao, Inductor): their bytes are checked in test_optimizer_parity's
+# slow test instead, and their formula below against torchao's own buffers.
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "sgd", "lion", "muon"])
 @pytest.mark.parametrize("lora", [0, 4])
 def test_plan_optimizer_bytes_equal_the_live_state_of_a_real_step(name, lora):
     model_cfg = dataclasses.replace(SMALL, lora=LoRAConfig(rank=lora, targets=["q", "v", "down"]))
     model, opt = stepped(model_cfg, name)
     measured = model_state_bytes(model, opt)["optimizer_bytes"]
-    assert measured == planned_optimizer_bytes(model_cfg, name)
+    assert measured == planned_optimizer_bytes(model_cfg, name) > 0
+
+
+def test_sgd_without_momentum_keeps_no_state_and_the_plan_counts_none():
+    torch.manual_seed(0)
+    model = build_model(SMALL, "cpu")
+    plain = OptimConfig(name="sgd", lr=1e-2, momentum=0.0)
+    opt = build_optimizer(model, plain, "cpu")
+    model(torch.randint(0, SMALL.vocab_size, (2, 16))).float().square().mean().backward()
+    opt.step()
+    sharding = ShardingConfig()
+    (stage,) = rank_stages(SMALL, sharding, 1)
+    assert model_state_bytes(model, opt)["optimizer_bytes"] == 0
+    assert rank_states.model_states(SMALL, sharding, ParallelDims(), stage, 0, optim=plain)["optimizer_bytes"] == 0
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit", "adamwfp8"])
+def test_low_bit_state_formula_is_torchaos_buffers(name):
+    """torchao's zero-filled states (no compiled step needed) have the bytes core/optimizers.py counts."""
+    torchao_optim = pytest.importorskip("torchao.optim")
+    cls = {"adamw8bit": torchao_optim.AdamW8bit, "adamw4bit": torchao_optim.AdamW4bit,
+           "adamwfp8": torchao_optim.AdamWFp8}[name]
+    low = optimizers.LOW_BIT[name]
+    for rows, cols in [(64, 64), (32, 64), (4096, 1), (96, 64)]:
+        p = torch.nn.Parameter(torch.zeros(rows, cols))
+        opt = cls([p])
+        assert opt.block_size == low.block
+        state = [opt._new_buffer(p, signed=True), opt._new_buffer(p, signed=False)]
+        measured = sum(tensor_bytes(t) for t in state) + optimizers.STEP_BYTES
+        assert measured == optimizers.spec(name).state_bytes(Tensor("layers.0.w", rows, cols), None)
 
 
 def test_optim_name_dispatches_to_the_optimizer_it_names():
@@ -162,3 +195,47 @@ def test_the_plan_names_a_non_default_optimizers_state_in_a_note():
     assert any(n.startswith("optimizer ") and "(adafactor): Adafactor factored" in n for n in adafactor.notes)
     adamw = build_plan(resolve(run(plain, 2, OptimConfig())))
     assert not any(n.startswith("optimizer ") and "(adamw)" in n for n in adamw.notes)
+
+
+@pytest.mark.parametrize(("key", "value"), [("lr", 0.0), ("lr", -1e-3), ("lr", float("nan")), ("beta1", 0.0),
+                                            ("beta1", 1.0), ("beta2", 1.5), ("beta2", -0.1)])
+def test_a_learning_rate_or_beta_out_of_range_is_one_line(key, value):
+    with pytest.raises(ConfigError) as err:
+        resolve(run(ShardingConfig(), 1, dataclasses.replace(OptimConfig(name="lion"), **{key: value})))
+    (line,) = err.value.problems
+    assert line.startswith(f"optim.{key}=")
+
+
+@pytest.mark.parametrize(("name", "layout", "words"), [
+    ("adamw8bit", ShardingConfig(strategy="zero1", dp_replicate=2), ("zero1", "sharding=ddp")),
+    ("adamw4bit", ShardingConfig(strategy="zero3", dp_shard=2), ("DTensor", "ddp")),
+    ("muon", ShardingConfig(strategy="zero1", dp_replicate=2), ("zero1", "sharding=ddp")),
+    ("muon", ShardingConfig(strategy="zero3", dp_shard=2), ("whole matrix", "ddp")),
+    ("muon", ShardingConfig(strategy="none", tp=2), ("sharding.tp=2", "ddp")),
+])
+def test_an_optimizer_a_layout_cannot_hold_is_refused_naming_what_works(name, layout, words):
+    with pytest.raises(ConfigError) as err:
+        resolve(run(layout, 2, OptimConfig(name=name)))
+    (line,) = err.value.problems
+    assert line.startswith(f"optim.name={name}:") and all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("name", ["sgd", "lion"])
+@pytest.mark.parametrize("layout", list(DTENSOR_LAYOUTS) + ["zero1"])
+def test_elementwise_optimizers_run_on_every_layout(name, layout):
+    sharding = DTENSOR_LAYOUTS.get(layout) or PLAIN_LAYOUTS[layout]
+    cfg = dataclasses.replace(run(sharding, 2, OptimConfig(name=name)), train=TrainConfig(grad_accum=2))  # pp's
+    assert resolve(cfg).optim.name == name
+
+
+def test_muon_with_every_matrix_excluded_and_low_bit_with_nothing_to_quantize_are_refused():
+    rank1 = dataclasses.replace(ModelConfig(), lora=LoRAConfig(rank=1))
+    with pytest.raises(ConfigError) as err:
+        resolve(dataclasses.replace(run(ShardingConfig(), 1, OptimConfig(name="muon")), model=rank1))
+    (line,) = err.value.problems
+    assert line.startswith("optim.name=muon: no trainable hidden matrix")
+    assert resolve(dataclasses.replace(run(ShardingConfig(), 1, OptimConfig(name="muon")),
+                                       model=dataclasses.replace(rank1, lora=LoRAConfig(rank=2)))).optim.name == "muon"
+    ends = [Tensor("tok_embeddings.weight", 256, 64), Tensor("output.weight", 256, 64), Tensor("norm.weight", 64, 1)]
+    assert optimizers.model_problems("muon", ends) and not optimizers.model_problems("adamw", ends)
+    assert optimizers.model_problems("adamw8bit", ends[2:]) and not optimizers.model_problems("adamw8bit", ends)

@@ -16,6 +16,7 @@ ROWS_KEYS = {
     "variant",
     "overrides",
     "states_bytes",
+    "optimizer_bytes",
     "activations_bytes",
     "peak_bytes",
     "need_bytes",
@@ -60,11 +61,26 @@ def test_compare_micro_batch_keeps_the_global_batch(tmp_path):
     assert peaks == sorted(peaks)  # larger micro-batches, more memory
 
 
+def test_compare_optim_shows_each_optimizers_state_side_by_side(tmp_path):
+    data = json.loads(trainctl("plan", "recipe=tiny_cpu", "--compare", "optim", "--json", cwd=tmp_path).stdout)
+    rows = {r["variant"]: r["optimizer_bytes"] for r in data["rows"]}
+    assert set(rows) == {"(as configured)", "adafactor", "sgd", "lion", "adamw8bit", "adamw4bit", "adamwfp8",
+                         "muon"}  # tiny_cpu runs ddp: whole tensors, every optimizer can run
+    assert data["rows"][-1]["overrides"] == ["optim=muon"]
+    adamw = rows["(as configured)"]
+    # AdamW's two fp32 moments (+ a step each tensor); one for SGD's momentum and Lion; quantized moments far less.
+    assert rows["sgd"] == rows["lion"] < adamw < 2 * rows["lion"] + 4096
+    assert rows["adamw4bit"] < rows["adamw8bit"] < adamw / 3
+    assert rows["lion"] < rows["muon"] < adamw
+    table = trainctl("plan", "recipe=tiny_cpu", "--compare", "optim", cwd=tmp_path).stdout
+    assert "muon" in table and "optim." in table
+
+
 def test_compare_unknown_axis_is_one_line_and_exit_2(tmp_path):
     proc = trainctl("plan", "recipe=tiny_cpu", "--compare", "colour", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --compare colour: not an axis; use one of: sharding, checkpointing, tp, micro_batch"
+        "error: --compare colour: not an axis; use one of: sharding, checkpointing, tp, micro_batch, optim"
     ]
 
 

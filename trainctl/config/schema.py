@@ -151,12 +151,17 @@ class OptimConfig:
 
     name: str = choice("adamw", optimizers.names)
     lr: float = positive(3e-4)
-    beta1: float = within(0.9, 0, 0.999999)  # adamw only
-    beta2: float = within(0.95, 0, 0.999999)  # adamw only
-    eps: float = positive(1e-8)  # adamw only
+    beta1: float = within(0.9, 0, 0.999999, open_low=True)  # adamw, lion, adamw8bit/4bit/fp8, muon (its AdamW part)
+    beta2: float = within(0.95, 0, 0.999999, open_low=True)  # as beta1; lion's moment decay
+    eps: float = positive(1e-8)  # the Adam family and muon's AdamW part
     weight_decay: float = at_least(0.1, 0)
     grad_clip: float = at_least(1.0, 0, "0 disables clipping")  # global-norm clipping; 0 disables
     beta2_decay: float = at_most(-0.8, 0)  # adafactor only: its second-moment decay 1 - step^beta2_decay (<= 0)
+    momentum: float = within(0.9, 0, 0.999999)  # sgd (0: plain SGD, no state) and muon
+    nesterov: bool = False  # sgd and muon: Nesterov momentum
+    # muon only: torch.optim.Muon's lr scaling per matrix (A x B): original lr x sqrt(max(1, A/B)), or
+    # match_rms_adamw lr x 0.2 x sqrt(max(A, B)) so that one optim.lr suits the Muon and the AdamW parameters
+    muon_adjust_lr: str = choice("match_rms_adamw", ("original", "match_rms_adamw"))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from trainctl.config import hf_config, hf_tensors, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
+from trainctl.config.resume_source import check_resume_optimizer
 from trainctl.config.schema import MAX_SEED  # noqa: F401 (tests import it from here)
 from trainctl.core import lora, optimizers
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
@@ -35,8 +36,8 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
     problems = declared_problems(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
-    problems += check_names(cfg) + check_offload(cfg.sharding)
-    problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim)
+    problems += check_names(cfg) + check_offload(cfg.sharding) + check_resume_optimizer(cfg.checkpoint, cfg.optim)
+    problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim) + check_optim_model(cfg.optim, cfg.model)
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
@@ -154,6 +155,18 @@ def check_optim_keys(o: schema.OptimConfig) -> list[str]:
                and getattr(o, f.name) != getattr(default, f.name)]
     return [f"optim.{key}={getattr(o, key)}: optim.name={o.name} does not use it (it reads "
             f"{', '.join(reads)}); drop it, or choose an optimizer that does" for key in ignored]
+
+
+def check_optim_model(o: schema.OptimConfig, m: schema.ModelConfig) -> list[str]:
+    """Muon with no hidden matrix to orthogonalize, a low-bit AdamW with no tensor large enough to quantize."""
+    if o.name not in optimizers.names() or declared_problems(m, "model") or m.n_layers > MAX_LAYERS or \
+            lora.problems(m.lora):
+        return []  # declared_problems, check_model and lora.problems name those
+    family = registry.spec(m.family)
+    blocks = [family.block_tensors(m, i) for i in range(m.n_layers)]
+    tensors = [family.embedding_tensor(m), *(t for b in blocks for t in b), *family.head_tensors(m, True)]
+    adapters = [t for b in blocks for t in lora.adapter_tensors(b, m.lora)]
+    return optimizers.model_problems(o.name, adapters if lora.enabled(m.lora) else tensors)
 
 
 MIN_HANG_TIMEOUT_S = 1.0

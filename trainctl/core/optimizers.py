@@ -6,22 +6,34 @@ tensors the worker's optimizer holds (tests/dist/test_plan_memory.py compares th
 The worker's builder for each name is in trainctl/train/optim.py (OPTIMIZER_BUILDERS); the names here
 are the field's choices (config/schema.py), one source.
 
-State is fp32 (master weights are fp32 whatever the compute dtype):
+State is fp32 (master weights are fp32 whatever the compute dtype) unless quantized:
     adamw      exp_avg + exp_avg_sq: 2 x 4 bytes per element, + a float32 step scalar per tensor
     adafactor  a matrix keeps its row and column second-moment factors (rows + cols elements, not rows x cols),
                a vector its full second moment; no first moment; + a float32 step scalar per tensor
+    sgd        torch.optim.SGD: a momentum buffer (4 bytes per element) when optim.momentum > 0, else nothing
+    lion       one moment (4 bytes per element), no step counter (trainctl/train/lion.py)
+    adamw8bit  torchao's AdamW8bit (and adamw4bit, adamwfp8): each moment of a tensor with >= 4096 elements in
+               whole blocks is codes (1 byte, 1/2 byte, 1 byte fp8 per element) + one fp32 scale per block
+               (+ a 256- or 16-entry fp32 code map for 8/4-bit); a smaller tensor keeps AdamW's fp32 moments
+    muon       torch.optim.Muon's momentum buffer (4 bytes per element) for the hidden matrices; AdamW's states for
+               the embedding, the output, norms and biases (trainctl/train/muon.py)
+
+`optim` below is the name or the optim config itself (anything with `.name`; sgd reads its `.momentum`): the plan
+passes the config, so a knob that decides what exists (SGD without momentum keeps nothing) is counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from trainctl.core.tensors import Tensor
 from trainctl.core.wrapping import Wrapping
 
 FP32 = 4
-STEP_BYTES = 4  # the per-tensor step counter both optimizers keep (a float32 scalar tensor)
+STEP_BYTES = 4  # the per-tensor step counter the Adam family keeps (a float32 scalar tensor)
+BF16 = 2
 
 
 @dataclass(frozen=True)
@@ -29,12 +41,14 @@ class OptimizerSpec:
     name: str
     summary: str  # what its state is, for the plan's notes
     reads: tuple[str, ...]  # the optim keys it uses besides name and grad_clip (the loop's)
-    state_bytes: Callable[[Tensor], int]  # bytes of its state for one (local) parameter tensor
+    state_bytes: Callable[[Tensor, Any], int]  # bytes of its state for one (local) parameter tensor, given `optim`
     step_temp_bytes: Callable[[Sequence[Tensor], bool], int]  # temporaries of one step (tensors, fused on CUDA)
     on_dtensor: bool  # whether it steps DTensor parameters (FSDP2 shards, tensor parallelism)
+    zero1: bool = True  # whether ZeroRedundancyOptimizer can hold its state (sharding=zero1)
+    why_not: str = ""  # why it refuses the layouts it cannot run on (the one-line refusal says it)
 
 
-def _adamw_state(t: Tensor) -> int:
+def _adamw_state(t: Tensor, optim: Any = None) -> int:
     return 2 * FP32 * t.numel + STEP_BYTES if t.numel else 0  # an empty FSDP2 shard gets no state
 
 
@@ -43,7 +57,7 @@ def _adamw_temp(tensors: Sequence[Tensor], fused: bool) -> int:
     return 0 if fused else FP32 * sum(t.numel for t in tensors)
 
 
-def _adafactor_state(t: Tensor) -> int:
+def _adafactor_state(t: Tensor, optim: Any = None) -> int:
     if not t.numel:
         return 0
     factors = t.rows + t.cols if t.cols > 1 else t.numel  # torch.optim.Adafactor: row_var, col_var / variance
@@ -57,14 +71,100 @@ def _adafactor_temp(tensors: Sequence[Tensor], fused: bool) -> int:
     return 2 * FP32 * (sum(sizes) if fused else max(sizes))
 
 
+def _sgd_state(t: Tensor, optim: Any = None) -> int:
+    """torch.optim.SGD keeps a momentum buffer only with momentum (the name alone means the YAML's, 0.9)."""
+    return FP32 * t.numel if getattr(optim, "momentum", 0.9) > 0 else 0
+
+
+def _lion_state(t: Tensor, optim: Any = None) -> int:
+    return FP32 * t.numel
+
+
+def _per_tensor_temp(tensors: Sequence[Tensor], fused: bool) -> int:
+    """A for-loop step (Lion, torchao's AdamW): one fp32 temporary of the largest tensor at a time."""
+    return FP32 * max([t.numel for t in tensors] or [0])
+
+
+@dataclass(frozen=True)
+class LowBit:
+    """How torchao stores one moment of a tensor it quantizes (torchao/optim/subclass_*.py)."""
+
+    codes_per_element: float  # bytes
+    block: int  # elements per fp32 scale; a tensor is quantized only when its elements fill whole blocks
+    qmap: int  # entries of its fp32 code map (0: fp8 has none)
+
+    def quantizes(self, numel: int) -> bool:
+        return numel >= QUANTIZE_MIN and numel % self.block == 0
+
+    def moment_bytes(self, numel: int) -> int:
+        if not self.quantizes(numel):
+            return FP32 * numel
+        return int(self.codes_per_element * numel) + FP32 * (numel // self.block) + FP32 * self.qmap
+
+
+QUANTIZE_MIN = 4096  # torchao (after bitsandbytes) keeps smaller tensors' moments in fp32
+LOW_BIT = {"adamw8bit": LowBit(1, 256, 256), "adamw4bit": LowBit(0.5, 128, 16), "adamwfp8": LowBit(1, 256, 0)}
+
+
+def _low_bit_state(kind: str) -> Callable[[Tensor, Any], int]:
+    def state(t: Tensor, optim: Any = None) -> int:
+        return 2 * LOW_BIT[kind].moment_bytes(t.numel) + STEP_BYTES if t.numel else 0
+    return state
+
+
+def muon_steps(t: Tensor) -> bool:
+    """Muon orthogonalizes the hidden matrices; the embedding and the output head are AdamW's (as Muon is used:
+    their gradients are not the matrix-shaped updates Newton-Schulz is meant for), as are norms, biases and
+    matrices with a side of 1 (a rank-1 LoRA factor: orthogonalizing a vector only normalizes it)."""
+    return t.is_matmul and min(t.rows, t.cols) > 1 and not t.name.startswith(MUON_EXCLUDED)
+
+
+MUON_EXCLUDED = ("tok_embeddings.", "output.")
+
+
+def _muon_state(t: Tensor, optim: Any = None) -> int:
+    return FP32 * t.numel if muon_steps(t) else _adamw_state(t)
+
+
+def _muon_temp(tensors: Sequence[Tensor], fused: bool) -> int:
+    """Newton-Schulz on one matrix at a time (the largest counts): the nesterov update in fp32, then in bf16 the
+    iterate, its Gram matrix (m x m, m the smaller side), the polynomial of it and the next iterate; the AdamW
+    part as AdamW's step."""
+    ns = [FP32 * t.numel + BF16 * (2 * t.numel + 2 * min(t.rows, t.cols) ** 2) for t in tensors if muon_steps(t)]
+    return max(ns or [0]) + _adamw_temp([t for t in tensors if not muon_steps(t)], fused)
+
+
+_ADAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+_LOW_BIT_WHY = ("trainctl checkpoints torchao's quantized states on whole tensors only, not on DTensor shards nor "
+                "through ZeroRedundancyOptimizer")
+_MUON_WHY = "Newton-Schulz needs each whole matrix, and trainctl does not all-gather sharded matrices for it"
+
+
+def _low_bit(name: str, what: str) -> OptimizerSpec:
+    return OptimizerSpec(name, f"torchao {what} AdamW states (2 quantized moments + scales; tensors under "
+                         f"{QUANTIZE_MIN} elements or not in whole blocks of {LOW_BIT[name].block} keep fp32)",
+                         _ADAM_KEYS, _low_bit_state(name), _per_tensor_temp, on_dtensor=False, zero1=False,
+                         why_not=_LOW_BIT_WHY)
+
+
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", "AdamW states (2 x fp32 + step)", ("lr", "beta1", "beta2", "eps", "weight_decay"),
-                           _adamw_state, _adamw_temp, on_dtensor=True),
+    "adamw": OptimizerSpec("adamw", "AdamW states (2 x fp32 + step)", _ADAM_KEYS, _adamw_state, _adamw_temp,
+                           on_dtensor=True),
     # Adafactor's step takes norms over a matrix's last two dims in place, which DTensor refuses on a shard
     # (aten.pow_ on a partial norm, torch 2.13): plain tensors only (none, ddp, zero1 without tp or pp).
     "adafactor": OptimizerSpec("adafactor", "Adafactor factored second moments (rows + cols per matrix, fp32)",
                                ("lr", "weight_decay", "beta2_decay"), _adafactor_state, _adafactor_temp,
-                               on_dtensor=False),
+                               on_dtensor=False, why_not="DTensor refuses its in-place norms over a shard"),
+    "sgd": OptimizerSpec("sgd", "SGD momentum buffer (fp32; none without momentum)",
+                         ("lr", "weight_decay", "momentum", "nesterov"), _sgd_state, _adamw_temp, on_dtensor=True),
+    "lion": OptimizerSpec("lion", "Lion's one moment (fp32, no step counter)", ("lr", "beta1", "beta2", "weight_decay"),
+                          _lion_state, _per_tensor_temp, on_dtensor=True),
+    "adamw8bit": _low_bit("adamw8bit", "8-bit"),
+    "adamw4bit": _low_bit("adamw4bit", "4-bit"),
+    "adamwfp8": _low_bit("adamwfp8", "fp8"),
+    "muon": OptimizerSpec("muon", "Muon momentum (fp32) for hidden matrices, AdamW states for the rest",
+                          ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov", "muon_adjust_lr"),
+                          _muon_state, _muon_temp, on_dtensor=False, zero1=False, why_not=_MUON_WHY),
 }
 
 
@@ -72,21 +172,46 @@ def names() -> tuple[str, ...]:
     return tuple(OPTIMIZERS)
 
 
-def spec(name: str) -> OptimizerSpec:
-    return OPTIMIZERS[name]
+def name_of(optim: Any) -> str:
+    return optim if isinstance(optim, str) else optim.name
 
 
-def state_bytes(name: str, tensors: Sequence[Tensor]) -> int:
-    """Bytes of the optimizer state for these (local) tensors."""
-    per_tensor = OPTIMIZERS[name].state_bytes
-    return sum(per_tensor(t) for t in tensors)
+def spec(optim: Any) -> OptimizerSpec:
+    return OPTIMIZERS[name_of(optim)]
+
+
+def state_bytes(optim: Any, tensors: Sequence[Tensor]) -> int:
+    """Bytes of the optimizer state for these (local) tensors (`optim`: a name or the optim config)."""
+    per_tensor = spec(optim).state_bytes
+    return sum(per_tensor(t, optim) for t in tensors)
 
 
 def unsupported(name: str, wrap: Wrapping, tp: int) -> list[str]:
-    """One line when the optimizer cannot step the parameters this wrapping gives it (DTensors)."""
-    if name not in OPTIMIZERS or OPTIMIZERS[name].on_dtensor or not (wrap.fully_shard or tp > 1):
+    """One line when the optimizer cannot step the parameters this wrapping gives it (DTensors, zero1's partition)."""
+    if name not in OPTIMIZERS:
         return []
-    plain = [n for n, s in OPTIMIZERS.items() if s.on_dtensor]
+    s = OPTIMIZERS[name]
+    if wrap.zero1 and not s.zero1:
+        return [f"optim.name={name}: sharding=zero1 cannot hold its state: {s.why_not}; use sharding=ddp, "
+                "or optim.name=adamw with zero1"]
+    if s.on_dtensor or not (wrap.fully_shard or tp > 1):
+        return []
     layout = f"sharding.tp={tp}" if tp > 1 else "FSDP2 (sharding=zero2, zero3, fsdp, hsdp, or ddp with pp)"
-    return [f"optim.name={name}: it cannot step the sharded (DTensor) parameters of {layout}; use sharding=none, "
-            f"ddp or zero1 without tp (ddp and zero1 without pp), or optim.name={plain[0]}"]
+    plain = "sharding=none, ddp or zero1 without tp (ddp and zero1 without pp)" if s.zero1 else \
+        "sharding=none or ddp without tp or pp"
+    return [f"optim.name={name}: it cannot step the sharded (DTensor) parameters of {layout}: {s.why_not}; "
+            f"use {plain}, or optim.name=adamw"]
+
+
+def model_problems(name: str, tensors: Sequence[Tensor]) -> list[str]:
+    """One line when the optimizer would not do what its name says on this model's trainable tensors."""
+    if name == "muon" and not any(muon_steps(t) for t in tensors):
+        return [f"optim.name=muon: no trainable hidden matrix for Muon (the embedding, output, norms and biases are "
+                f"AdamW's, as is a matrix with a side of 1; {len(tensors)} trainable tensors, none a hidden matrix); "
+                "use optim.name=adamw"]
+    if name in LOW_BIT and tensors and not any(LOW_BIT[name].quantizes(t.numel) for t in tensors):
+        largest = max(t.numel for t in tensors)
+        return [f"optim.name={name}: no parameter tensor is large enough to quantize (torchao needs >= "
+                f"{QUANTIZE_MIN} elements in whole blocks of {LOW_BIT[name].block}; the largest has {largest}), "
+                "so every state would stay fp32; use optim.name=adamw"]
+    return []

@@ -115,7 +115,7 @@ def assess(cfg: RunConfig, dims: ParallelDims) -> Assessment:
     """Per-pp-rank memory and verdict, and the step time, of a resolved config."""
     stages = rank_stages(cfg.model, cfg.sharding, cfg.train.grad_accum)
     per_rank = tuple(memory.estimate(cfg.model, cfg.precision, cfg.sharding, cfg.train, dims, st, cfg.cluster.device,
-                                     cfg.optim.name) for st in stages)
+                                     cfg.optim) for st in stages)  # the config: SGD's state depends on momentum
     capacity = fitting.capacity_bytes(cfg.cluster)
     fits = tuple(fitting.fit(r.peak, cfg.cluster.device, dims, capacity) for r in per_rank)
     busiest = max(range(len(fits)), key=lambda i: fits[i].need_bytes)

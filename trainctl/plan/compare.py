@@ -2,7 +2,8 @@
 
 Axes (variants.py): sharding (none, ddp, zero1, zero2, zero3, zero3 + cpu_offload over the same
 ranks), checkpointing (none, selective, op, full), tp (1, 2, 4, 8 within a node, the rest data
-parallel) and micro_batch (the divisors of the per-rank samples per step, accumulation derived).
+parallel), micro_batch (the divisors of the per-rank samples per step, accumulation derived) and optim
+(every optimizer of core/optimizers.py: its state bytes and step temporaries).
 A variant the config cannot take (validation or the worker refuses it) is left out.
 """
 
@@ -28,6 +29,7 @@ def compare(cfg: RunConfig, axis: str) -> list[dict]:
             "variant": variant.label,
             "overrides": list(variant.overrides),
             "states_bytes": a.memory.states,
+            "optimizer_bytes": a.memory.optimizer,
             "activations_bytes": a.memory.activations,
             "peak_bytes": a.fit.peak_bytes,
             "peak_phase": a.memory.peak_phase,

@@ -156,8 +156,9 @@ class RankMemory:
 
 
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,
-             dims: ParallelDims, stage: RankStages, device: str = "cuda", optim: str = "adamw") -> RankMemory:
-    """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout and optimizer (optim.name)."""
+             dims: ParallelDims, stage: RankStages, device: str = "cuda", optim="adamw") -> RankMemory:
+    """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout and optimizer (optim.name, or
+    the optim config: core/optimizers.py)."""
     wrap = wrapping(sharding.strategy, dims, precision)
     c, r = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.reduce_dtype]
     tensors = local_tensors(m, stage, dims.tp)

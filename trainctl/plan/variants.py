@@ -11,12 +11,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import AC_MODES, RunConfig
+from trainctl.config.schema import AC_MODES, OptimConfig, RunConfig
 from trainctl.config.validate import resolve
+from trainctl.core import optimizers
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import REPLICATING
 
-AXES = ("sharding", "checkpointing", "tp", "micro_batch")
+AXES = ("sharding", "checkpointing", "tp", "micro_batch", "optim")
 ZERO_ORDER = ("ddp", "zero1", "zero2", "zero3")
 
 
@@ -95,6 +96,13 @@ def with_micro_batch(cfg: RunConfig, micro_batch: int) -> Variant | None:
     return _resolved(f"micro_batch={micro_batch}", [key, "train.grad_accum=-1"], variant)
 
 
+def with_optimizer(cfg: RunConfig, name: str) -> Variant | None:
+    """Another optimizer with its keys at the schema's defaults: its state bytes depend on none of them but SGD's
+    momentum (0.9 there, as conf/optim/sgd.yaml). Left out where the layout cannot hold it (Muon under FSDP2)."""
+    optim = OptimConfig(name=name, grad_clip=cfg.optim.grad_clip)
+    return _resolved(name, [f"optim={name}"], dataclasses.replace(cfg, optim=optim))
+
+
 def _divisors_up_to(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
@@ -113,6 +121,8 @@ def along(cfg: RunConfig, axis: str) -> list[Variant]:
     elif axis == "micro_batch":
         per_rank = cfg.train.micro_batch * cfg.train.grad_accum
         found = [with_micro_batch(cfg, mb) for mb in _divisors_up_to(per_rank, 64) if mb != cfg.train.micro_batch]
+    elif axis == "optim":
+        found = [with_optimizer(cfg, name) for name in optimizers.names() if name != cfg.optim.name]
     else:
         raise ValueError(f"unknown axis {axis!r}")
     return [current] + [v for v in found if v is not None]

@@ -1,4 +1,4 @@
-"""The optimizers (AdamW, Adafactor) with decay / no-decay parameter groups, and the learning-rate schedules.
+"""The optimizers core/optimizers.py names, with decay / no-decay parameter groups, and the learning-rate schedules.
 
 Weight decay applies to the matmul weights only. Norm weights and biases (1-D) are
 never decayed: shrinking them toward zero fights the normalization. The token
@@ -20,23 +20,45 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from trainctl.config.schema import OptimConfig, ScheduleConfig
+from trainctl.core import optimizers
+from trainctl.core.optimizers import muon_steps
 from trainctl.core.schedules import lr_at as schedule_lr_at
+from trainctl.core.tensors import Tensor
 from trainctl.core.wrapping import Wrapping
+from trainctl.models.hf import WRAPPER_SEGMENTS
 from trainctl.train.errors import WorkerConfigError
+from trainctl.train.lion import Lion
+from trainctl.train.muon import MuonWithAdamW
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed matmul weights, and everything else with weight_decay=0."""
+def _is_muon(name: str, p: torch.Tensor) -> bool:
+    """core's rule, on the full shape and the name less wrappers' segments: the plan and the worker agree."""
+    plain = ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+    return p.ndim == 2 and muon_steps(Tensor(plain, p.shape[0], p.shape[1]))
+
+
+def param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> list[dict]:
+    """Two groups: decayed matmul weights, and everything else with weight_decay=0.
+
+    With `muon` the hidden matrices Muon steps come first, in a group of their own; each group says whether it is
+    Muon's ("muon"), for MuonWithAdamW to split.
+    """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for p in model.parameters():  # yields a tied weight once
+    hidden, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():  # yields a tied weight once
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+        if muon and _is_muon(name, p):
+            hidden.append(p)
+        else:
+            (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if muon:
+        groups = [{"params": hidden, "weight_decay": weight_decay, "muon": True}] + [
+            {**g, "muon": False} for g in groups]
     # An empty group (LoRA: every adapter is a matrix) breaks DCP's loading of the flattened optimizer state.
     return [group for group in groups if group["params"]]
 
@@ -57,8 +79,38 @@ def _adafactor(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimize
     return torch.optim.Adafactor, dict(lr=cfg.lr, beta2_decay=cfg.beta2_decay, foreach=fused or None)
 
 
+def _sgd(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], dict]:
+    """torch's SGD: fused on CUDA, foreach elsewhere (as AdamW)."""
+    return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, fused=fused,
+                                 foreach=not fused)
+
+
+def _lion(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], dict]:
+    return Lion, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def _low_bit(cls_name: str):
+    """torchao's AdamW8bit / AdamW4bit / AdamWFp8 (the fp8 extra): imported when chosen, not before."""
+    def build(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], dict]:
+        try:
+            import torchao.optim
+        except ImportError:
+            raise WorkerConfigError(f"optim.name={cfg.name}: needs torchao (pip install 'trainctl[fp8]'); "
+                                    "or use optim.name=adamw") from None
+        return getattr(torchao.optim, cls_name), dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return build
+
+
+def _muon(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], dict]:
+    return MuonWithAdamW, dict(lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov, adjust_lr_fn=cfg.muon_adjust_lr, betas=(cfg.beta1, cfg.beta2),
+                               eps=cfg.eps, fused=fused, foreach=not fused)
+
+
 # The builder of each optimizer core.optimizers describes (same names): its class and keyword arguments.
-OPTIMIZER_BUILDERS = {"adamw": _adamw, "adafactor": _adafactor}
+OPTIMIZER_BUILDERS = {"adamw": _adamw, "adafactor": _adafactor, "sgd": _sgd, "lion": _lion,
+                      "adamw8bit": _low_bit("AdamW8bit"), "adamw4bit": _low_bit("AdamW4bit"),
+                      "adamwfp8": _low_bit("AdamWFp8"), "muon": _muon}
 
 
 def build_optimizer(
@@ -73,10 +125,10 @@ def build_optimizer(
     if cfg.name not in OPTIMIZER_BUILDERS:
         raise WorkerConfigError(f"optim.name={cfg.name!r}: unknown optimizer; use one of: "
                                 f"{', '.join(OPTIMIZER_BUILDERS)}")
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.name != "adamw" and any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+    groups = param_groups(model, cfg.weight_decay, muon=cfg.name == "muon")
+    if not optimizers.spec(cfg.name).on_dtensor and any(isinstance(p, DTensor) for g in groups for p in g["params"]):
         raise WorkerConfigError(f"optim.name={cfg.name}: cannot step sharded (DTensor) parameters; "
-                                "use sharding=ddp or zero1 without tp/pp, or optim.name=adamw")
+                                "use sharding=ddp without tp/pp, or optim.name=adamw")
     # FSDP2 CPU offload keeps the parameters in host memory: the step runs there (no CUDA kernels).
     fused = device_type == "cuda" and all(p.device.type == "cuda" for g in groups for p in g["params"])
     cls, hyper = OPTIMIZER_BUILDERS[cfg.name](cfg, fused)
@@ -87,7 +139,10 @@ def build_optimizer(
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):  # torchao's low-bit AdamW keeps lr a tensor (compiled step)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def lr_at(step: int, lr: float, schedule: ScheduleConfig, total_steps: int) -> float:

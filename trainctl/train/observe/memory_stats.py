@@ -28,6 +28,9 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes(t: torch.Tensor) -> int:
     local = local_tensor(t)
+    if hasattr(local, "__tensor_flatten__"):  # a wrapper subclass (torchao's quantized optimizer states): its parts
+        inner, _ = local.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(local, name)) for name in inner)
     return local.numel() * local.element_size()
 
 
