@@ -127,3 +127,24 @@ def test_bos_without_a_beginning_token_is_one_line(tmp_path, folder):
     with pytest.raises(DatasetError, match=r"^--bos: .* has no beginning-of-text token"):
         _prepare(tmp_path, folder, "out", bos=True)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- weights named but not loaded
+
+
+def test_plan_warns_when_a_folders_weights_are_named_but_not_loaded(cache, tmp_path):
+    from trainctl.plan.runplan import build
+
+    cached_model(cache)
+    shape_only = hf_folder(tmp_path / "shape", LLAMA, weights=False)
+    base = ["model=hf", "data=synthetic", "train.seq_len=64", "cluster.procs_per_node=1", "cluster.device=cpu",
+            "precision=fp32"]
+
+    def warned(*overrides):
+        return [w for w in build(resolve(compose([*base, *overrides]))).warnings if "not its weights" in w]
+
+    (line,) = warned("model.path=org/tiny")
+    assert line == ("model.path=org/tiny: takes the model's shape, not its weights: the run starts from random "
+                    "weights; add checkpoint.init_from=org/tiny to train from them")
+    assert warned("model.path=org/tiny", "checkpoint.init_from=org/tiny") == []
+    assert warned(f"model.path={shape_only}") == []  # a config.json alone names a shape, no weights
