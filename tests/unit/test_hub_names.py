@@ -13,7 +13,7 @@ from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
 from trainctl.core import hub
-from trainctl.data.format import DatasetError
+from trainctl.data.format import DatasetError, read_meta
 from trainctl.data.prepare import prepare
 from trainctl.launch.rundir import hub_pins
 
@@ -148,3 +148,25 @@ def test_plan_warns_when_a_folders_weights_are_named_but_not_loaded(cache, tmp_p
                     "weights; add checkpoint.init_from=org/tiny to train from them")
     assert warned("model.path=org/tiny", "checkpoint.init_from=org/tiny") == []
     assert warned(f"model.path={shape_only}") == []  # a config.json alone names a shape, no weights
+
+
+def test_bos_where_no_tokenizer_of_the_run_has_one_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "t.txt").write_text("a b")
+    for options, words in (({}, "the bytes"), ({"train_tokenizer": True, "vocab_size": 260}, "a trained")):
+        with pytest.raises(DatasetError, match=f"^--bos: {words} tokenizer has no beginning-of-text token"):
+            prepare([str(tmp_path / "t.txt")], tmp_path / "out", bos=True, workers=1, **options)
+        assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_takes_bos_for_text_and_refuses_it_for_chat_records(tmp_path, folder, monkeypatch, capsys):
+    from tests.helpers import cli_in_process
+
+    write_json(folder / "tokenizer_config.json", {"eos_token": "</s>", "bos_token": "<s>", "add_bos_token": False})
+    code, out, _ = cli_in_process(monkeypatch, capsys, "data", "prepare", str(tmp_path / "t.txt"), "--out",
+                                  str(tmp_path / "cli"), "--tokenizer", str(folder), "--bos", "--val-fraction", "0")
+    assert code == 0, out
+    assert tokens_of(read_meta(tmp_path / "cli")) == [4, 1, 2, 3]
+    (tmp_path / "c.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}]}\n')
+    code, _, err = cli_in_process(monkeypatch, capsys, "data", "prepare", str(tmp_path / "c.jsonl"), "--out",
+                                  str(tmp_path / "chat"), "--format", "chat", "--tokenizer", str(folder), "--no-bos")
+    assert code == 2 and "--bos/--no-bos: for text documents" in err and not (tmp_path / "chat").exists()

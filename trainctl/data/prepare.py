@@ -95,9 +95,12 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
     records: chat or instruction records (a loss mask beside the tokens); chat_template: --chat-template;
     bos: a beginning-of-text token before each text document (None: as the tokenizer's own config says).
     """
-    if bos is not None and records is not None:
+    if bos is not None and records is not None and records.format != "text":
         raise DatasetError("--bos/--no-bos: for text documents; chat and instruction records get what their chat "
                            "template writes (its bos_token)")
+    if bos and (train_tokenizer or tokenizer == "bytes"):
+        raise DatasetError(f"--bos: {'a trained' if train_tokenizer else 'the bytes'} tokenizer has no "
+                           "beginning-of-text token; leave --bos out, or use a model's tokenizer (--tokenizer DIR)")
     _check_options(tokenizer, train_tokenizer, vocab_size, eos_token, val_fraction, shard_tokens, workers)
     out = out_path(out)
     files = expand_inputs(inputs, out)
