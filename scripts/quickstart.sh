@@ -8,8 +8,7 @@ source scripts/_setup.sh
 
 name="quickstart-$(date +%Y%m%d-%H%M%S)"
 runs=${TRAINCTL_RUNS_DIR:-runs}
-trainctl recipes
-trainctl plan recipe=tiny_cpu "runs_dir=$runs" "$@"
+# The launch prints a short plan (`trainctl plan recipe=tiny_cpu` shows all of it; `trainctl recipes` the others).
 trainctl launch recipe=tiny_cpu "runs_dir=$runs" --name "$name" "$@"
 
 # The demo's promise: validation loss at the end is at most half of the step-0 one.

@@ -7,6 +7,8 @@ launch answers in well under a second on a login node. Rich rendering lives in t
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from rich.syntax import Syntax
 from trainctl import api, cli_tools
 from trainctl.cli_tools import RUN, RUNS_DIR
 from trainctl.config import sources
+from trainctl.core import rundir
 from trainctl.core.errors import UserError
 
 app = typer.Typer(
@@ -205,13 +208,19 @@ def launch(
     multirun: bool = typer.Option(
         False, "-m", "--multirun", help="A sweep: one run per point of Hydra's sweep grammar (a=1,2 range() "
         "choice()); locally one after another, on Slurm one job array."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="The full plan (as `trainctl plan` prints it) "
+                                 "instead of its short summary."),
     config_dirs: list[Path] = CONFIG_DIRS,
 ) -> None:
     """Write a run directory and start the workers.  Example: trainctl launch recipe=tiny_cpu train.steps=50"""
+    from trainctl import render
+
     if multirun:
         _launch_sweep(list(overrides or []), _search(config_dirs), dry_run, force, name)
         return
     prepared = api.prepare_launch(overrides, _search(config_dirs), dry_run=dry_run, force=force, name=name)
+    plan = {k: v for k, v in prepared.plan.to_dict().items() if k != "warnings"}  # warnings: once, on stderr
+    render.render_plan(out, plan) if verbose else render.plan_summary(out, plan)
     _warn(prepared.warnings)
     out.print(f"run directory: [bold]{escape(str(prepared.run_dir))}[/]", highlight=False, soft_wrap=True)
     if dry_run:
@@ -246,8 +255,27 @@ def _start(prepared: api.Prepared) -> None:
     handle = api.start(prepared, console=True)
     if handle.message:
         _say(out, handle.message)
+    if handle.exit_code == 0:
+        _say(out, _next_steps(prepared.run_dir))
     if handle.exit_code is not None:
         raise typer.Exit(handle.exit_code)
+
+
+def _next_steps(run_dir: Path) -> str:
+    """What to run after a finished run: by name when `status` finds it by name from here, else by its path."""
+    default = Path(os.environ.get("TRAINCTL_RUNS_DIR", "").strip() or "runs").resolve()
+    ref = run_dir.name if run_dir.parent.resolve() == default else _shown(run_dir)
+    board = run_dir / rundir.TENSORBOARD
+    tail = f" / tensorboard --logdir {shlex.quote(_shown(board))}" if board.is_dir() else ""
+    return f"next: trainctl status {shlex.quote(ref)} / trainctl plot {shlex.quote(ref)}{tail}"
+
+
+def _shown(path: Path) -> str:
+    """A path relative to here when it is below here (shorter to read and to copy)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 @app.command()

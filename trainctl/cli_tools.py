@@ -70,11 +70,15 @@ def data_prepare(
                                        show_default=False),
     out_dir: str = typer.Option(..., "--out", help="The dataset folder to create.", show_default=False),
     tokenizer: str = typer.Option("bytes", "--tokenizer",
-                                  help="bytes, or a Hugging Face tokenizer.json (or its model folder)."),
+                                  help="bytes, a Hugging Face tokenizer.json, its model folder, or a Hub name "
+                                  "(org/name, through the Hugging Face cache)."),
     train_tokenizer: bool = typer.Option(False, "--train-tokenizer", help="Train a byte-level BPE on the inputs."),
     vocab_size: int = typer.Option(None, "--vocab-size", help="With --train-tokenizer.", show_default=False),
-    eos_token: str = typer.Option(None, "--eos-token", help="The end-of-document token (default: found).",
-                                  show_default=False),
+    eos_token: str = typer.Option(None, "--eos-token", show_default=False,
+                                  help="The end-of-document token (default: tokenizer_config.json's, else found)."),
+    bos: bool = typer.Option(None, "--bos/--no-bos", show_default=False,
+                             help="Start each text document with the beginning-of-text token (default: as the "
+                             "tokenizer_config.json says: add_bos_token, else whether it names a bos_token)."),
     text_field: str = typer.Option("text", "--text-field", help="The text field of .jsonl / .parquet records."),
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
@@ -100,7 +104,8 @@ def data_prepare(
                 inputs, out_dir, progress=progress, data_format=data_format, messages_field=messages_field,
                 prompt_field=prompt_field, completion_field=completion_field, max_doc_tokens=max_doc_tokens,
                 overlong=overlong, tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,
-                eos_token=eos_token, text_field=text_field, val_fraction=val_fraction, shard_tokens=shard_tokens,
+                eos_token=eos_token, bos=bos, text_field=text_field, val_fraction=val_fraction,
+                shard_tokens=shard_tokens,
                 workers=workers, chat_template=chat_template)
     except KeyboardInterrupt:
         err.print(f"interrupted: run the same command again to continue where it stopped ({out_dir})",

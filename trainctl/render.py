@@ -159,6 +159,27 @@ def render_plan(console: Console, plan: dict) -> None:
         console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True, highlight=False)
 
 
+def plan_summary(console: Console, plan: dict) -> None:
+    """The launch's short plan: the model, the layout and batch, memory per rank with its verdict, the step time
+    where one is estimated (a GPU); `trainctl plan` (or `launch --verbose`) shows every figure."""
+    b, m = plan["batch"], plan["memory"]
+    nodes = f"{plan['nodes']} nodes x {plan['procs_per_node']}" if plan["nodes"] > 1 else f"{plan['world_size']}"
+    degrees = " x ".join(f"{k} {v}" for k, v in plan["dims"].items() if k in ("dp", "cp", "tp", "pp") and v > 1)
+    params = plan["params_total"]
+    count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    lines = [f"plan: {plan['model']}; {count} parameters",
+             f"  {nodes} ranks on {plan['device']}, {plan['strategy']}" + (f" ({degrees})" if degrees else ""),
+             f"  global batch {b['global_batch']} = {b['micro_batch']} micro x {b['grad_accum']} accum x "
+             f"{b['dp']} dp, {b['seq_len']} tokens each ({b['tokens_per_step']:,} tokens per step)",
+             f"  memory per rank: peak {gib(m['peak_bytes'])}, needs {gib(m['need_bytes'])} of "
+             f"{gib(m['capacity_bytes'])}: {m['verdict']}"]
+    if plan.get("step_time_s"):
+        lines.append(f"  about {plan['step_time_s']:.3g} s per step (assumed MFU {plan['assumed_mfu']:.0%})")
+    lines.append("  (the whole plan: `trainctl plan` with the same overrides, or launch --verbose)")
+    for line in lines:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
 def compare_table(axis: str, rows: list[dict]) -> Table:
     """`plan --compare AXIS`: one row per variant with its busiest rank's memory (GiB) and step time."""
     title = f"compare {axis}: your model and cluster, the busiest rank, memory in GiB"

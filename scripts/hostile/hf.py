@@ -260,3 +260,19 @@ def _(p: Probe) -> None:
 def _(p: Probe) -> None:
     trained(p)
     succeeded(p.cli("export", "run", "--out", "out", "--verify", timeout=180), "verified: transformers loads it")
+
+
+@case("hf", "model.path a Hub name missing from an empty cache while offline")
+def _(p: Probe) -> None:
+    env = {"HF_HUB_CACHE": str(p.tmp / "hub"), "HF_HUB_OFFLINE": "1"}
+    r = p.cli("plan", *PLAN, "model.path=meta-llama/Llama-3.2-1B", env=env, timeout=60)
+    refused(r, "model.path=meta-llama/Llama-3.2-1B", "HF_HUB_OFFLINE", "hf download meta-llama/Llama-3.2-1B")
+
+
+@case("hf", "model.path a Hub name whose cache entry names a snapshot that is not there")
+def _(p: Probe) -> None:
+    refs = p.tmp / "hub" / "models--org--gone" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text("0" * 40)
+    env = {"HF_HUB_CACHE": str(p.tmp / "hub"), "HF_HUB_OFFLINE": "1"}
+    refused(p.cli("plan", *PLAN, "model.path=org/gone", env=env, timeout=60), "model.path=org/gone")

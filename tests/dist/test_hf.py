@@ -237,3 +237,28 @@ def test_pipeline_stages_each_load_their_own_pieces(hf_llama):
     with torch.no_grad():
         logits = stages[1](stages[0](tokens))
     assert (logits - expected).abs().max().item() <= logits_bound(SHAPES[name][1], expected), name
+
+
+@pytest.mark.slow  # about 20 s on 2 shared cores: a launch and an export, each a fresh interpreter with torch
+def test_a_hub_name_from_the_cache_trains_and_exports_with_its_commit(tmp_path):
+    """model.path and checkpoint.init_from as a Hub name, offline, from a cache in huggingface_hub's layout: the
+    run loads its weights, plan.json pins the commit, and the LoRA adapter's base is the Hub name at that commit."""
+    commit = "c0ffee" + "0" * 34
+    repo = tmp_path / "hub" / "models--org--tiny"
+    save_random(repo / "snapshots" / commit, "gqa", seed=5)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    hub_env = {"HF_HUB_CACHE": tmp_path / "hub", "HF_HUB_OFFLINE": 1}
+    launch = trainctl("launch", "model=hf", "model.path=org/tiny", "checkpoint.init_from=org/tiny", "data=synthetic",
+                      "model.lora.rank=4", "cluster.procs_per_node=1", "train.steps=2", "train.seq_len=32",
+                      "train.global_batch=2", "train.micro_batch=2", "train.eval_every=0", "schedule.warmup_steps=1",
+                      "logging.progress=false", "--name", "hub", cwd=tmp_path, **hub_env)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    assert "initialized" in launch.stdout and f"models--org--tiny/snapshots/{commit}" in launch.stdout
+    run_dir = tmp_path / "runs" / "hub"
+    pinned = json.loads((run_dir / "plan.json").read_text())["hub"]
+    assert pinned == {key: {"name": "org/tiny", "revision": commit} for key in ("model.path", "checkpoint.init_from")}
+    exported = trainctl("export", "hub", "--adapter", "--out", "adapter", cwd=tmp_path, **hub_env)
+    assert exported.returncode == 0, exported.stderr
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == ("org/tiny", commit)

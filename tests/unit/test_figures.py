@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -29,7 +30,10 @@ def test_figures_read_the_memory_record_and_the_recent_mfu(tmp_path):
     assert f.mfu == (0.36 + 0.37) / 2  # the median of the train records
     assert (f.plan_mfu, f.peak_bytes, f.plan_peak_bytes) == (0.4, int(61.2 * GIB), int(60.3 * GIB))
     assert f.mfu_text() == "36.5% (plan 40%)"
-    assert f.peak_text() == "61.2 GiB (plan 60.3)"
+    assert f.peak_text() == "61.2 GiB (plan 60.3 GiB)"
+    # A small run reads in MiB, not "0.0 GiB (plan 0.0)".
+    small = dataclasses.replace(f, peak_bytes=int(91.3 * 2**20), plan_peak_bytes=int(219.0 * 2**20))
+    assert small.peak_text() == "91.3 MiB (plan 219.0 MiB)"
 
 
 def test_a_run_without_metrics_shows_only_the_plan(tmp_path):
@@ -37,7 +41,7 @@ def test_a_run_without_metrics_shows_only_the_plan(tmp_path):
     (run_dir / "plan.json").write_text(json.dumps({"device": "cpu", "assumed_mfu": 0.4, "memory": {"peak_bytes": GIB}}))
     f = figures(run_dir)
     assert f == Figures(plan_peak_bytes=GIB)  # no MFU is planned on CPU (no peak FLOP/s)
-    assert (f.mfu_text(), f.peak_text()) == ("-", "- (plan 1.0)")
+    assert (f.mfu_text(), f.peak_text()) == ("-", "- (plan 1.0 GiB)")
 
 
 @pytest.mark.cli
@@ -46,7 +50,7 @@ def test_runs_and_status_show_measured_next_to_planned(tmp_path):
     write_figures(done)
     listing = cli("runs", cwd=tmp_path)
     assert listing.returncode == 0 and "heavy: []" in listing.stderr
-    assert "36.5% (plan 40%)" in listing.stdout and "61.2 GiB (plan 60.3)" in listing.stdout
+    assert "36.5% (plan 40%)" in listing.stdout and "61.2 GiB (plan 60.3 GiB)" in listing.stdout
     status = cli("status", "done", cwd=tmp_path).stdout
     assert "mfu      36.5% (plan 40%)" in status
-    assert "peak     61.2 GiB (plan 60.3), by cuda_max_memory_allocated" in status
+    assert "peak     61.2 GiB (plan 60.3 GiB), by cuda_max_memory_allocated" in status

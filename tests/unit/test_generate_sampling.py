@@ -77,3 +77,12 @@ def test_chat_stops_at_the_templates_end_of_turn(tmp_path, name, end):
     tokens = RunTokens("bytes", [0], dataset=tmp_path)
     assert tokens.end_of_turn() == end
     assert tokens.chat_prompt("hi").endswith("assistant\n" if name == "chatml" else "assistant<|end_header_id|>\n\n")
+
+
+@pytest.mark.parametrize("text, want", [("Yes.<|im_end|>junk", "Yes."), ("Yes.<|im", "Yes."), ("Yes.<", "Yes."),
+                                        ("Yes.", "Yes."), ("a < b", "a < b"), ("<|im_end", "")])
+def test_a_completion_loses_the_end_marker_and_the_start_of_one_cut_short(text, want):
+    """--max-new-tokens 8 stopped `Yes.` inside the byte-spelled `<|im_end|>`: the answer is `Yes.`, not `Yes.<|im`."""
+    from trainctl.models.generate import without_end
+
+    assert without_end(text, "<|im_end|>") == want

@@ -102,7 +102,7 @@ def prepare_data(inputs: Sequence[str], out_dir: str, *, progress: Callable[[int
                  completion_field: str = "completion", max_doc_tokens: int | None = None, overlong: str = "refuse",
                  **options):
     """Tokenize text into a token dataset (data.datasets=[DIR]); its metadata. `options`: data.prepare.prepare's
-    (tokenizer, train_tokenizer, vocab_size, eos_token, text_field, val_fraction, shard_tokens, workers,
+    (tokenizer, train_tokenizer, vocab_size, eos_token, bos, text_field, val_fraction, shard_tokens, workers,
     chat_template)."""
     from trainctl.data.chat import RecordOptions
     from trainctl.data.prepare import DatasetError

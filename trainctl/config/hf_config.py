@@ -31,7 +31,7 @@ def read_config(path: str | Path) -> dict:
     where = Path(path).expanduser()
     if not where.is_dir():
         raise HFConfigError(f"{path}: not a directory; point it at a Hugging Face model folder "
-                            f"(config.json and *.safetensors)")
+                            f"(config.json and *.safetensors) or a Hub name (org/name)")
     file = where / CONFIG_FILE
     if not file.exists():
         raise HFConfigError(f"{path}: no {CONFIG_FILE}; a Hugging Face model folder holds config.json "

@@ -94,7 +94,7 @@ class ModelConfig:
     rope_original_max_seq_len: int = positive(8192)  # llama3: the context the model was first trained with
     # 0: full attention; else refused unless it covers train.seq_len
     sliding_window: int = at_least(0, 0, message="must be 0 (the default) or positive")
-    path: str = ""  # a Hugging Face folder whose config.json gives the family and shape (model=hf)
+    path: str = ""  # a Hugging Face folder or Hub name (org/name) whose config.json gives the family and shape
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
@@ -317,7 +317,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background while the loop continues
     resume: str = "auto"  # auto: newest valid checkpoint of this run | never | a checkpoint or run directory
     load_only: str = choice("all", LOAD_ONLY)  # resume from a path: all | model | model_optim (a fresh run otherwise)
-    init_from: str = ""  # a Hugging Face model folder (any family): its weights start a fresh run (a resume ignores it)
+    init_from: str = ""  # a Hugging Face model folder or Hub name: its weights start a fresh run (a resume ignores it)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
 from trainctl.config.resume_source import check_resume_optimizer
 from trainctl.config.schema import MAX_SEED  # noqa: F401 (tests import it from here)
-from trainctl.core import lora, optimizers
+from trainctl.core import hub, lora, optimizers
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import lora_unsupported
@@ -28,9 +28,10 @@ from trainctl.models import registry
 
 def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     """Validate `cfg` and fill in derived values; raises ConfigError listing every problem."""
-    model, hf_problems = resolve_hf_model(cfg.model)
-    if hf_problems:
-        raise ConfigError(hf_problems)
+    cfg, hub_problems = resolve_hub_names(cfg)
+    model, hf_problems = resolve_hf_model(cfg.model) if not hub_problems else (cfg.model, [])
+    if hub_problems or hf_problems:
+        raise ConfigError(hub_problems + hf_problems)
     # A blank runs_dir (an empty or blank $TRAINCTL_RUNS_DIR) means the default, as `runs` reads it.
     cfg = dataclasses.replace(cfg, model=model, runs_dir=cfg.runs_dir.strip() or "runs")
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
@@ -64,11 +65,28 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     return dataclasses.replace(cfg, sharding=sharding, train=train, data=resolve_data_vocab(cfg.data, cfg.model))
 
 
+def resolve_hub_names(cfg: schema.RunConfig) -> tuple[schema.RunConfig, list[str]]:
+    """model.path and checkpoint.init_from given as a Hub name (org/name): its cached snapshot folder, whose path
+    names the commit (the revision the run is pinned to)."""
+    problems, found = [], {}
+    for key, value in (("model.path", cfg.model.path), ("checkpoint.init_from", cfg.checkpoint.init_from)):
+        try:
+            found[key] = hub.resolve(value)
+        except hub.HubError as exc:
+            problems.append(f"{key}={exc}")
+    if problems:
+        return cfg, problems
+    model = dataclasses.replace(cfg.model, path=found["model.path"])
+    checkpoint = dataclasses.replace(cfg.checkpoint, init_from=found["checkpoint.init_from"])
+    return dataclasses.replace(cfg, model=model, checkpoint=checkpoint), []
+
+
 def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[str]]:
     """model.path: the family and shape of that Hugging Face model, from its config.json (they replace the option's)."""
     if not m.path:
         if m.name == "hf":
-            return m, ["model=hf: set model.path=DIR, a Hugging Face model folder (config.json, *.safetensors)"]
+            return m, ["model=hf: set model.path=DIR, a Hugging Face model folder (config.json, *.safetensors), "
+                       "or a Hub name such as meta-llama/Llama-3.2-1B"]
         return m, []
     try:
         fields = hf_config.model_fields(m.path)

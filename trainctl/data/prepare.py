@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from trainctl.core import hub
 from trainctl.data.chat import RecordOptions, resolve_options
 from trainctl.data.format import MAX_VOCAB, META_FILE, DatasetError
 from trainctl.data.inputs import UNIT_BYTES, expand_inputs, sha256_of
@@ -88,11 +89,18 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
             vocab_size: int | None = None, eos_token: str | None = None, text_field: str = "text",
             val_fraction: float = 0.01, shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
             seed: int = 0, progress: Callable[[int, int], None] | None = None, unit_bytes: int = UNIT_BYTES,
-            records: RecordOptions | None = None, chat_template: str | None = None):
+            records: RecordOptions | None = None, chat_template: str | None = None, bos: bool | None = None):
     """Tokenize `inputs` into a prepared dataset at `out`; returns its DatasetMeta.
 
-    records: chat or instruction records (a loss mask beside the tokens); chat_template: --chat-template.
+    records: chat or instruction records (a loss mask beside the tokens); chat_template: --chat-template;
+    bos: a beginning-of-text token before each text document (None: as the tokenizer's own config says).
     """
+    if bos is not None and records is not None and records.format != "text":
+        raise DatasetError("--bos/--no-bos: for text documents; chat and instruction records get what their chat "
+                           "template writes (its bos_token)")
+    if bos and (train_tokenizer or tokenizer == "bytes"):
+        raise DatasetError(f"--bos: {'a trained' if train_tokenizer else 'the bytes'} tokenizer has no "
+                           "beginning-of-text token; leave --bos out, or use a model's tokenizer (--tokenizer DIR)")
     _check_options(tokenizer, train_tokenizer, vocab_size, eos_token, val_fraction, shard_tokens, workers)
     out = out_path(out)
     files = expand_inputs(inputs, out)
@@ -102,6 +110,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
                "shard_tokens": shard_tokens, "seed": seed, "unit_bytes": unit_bytes,
                "tokenizer_sha256": _given_tokenizer_sha256(given, tokenizer)}
     records = resolve_options(records, chat_template, given, train_tokenizer, files)
+    if bos is not None:  # only when given: a prepare without it keeps its fingerprint (its resume) as before
+        options["bos"] = bos
     if records is not None:  # only then: a text prepare's fingerprint (its resume) is as before
         options["records"] = {**records.__dict__, "template": records.template and records.template.sha256}
     listing = input_listing(files)
@@ -129,10 +139,15 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
 
 
 def _given_tokenizer(tokenizer: str) -> Path | None:
-    """--tokenizer as a file: a Hugging Face model folder stands for its tokenizer.json."""
+    """--tokenizer as a file: a Hugging Face model folder (or a Hub name, through its cache) stands for its
+    tokenizer.json."""
     if tokenizer == "bytes":
         return None
-    given = Path(tokenizer).expanduser().resolve()
+    try:
+        folder = hub.resolve(tokenizer)
+    except hub.HubError as exc:
+        raise DatasetError(f"--tokenizer {exc}") from None
+    given = Path(folder).expanduser().resolve()
     return given / TOKENIZER_FILE if (given / TOKENIZER_FILE).is_file() else given
 
 

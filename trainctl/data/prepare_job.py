@@ -54,7 +54,8 @@ def _init_worker(spec: dict) -> None:
 
 def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, tokenizer=None,
                   last_to: str | None = None) -> dict:
-    """One unit's train and val tokens (each stretch of text followed by EOS), stretch and piece counts."""
+    """One unit's train and val tokens (each stretch of text between the tokenizer's prefix, BOS or nothing, and
+    EOS), stretch and piece counts."""
     tok = tokenizer or _WORKER_TOKENIZER
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
@@ -63,7 +64,7 @@ def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, t
 
     def flush() -> None:
         for (split, _), ids in zip(batch, tok.encode_batch([text for _, text in batch]), strict=True):
-            parts[split] += [ids.astype(np.uint32, copy=False), eos]
+            parts[split] += [tok.prefix, ids.astype(np.uint32, copy=False), eos]
         batch.clear()
 
     texts = (text for text in unit_documents(unit, text_field) if text.strip())  # no lone EOS for blank text
@@ -74,7 +75,7 @@ def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, t
             flush()
     flush()
     result = {s: np.concatenate(p) if p else np.zeros(0, np.uint32) for s, p in parts.items()}
-    return {**result, "train_docs": len(parts["train"]) // 2, "val_docs": len(parts["val"]) // 2, "pieces": pieces}
+    return {**result, "train_docs": len(parts["train"]) // 3, "val_docs": len(parts["val"]) // 3, "pieces": pieces}
 
 
 def tokenize_record_unit(unit: Unit, options: RecordOptions, seed: int, val_fraction: float, tokenizer=None,
@@ -162,7 +163,7 @@ class Job:
             return tok
         if options["tokenizer"] == "bytes":
             return ByteTokenizer()
-        return HFTokenizer(options["tokenizer"], eos_token=options["eos_token"])
+        return HFTokenizer(options["tokenizer"], eos_token=options["eos_token"], add_bos=options.get("bos"))
 
     def _save(self) -> None:
         save_state(self.out / STATE_FILE, self.state)
@@ -251,7 +252,8 @@ class Job:
             "format": FORMAT, "version": VERSION,
             "tokenizer": {"kind": tok.kind, "file": tokenizer_file,
                           "source": options["tokenizer"] if tok.kind == "hf" else None,
-                          "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "fingerprint": fingerprint},
+                          "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "fingerprint": fingerprint,
+                          **({"bos_id": tok.bos_id} if tok.prefix.size else {})},
             "token_dtype": dtype, "val_fraction": options["val_fraction"], "seed": options["seed"],
             "content": self.records.format if self.records else "text", "splits": splits,
             "sources": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in self.files],

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import RunConfig
+from trainctl.core import hub
 from trainctl.core import rundir as layout
 from trainctl.launch import backends, code_record, tokenizer_record
 from trainctl.launch.command import plan_record
@@ -82,7 +83,7 @@ def write_contents(
     """Write every file of the run into `target`; paths inside them refer to the final `run_dir`."""
     (target / layout.CONFIG).write_text(to_yaml(cfg))
     # The launch command is launch's, computed here for the final run directory; readers find it in plan.json.
-    record = {**plan_record(plan, cfg, run_dir), WORKDIR_KEY: str(workdir)}
+    record = {**plan_record(plan, cfg, run_dir), WORKDIR_KEY: str(workdir), **hub_pins(cfg)}
     (target / layout.PLAN).write_text(json.dumps(record, indent=2) + "\n")
     write_script(target, cfg, run_dir, workdir)
     (target / layout.OVERRIDES).write_text("".join(f"{o}\n" for o in overrides))
@@ -92,6 +93,13 @@ def write_contents(
         (target / layout.CODE_DIFF).write_text(code.diff)
     (target / layout.LOGS).mkdir()
     tokenizer_record.write(target, cfg)
+
+
+def hub_pins(cfg: RunConfig) -> dict:
+    """{"hub": {key: {name, revision}}} for the Hub models the run starts from (their cached snapshot's commit)."""
+    folders = {"model.path": cfg.model.path, "checkpoint.init_from": cfg.checkpoint.init_from}
+    pins = {key: pin for key, folder in folders.items() if folder and (pin := hub.pin(folder))}
+    return {"hub": pins} if pins else {}
 
 
 def write_script(target: Path, cfg: RunConfig, run_dir: Path, workdir: Path) -> None:

@@ -47,7 +47,7 @@ from safetensors import SafetensorError
 
 from trainctl.config.load import load_run_config
 from trainctl.config.schema import ModelConfig
-from trainctl.core import checkpoints, tool_options
+from trainctl.core import checkpoints, hub, tool_options
 from trainctl.core.tool_options import ExportOptions, ExportReport, ToolFailed, serve
 from trainctl.models import lora_export
 from trainctl.models.checkpoint_reader import (
@@ -157,7 +157,9 @@ def write_adapter_folder(run_dir: Path, ckpt: Path, entries: dict, names: list[s
     adapters = read_tensors(ckpt, entries, [n for n in names if n not in lora_export.base_names(names)])
     adapters = {n: t if dtype is None else t.to(dtype) for n, t in adapters.items()}
     init_from = load_run_config(run_dir).checkpoint.init_from
-    lora_export.write_adapter(adapters, cfg, out, init_from)
+    pinned = hub.pin(init_from) if init_from else None  # a Hub model: its name, which peft and transformers fetch
+    lora_export.write_adapter(adapters, cfg, out, pinned["name"] if pinned else init_from,
+                              pinned["revision"] if pinned else None)
     write_tokenizer(tokens, cfg, out)
 
 

@@ -179,6 +179,14 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
+def without_end(text: str, end: str) -> str:
+    """The answer without the end-of-turn marker, and without the start of one that --max-new-tokens cut short
+    (`Yes.<|im` of a byte-spelled `<|im_end|>`): the model was writing the marker, not the answer."""
+    text = text.split(end)[0]
+    cut = next((n for n in range(len(end) - 1, 0, -1) if text.endswith(end[:n])), 0)
+    return text[:-cut] if cut else text
+
+
 def run(run_dir: Path, options: GenerateOptions) -> Generated:
     """Continue the prompts `options` name with the run's checkpoint; their completions (raises UserError)."""
     if problems := options.problems():  # the api checked them; a direct `python -m` call is checked here too
@@ -206,7 +214,7 @@ def run(run_dir: Path, options: GenerateOptions) -> Generated:
                            stop=stop)
         shown = new[:-1] if new and new[-1] in tokens.eos_ids else new
         completion = " ".join(map(str, shown)) if as_ids else tokens.decode(shown)
-        completion = completion.split(end)[0] if end else completion  # the answer, without the end-of-turn text
+        completion = without_end(completion, end) if end else completion
         completions.append(Completion(text, completion, new))
     return Generated(completions, from_file)
 

@@ -78,8 +78,10 @@ def merge(tensors: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, torch
     return out
 
 
-def write_adapter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, base_model: str = "") -> None:
-    """The PEFT folder: adapter_model.safetensors (peft's names, q/k rows of B reordered) and adapter_config.json."""
+def write_adapter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, base_model: str = "",
+                  revision: str | None = None) -> None:
+    """The PEFT folder: adapter_model.safetensors (peft's names, q/k rows of B reordered) and adapter_config.json
+    (`revision`: the Hub commit of the base, when it came from the Hub)."""
     from safetensors.torch import save_file
 
     weights = {}
@@ -91,12 +93,13 @@ def write_adapter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: Path,
         else:
             weights[peft_name(to_hf_name(weight, cfg), "A")] = tensor.contiguous()
     save_file(weights, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg.lora, base_model), indent=2) + "\n")
+    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg.lora, base_model, revision), indent=2) + "\n")
 
 
-def adapter_config(lora: LoRAConfig, base_model: str) -> dict:
+def adapter_config(lora: LoRAConfig, base_model: str, revision: str | None = None) -> dict:
     """What peft's LoraConfig reads; everything else at peft's defaults."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
+            "revision": revision,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": sorted(HF_TARGETS[t] for t in lora.targets), "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "modules_to_save": None}

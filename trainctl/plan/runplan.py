@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from trainctl.config import hf_config
 from trainctl.config.data_check import data_file_problems, epochs_of
-from trainctl.config.schema import ClusterConfig, ModelConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.config.schema import CheckpointConfig, ClusterConfig, ModelConfig, RunConfig, ShardingConfig, TrainConfig
+from trainctl.core import hub
 from trainctl.core.dims import ParallelDims, UnresolvedDims
 from trainctl.core.errors import UserError
 from trainctl.core.gpus import GPUS
@@ -198,6 +200,21 @@ def epochs_warning(cfg: RunConfig) -> str | None:
             "add data or lower train.steps for a single pass")
 
 
+def weights_warning(model: ModelConfig, checkpoint: CheckpointConfig) -> str | None:
+    """model.path names a folder with weights, and nothing loads them: the run would start from random weights of
+    that shape (said, not refused: a from-scratch run of a published shape is a real use)."""
+    if not model.path or checkpoint.init_from or checkpoint.resume not in ("auto", "never"):
+        return None
+    try:
+        hf_config.weight_files(model.path)
+    except hf_config.HFConfigError:
+        return None  # a config.json alone: only a shape was ever meant
+    pinned = hub.pin(model.path)
+    name = pinned["name"] if pinned else model.path
+    return (f"model.path={name}: takes the model's shape, not its weights: the run starts from random weights; "
+            f"add checkpoint.init_from={name} to train from them")
+
+
 def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None = None) -> RunPlan:
     """The plan of a resolved config (the launch command is launch's: launch.command.plan_record).
 
@@ -215,7 +232,7 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
                 fit_warning(a, fit.device_label(cfg.cluster.device, cfg.cluster.gpu))]
     # The token files, by size and a bounded sample (launch refuses what this warns about).
     warnings += data_file_problems(cfg.data, cfg.data.vocab_size or cfg.model.vocab_size, cfg.train.seq_len)
-    warnings.append(epochs_warning(cfg))
+    warnings += [epochs_warning(cfg), weights_warning(cfg.model, cfg.checkpoint)]
     return RunPlan(
         world_size=world,
         nodes=cfg.cluster.nodes,

@@ -53,9 +53,15 @@ class Figures:
         return measured if self.plan_mfu is None else f"{measured} (plan {self.plan_mfu:.0%})"
 
     def peak_text(self) -> str:
-        """'61.2 GiB (plan 60.3)' and the like."""
-        measured = "-" if self.peak_bytes is None else f"{self.peak_bytes / GIB:.1f} GiB"
-        return measured if self.plan_peak_bytes is None else f"{measured} (plan {self.plan_peak_bytes / GIB:.1f})"
+        """'61.2 GiB (plan 60.3 GiB)', '91.3 MiB (plan 219.0 MiB)' and the like: MiB below 1 GiB, where GiB
+        with one decimal would read 0.0."""
+        measured = "-" if self.peak_bytes is None else memory_size(self.peak_bytes)
+        return measured if self.plan_peak_bytes is None else f"{measured} (plan {memory_size(self.plan_peak_bytes)})"
+
+
+def memory_size(value: float) -> str:
+    """Bytes as GiB from 1 GiB up, as MiB below it (one decimal each)."""
+    return f"{value / GIB:.1f} GiB" if abs(value) >= GIB else f"{value / 2**20:.1f} MiB"
 
 
 def _records(path: Path, start: int, size: int) -> list[dict]:
