@@ -62,7 +62,8 @@ export = tool_command("export", ExportOptions, api.export, "Write a verified che
 generate = tool_command("generate", GenerateOptions, api.generate, "Continue a prompt with a run's checkpoint, on "
                         "one device.  Example: trainctl generate RUN --prompt 'def '")
 eval_command = tool_command("eval", EvalOptions, api.evaluate, "Loss and perplexity of a checkpoint over a "
-                            "dataset's val split.  Example: trainctl eval RUN --data tok")
+                            "dataset's split or a text file, or lm-evaluation-harness tasks.  Example: trainctl eval "
+                            "RUN --data tok --all")
 
 
 def data_prepare(
@@ -76,7 +77,8 @@ def data_prepare(
     eos_token: str = typer.Option(None, "--eos-token", help="The end-of-document token (default: found).",
                                   show_default=False),
     text_field: str = typer.Option("text", "--text-field", help="The text field of .jsonl / .parquet records."),
-    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval."),
+    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval (1: an "
+                                       "eval-only set)."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
     workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
     data_format: str = typer.Option("text", "--format", help="text, chat (a messages list per record) or "
@@ -113,8 +115,9 @@ def data_prepare(
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
     # Evaluation reads the val split: plan and launch refuse an empty one unless eval is off.
     note = "" if val.tokens else "\nno val split: train with train.eval_every=0, or prepare with --val-fraction 0.01"
-    out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]{note}", markup=False, highlight=False,
-              soft_wrap=True)
+    use = f"train on it with: data=memmap data.datasets=[{meta.root}]{note}" if train.tokens else (
+        f"an eval-only set: trainctl eval RUN --data {meta.root} --all")
+    out.print(use, markup=False, highlight=False, soft_wrap=True)
 
 
 def tune(

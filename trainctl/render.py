@@ -227,13 +227,15 @@ def runs_table(console: Console, infos: list) -> None:
     """`trainctl runs`: one row per run (api.RunInfo); measured figures next to the plan's once some run has them:
     "38.2% (plan 40%)", "61.2 GiB (plan 60.3)"."""
     shown = any(i.figures.mfu is not None or i.figures.peak_bytes is not None for i in infos)
+    tasks = any(i.figures.tasks for i in infos)
     rows = []
     for i in infos:
         st, f = i.state, i.figures
         rows.append([st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), _fmt(f.loss, ".4g"),
                      _fmt(f.val_loss, ".4g"), _fmt(f.tokens_per_s, ".0f"),
-                     *((f.mfu_text(), f.peak_text()) if shown else ()), st.detail])
-    header = [*RUN_COLUMNS, *(("mfu", "peak") if shown else ()), "detail"]
+                     *((f.mfu_text(), f.peak_text()) if shown else ()), *((f.tasks_text() or "-",) if tasks else ()),
+                     st.detail])
+    header = [*RUN_COLUMNS, *(("mfu", "peak") if shown else ()), *(("lm-eval",) if tasks else ()), "detail"]
     table_or_lines(console, header, rows, *(Column(h, no_wrap=h != "detail") for h in header))
 
 
@@ -268,7 +270,7 @@ def status_panel(console: Console, info) -> None:
             ("eval", _fmt(f.val_loss, ".4f") if f.val_loss is not None else ""),
             ("speed", f"{f.tokens_per_s:,.0f} tokens/s" if f.tokens_per_s is not None else ""),
             ("eta", duration(info.eta_s) if info.eta_s is not None else ""),
-            ("mfu", f.mfu_text()), ("peak", peak), ("log", str(info.log))]
+            ("mfu", f.mfu_text()), ("peak", peak), ("lm-eval", f.tasks_text()), ("log", str(info.log))]
     for key, value in rows:
         if value:
             console.print(f"{key:9}{value}", highlight=False, soft_wrap=True, markup=False)
