@@ -118,16 +118,22 @@ def dp_degree(run_dir: Path, cfg: RunConfig) -> int:
     return max(1, cfg.sharding.dp_replicate) * max(1, cfg.sharding.dp_shard)
 
 
-def split_batches(cfg: RunConfig, data_dir: str, split: str, vocab_size: int) -> TokenBatches:
-    train = cfg.train
+def split_batches(cfg: RunConfig, meta: dataset.DatasetMeta, split: str, vocab_size: int) -> TokenBatches:
+    """The split's batches; one shorter than a window is read as one window of all of it (a full pass)."""
+    train, data_dir, size = cfg.train, str(meta.root), meta.splits[split].tokens
+    if size < 2:
+        raise EvalError([f"--data {data_dir}: its {split} split has {size} tokens, nothing to score; evaluate "
+                         f"another split (--split) or more text"])
     data = DataConfig(kind="memmap", datasets=[data_dir], vocab_size=vocab_size)
     try:
-        return TokenBatches(data, split, train.seq_len, train.micro_batch, train.micro_batch, 1, 0, 1, seed=0)
+        return TokenBatches(data, split, min(train.seq_len, size - 1), train.micro_batch, train.micro_batch, 1, 0, 1,
+                            seed=0)
     except DataError as exc:
         raise EvalError([f"--data {data_dir}: {exc}"]) from None
 
 
-def chosen_windows(source: TokenBatches, batches: int | None, full: bool) -> tuple[Iterable, int, int, str | None]:
+def chosen_windows(source: TokenBatches, batches: int, full: bool,
+                   asked: str = "--batches") -> tuple[Iterable, int, int, str | None]:
     """(the micro-batches, how many, the distinct token positions their targets cover, a note): the run's own
     eval windows (drawn apart, as the worker's val loss reads them), or one full pass when asked for, or when
     the batches asked for hold more windows than the split has (a second pass would only re-read it)."""
@@ -138,7 +144,7 @@ def chosen_windows(source: TokenBatches, batches: int | None, full: bool) -> tup
         except DataError as exc:
             raise EvalError([f"--data {exc}"]) from None
     count = -(-rows // source.micro_batch)
-    note = None if full else (f"--batches {batches} holds more than the split's {rows} windows of "
+    note = None if full else (f"{asked} {batches} holds more than the split's {rows} windows of "
                               f"{source.seq_len} tokens: one full pass ({count} batches) instead")
     return source.full_pass(), count, source.num_tokens - 1, note
 
@@ -158,10 +164,11 @@ def loss_over(run_dir: Path, cfg: RunConfig, options: EvalOptions, model: Callab
     """EvalResult's loss fields over --data: the run's eval windows, or one full pass."""
     vocab_size = read_model_config(run_dir).vocab_size
     with dataset_of(run_dir, options.data) as (data_dir, from_file):
-        check_dataset(run_dir, data_dir, vocab_size)
-        source = split_batches(cfg, data_dir, options.split, vocab_size)
+        meta = check_dataset(run_dir, data_dir, vocab_size)
+        source = split_batches(cfg, meta, options.split, vocab_size)
         asked = options.batches or cfg.train.eval_batches * dp_degree(run_dir, cfg)
-        windows, batches, positions, note = chosen_windows(source, asked, options.full or from_file)
+        windows, batches, positions, note = chosen_windows(
+            source, asked, options.full or from_file, "--batches" if options.batches else "the default batches")
         try:
             total, count = loss_totals(*model(), windows)
         except DataError as exc:
@@ -170,11 +177,10 @@ def loss_over(run_dir: Path, cfg: RunConfig, options: EvalOptions, model: Callab
         raise EvalError([f"--data {options.data}: no target of the {batches} {options.split} batches counts in the "
                          "loss (every token masked); evaluate more --batches, --all, or a dataset with answers in "
                          f"its {options.split} split"])
-    loss = total / count
+    loss, full = total / count, note is not None or options.full or from_file
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count, "batches": batches,
             "data": str(Path(options.data).expanduser().resolve()), "split": options.split, "positions": positions,
-            "split_tokens": source.num_tokens, "full_pass": note is not None or options.full or from_file,
-            "note": note}
+            "seq_len": source.seq_len, "split_tokens": source.num_tokens, "full_pass": full, "note": note}
 
 
 def evaluate(run_dir: Path, options: EvalOptions, device: torch.device) -> EvalResult:
@@ -197,7 +203,8 @@ def evaluate(run_dir: Path, options: EvalOptions, device: torch.device) -> EvalR
     module, _ = model()
     if checked is not None:
         fields["tasks"], fields["tasks_file"] = run_tasks(run_dir, options, checked, module, device, loaded[1])
-    return EvalResult(**fields, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
+    fields.setdefault("seq_len", cfg.train.seq_len)
+    return EvalResult(**fields, micro_batch=cfg.train.micro_batch,
                       step=checkpoints.step_of(loaded[1]), checkpoint=str(loaded[1]))
 
 
