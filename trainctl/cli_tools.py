@@ -125,6 +125,7 @@ def tune(
                                           show_default=False),
     top: int = typer.Option(4, "--top", help="How many of the fastest predicted layouts to probe."),
     probe_steps: int = typer.Option(20, "--probe-steps", help="Optimizer steps of each probe."),
+    repeats: int = typer.Option(2, "--repeats", help="Runs of each probe (local): the table shows their spread."),
     probe_timeout: float = typer.Option(600.0, "--probe-timeout", help="Seconds before a probe counts as hung and "
                                         "is cancelled."),
     name: str = typer.Option("", "--name", help="The tune folder's name under RUNS_DIR/tune (default: recipe and a "
@@ -142,6 +143,11 @@ def tune(
     from trainctl.api.tuning import tune as run_tune
     from trainctl.render import print_json, tune_table
 
+    def filled(result) -> None:
+        if result.filled:
+            (err if as_json else out).print(f"tune filled in for this cluster: {' '.join(result.filled)}",
+                                            markup=False, highlight=False, soft_wrap=True)
+
     def said(probe, i: int, total: int) -> None:
         say = err if as_json else out
         say.print(f"probe {i + 1}/{total}: {probe.label} {' '.join(probe.overrides)}", markup=False,
@@ -154,7 +160,8 @@ def tune(
     else:
         try:
             result = run_tune(overrides, api.search(config_dirs), top=top, probe_steps=probe_steps,
-                              probe_timeout_s=probe_timeout, name=name, on_probe=said)
+                              probe_timeout_s=probe_timeout, name=name, repeats=repeats, on_probe=said,
+                              on_start=filled)
         except TuneInterrupted as stopped:
             err.print(f"trainctl: tune interrupted; the running probe was stopped, nothing pinned; the finished "
                       f"probes are in {stopped.result.folder / 'tune.json'}", markup=False, highlight=False,
@@ -168,6 +175,8 @@ def tune(
         print_json(data)
     else:
         out.print(tune_table(data))
+        if result.noise:
+            out.print(result.noise, markup=False, highlight=False, soft_wrap=True)
         last = f"pinned: {result.recipe_file}\nlaunch it with: {result.launch_command}" if result.recipe_file else (
             "every probe failed: nothing pinned; see each probe's logs (trainctl logs RUN --runs-dir ...)")
         out.print(f"wrote {result.folder / 'tune.json'}\n{last}", markup=False, highlight=False, soft_wrap=True)

@@ -99,7 +99,8 @@ def import_check_lines(cluster: SlurmClusterConfig, helper_python: str) -> list[
            "" if mounted else ", or set cluster.container.default_mounts=true") if cluster.container.image
            else "set cluster.python to an interpreter that has them (e.g. /shared/venv/bin/python) or activate its "
            "environment in cluster.setup")
-    message = f"trainctl: the Python of the job ({chosen_python(cluster)}){where} cannot import trainctl and torch; {fix}"
+    python = chosen_python(cluster)
+    message = f"trainctl: the Python of the job ({python}){where} cannot import trainctl and torch; {fix}"
     return [f"if ! {helper_python} -c {shlex.quote(IMPORT_CHECK)}; then",
             f"  echo {shlex.quote(message)} >&2",
             "  exit 1",
