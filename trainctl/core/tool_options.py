@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from trainctl.core import rundir
 from trainctl.core.errors import UserError
 
 EXPORT_DTYPES = ("fp32", "bf16", "fp16")  # the exporter's torch dtypes are keyed by these names
@@ -149,7 +150,7 @@ class EvalOptions:
                                  "val loss draws them (default: train.eval_batches x the run's data-parallel ranks; "
                                  "more than the split holds: one full pass).", None)
     tasks: str | None = option("--tasks", "lm-evaluation-harness tasks, comma-separated (pip install "
-                               "'trainctl[eval]'); the results go to RUN/lm_eval.json.", None)
+                               "'trainctl[eval]'); the results go to RUN/" + rundir.LM_EVAL + ".", None)
     include_path: str | None = option("--include-path", "A folder of your own lm-evaluation-harness task YAMLs "
                                       "(with --tasks).", None)
     limit: int | None = option("--limit", "With --tasks: at most this many documents per task.", None)
