@@ -73,6 +73,7 @@ def test_a_local_task_scores_what_the_models_log_probabilities_say(tmp_path, tin
         scores = [lm._score(tokens.encode(q["question"]), tokens.encode(c))[0] for c in q["choices"]]
         right += max(range(3), key=scores.__getitem__) == q["answer"]
     assert found["tiny_qa"]["acc"] == pytest.approx(right / len(QUESTIONS))
+    assert list(found["tiny_qa"]) == ["acc", "acc_stderr"]  # scores only (no alias, no sample count)
     record = json.loads((run_dir / layout.LM_EVAL).read_text())
     assert path == str(run_dir / layout.LM_EVAL) and record["step"] == 3 and record["tasks"] == found
     with pytest.raises(UserError, match="no_such_task: not a task lm-evaluation-harness knows"):

@@ -105,12 +105,14 @@ def run_lm_class(base: type) -> type:
 
 
 def metrics(results: dict) -> dict[str, dict[str, float]]:
-    """task -> {metric: value} from the harness's `results` (its "acc,none" keys without the filter's "none")."""
+    """task -> {metric: value} from the harness's `results` (its "acc,none" keys without the filter's "none"), the
+    task's own metric first."""
     out = {}
     for task, values in results.get("results", {}).items():
         shown = {}
         for key, value in values.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            # Metrics are "name,filter" keys; the rest (alias, sample_len) describe the task, not its score.
+            if "," in key and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 metric, _, filtered = key.partition(",")
                 shown[metric if filtered in ("", "none") else key] = value
         out[task] = shown
