@@ -62,7 +62,8 @@ export = tool_command("export", ExportOptions, api.export, "Write a verified che
 generate = tool_command("generate", GenerateOptions, api.generate, "Continue a prompt with a run's checkpoint, on "
                         "one device.  Example: trainctl generate RUN --prompt 'def '")
 eval_command = tool_command("eval", EvalOptions, api.evaluate, "Loss and perplexity of a checkpoint over a "
-                            "dataset's val split.  Example: trainctl eval RUN --data tok")
+                            "dataset's split or a text file, or lm-evaluation-harness tasks.  Example: trainctl eval "
+                            "RUN --data tok --all")
 
 
 def data_prepare(
@@ -80,7 +81,8 @@ def data_prepare(
                              help="Start each text document with the beginning-of-text token (default: as the "
                              "tokenizer_config.json says: add_bos_token, else whether it names a bos_token)."),
     text_field: str = typer.Option("text", "--text-field", help="The text field of .jsonl / .parquet records."),
-    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval."),
+    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of text held out for eval (1: an "
+                                       "eval-only set)."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
     workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
     data_format: str = typer.Option("text", "--format", help="text, chat (a messages list per record) or "
@@ -118,8 +120,9 @@ def data_prepare(
               f"{meta.tokenizer.vocab_size:,}, {meta.token_dtype}", markup=False, highlight=False, soft_wrap=True)
     # Evaluation reads the val split: plan and launch refuse an empty one unless eval is off.
     note = "" if val.tokens else "\nno val split: train with train.eval_every=0, or prepare with --val-fraction 0.01"
-    out.print(f"train on it with: data=memmap data.datasets=[{meta.root}]{note}", markup=False, highlight=False,
-              soft_wrap=True)
+    use = f"train on it with: data=memmap data.datasets=[{meta.root}]{note}" if train.tokens else (
+        f"an eval-only set: trainctl eval RUN --data {meta.root} --all")
+    out.print(use, markup=False, highlight=False, soft_wrap=True)
 
 
 def tune(
@@ -127,6 +130,7 @@ def tune(
                                           show_default=False),
     top: int = typer.Option(4, "--top", help="How many of the fastest predicted layouts to probe."),
     probe_steps: int = typer.Option(20, "--probe-steps", help="Optimizer steps of each probe."),
+    repeats: int = typer.Option(2, "--repeats", help="Runs of each probe (local): the table shows their spread."),
     probe_timeout: float = typer.Option(600.0, "--probe-timeout", help="Seconds before a probe counts as hung and "
                                         "is cancelled."),
     name: str = typer.Option("", "--name", help="The tune folder's name under RUNS_DIR/tune (default: recipe and a "
@@ -144,6 +148,11 @@ def tune(
     from trainctl.api.tuning import tune as run_tune
     from trainctl.render import print_json, tune_table
 
+    def filled(result) -> None:
+        if result.filled:
+            (err if as_json else out).print(f"tune filled in for this cluster: {' '.join(result.filled)}",
+                                            markup=False, highlight=False, soft_wrap=True)
+
     def said(probe, i: int, total: int) -> None:
         say = err if as_json else out
         say.print(f"probe {i + 1}/{total}: {probe.label} {' '.join(probe.overrides)}", markup=False,
@@ -156,7 +165,8 @@ def tune(
     else:
         try:
             result = run_tune(overrides, api.search(config_dirs), top=top, probe_steps=probe_steps,
-                              probe_timeout_s=probe_timeout, name=name, on_probe=said)
+                              probe_timeout_s=probe_timeout, name=name, repeats=repeats, on_probe=said,
+                              on_start=filled)
         except TuneInterrupted as stopped:
             err.print(f"trainctl: tune interrupted; the running probe was stopped, nothing pinned; the finished "
                       f"probes are in {stopped.result.folder / 'tune.json'}", markup=False, highlight=False,
@@ -170,6 +180,8 @@ def tune(
         print_json(data)
     else:
         out.print(tune_table(data))
+        if result.noise:
+            out.print(result.noise, markup=False, highlight=False, soft_wrap=True)
         last = f"pinned: {result.recipe_file}\nlaunch it with: {result.launch_command}" if result.recipe_file else (
             "every probe failed: nothing pinned; see each probe's logs (trainctl logs RUN --runs-dir ...)")
         out.print(f"wrote {result.folder / 'tune.json'}\n{last}", markup=False, highlight=False, soft_wrap=True)

@@ -251,13 +251,15 @@ def runs_table(console: Console, infos: list) -> None:
     """`trainctl runs`: one row per run (api.RunInfo); measured figures next to the plan's once some run has them:
     "38.2% (plan 40%)", "61.2 GiB (plan 60.3)"."""
     shown = any(i.figures.mfu is not None or i.figures.peak_bytes is not None for i in infos)
+    tasks = any(i.figures.tasks for i in infos)
     rows = []
     for i in infos:
         st, f = i.state, i.figures
         rows.append([st.name, st.launcher or "-", st.job_id or "-", st.state, _step(st), _fmt(f.loss, ".4g"),
                      _fmt(f.val_loss, ".4g"), _fmt(f.tokens_per_s, ".0f"),
-                     *((f.mfu_text(), f.peak_text()) if shown else ()), st.detail])
-    header = [*RUN_COLUMNS, *(("mfu", "peak") if shown else ()), "detail"]
+                     *((f.mfu_text(), f.peak_text()) if shown else ()), *((f.tasks_text() or "-",) if tasks else ()),
+                     st.detail])
+    header = [*RUN_COLUMNS, *(("mfu", "peak") if shown else ()), *(("lm-eval",) if tasks else ()), "detail"]
     table_or_lines(console, header, rows, *(Column(h, no_wrap=h != "detail") for h in header))
 
 
@@ -292,7 +294,7 @@ def status_panel(console: Console, info) -> None:
             ("eval", _fmt(f.val_loss, ".4f") if f.val_loss is not None else ""),
             ("speed", f"{f.tokens_per_s:,.0f} tokens/s" if f.tokens_per_s is not None else ""),
             ("eta", duration(info.eta_s) if info.eta_s is not None else ""),
-            ("mfu", f.mfu_text()), ("peak", peak), ("log", str(info.log))]
+            ("mfu", f.mfu_text()), ("peak", peak), ("lm-eval", f.tasks_text()), ("log", str(info.log))]
     for key, value in rows:
         if value:
             console.print(f"{key:9}{value}", highlight=False, soft_wrap=True, markup=False)
@@ -325,21 +327,24 @@ def _pct(value: float | None) -> str:
 
 def tune_table(data: dict) -> Table:
     """One row per probe (tune.json's rows): measured rank, the plan's rank, tokens/s and peak MiB with errors."""
-    caption = (f"{len(data['rows'])} of {data['candidates']} fitting layouts probed for {data['probe_steps']} steps\n"
-               "pred: the plan's, meas: the probe's, err: meas/pred - 1")
+    repeats = data.get("repeats", 1)
+    times = f", {repeats} times each" if repeats > 1 else ""
+    caption = (f"{len(data['rows'])} of {data['candidates']} fitting layouts probed for {data['probe_steps']} steps"
+               f"{times}\npred: the plan's, meas: the probe's (the median of its repeats), spr: (slowest - fastest) "
+               "/ median, err: meas/pred - 1")
     table = Table(title=f"tune {data['name']}: fastest measured first", title_justify="left", title_style="bold",
                   caption=caption, caption_justify="left", box=None, padding=(0, 1), collapse_padding=True)
     table.add_column("#", justify="right")
     table.add_column("layout", overflow="fold", min_width=16)
     # Short headers: the table fits 80 columns (pred: the plan's, meas: the probe's).
-    for column in ("plan#", "tok/s pred", "meas", "err", "MiB pred", "meas", "err"):
+    for column in ("plan#", "tok/s pred", "meas", "spr", "err", "MiB pred", "meas", "err"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("status", overflow="fold", min_width=6)
     for i, r in enumerate(data["rows"], start=1):
         peak = r["measured_peak_bytes"]
         table.add_row(
             str(i), r["label"], str(r["predicted_rank"]), _num(r["predicted_tokens_per_s"], ",.0f"),
-            _num(r["measured_tokens_per_s"], ",.0f"), _pct(r["tokens_error"]),
+            _num(r["measured_tokens_per_s"], ",.0f"), _num(r.get("spread"), ".0%"), _pct(r["tokens_error"]),
             f"{r['predicted_peak_bytes'] / MIB:,.0f}", "-" if peak is None else f"{peak / MIB:,.0f}",
             _pct(r["peak_error"]), r["status"])
     return table

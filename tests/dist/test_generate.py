@@ -136,6 +136,24 @@ def test_eval_loss_equals_the_workers_val_loss(trained, capsys):
     assert result.loss < 0.1 and result.tokens < 3 * 8 * 64 / 2
 
 
+def test_eval_all_scores_every_counted_token_of_the_split_once(trained, tmp_path):
+    """--all over the chat set's val split: every target its mask counts, once; a text file is read whole."""
+    from trainctl.data.format import LOSS, read_meta
+
+    run_dir, out = trained
+    meta = read_meta(out)
+    flags = b"".join((meta.root / shard.mask).read_bytes() for shard in meta.splits["val"].shards)
+    counted = sum(1 for f in flags[1:] if f & LOSS)  # the first token is no one's target
+    result = api.evaluate(run_dir, data=str(out), full=True)
+    assert (result.tokens, result.split_tokens, result.full_pass) == (counted, meta.splits["val"].tokens, True)
+    assert result.loss < 0.1  # the answers it learned, now all of them
+    text = "12 34\nno digits here, and then some more plain text\n"
+    (tmp_path / "plain.txt").write_text(text)
+    whole = api.evaluate(run_dir, data=str(tmp_path / "plain.txt"))
+    # byte tokens: every byte and the document's end token, each after the one before it
+    assert (whole.tokens, whole.split_tokens, whole.full_pass) == (len(text.encode()), len(text.encode()) + 1, True)
+
+
 @pytest.mark.cli
 def test_generate_and_eval_through_the_cli(trained, tmp_path):
     run_dir, out = trained
@@ -182,6 +200,7 @@ def test_user_errors_are_one_line_and_exit_2(trained, tmp_path):
         "two prompts": (["generate", str(run_dir), "--prompt", "x", "--prompts", str(tmp_path / "empty.txt")],
                         "exactly one of"),
         "eval without a val split": (["eval", str(run_dir), "--data", str(tmp_path)], "not a prepared dataset"),
+        "eval of no such path": (["eval", str(run_dir), "--data", str(tmp_path / "nope")], "no such file or folder"),
     }
     for name, (args, message) in cases.items():
         proc = run_cli(*args, timeout=300)  # a FIFO never opened: this returns instead of blocking

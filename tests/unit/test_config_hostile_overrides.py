@@ -8,6 +8,7 @@ left behind (config files: test_config_hostile.py).
 
 from __future__ import annotations
 
+import shlex
 import signal
 
 import pytest
@@ -30,6 +31,16 @@ def test_adding_a_group_the_config_has_says_how_to_choose_it(override):
 @pytest.mark.parametrize("override", ["description=café", "recipe=réglage", "name=日本"])
 def test_an_unquoted_value_the_grammar_cannot_read_says_to_quote_it(override):
     assert refused([override]).startswith(f"{override}: an unquoted value holds a character")
+
+
+def test_the_quoting_hint_is_the_whole_override_as_the_shell_and_hydra_take_it():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for value in ("nvcr.io#nvidia/pytorch:25.01-py3", 'a#"b', """a#"b'c"""):
+        line = refused([f"cluster.container.image={value}"])
+        hint = line.rsplit("inside the shell's quotes: ", 1)[1]
+        (word,) = shlex.split(hint)  # one shell word ...
+        assert OverridesParser.create().parse_override(word).value() == value  # ... that Hydra reads as the value
 
 
 # ---------------------------------------------------------------- 2. overrides Hydra's parser cannot answer

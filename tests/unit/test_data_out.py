@@ -140,7 +140,7 @@ def test_out_where_no_folder_can_be_made(text_dir):
 @pytest.mark.parametrize(("options", "words"), [
     (dict(workers=0), "--workers 0"), (dict(workers=-3), "--workers -3"),
     (dict(shard_tokens=10**30), "--shard-tokens"), (dict(shard_tokens=0), "--shard-tokens"),
-    (dict(val_fraction=float("nan")), "--val-fraction"), (dict(val_fraction=1.0), "--val-fraction"),
+    (dict(val_fraction=float("nan")), "--val-fraction"), (dict(val_fraction=1.5), "--val-fraction"),
     (dict(vocab_size=512), "only with --train-tokenizer"),
     (dict(train_tokenizer=True, vocab_size=300, tokenizer="x.json"), "choose one"),
     (dict(train_tokenizer=True, vocab_size=300, eos_token="</s>"), "leave --eos-token out"),

@@ -36,7 +36,72 @@ def test_the_job_runs_python_from_its_path_not_the_launching_venv(tmp_path):
     assert words[words.index("-m") - 1:words.index("-m") + 2] == ["python", "-m", "torch.distributed.run"]
     assert sys.executable not in script
     assert all(re.search(r"(^|[ ])python -m trainctl.core.rundir", line) for line in bookkeeping_lines(script))
-    assert compose(["cluster=slurm"]).cluster.python == "python"  # the default
+
+
+
+def test_the_job_python_defaults_to_the_launching_interpreter_and_to_the_images_python(tmp_path):
+    assert compose(["cluster=slurm"]).cluster.python == ""  # the default: chosen by where the job runs
+    words = srun_words(slurm.render_sbatch(slurm_config(python=""), tmp_path / "r"))
+    assert words[words.index("-m") - 1] == sys.executable  # no container: the venv that launched it
+    for container in (ContainerConfig(image="img.sqsh"), ContainerConfig(exec="apptainer exec x.sif")):
+        words = srun_words(slurm.render_sbatch(slurm_config(python="", container=container), tmp_path / "r"))
+        assert words[words.index("-m") - 1] == "python"  # the image's own
+
+
+def test_the_job_checks_its_python_imports_trainctl_before_the_lock_and_torchrun(tmp_path):
+    script = slurm.render_sbatch(slurm_config(python="", container=ContainerConfig(image="img.sqsh")),
+                                 tmp_path / "r")
+    lines = script.splitlines()
+    check = next(i for i, line in enumerate(lines) if "-c 'import trainctl, torch'" in line)
+    assert lines[check].startswith("if ! srun --nodes=1 --ntasks=1") and "--container-image=img.sqsh" in lines[check]
+    assert "cannot import trainctl and torch; install torch and the dependencies of trainctl in" in lines[check + 1]
+    assert lines[check + 2:check + 4] == ["  exit 1", "fi"]
+    assert check < min(i for i, line in enumerate(lines) if "trainctl.core.rundir" in line or "torch.distributed" in
+                        line)
+
+
+def test_the_image_sees_the_run_and_trainctls_code_by_default_and_the_header_says_so(tmp_path):
+    import trainctl
+
+    run_dir = tmp_path / "runs" / "r"
+    code = Path(trainctl.__file__).resolve().parent
+    script = slurm.render_sbatch(slurm_config(container=ContainerConfig(image="img.sqsh", mounts=["/d:/d"])), run_dir)
+    mounts = f"--container-mounts={run_dir.parent}:{run_dir.parent},{code}:/opt/trainctl/code/trainctl:ro,/d:/d"
+    assert mounts in srun_words(script)
+    assert f"#   {code}:/opt/trainctl/code/trainctl:ro  (the launcher's trainctl, on PYTHONPATH)" in script
+    assert f"#   {run_dir.parent}:{run_dir.parent}  (the runs folder, at the same path)" in script
+    assert 'export PYTHONPATH=/opt/trainctl/code"${PYTHONPATH:+:$PYTHONPATH}"' in script.splitlines()
+    off = slurm.render_sbatch(slurm_config(container=ContainerConfig(image="img.sqsh", default_mounts=False)),
+                              run_dir)
+    assert "--container-mounts" not in off and "PYTHONPATH" not in off and "no mounts" in off
+    mine = ContainerConfig(image="img.sqsh", mounts=[f"/elsewhere:{run_dir.parent}"])  # the user's wins
+    assert f"--container-mounts={code}:/opt/trainctl/code/trainctl:ro,/elsewhere:{run_dir.parent}" in srun_words(
+        slurm.render_sbatch(slurm_config(container=mine), run_dir))
+
+
+def test_one_export_of_each_torchrun_variable(tmp_path):
+    script = slurm.render_sbatch(slurm_config(), tmp_path / "r")
+    exports = [line for line in script.splitlines() if line.startswith("export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=")]
+    assert exports == ["export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120"]  # the preemption lead, once
+
+
+def test_the_launching_interpreter_and_an_explicit_one_are_checked_before_submitting(tmp_path):
+    from trainctl.launch.backends.slurm import job_python
+
+    assert job_python.local_problems(slurm_config(python="").cluster) == []  # this interpreter has both
+    assert job_python.local_problems(slurm_config(python="no-such-python-here").cluster) == []  # the nodes' own
+
+
+@pytest.mark.cli  # runs the named interpreter
+def test_an_explicit_interpreter_without_trainctl_is_refused_in_one_line(tmp_path):
+    from trainctl.launch.backends.slurm import job_python
+
+    bare = tmp_path / "python3"
+    write_exe(bare, 'echo "ModuleNotFoundError: No module named \'torch\'" >&2\nexit 1\n')
+    (line,) = job_python.local_problems(slurm_config(python=str(bare)).cluster)
+    assert line == (f"cluster.python={bare}: cannot import trainctl and torch (ModuleNotFoundError: No module named "
+                    f"'torch'); give the environment's interpreter (e.g. {sys.executable}) or install them there")
+    assert job_python.local_problems(slurm_config(python=sys.executable).cluster) == []
 
 
 @pytest.mark.cli  # rendering cluster.setup checks it with bash -n
@@ -54,8 +119,9 @@ def test_a_pyxis_image_and_its_mounts_go_on_every_srun(tmp_path):
     script = slurm.render_sbatch(cfg, tmp_path / "r")
     words = srun_words(script)
     image = "--container-image=nvcr.io#nvidia/pytorch:25.01-py3"
-    mounts = "--container-mounts=/data:/data:ro,/scratch:/scratch"
-    assert image in words and mounts in words and words.index(mounts) < words.index("python3")
+    mounts = next(w for w in words if w.startswith("--container-mounts="))
+    assert mounts.endswith(",/data:/data:ro,/scratch:/scratch")  # after the default mounts
+    assert image in words and words.index(mounts) < words.index("python3")
     # The batch shell's own Python (lock holder, finished run) runs in the image too: one task on one node.
     step = ["srun", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=1", image, mounts, "python3", "-m"]
     for line in bookkeeping_lines(script):
@@ -96,7 +162,7 @@ BAD = [
     (["cluster.container.image='a b'"], "cluster.container.image='a b': one image name or path"),
     (["cluster.container.exec='apptainer exec \"x.sif'"], "cluster.container.exec='apptainer exec \"x.sif': "),
     (["cluster.python='conda run python'"], "cluster.python='conda run python': one command or path without spaces"),
-    (["cluster.python="], "cluster.python='': one command or path"),
+    (["cluster.python=' '"], "cluster.python=' ': one command or path"),
     (["cluster.srun_args=['mpi=none']"], "cluster.srun_args[0]='mpi=none': one srun option per entry"),
 ]
 
@@ -126,7 +192,8 @@ def test_the_prefix_wraps_what_the_script_runs(tmp_path):
     cfg = slurm_config(python=sys.executable, container=ContainerConfig(exec=f"{wrapper} --flag"))
     done = run_script(tmp_path, cfg, run_dir)
     assert done.returncode == 0, done.stderr
-    wrapped = (tmp_path / "wrapped").read_text().splitlines()
+    check, *wrapped = (tmp_path / "wrapped").read_text().splitlines()
+    assert check == f"--flag {sys.executable} -c import trainctl, torch"  # the job's Python checked first
     assert [w.split()[:4] for w in wrapped] == [["--flag", sys.executable, "-m", "trainctl.core.rundir"]] * 2
     assert [w.split()[4] for w in wrapped] == ["hold", "completed"]
     args = (tmp_path / "srun_args").read_text().splitlines()

@@ -96,6 +96,14 @@ def test_results_render_as_the_commands_print_them():
     result = EvalResult(1.5, 4.4817, 1024, 2, 64, 8, 7, "ckpt", "tok")
     assert result.text() == "step 7: val loss 1.5000, perplexity 4.482 over 1,024 tokens (2 batches of 8 x 64) of tok"
     assert [f.name for f in fields(EvalResult)][:3] == ["loss", "perplexity", "tokens"]
+    full = EvalResult(1.5, 4.4817, 1023, 2, 64, 8, 7, "ckpt", "tok", split_tokens=1024, full_pass=True,
+                      note="--batches 9 holds more than the split's 16 windows of 64 tokens: one full pass (2 batches)")
+    assert full.text().splitlines() == [full.note, "step 7: val loss 1.5000, perplexity 4.482 over 1,023 tokens (one "
+                                        "full pass over the val split's 1,024 tokens; 2 batches of 8 x 64) of tok"]
+    drawn = EvalResult(1.5, 4.4817, 1024, 2, 64, 8, 7, "ckpt", "tok", positions=900, split_tokens=5000)
+    assert "(windows covering 900 distinct of the split's 5,000 tokens; 2 batches" in drawn.text()
+    tasks = EvalResult(None, None, 0, 0, 64, 8, 7, "ckpt", None, tasks={"qa": {"acc": 0.5, "n": 3}}, tasks_file="f")
+    assert tasks.text() == "step 7: qa: acc 0.5000, n 3\nwrote f"
 
 
 @pytest.mark.parametrize("text, size",

@@ -62,7 +62,7 @@ def faked(tmp_path, monkeypatch):
     monkeypatch.setattr(launching, "start", lambda prepared, **_: outcome[len(launched)])
     monkeypatch.setattr(watching, "cancel", lambda run_dir: cancelled.append(run_dir))
     monkeypatch.chdir(tmp_path)
-    result = tuning.tune(["recipe=tiny_cpu"], top=5, probe_steps=8, probe_timeout_s=7, name="t")
+    result = tuning.tune(["recipe=tiny_cpu"], top=5, probe_steps=8, probe_timeout_s=7, name="t", repeats=1)
     return result, launched, cancelled, outcome
 
 
@@ -163,7 +163,7 @@ def test_ctrl_c_stops_the_running_probe_writes_what_finished_and_pins_nothing(tm
     monkeypatch.setattr(watching, "cancel", lambda run_dir: cancelled.append(run_dir))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(tuning.TuneInterrupted) as info:
-        tuning.tune(["recipe=tiny_cpu"], top=4, probe_steps=8, name="t")
+        tuning.tune(["recipe=tiny_cpu"], top=4, probe_steps=8, name="t", repeats=1)
     assert len(launched) == 2  # nothing started after the interrupt
     assert cancelled == [tmp_path / "runs" / "tune" / "t" / "probe-02"]  # its own process group: stopped, not left
     assert outcome[2].waits == [tuning.DEFAULT_PROBE_TIMEOUT_S, tuning.CANCEL_GRACE_S]

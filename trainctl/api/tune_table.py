@@ -29,6 +29,7 @@ class Probe:
     status: str = "not run"  # ok | failed: why | timed out | refused: why
     measured_tokens_per_s: float | None = None
     measured_peak_bytes: int | None = None
+    repeats: list[float] = field(default_factory=list)  # each repeat's measured tokens/s (their median above)
 
     @property
     def ok(self) -> bool:
@@ -40,11 +41,19 @@ class Probe:
         return error(self.measured_tokens_per_s, self.predicted_tokens_per_s)
 
     @property
+    def spread(self) -> float | None:
+        """(slowest - fastest repeat) / their median: how far this machine's noise moved one layout's speed."""
+        if len(self.repeats) < 2 or not self.measured_tokens_per_s:
+            return None
+        return (max(self.repeats) - min(self.repeats)) / self.measured_tokens_per_s
+
+    @property
     def peak_error(self) -> float | None:
         return error(self.measured_peak_bytes, self.predicted_peak_bytes)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tokens_error": self.tokens_error, "peak_error": self.peak_error}
+        return {**dataclasses.asdict(self), "tokens_error": self.tokens_error, "peak_error": self.peak_error,
+                "spread": self.spread}
 
 
 @dataclass
@@ -59,6 +68,9 @@ class TuneResult:
     job_id: str = ""  # a queued tune: the probes' job (on Slurm, their job array)
     message: str = ""  # a queued tune: what the submission said
     interrupted: bool = False  # Ctrl-C (or SIGTERM) ended the tune: the table holds the probes that finished
+    filled: list[str] = field(default_factory=list)  # what tune derived for a start that did not suit the cluster
+    repeats: int = 1  # runs of each probe
+    noise: str = ""  # the ranking's top two within the repeats' noise: said, with what would separate them
 
     @property
     def winner(self) -> Probe | None:
@@ -74,7 +86,7 @@ class TuneResult:
                 "winner": None if self.winner is None else self.winner.label,
                 "recipe_file": None if self.recipe_file is None else str(self.recipe_file),
                 "launch": self.launch_command, "base_overrides": self.base_overrides, "job_id": self.job_id,
-                "interrupted": self.interrupted}
+                "interrupted": self.interrupted, "filled": self.filled, "repeats": self.repeats, "noise": self.noise}
 
 
 def _key(override: str) -> str:
@@ -104,10 +116,25 @@ def pin(cfg, folder: Path, label: str) -> Path:
 def finish(result: TuneResult, cfg_of: Callable[[Probe], object]) -> TuneResult:
     """Sort by measured tokens/s (failed last), pin the winner (its config from `cfg_of`), write tune.json."""
     result.probes.sort(key=lambda p: (not p.ok, -(p.measured_tokens_per_s or 0.0)))
+    result.noise = within_noise(result.probes)
     if (best := result.winner) is not None and not result.interrupted:
         result.recipe_file = pin(cfg_of(best), result.folder, best.label)
     (result.folder / TUNE_JSON).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result
+
+
+def within_noise(probes: list[Probe]) -> str:
+    """A line when the two fastest layouts' repeats overlap (the slower one's best beat the winner's worst): their
+    order is this machine's noise, not a measured difference; '' otherwise or without repeats."""
+    ok = [p for p in probes if p.ok]
+    if len(ok) < 2 or len(ok[0].repeats) < 2 or len(ok[1].repeats) < 2:
+        return ""
+    first, second = ok[0], ok[1]
+    if min(first.repeats) > max(second.repeats):
+        return ""
+    return (f"within noise: {first.label} ({min(first.repeats):,.0f}-{max(first.repeats):,.0f} tokens/s) and "
+            f"{second.label} ({min(second.repeats):,.0f}-{max(second.repeats):,.0f}) overlap across repeats; either "
+            "will do, or tune again with more --probe-steps or --repeats to separate them")
 
 
 def write(result: TuneResult) -> None:

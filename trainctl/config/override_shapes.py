@@ -8,6 +8,7 @@ composition and call `check_override_shapes` first; it needs only Hydra's overri
 from __future__ import annotations
 
 import re
+import shlex
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -50,7 +51,8 @@ def _shape_problem(item: str) -> str | None:
     except HydraException as exc:
         if str(exc).startswith(("token recognition error", "LexerNoViableAltException")):  # no rule for a character
             return (f"{item}: an unquoted value holds a character Hydra's override grammar does not take "
-                    "(non-ASCII letters, a newline, ...); quote the value: key='value'")
+                    f"('#', non-ASCII letters, ...); quote the value for Hydra, inside the shell's quotes: "
+                    f"{quoted_override(item)}")
         return None  # reported with Hydra's grammar hint when composing
     except (ValueError, RecursionError) as exc:
         if "digits" in str(exc):  # int() refuses more than sys.get_int_max_str_digits() digits
@@ -60,6 +62,13 @@ def _shape_problem(item: str) -> str | None:
         return (f"{item if len(item) <= 60 else item[:40] + '...'}: no key before '='; overrides look like "
                 "key=value, group=option, +key=value, ~key")
     return None
+
+
+def quoted_override(item: str) -> str:
+    """`key=value` as a shell word holding Hydra's quoted value: 'key="nvcr.io#nvidia/pytorch:25.01-py3"'."""
+    key, _, value = item.partition("=")
+    quote = "'" if '"' in value and "'" not in value else '"'  # the quote the value does not hold, if any
+    return shlex.quote(f"{key}={quote}{value.replace(quote, chr(92) + quote)}{quote}")
 
 
 def _nesting(value: str) -> int:

@@ -50,6 +50,8 @@ class ContainerConfig:
     image: str = ""  # pyxis/enroot image for srun --container-image, e.g. nvcr.io#nvidia/pytorch:25.01-py3
     mounts: list[str] = field(default_factory=list)  # pyxis --container-mounts entries, each SRC:DST[:FLAGS]
     exec: str = ""  # a prefix every Python of the job runs under, e.g. "apptainer exec --nv /images/train.sif"
+    # With `image`: also mount the run's runs folder (same path) and the launcher's trainctl code (on PYTHONPATH).
+    default_mounts: bool = True
 
 
 @register_cluster
@@ -77,8 +79,9 @@ class SlurmClusterConfig(ClusterConfig):
     extra_directives: list[str] = field(default_factory=list)  # each becomes `#SBATCH <line>`, e.g. --reservation=x
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load, ...), verbatim
     env: dict[str, str] = field(default_factory=dict)  # exported in the job, values quoted
-    # The job's Python (torchrun and trainctl's own bookkeeping), found on PATH after `setup`, inside the container.
-    python: str = "python"
+    # The job's Python (torchrun and trainctl's own bookkeeping): a path, or a name found on PATH after `setup`;
+    # "": the launching interpreter without a container, `python` inside one.
+    python: str = ""
     container: ContainerConfig = field(default_factory=ContainerConfig)
     srun_args: list[str] = field(default_factory=list)  # extra srun options for the workers' step, e.g. --mpi=none
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
@@ -185,7 +188,7 @@ def check_slurm(c: SlurmClusterConfig) -> list[str]:
 def check_container(c: SlurmClusterConfig) -> list[str]:
     """The job's Python, container and srun options: each one line, what would work included."""
     problems = []
-    if not c.python.strip() or re.search(r"\s", c.python):
+    if c.python and (not c.python.strip() or re.search(r"\s", c.python)):
         problems.append(f"cluster.python={c.python!r}: one command or path without spaces, e.g. python3 or "
                         "/opt/venv/bin/python (a wrapper goes into cluster.container.exec)")
     k = c.container

@@ -48,6 +48,7 @@ HOLDER = "trainer.json"
 STOPPED = "stopped.json"
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
+LM_EVAL = "lm_eval.json"  # trainctl eval --tasks: lm-evaluation-harness metrics per task, and the step
 WANDB_ID = "wandb_id"
 TENSORBOARD = "tensorboard"  # TensorBoard event files (rank 0)
 PROGRESS = "progress.json"  # rank 0's latest finished step, rewritten at most twice a second (the live bar)

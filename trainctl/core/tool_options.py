@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from trainctl.core import rundir
 from trainctl.core.errors import UserError
 
 EXPORT_DTYPES = ("fp32", "bf16", "fp16")  # the exporter's torch dtypes are keyed by these names
@@ -134,17 +135,47 @@ class GenerateOptions:
         return found
 
 
+EVAL_SPLITS = ("val", "train")
+
+
 @dataclass(frozen=True)
 class EvalOptions:
-    data: str = option("--data", "A prepared dataset (trainctl data prepare) with a val split.")
+    data: str | None = option("--data", "A prepared dataset (trainctl data prepare), or a text, .jsonl or .parquet "
+                              "file: tokenized with the run's tokenizer and read in one full pass.", None)
+    split: str = option("--split", "The prepared dataset's split: val or train.", "val", choices=EVAL_SPLITS)
+    full: bool = option("--all", "One full pass over the split: windows that do not overlap, every token after "
+                        "the first scored once.", False)
     checkpoint: str | None = option("--checkpoint", CHECKPOINT_HELP, None)
-    batches: int | None = option("--batches", "Val batches of the run's micro_batch x seq_len (default: "
-                                 "train.eval_batches x the run's data-parallel ranks).", None)
+    batches: int | None = option("--batches", "Batches of the run's micro_batch x seq_len, drawn as the worker's "
+                                 "val loss draws them (default: train.eval_batches x the run's data-parallel ranks; "
+                                 "more than the split holds: one full pass).", None)
+    tasks: str | None = option("--tasks", "lm-evaluation-harness tasks, comma-separated (pip install "
+                               "'trainctl[eval]'); the results go to RUN/" + rundir.LM_EVAL + ".", None)
+    include_path: str | None = option("--include-path", "A folder of your own lm-evaluation-harness task YAMLs "
+                                      "(with --tasks).", None)
+    limit: int | None = option("--limit", "With --tasks: at most this many documents per task.", None)
     device: str | None = option("--device", DEVICE_HELP, None)
 
     def problems(self) -> list[str]:
-        return [f"--batches {self.batches}: must be at least 1"] if self.batches is not None and self.batches < 1 \
-            else []
+        found = []
+        if self.data is None and self.tasks is None:
+            found.append("nothing to evaluate: give --data DATASET_OR_FILE (loss and perplexity) or --tasks NAMES "
+                         "(lm-evaluation-harness)")
+        if self.data is not None and not self.data.strip():
+            found.append("--data '': empty; name a prepared dataset or a text file")
+        if self.split not in EVAL_SPLITS:
+            found.append(f"--split {self.split}: use one of {', '.join(EVAL_SPLITS)}")
+        if self.batches is not None and self.batches < 1:
+            found.append(f"--batches {self.batches}: must be at least 1")
+        if self.full and self.batches is not None:
+            found.append(f"--all and --batches {self.batches}: pick one (--all reads the whole split once)")
+        if self.tasks is not None and not [t for t in self.tasks.split(",") if t.strip()]:
+            found.append(f"--tasks {self.tasks!r}: name at least one task, e.g. --tasks hellaswag")
+        if self.tasks is None and (self.include_path is not None or self.limit is not None):
+            found.append("--include-path and --limit go with --tasks; add --tasks NAMES or leave them out")
+        if self.limit is not None and self.limit < 1:
+            found.append(f"--limit {self.limit}: must be at least 1")
+        return found
 
 
 @dataclass(frozen=True)
@@ -193,22 +224,46 @@ class Generated:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Loss and perplexity of a checkpoint over a dataset's val split, and what they were computed over."""
+    """Loss and perplexity of a checkpoint over a dataset's split and what they were computed over, and/or
+    lm-evaluation-harness's metrics per task."""
 
-    loss: float
-    perplexity: float
-    tokens: int
+    loss: float | None
+    perplexity: float | None
+    tokens: int  # targets that counted in the loss
     batches: int
     seq_len: int
     micro_batch: int
     step: int | None
     checkpoint: str
-    data: str
+    data: str | None
+    split: str = "val"
+    positions: int | None = None  # distinct token positions of the split those targets cover
+    split_tokens: int | None = None
+    full_pass: bool = False
+    note: str | None = None  # e.g. --batches beyond the split: one full pass instead
+    tasks: dict | None = None  # lm-evaluation-harness: task -> {metric: value}
+    tasks_file: str | None = None
 
     def text(self) -> str:
         """What `trainctl eval` prints."""
-        return (f"step {self.step}: val loss {self.loss:.4f}, perplexity {self.perplexity:.3f} over {self.tokens:,} "
-                f"tokens ({self.batches} batches of {self.micro_batch} x {self.seq_len}) of {self.data}")
+        lines = [self.note] if self.note else []
+        if self.loss is not None:
+            lines.append(f"step {self.step}: {self.split} loss {self.loss:.4f}, perplexity {self.perplexity:.3f} "
+                         f"over {self.tokens:,} tokens ({self._coverage()}{self.batches} batches of "
+                         f"{self.micro_batch} x {self.seq_len}) of {self.data}")
+        for task, metrics in (self.tasks or {}).items():
+            shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+            lines.append(f"step {self.step}: {task}: {shown}")
+        if self.tasks_file:
+            lines.append(f"wrote {self.tasks_file}")
+        return "\n".join(lines)
+
+    def _coverage(self) -> str:
+        if self.split_tokens is None:
+            return ""
+        if self.full_pass:
+            return f"one full pass over the {self.split} split's {self.split_tokens:,} tokens; "
+        return f"windows covering {self.positions:,} distinct of the split's {self.split_tokens:,} tokens; "
 
 
 def child_argv(module: str, run_dir: Path, options: object, result: Path) -> list[str]:

@@ -244,6 +244,9 @@ def _split_size_problems(head: str, meta: DatasetMeta, split: str, seq_len: int)
     if tokens == 0 and split == "val":
         return [f"{head}: its val split is empty (prepared with --val-fraction {meta.val_fraction:g}), and evaluation "
                 "reads it; prepare it again with --val-fraction 0.01 (or more), or set train.eval_every=0"]
+    if tokens == 0 and meta.val_fraction >= 1:
+        return [f"{head}: an eval-only set (prepared with --val-fraction 1): it has no train split; evaluate with "
+                f"`trainctl eval RUN --data {meta.root} --all`, and train on another dataset"]
     if tokens == 0:
         return [f"{head}: its train split is empty; prepare it again with more text"]
     if tokens < seq_len + 1:

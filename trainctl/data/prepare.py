@@ -65,8 +65,8 @@ def _fingerprint(listing: list, options: dict) -> str:
 
 def _check_options(tokenizer: str, train_tokenizer: bool, vocab_size: int | None, eos_token: str | None,
                    val_fraction: float, shard_tokens: int, workers: int | None) -> None:
-    if not 0 <= val_fraction < 1:  # NaN fails too
-        raise DatasetError(f"--val-fraction {val_fraction}: use a fraction in [0, 1), e.g. 0.01")
+    if not 0 <= val_fraction <= 1:  # NaN fails too; 1: an eval-only set (trainctl eval --data DIR --all)
+        raise DatasetError(f"--val-fraction {val_fraction}: use a fraction in [0, 1], e.g. 0.01 (1: eval only)")
     if not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
         raise DatasetError(f"--shard-tokens {shard_tokens}: use a number of tokens from 1 to {MAX_SHARD_TOKENS}")
     if workers is not None and workers < 1:

@@ -136,7 +136,7 @@ class Job:
         self._keep(min(intact_units(self.out, state["units"], dtype, limit, masked), len(units)))
         self._run(units, len(state["units"]))
         self._rebalance(units)
-        if not self._tokens("train"):
+        if not self._tokens("train") and not self._tokens("val"):
             raise DatasetError(f"{_named(self.files)}: no text to train on (every input is empty)")
         changed = [Path(name) for (name, *was), (_, *now) in zip(self.listing, input_listing(self.files), strict=True)
                    if was != now]
@@ -217,12 +217,12 @@ class Job:
         append_unit(self.out / STATE_FILE, unit)
 
     def _rebalance(self, units: list[Unit]) -> None:
-        """A split that the hashes left empty gets the last piece: train always (a one-piece corpus), val when
-        evaluation may read it and there are two pieces or more (a one-file corpus whose pieces all fell in
-        train)."""
+        """A split that the hashes left empty gets the last piece: train unless all is held out (a one-piece
+        corpus; --val-fraction 1 asks for an eval-only set), val when evaluation may read it and there are two
+        pieces or more (a one-file corpus whose pieces all fell in train)."""
         done = self.state["units"]
         pieces = sum(u["pieces"] for u in done)
-        if not self._tokens("train") and pieces:
+        if not self._tokens("train") and pieces and self.options["val_fraction"] < 1:
             split = "train"
         elif self.options["val_fraction"] > 0 and not self._tokens("val") and pieces >= 2:
             split = "val"

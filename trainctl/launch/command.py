@@ -138,8 +138,9 @@ def shell_join(argv: list[str]) -> str:
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "900"}
 
 
-def torchrun_env_exports() -> list[str]:
-    return [f"export {name}={value}" for name, value in TORCHRUN_ENV.items()]
+def torchrun_env_exports(overrides: dict[str, str] | None = None) -> list[str]:
+    """One export per variable: TORCHRUN_ENV's values, or the backend's own where it has one."""
+    return [f"export {name}={value}" for name, value in {**TORCHRUN_ENV, **(overrides or {})}.items()]
 
 
 def omp_threads_export(cluster: ClusterConfig, cores: str, keep_user_value: bool) -> str:

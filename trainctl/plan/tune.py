@@ -19,6 +19,7 @@ peak (a CPU) is ranked by the same model at a nominal peak, whose absolute token
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from trainctl.config.errors import ConfigError
@@ -150,6 +151,36 @@ def _micro_batches(cfg: RunConfig) -> list[Variant]:
     per_rank = cfg.train.micro_batch * cfg.train.grad_accum
     sizes = [b for b in variants._divisors_up_to(per_rank, 64) if b != cfg.train.micro_batch]
     return [Variant("", (), cfg)] + [v for b in sizes if (v := variants.with_micro_batch(cfg, b))]
+
+
+def start_fills(cfg: RunConfig) -> list[str]:
+    """Overrides that make a composed config's layout valid for its cluster, since tune searches the layout anyway:
+    the data-parallel degree from the world (tp, pp and cp kept where they divide it), the micro-batch cut to
+    divide each rank's share of the global batch, grad_accum derived. Only what changes; the global batch (what
+    the run trains on) is never touched: one that the data-parallel ranks do not divide stays validate's to refuse."""
+    s, t, c = cfg.sharding, cfg.train, cfg.cluster
+    world = c.nodes * c.procs_per_node
+    want: dict[str, int] = {}
+    model = {k: max(getattr(s, k), 1) for k in ("tp", "pp", "cp")}
+    if world % math.prod(model.values()):
+        model = dict.fromkeys(model, 1)
+    want.update(model)
+    dp = world // math.prod(model.values())
+    if s.strategy == "hsdp":
+        keep = s.dp_replicate if s.dp_replicate > 0 and dp % s.dp_replicate == 0 else 1
+        want.update(dp_replicate=keep, dp_shard=dp // keep)
+    else:
+        replicate = s.strategy in REPLICATING or s.strategy == "none"
+        want.update(dp_replicate=dp if replicate else 1, dp_shard=1 if replicate else dp)
+    # A degree already -1 is derived by validate as `want` would set it.
+    fills = [f"sharding.{k}={v}" for k, v in want.items() if getattr(s, k) not in (v, -1)]
+    if t.global_batch > 0 and t.global_batch % dp == 0:
+        per_rank = t.global_batch // dp
+        largest = min(t.micro_batch, per_rank) if t.micro_batch > 0 else per_rank
+        micro = max(b for b in range(1, largest + 1) if per_rank % b == 0)
+        fills += [f"train.micro_batch={micro}"] if micro != t.micro_batch else []
+        fills += ["train.grad_accum=-1"] if t.grad_accum != -1 else []
+    return fills
 
 
 def layout_key(cfg: RunConfig) -> tuple:

@@ -35,6 +35,7 @@ class Figures:
     tokens_per_s: float | None = None  # median of the recent train records
     step_time_s: float | None = None  # median of the recent train records
     losses: tuple[float, ...] = ()  # the recent train losses, oldest first (for a sparkline)
+    tasks: dict | None = None  # `trainctl eval --tasks`: {"step": N, "tasks": {task: {metric: value}}} (lm_eval.json)
 
     def eta_s(self, step: int | None, steps: int | None) -> float | None:
         """Seconds left at the recent pace, or None."""
@@ -45,7 +46,16 @@ class Figures:
     def as_dict(self) -> dict:
         return {"loss": self.loss, "val_loss": self.val_loss, "tokens_per_s": self.tokens_per_s,
                 "step_time_s": self.step_time_s, "mfu": self.mfu, "plan_mfu": self.plan_mfu,
-                "peak_bytes": self.peak_bytes, "plan_peak_bytes": self.plan_peak_bytes}
+                "peak_bytes": self.peak_bytes, "plan_peak_bytes": self.plan_peak_bytes,
+                **({"lm_eval": self.tasks} if self.tasks else {})}
+
+    def tasks_text(self) -> str:
+        """'hellaswag acc 0.2610, arc_easy acc 0.4010 (step 300)': each task's first metric; '' without any."""
+        if not self.tasks:
+            return ""
+        shown = ", ".join(f"{task} {metric} {value:.4f}" for task, metrics in self.tasks["tasks"].items()
+                          for metric, value in list(metrics.items())[:1])
+        return f"{shown} (step {self.tasks['step']})" if self.tasks.get("step") is not None else shown
 
     def mfu_text(self) -> str:
         """'38.2% (plan 40%)', '- (plan 40%)', or '-'."""
@@ -113,7 +123,19 @@ def figures(run_dir: Path) -> Figures:
         tokens_per_s=_median(trains[-RECENT:], "tokens_per_s"),
         step_time_s=_median(trains[-RECENT:], "step_time_s"),
         losses=tuple(x for r in trains[-SPARK:] if (x := rundir.as_float(r.get("loss"))) is not None),
+        tasks=harness_scores(run_dir),
     )
+
+
+def harness_scores(run_dir: Path) -> dict | None:
+    """lm_eval.json's step and numeric metrics per task (what `trainctl eval --tasks` wrote), None without them."""
+    record = rundir.read_json(run_dir / rundir.LM_EVAL)
+    tasks = record.get("tasks") if isinstance(record.get("tasks"), dict) else {}
+    found = {str(task): {str(k): float(v) for k, v in metrics.items()
+                         if isinstance(v, int | float) and not isinstance(v, bool)}
+             for task, metrics in tasks.items() if isinstance(metrics, dict)}
+    found = {task: metrics for task, metrics in found.items() if metrics}
+    return {"step": rundir.as_int(record.get("step")), "tasks": found} if found else None
 
 
 def _median(records: list[dict], key: str) -> float | None:

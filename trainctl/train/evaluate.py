@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from trainctl.core import rundir as layout
 from trainctl.core.errors import UserError
 from trainctl.core.tool_options import EvalOptions, EvalResult, serve
 from trainctl.data import format as dataset
+from trainctl.data.prepare import prepare
 from trainctl.models.checkpoint_reader import read_model_config
 from trainctl.models.generate import load_model, pick_device
 from trainctl.models.loss_head import IGNORE_INDEX
@@ -64,11 +68,46 @@ def check_dataset(run_dir: Path, data_dir: str, vocab_size: int) -> dataset.Data
     if meta.tokenizer.fingerprint != ours:
         raise EvalError([f"--data {data_dir}: tokenized with another tokenizer than the run's ({meta.tokenizer.kind}"
                          f" {meta.tokenizer.fingerprint or 'unknown'}, the run's {ours}); prepare it with the run's "
-                         f"tokenizer (--tokenizer {run_dir / layout.TOKENIZER}/tokenizer.json)"])
+                         f"tokenizer (--tokenizer {run_tokenizer_arg(run_dir)}), or pass the text file itself"])
     if meta.tokenizer.vocab_size > vocab_size:
         raise EvalError([f"--data {data_dir}: ids up to {meta.tokenizer.vocab_size - 1}, above the model's "
                          f"vocab_size={vocab_size}; evaluate data of the run's tokenizer"])
     return meta
+
+
+def run_tokenizer_arg(run_dir: Path) -> str:
+    """What `data prepare --tokenizer` takes to tokenize as the run did: `bytes`, or the run's tokenizer.json."""
+    tokens = run_tokens(run_dir)
+    return "bytes" if tokens.kind == "bytes" else str(tokens.file)
+
+
+@contextmanager
+def dataset_of(run_dir: Path, data: str) -> Iterator[tuple[str, bool]]:
+    """(a prepared dataset's folder, whether it was made here): a text, .jsonl or .parquet file is tokenized with the
+    run's tokenizer into a temporary eval-only dataset (every document in its val split), removed afterwards."""
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise EvalError([f"--data {data}: no such file or folder; name a prepared dataset (trainctl data prepare "
+                         "TEXT --out DIR) or a text, .jsonl or .parquet file"])
+    if not path.is_file():
+        yield data, False
+        return
+    if run_fingerprint(run_dir) is None:
+        raise EvalError([f"--data {data}: {run_dir} trained without a tokenizer (synthetic data): its text cannot "
+                         "be tokenized as the run's; evaluate a run that trained on prepared or stdlib data"])
+    tokens = run_tokens(run_dir)
+    eos = None
+    if tokens.kind == "hf" and tokens.eos_ids:
+        from tokenizers import Tokenizer
+
+        eos = Tokenizer.from_file(tokens.file).id_to_token(tokens.eos_ids[0])
+    with tempfile.TemporaryDirectory(prefix="trainctl-eval-") as folder:
+        try:
+            prepare([str(path)], Path(folder) / "data", tokenizer=run_tokenizer_arg(run_dir), eos_token=eos,
+                    val_fraction=1.0, workers=1)
+        except dataset.DatasetError as exc:
+            raise EvalError([f"--data {exc}"]) from None
+        yield str(Path(folder) / "data"), True
 
 
 def dp_degree(run_dir: Path, cfg: RunConfig) -> int:
@@ -79,18 +118,39 @@ def dp_degree(run_dir: Path, cfg: RunConfig) -> int:
     return max(1, cfg.sharding.dp_replicate) * max(1, cfg.sharding.dp_shard)
 
 
-def val_batches(cfg: RunConfig, data_dir: str, batches: int, vocab_size: int) -> list:
-    train = cfg.train
+def split_batches(cfg: RunConfig, meta: dataset.DatasetMeta, split: str, vocab_size: int) -> TokenBatches:
+    """The split's batches; one shorter than a window is read as one window of all of it (a full pass)."""
+    train, data_dir, size = cfg.train, str(meta.root), meta.splits[split].tokens
+    if size < 2:
+        raise EvalError([f"--data {data_dir}: its {split} split has {size} tokens, nothing to score; evaluate "
+                         f"another split (--split) or more text"])
     data = DataConfig(kind="memmap", datasets=[data_dir], vocab_size=vocab_size)
     try:
-        source = TokenBatches(data, "val", train.seq_len, train.micro_batch, train.micro_batch, 1, 0, 1, seed=0)
-        return source.eval_batches(batches)
+        return TokenBatches(data, split, min(train.seq_len, size - 1), train.micro_batch, train.micro_batch, 1, 0, 1,
+                            seed=0)
     except DataError as exc:
         raise EvalError([f"--data {data_dir}: {exc}"]) from None
 
 
+def chosen_windows(source: TokenBatches, batches: int, full: bool,
+                   asked: str = "--batches") -> tuple[Iterable, int, int, str | None]:
+    """(the micro-batches, how many, the distinct token positions their targets cover, a note): the run's own
+    eval windows (drawn apart, as the worker's val loss reads them), or one full pass when asked for, or when
+    the batches asked for hold more windows than the split has (a second pass would only re-read it)."""
+    rows = source.full_pass_rows()
+    if not full and batches * source.micro_batch < rows:
+        try:
+            return source.eval_batches(batches), batches, source.eval_positions(batches), None
+        except DataError as exc:
+            raise EvalError([f"--data {exc}"]) from None
+    count = -(-rows // source.micro_batch)
+    note = None if full else (f"{asked} {batches} holds more than the split's {rows} windows of "
+                              f"{source.seq_len} tokens: one full pass ({count} batches) instead")
+    return source.full_pass(), count, source.num_tokens - 1, note
+
+
 @torch.no_grad()
-def loss_totals(model: torch.nn.Module, batches: list, device: torch.device) -> tuple[float, int]:
+def loss_totals(model: torch.nn.Module, device: torch.device, batches: Iterable) -> tuple[float, int]:
     """(summed token loss, counted targets) over the batches, as the worker's eval_totals sums them."""
     total, count = 0.0, 0
     for inputs, targets in batches:
@@ -100,27 +160,58 @@ def loss_totals(model: torch.nn.Module, batches: list, device: torch.device) -> 
     return total, count
 
 
-def evaluate(run_dir: Path, data_dir: str, checkpoint: str | None, batches: int | None,
-             device: torch.device) -> EvalResult:
-    model_cfg = read_model_config(run_dir)
-    cfg = load_run_config(run_dir)
-    check_dataset(run_dir, data_dir, model_cfg.vocab_size)
-    batches = batches or cfg.train.eval_batches * dp_degree(run_dir, cfg)
-    data = val_batches(cfg, data_dir, batches, model_cfg.vocab_size)
-    model, ckpt = load_model(run_dir, checkpoint, device)
-    total, count = loss_totals(model, data, device)
+def loss_over(run_dir: Path, cfg: RunConfig, options: EvalOptions, model: Callable) -> dict:
+    """EvalResult's loss fields over --data: the run's eval windows, or one full pass."""
+    vocab_size = read_model_config(run_dir).vocab_size
+    with dataset_of(run_dir, options.data) as (data_dir, from_file):
+        meta = check_dataset(run_dir, data_dir, vocab_size)
+        source = split_batches(cfg, meta, options.split, vocab_size)
+        asked = options.batches or cfg.train.eval_batches * dp_degree(run_dir, cfg)
+        windows, batches, positions, note = chosen_windows(
+            source, asked, options.full or from_file, "--batches" if options.batches else "the default batches")
+        try:
+            total, count = loss_totals(*model(), windows)
+        except DataError as exc:
+            raise EvalError([f"--data {options.data}: {exc}"]) from None
     if count == 0:
-        raise EvalError([f"--data {data_dir}: no target of the {batches} val batches counts in the loss (every "
-                         "token masked); evaluate more --batches or a dataset with answers in its val split"])
-    loss = total / count
-    return EvalResult(loss, math.exp(min(loss, 700.0)), count, batches, cfg.train.seq_len, cfg.train.micro_batch,
-                      checkpoints.step_of(ckpt), str(ckpt), str(Path(data_dir).resolve()))
+        raise EvalError([f"--data {options.data}: no target of the {batches} {options.split} batches counts in the "
+                         "loss (every token masked); evaluate more --batches, --all, or a dataset with answers in "
+                         f"its {options.split} split"])
+    loss, full = total / count, note is not None or options.full or from_file
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count, "batches": batches,
+            "data": str(Path(options.data).expanduser().resolve()), "split": options.split, "positions": positions,
+            "seq_len": source.seq_len, "split_tokens": source.num_tokens, "full_pass": full, "note": note}
+
+
+def evaluate(run_dir: Path, options: EvalOptions, device: torch.device) -> EvalResult:
+    cfg = load_run_config(run_dir)
+    loaded = []
+
+    def model() -> tuple[torch.nn.Module, torch.device]:
+        if not loaded:  # once, and only after the data was found good
+            loaded.extend(load_model(run_dir, options.checkpoint, device))
+        return loaded[0], device
+
+    fields = {"loss": None, "perplexity": None, "tokens": 0, "batches": 0, "data": None}
+    checked = None
+    if options.tasks is not None:  # the harness and the task names checked before any work
+        from trainctl.train.harness import checked_tasks, run_tasks
+
+        checked = checked_tasks(run_dir, options)
+    if options.data is not None:
+        fields.update(loss_over(run_dir, cfg, options, model))
+    module, _ = model()
+    if checked is not None:
+        fields["tasks"], fields["tasks_file"] = run_tasks(run_dir, options, checked, module, device, loaded[1])
+    fields.setdefault("seq_len", cfg.train.seq_len)
+    return EvalResult(**fields, micro_batch=cfg.train.micro_batch,
+                      step=checkpoints.step_of(loaded[1]), checkpoint=str(loaded[1]))
 
 
 def run(run_dir: Path, options: EvalOptions) -> EvalResult:
     if problems := options.problems():  # the api checked them; a direct `python -m` call is checked here too
         raise EvalError(problems)
-    return evaluate(run_dir, options.data, options.checkpoint, options.batches, pick_device(options.device))
+    return evaluate(run_dir, options, pick_device(options.device))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ over ranks and micro-batches is therefore the same global batch whatever the dp 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -166,6 +167,50 @@ class TokenBatches:
                 rows = [self._window(self._eval_start(j)) for j in sample_ids]
             out.append(self._checked_pair(rows))
         return out
+
+    def full_pass_rows(self) -> int:
+        """How many windows one full pass reads (see full_pass)."""
+        return math.ceil((self._tokens.size - 1) / self.seq_len)
+
+    def full_pass(self, rows: int | None = None) -> Iterator[MicroBatch]:
+        """The split once, in order, as windows that do not overlap (the first `rows` of them; None: all).
+
+        Row k reads tokens [k*seq_len, k*seq_len + seq_len + 1): consecutive rows share one token, the last
+        target of one row and the first input of the next, so every token after the split's first is a target
+        exactly once. The last row, shorter, is padded with ignored targets. A generator: a big split is never
+        held in memory.
+        """
+        rows = self.full_pass_rows() if rows is None else min(rows, self.full_pass_rows())
+        for first in range(0, rows, self.micro_batch):
+            last = min(first + self.micro_batch, rows)
+            yield self._padded_pair([self._full_pass_row(k) for k in range(first, last)])
+
+    def eval_positions(self, n: int) -> int:
+        """How many distinct token positions the targets of eval_batches(n) cover on this rank: windows drawn
+        apart may overlap, and a position read twice is one token of the split, not two."""
+        starts = np.sort(np.array([self._eval_start(self.dp_rank * n * self.micro_batch + j)
+                                   for j in range(n * self.micro_batch)], dtype=np.int64))
+        ends = starts + self.seq_len  # each window's targets are positions [start + 1, start + seq_len]
+        reach = np.maximum.accumulate(ends)
+        added = np.minimum(self.seq_len, ends[1:] - reach[:-1]).clip(min=0)  # what each window adds past the others
+        return int(self.seq_len + added.sum())
+
+    def _full_pass_row(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        start = k * self.seq_len
+        length = min(self.seq_len + 1, self._tokens.size - start)
+        return self._tokens.window(start, length), self._tokens.flags(start, length)
+
+    def _padded_pair(self, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> MicroBatch:
+        """Rows of up to seq_len + 1 tokens as one micro-batch: a short row's missing targets are ignored."""
+        width = self.seq_len + 1
+        lengths = [tokens.size for tokens, _ in rows]
+        pad = [(np.pad(t, (0, width - t.size)), None if f is None else np.pad(f, (0, width - f.size)))
+               for t, f in rows]
+        batch = self._checked_pair(pad)
+        targets = batch[1].clone()  # one row's targets may be a view sharing memory with its inputs
+        for row, length in enumerate(lengths):
+            targets[row, length - 1:] = IGNORE_INDEX
+        return MicroBatch(batch[0], targets, batch.positions)
 
     def _num_starts(self) -> int:
         return self._tokens.num_starts(self.seq_len + 1)

@@ -14,6 +14,7 @@ from trainctl.config.schema import ClusterConfig, RunConfig
 from trainctl.core import rundir
 from trainctl.launch.backends import register
 from trainctl.launch.backends.base import Backend, Launched, State, StateTuple
+from trainctl.launch.backends.slurm import job_python
 from trainctl.launch.backends.slurm import jobs as slurm_jobs
 from trainctl.launch.backends.slurm import script as slurm
 from trainctl.launch.backends.slurm import submit as slurm_submit
@@ -74,7 +75,7 @@ class SlurmBackend(Backend):
     name = "slurm"
 
     def preflight(self, cfg: RunConfig, *, dry_run: bool, machine=None) -> list[str]:
-        return slurm.setup_problems(cfg)
+        return slurm.setup_problems(cfg) + job_python.local_problems(cfg.cluster)
 
     def submit_problems(self, cfg: RunConfig) -> list[str]:
         if shutil.which("sbatch") is None:

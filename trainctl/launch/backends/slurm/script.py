@@ -25,6 +25,7 @@ from pathlib import Path
 from trainctl.config.schema import RunConfig
 from trainctl.config.slurm import PreemptionConfig, SlurmClusterConfig, cpus_per_task, exec_words, gpus_per_node
 from trainctl.core import rundir
+from trainctl.launch.backends.slurm import job_python
 from trainctl.launch.backends.slurm.setup_check import setup_syntax_problems
 from trainctl.launch.command import (
     Expand,
@@ -117,16 +118,18 @@ def requeue_guard(p: PreemptionConfig) -> list[str]:
     ]
 
 
-def environment_lines(cluster: SlurmClusterConfig) -> list[str]:
+def environment_lines(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
     """Our exports, then the user's (which may override ours), every value quoted."""
+    # torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT after forwarding a signal before it kills them:
+    # with an early preemption signal, its lead time (one export, not a default and then its override).
+    shutdown = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(cluster.preemption.lead_s)} if cluster.preemption.lead_s > 0 \
+        else {}
     lines = [
         omp_threads_export(cluster, "$SLURM_CPUS_ON_NODE", keep_user_value=False),
         "export PYTHONUNBUFFERED=1",
-        *torchrun_env_exports(),
+        *torchrun_env_exports(shutdown),
+        *job_python.environment_lines(cluster, run_dir),
     ]
-    if cluster.preemption.lead_s > 0:
-        # torchrun gives its workers this long after forwarding a signal before it kills them.
-        lines.append(f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={cluster.preemption.lead_s}")
     lines += [f"export {name}={shlex.quote(value)}" for name, value in cluster.env.items()]
     return lines
 
@@ -153,18 +156,19 @@ def record_function() -> list[str]:
     ]
 
 
-def container_options(cluster: SlurmClusterConfig) -> list[str]:
-    """pyxis's srun options for `cluster.container.image` and its mounts; none without an image."""
+def container_options(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
+    """pyxis's srun options for `cluster.container.image` and its mounts (the default ones first); none without an
+    image."""
     c = cluster.container
     if not c.image:
         return []
-    mounts = [f"--container-mounts={','.join(c.mounts)}"] if c.mounts else []
-    return [f"--container-image={c.image}", *mounts]
+    mounts = job_python.all_mounts(cluster, run_dir)
+    return [f"--container-image={c.image}", *([f"--container-mounts={','.join(mounts)}"] if mounts else [])]
 
 
-def job_python(cluster: SlurmClusterConfig) -> list[str]:
-    """How a Slurm job's step runs Python: the container prefix (if any), then `cluster.python`."""
-    return [*exec_words(cluster), cluster.python]
+def python_words(cluster: SlurmClusterConfig) -> list[str]:
+    """How a Slurm job's step runs Python: the container prefix (if any), then the job's interpreter."""
+    return [*exec_words(cluster), job_python.chosen_python(cluster)]
 
 
 def slurm_argv(cluster: SlurmClusterConfig, run_dir: Path, srun_options: tuple[str, ...] = ()) -> list[str]:
@@ -180,10 +184,10 @@ def slurm_argv(cluster: SlurmClusterConfig, run_dir: Path, srun_options: tuple[s
         # Recent Slurm no longer passes the job's CPUs on to srun; without this torchrun and all its workers
         # share one core.
         Expand("--cpus-per-task=${SLURM_CPUS_ON_NODE}"),
-        *container_options(cluster),
+        *container_options(cluster, run_dir),
         *cluster.srun_args,
         *srun_options,
-        *job_python(cluster),
+        *python_words(cluster),
         "-m",
         "torch.distributed.run",
         Expand("--nnodes=${SLURM_NNODES}"),
@@ -198,14 +202,14 @@ def slurm_argv(cluster: SlurmClusterConfig, run_dir: Path, srun_options: tuple[s
     ]
 
 
-def helper_python(cluster: SlurmClusterConfig) -> str:
+def helper_python(cluster: SlurmClusterConfig, run_dir: Path) -> str:
     """The batch shell's Python for trainctl's bookkeeping (lock holder, completed run), already shell-quoted.
 
     It runs where the workers' Python does: under `container.exec`, or in a one-task step in the pyxis image.
     """
-    step = (["srun", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=1", *container_options(cluster)]
+    step = (["srun", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=1", *container_options(cluster, run_dir)]
             if cluster.container.image else [])
-    return shell_join([*step, *job_python(cluster)])
+    return shell_join([*step, *python_words(cluster)])
 
 
 def requeue_fallback(p: PreemptionConfig) -> list[str]:
@@ -227,7 +231,7 @@ def requeue_fallback(p: PreemptionConfig) -> list[str]:
     ]
 
 
-def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
+def hang_requeue(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
     """A job whose workers hung past torchrun's restarts goes back to the queue, the node that hung named
     (core/hangs.py answers which node, and whether it hung first in repeated attempts).
 
@@ -238,7 +242,7 @@ def hang_requeue(cluster: SlurmClusterConfig) -> list[str]:
     """
     if not cluster.preemption.requeue:
         return []
-    ask = f"{helper_python(cluster)} -m trainctl.core.hangs"
+    ask = f"{helper_python(cluster, run_dir)} -m trainctl.core.hangs"
     return [
         f'if [ "$STATUS" -ne 0 ] && [ ! -f "$RUN_DIR/{rundir.RESULT}" ] \\',
         f'   && HUNG=$({ask} hung "$RUN_DIR" "$SLURM_JOB_ID" "$ATTEMPT"); then',
@@ -315,7 +319,7 @@ def launch_lines(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
         "# The run's own record decides: a stop signal reaching torchrun after the last step fails it, not the run.",
         f'[ "$STATUS" -eq 0 ] || [ ! -f "$RUN_DIR/{rundir.RESULT}" ] || STATUS=0',
         *requeue_fallback(cluster.preemption),
-        *hang_requeue(cluster),
+        *hang_requeue(cluster, run_dir),
         'record end "$STATUS"',
         'exit "$STATUS"',
     ]
@@ -355,6 +359,7 @@ def _script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
             *sbatch_directives(c, job_name(c, run_dir), run_dir),
             "",
             f"# Generated by trainctl. Submit again with: sbatch RUN_DIR/{rundir.SCRIPT}",
+            *job_python.header_lines(c, run_dir),
             "set -euo pipefail",
             f"RUN_DIR={shlex.quote(str(run_dir))}",
             "ATTEMPT=${SLURM_RESTART_COUNT:-0}  # 0, then 1, 2, ... after each requeue",
@@ -363,11 +368,12 @@ def _script(cfg: RunConfig, run_dir: Path, workdir: Path) -> str:
             "JOB=${JOB:-$SLURM_JOB_ID}",
             *requeue_guard(c.preemption),
             f"cd {shlex.quote(str(workdir))}",
-            *environment_lines(c),
+            *environment_lines(c, run_dir),
             *setup_block(list(c.setup)),
+            *job_python.import_check_lines(c, helper_python(c, run_dir)),
             "# One trainer per run directory: the batch shell holds the run's lock for the job's lifetime (on the",
             "# shared filesystem); a requeued attempt takes it again. Its Python is the job's (cluster.python).",
-            *lock_lines(helper_python(c), accept_inherited=False),
+            *lock_lines(helper_python(c, run_dir), accept_inherited=False),
             *launch_lines(c, run_dir),
             "",
         ]
