@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from trainctl.api import tuning_queued
+from trainctl.api.arguments import checked
 from trainctl.api.configs import ConfigDirs, override_list, resolved
 from trainctl.api.tune_table import TUNE_JSON, Probe, TuneResult, finish, merged, pin, write
 from trainctl.core.errors import UserError
@@ -93,6 +94,7 @@ def _stop(run_dir: Path, handle, cancel) -> None:
         handle.wait(CANCEL_GRACE_S)
 
 
+@checked
 def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None, *, top: int = DEFAULT_TOP,
          probe_steps: int = DEFAULT_PROBE_STEPS, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, name: str = "",
          on_probe: Callable[[Probe, int, int], None] | None = None,
