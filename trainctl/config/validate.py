@@ -33,10 +33,13 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     # A blank runs_dir (an empty or blank $TRAINCTL_RUNS_DIR) means the default, as `runs` reads it.
     cfg = dataclasses.replace(cfg, model=model, runs_dir=cfg.runs_dir.strip() or "runs")
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
-    problems = declared_problems(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
+    model_problems = check_model(cfg.model, cfg.train)
+    problems = declared_problems(cfg) + check_ranges(cfg) + model_problems
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
     problems += check_names(cfg) + check_offload(cfg.sharding)
     problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim)
+    if not model_problems and not declared_problems(cfg.model, "model"):  # the shapes mean something
+        problems += lora.width_problems(cfg.model.lora, registry.spec(cfg.model.family).linear_shapes(cfg.model))
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
