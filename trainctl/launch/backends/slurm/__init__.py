@@ -74,7 +74,7 @@ class SlurmBackend(Backend):
     name = "slurm"
 
     def preflight(self, cfg: RunConfig, *, dry_run: bool, machine=None) -> list[str]:
-        return slurm.setup_problems(cfg)
+        return slurm.directive_path_problems(cfg) + slurm.setup_problems(cfg)
 
     def submit_problems(self, cfg: RunConfig) -> list[str]:
         if shutil.which("sbatch") is None:
