@@ -24,11 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the cases: scripts/hostile/
 
-from hostile import data, hf, recipes, records, resume, sweeps  # noqa: E402,F401 (each registers its cases)
+from hostile import boundary, data, hf, recipes, records, resume, sweeps  # noqa: E402,F401 (each registers its cases)
 from hostile.common import CASES, VERDICTS, Case, Probe, Verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-AREA_IDS = {"data": "D", "hf": "H", "records": "R", "recipes": "C", "resume": "M", "sweeps": "S", "launch": "L"}
+AREA_IDS = {"api": "A", "edges": "E",
+            "data": "D", "hf": "H", "records": "R", "recipes": "C", "resume": "M", "sweeps": "S", "launch": "L"}
 
 
 def case_ids(cases: list[Case]) -> dict[int, str]:
