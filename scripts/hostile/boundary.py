@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from hostile.common import Probe, case, expect, nothing_left, refused, succeeded
 
@@ -171,3 +172,32 @@ def _(p: Probe) -> None:
     (p.tmp / "ds" / "meta.json").write_text(json.dumps(meta))
     refused(p.cli("plan", *TINY, "data=memmap", f"data.datasets=[{p.tmp / 'ds'}]", "train.seq_len=16"),
             "no train token counts in the loss", one_line=False)
+
+
+# ---------------------------------------------------------------- with a worker (slow)
+
+ONE_STEP = [*TINY, "train.steps=1", "schedule.warmup_steps=0", "cluster.procs_per_node=1", "train.eval_every=0",
+            "runs_dir=r", "name=one"]
+
+
+@case("edges", "generate --prompts FILE whose line 2 does not fit the context answers every line", slow=True)
+def _(p: Probe) -> None:
+    succeeded(p.cli("launch", *ONE_STEP, timeout=300))
+    (p.tmp / "prompts.txt").write_text("hello there\n" + "x" * 5000 + "\nbye\n")
+    r = p.cli("generate", "one", "--runs-dir", "r", "--prompts", "prompts.txt", "--max-new-tokens", "3", timeout=300)
+    succeeded(r)
+    answers = [json.loads(line) for line in r.out.splitlines() if line.strip()]
+    expect([a["prompt"][:5] for a in answers] == ["hello", "xxxxx", "bye"], "wrong",
+           f"{len(answers)} answers for 3 lines")
+    expect("line 2" in answers[1].get("error", "") and "error" not in answers[0], "wrong",
+           f"line 2's answer does not say why: {str(answers[1])[-160:]}")
+
+
+@case("edges", "a checkpoint write past the file size limit (ulimit -f) says so", slow=True)
+def _(p: Probe) -> None:
+    argv = ["bash", "-c", 'ulimit -f 4096 && exec "$0" -m trainctl.cli launch "$@"', sys.executable, *ONE_STEP]
+    r = p.run(argv, timeout=300)
+    expect(r.code not in (0, None), "wrong", f"exit {r.code} with a 4 MiB file size limit")
+    text = r.out + r.err
+    expect("file size limit" in text and "unexpected pos" not in text, "wrong",
+           f"does not name the limit: {[line for line in text.splitlines() if 'checkpoint' in line][-1:]}")
