@@ -300,3 +300,16 @@ def test_an_async_save_of_cuda_state_waits_for_the_pinned_copy_only(tmp_path, mo
     uploaded.set_result(None)
     manager._stager = None
     manager.wait()
+
+
+def test_any_write_past_the_size_limit_names_the_file_and_the_limit(tmp_path, file_size_limit):
+    """Outside a checkpoint too (e.g. the data cache a worker builds): the worker's one failure line says what to do."""
+    from trainctl.train.errors import storage_line
+
+    with pytest.raises(OSError) as err, open(tmp_path / "big.bin", "wb") as f:
+        f.write(b"\0" * (file_size_limit + 1))
+    err.value.filename = str(tmp_path / "big.bin")  # a write's OSError has none; the caller's path is what users see
+    line = storage_line(err.value)
+    assert line == (f"{tmp_path / 'big.bin'}: the write reached the file size limit (0.2 MiB, `ulimit -f`); raise it "
+                    "(ulimit -f unlimited) in the shell or job script that starts the run")
+    assert storage_line(ValueError("x")) is None and storage_line(FileNotFoundError(2, "No such file")) is None
