@@ -193,7 +193,8 @@ def _(p: Probe) -> None:
            f"line 2's answer does not say why: {str(answers[1])[-160:]}")
 
 
-@case("edges", "a checkpoint write past the file size limit (ulimit -f) says so", slow=True)
+@case("edges", "a run whose writes pass the file size limit (ulimit -f: the data cache, a checkpoint) says so",
+      slow=True)
 def _(p: Probe) -> None:
     argv = ["bash", "-c", 'ulimit -f 4096 && exec "$0" -m trainctl.cli launch "$@"', sys.executable, *ONE_STEP]
     r = p.run(argv, timeout=300)
