@@ -85,6 +85,6 @@ def test_overrides_given_as_one_string_are_refused_not_read_letter_by_letter(cal
 def test_an_override_that_is_not_a_string_is_named():
     with pytest.raises(UserError) as err:
         api.plan(["recipe=tiny_cpu", 3, None])
-    assert err.value.problems == ["overrides[1]=3: an override is a string such as 'optim.lr=1e-3'",
-                                  "overrides[2]=None: an override is a string such as 'optim.lr=1e-3'"]
+    assert err.value.problems == ["overrides[1]=3: expected a string, not int",
+                                  "overrides[2]=None: expected a string, not NoneType"]
     assert api.plan(("recipe=tiny_cpu",)).world_size == 2  # any sequence of strings is fine (tiny_cpu: 2 workers)

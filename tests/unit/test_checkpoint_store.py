@@ -237,6 +237,31 @@ def test_disk_full_keeps_previous_checkpoint(small_fs, async_save):
     assert not list((small_fs / "checkpoints").glob("*.tmp"))
 
 
+@pytest.fixture
+def file_size_limit():
+    """A soft file size limit of 256 KiB in this process (`ulimit -f 256`): a real EFBIG (Python ignores SIGXFSZ)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, hard))
+    try:
+        yield 256 << 10
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_file_past_the_size_limit_is_named_not_an_unexpected_pos(tmp_path, file_size_limit, async_save):
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=2, async_save=async_save)
+    save_steps(manager, 1, size=32)
+    limit = r"checkpoint step 2: a file under .* reached the file size limit \(256.0 KiB, `ulimit -f`\)"
+    with pytest.raises(CheckpointError, match=limit + r".*step-00000001 is intact; raise the limit") as err:
+        save_steps(manager, 2, size=1024)  # 4 MiB of fp32 in one shard file
+    assert "unexpected pos" not in str(err.value)
+    assert names(manager) == ["step-00000001"]
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
 def test_commit_after_resuming_from_older_step_removes_the_abandoned_newer_ones(tmp_path, caplog):
     manager = CheckpointManager(tmp_path, keep_last=3)
     save_steps(manager, 10, 20, 30)
@@ -275,3 +300,16 @@ def test_an_async_save_of_cuda_state_waits_for_the_pinned_copy_only(tmp_path, mo
     uploaded.set_result(None)
     manager._stager = None
     manager.wait()
+
+
+def test_any_write_past_the_size_limit_names_the_file_and_the_limit(tmp_path, file_size_limit):
+    """Outside a checkpoint too (e.g. the data cache a worker builds): the worker's one failure line says what to do."""
+    from trainctl.train.errors import storage_line
+
+    with pytest.raises(OSError) as err, open(tmp_path / "big.bin", "wb") as f:
+        f.write(b"\0" * (file_size_limit + 1))
+    err.value.filename = str(tmp_path / "big.bin")  # a write's OSError has none; the caller's path is what users see
+    line = storage_line(err.value)
+    assert line == (f"{tmp_path / 'big.bin'}: the write reached the file size limit (0.2 MiB, `ulimit -f`); raise it "
+                    "(ulimit -f unlimited) in the shell or job script that starts the run")
+    assert storage_line(ValueError("x")) is None and storage_line(FileNotFoundError(2, "No such file")) is None

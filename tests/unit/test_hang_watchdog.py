@@ -34,12 +34,23 @@ def test_the_watchdog_is_on_by_default_and_zero_turns_it_off():
     assert resolve(with_timeout(30.0)).train.hang_timeout_s == 30.0
 
 
-@pytest.mark.parametrize(("value", "says"), [(-1.0, "0 turns the hang watchdog off"), (0.5, "below 1 s")])
-def test_a_timeout_below_zero_or_under_a_second_is_one_line_naming_the_key(value, says):
+@pytest.mark.parametrize(("value", "says"), [(-1.0, "must be 0 (no hang watchdog) or 1 to 2592000 seconds"),
+                                             (0.5, "below 1 s"), (1e12, "or 1 to 2592000 seconds (30 days)")])
+def test_a_timeout_below_zero_under_a_second_or_past_the_timer_is_one_line_naming_the_key(value, says):
     with pytest.raises(ConfigError) as err:
         resolve(with_timeout(value))
     (problem,) = [p for p in err.value.problems if "hang_timeout_s" in p]
     assert problem.startswith(f"train.hang_timeout_s={value}") and says in problem, problem
+
+
+def test_the_largest_timeout_validation_allows_is_one_the_worker_timer_takes():
+    """1e12 s passed validation and the worker died arming faulthandler (OverflowError); the bound must arm."""
+    import faulthandler
+
+    (high,) = [f.metadata["range"][1] for f in dataclasses.fields(RunConfig().train) if f.name == "hang_timeout_s"]
+    assert resolve(with_timeout(high)).train.hang_timeout_s == high
+    faulthandler.dump_traceback_later(high)
+    faulthandler.cancel_dump_traceback_later()
 
 
 # --- the worker's watchdog --------------------------------------------------------------------------

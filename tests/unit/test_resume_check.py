@@ -83,6 +83,17 @@ def test_keys_that_would_make_it_another_run_are_refused(tmp_path, override, key
     assert "checkpoint.resume=" in problems(info)[0]  # what to do instead
 
 
+@pytest.mark.parametrize("override", ["model.lora.rank=8", "model.lora.targets=[q,v]"])
+def test_a_lora_change_suggests_a_new_run_from_merged_weights_not_a_resume_that_cannot_load(tmp_path, override):
+    """checkpoint.resume=RUN_DIR would load adapters of another shape (a size mismatch in the worker)."""
+    run_dir = make_run(tmp_path, finished=False, step=5)
+    with pytest.raises(ConfigError) as info:
+        resumer.check(run_dir, [override])
+    (line,) = problems(info)
+    assert line.endswith(resumer.LORA_HINT) and "checkpoint.resume=" not in line
+    assert "trainctl export RUN --merged --out DIR" in line and "checkpoint.init_from=DIR" in line
+
+
 def test_a_new_split_of_the_same_global_batch_is_allowed_and_a_changed_kept_key_named(tmp_path):
     run_dir = make_run(tmp_path, finished=False, step=5)
     old = load_run_config(run_dir)

@@ -7,6 +7,9 @@
     api.runs()
     api.evaluate("my-run", data="tok").perplexity
 
+Every function checks its arguments against its annotations first (api/arguments.py): a wrong type is
+a UserError line naming the argument, never a TypeError from inside.
+
 Torch-free like the rest of the launcher side: a launch's workers, export, generate and eval run as children.
 """
 
@@ -36,6 +39,7 @@ from trainctl.api.launching import (
 )
 from trainctl.api.sweeping import PreparedSweep, SweepResult, prepare_sweep, start_sweep, sweep
 from trainctl.api.tools import evaluate, export, generate, prepare_data
+from trainctl.api.tuning import tune
 from trainctl.api.watching import Cancelled, RunInfo, SweepRanking, cancel, logs, plot, runs, status, sweep_runs
 from trainctl.core.tool_options import (
     EXPORT_DTYPES,
@@ -56,5 +60,5 @@ __all__ = [
     "SweepResult", "cancel", "compare", "cwd_problem", "env_runs_dir", "evaluate", "export", "find_run", "generate",
     "groups", "launch", "launch_problems", "logs", "plan", "plan_record", "plot", "prepare_data", "prepare_launch",
     "prepare_resume", "prepare_sweep", "recipes", "resolved", "resume", "runs", "runs_dir_of", "search",
-    "shadow_notes", "start", "start_sweep", "status", "sweep", "sweep_runs",
+    "shadow_notes", "start", "start_sweep", "status", "sweep", "sweep_runs", "tune",
 ]

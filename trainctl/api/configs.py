@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainctl.api.arguments import checked
 from trainctl.config import compose as composer
 from trainctl.config import sources
 from trainctl.config.schema import RunConfig
@@ -16,6 +17,7 @@ from trainctl.core.errors import UserError
 ConfigDirs = sources.SearchPath | Sequence[Path | str] | None
 
 
+@checked
 def search(config_dirs: ConfigDirs = None) -> sources.SearchPath:
     """The config folders to compose from: the given ones, then $TRAINCTL_CONFIG_PATH's, then the shipped ones."""
     if isinstance(config_dirs, sources.SearchPath):
@@ -23,12 +25,14 @@ def search(config_dirs: ConfigDirs = None) -> sources.SearchPath:
     return sources.search_path([str(d) for d in config_dirs or []])
 
 
+@checked
 def shadow_notes(sp: sources.SearchPath) -> list[str]:
     """One line for each user option that hides a shipped one of the same name."""
     return [f"note: {winner.group} {winner.name} from {winner.path} shadows the shipped one"
             for winner, _hidden in sources.shadowed(sp)]
 
 
+@checked
 def recipes(config_dirs: ConfigDirs = None) -> list[tuple[str, str, str]]:
     """(name, description, where it comes from) of every recipe."""
     sp = search(config_dirs)
@@ -36,6 +40,7 @@ def recipes(config_dirs: ConfigDirs = None) -> list[tuple[str, str, str]]:
             for name, opt in sources.options("recipe", sp).items()]
 
 
+@checked
 def groups(config_dirs: ConfigDirs = None) -> list[tuple[str, str, str, str]]:
     """(group, its options, the default option, the user's own options with their files) of every config group."""
     from trainctl.config.schema import GROUPS, option_of
@@ -51,6 +56,7 @@ def groups(config_dirs: ConfigDirs = None) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+@checked
 def cwd_problem() -> str | None:
     """Every command resolves relative paths (runs/, data, configs) against the working directory; a deleted one
     would fail deep inside Hydra or a launch. One line instead."""
@@ -83,6 +89,7 @@ def _refuse_one_string(text: str | bytes) -> list[str]:
                      "not one string"])
 
 
+@checked
 def resolved(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None) -> RunConfig:
     """The composed, validated and derived config of one run; a sweep's overrides are refused (see `api.sweep`)."""
     from trainctl.launch.sweep import is_sweep
@@ -94,11 +101,13 @@ def resolved(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = N
     return resolve(composer.compose(overrides, search(config_dirs)))
 
 
+@checked
 def env_runs_dir() -> Path:
     """$TRAINCTL_RUNS_DIR, else runs/: an empty or blank variable counts as unset (as the config reads it)."""
     return Path(os.environ.get("TRAINCTL_RUNS_DIR", "").strip() or "runs")
 
 
+@checked
 def runs_dir_of(runs_dir: Path | str | None = None, overrides: Sequence[str] | None = None,
                 config_dirs: ConfigDirs = None) -> Path:
     """`runs_dir`, else the runs_dir of the config the overrides compose (recipe=..., runs_dir=...), else
@@ -110,6 +119,7 @@ def runs_dir_of(runs_dir: Path | str | None = None, overrides: Sequence[str] | N
     return env_runs_dir()
 
 
+@checked
 def find_run(run: str | Path, runs_dir: Path | str | None = None) -> Path:
     """A run directory given as a path or as a name under runs_dir (default: $TRAINCTL_RUNS_DIR, else runs/)."""
     from trainctl.runs import registry as runs

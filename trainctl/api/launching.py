@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainctl.api.arguments import checked
 from trainctl.api.configs import ConfigDirs, find_run, override_list, resolved
 from trainctl.api.handle import LaunchHandle, OutputTail
 from trainctl.config.schema import RunConfig
@@ -37,6 +38,7 @@ class Prepared:
     held: object = field(default=None, repr=False)  # the run's trainer lock, when taken before starting
 
 
+@checked
 def plan(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None, *,
          config: RunConfig | None = None) -> RunPlan:
     """The run plan of the config the overrides compose (or of `config`, already resolved)."""
@@ -45,6 +47,7 @@ def plan(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None,
     return build(config if config is not None else resolved(overrides, config_dirs))
 
 
+@checked
 def plan_record(config: RunConfig) -> dict:
     """The plan with the command that would launch it, as the run directory's plan.json will hold it, and its
     calibration against past runs of the same model and layout under runs_dir."""
@@ -56,6 +59,7 @@ def plan_record(config: RunConfig) -> dict:
     return {**record(plan(config=config), config), **({"calibration": found} if found else {})}
 
 
+@checked
 def compare(config: RunConfig, axis: str) -> list[dict]:
     """Memory and step time along one axis (sharding, checkpointing, tp, micro_batch), one row per choice."""
     from trainctl.plan.compare import compare as rows
@@ -66,6 +70,7 @@ def compare(config: RunConfig, axis: str) -> list[dict]:
     return rows(config, axis)
 
 
+@checked
 def launch_problems(cfg: RunConfig, run_plan: RunPlan, dry_run: bool, force: bool,
                     workdir: Path | None = None) -> list[str]:
     """Everything that stops a launch of this config, one line each.
@@ -95,6 +100,7 @@ def start_command(cfg: RunConfig, script: Path) -> str:
     return shlex.join(backends.for_cluster(cfg.cluster).start_command(script))
 
 
+@checked
 def prepare_launch(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None, *, dry_run: bool = False,
                    force: bool = False, name: str = "", config: RunConfig | None = None) -> Prepared:
     """Check the run and write its directory; nothing starts. `config`: an already resolved config instead."""
@@ -112,6 +118,7 @@ def prepare_launch(overrides: Sequence[str] | None = None, config_dirs: ConfigDi
                     warnings=list(run_plan.warnings))
 
 
+@checked
 def prepare_resume(run: str | Path, overrides: Sequence[str] | None = None, *, force: bool = False,
                    runs_dir: Path | str | None = None) -> Prepared:
     """Check a resume of `run` with changed keys and rewrite its config, plan and script (holding its lock when
@@ -163,6 +170,7 @@ def _check_idle(run_dir: Path) -> None:
                          "so try again when it answers"])
 
 
+@checked
 def start(prepared: Prepared, *, wait: bool = True, on_output: Callable[[bytes], None] | None = None,
           console: bool = False) -> LaunchHandle:
     """Start a prepared run through its backend.
@@ -204,6 +212,7 @@ def _started(handle: LaunchHandle, backend, prepared: Prepared, held, sink: Outp
     handle.job_id, handle.message, handle.exit_code = launched.job_id, launched.message, launched.exit_code
 
 
+@checked
 def launch(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None, *, dry_run: bool = False,
            force: bool = False, name: str = "", config: RunConfig | None = None, wait: bool = True,
            on_output: Callable[[bytes], None] | None = None) -> LaunchHandle:
@@ -214,6 +223,7 @@ def launch(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = Non
     return start(prepared, wait=wait, on_output=on_output)
 
 
+@checked
 def resume(run: str | Path, overrides: Sequence[str] | None = None, *, force: bool = False,
            runs_dir: Path | str | None = None, wait: bool = True,
            on_output: Callable[[bytes], None] | None = None) -> LaunchHandle:

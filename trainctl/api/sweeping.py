@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainctl.api.arguments import checked
 from trainctl.api.configs import ConfigDirs, override_list, search
 from trainctl.api.launching import launch_problems, start_command
 from trainctl.core.errors import UserError
@@ -41,6 +42,7 @@ class SweepResult:
         return next((c for c in self.exit_codes if c), 0)
 
 
+@checked
 def prepare_sweep(overrides: Sequence[str], config_dirs: ConfigDirs = None, *, dry_run: bool = False,
                   force: bool = False, name: str = "") -> PreparedSweep:
     """Every point checked first (nothing is written if one is bad), then the run directories."""
@@ -78,6 +80,7 @@ def prepare_sweep(overrides: Sequence[str], config_dirs: ConfigDirs = None, *, d
     return prepared
 
 
+@checked
 def start_sweep(prepared: PreparedSweep, *, on_point: Callable[[object, int], None] | None = None,
                 on_output: Callable[[bytes], None] | None = None, console: bool = False) -> SweepResult:
     """Start the whole sweep through its backend (one job array on Slurm), or run the points here one after another:
@@ -105,6 +108,7 @@ def start_sweep(prepared: PreparedSweep, *, on_point: Callable[[object, int], No
     return result
 
 
+@checked
 def sweep(overrides: Sequence[str], config_dirs: ConfigDirs = None, *, force: bool = False, name: str = "",
           on_output: Callable[[bytes], None] | None = None) -> SweepResult:
     """Check, write and start a sweep (see `prepare_sweep` and `start_sweep`)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from trainctl.api.arguments import checked
 from trainctl.api.configs import find_run
 from trainctl.core.errors import UserError
 from trainctl.core.tool_options import (
@@ -28,6 +29,7 @@ from trainctl.core.tool_options import (
 )
 
 
+@checked(options=ExportOptions)
 def export(run: str | Path, options: ExportOptions | None = None, *, runs_dir: Path | str | None = None,
            **values) -> ExportReport:
     """Write a verified checkpoint's model as safetensors (a LoRA run: `merged` weights or a PEFT `adapter`).
@@ -40,6 +42,7 @@ def export(run: str | Path, options: ExportOptions | None = None, *, runs_dir: P
     return ExportReport(**_run_child("trainctl.models.export", find_run(run, runs_dir), options))
 
 
+@checked(options=GenerateOptions)
 def generate(run: str | Path, options: GenerateOptions | None = None, *, runs_dir: Path | str | None = None,
              **values) -> Generated:
     """Continue exactly one of a prompt, a file of prompts or token ids with a run's checkpoint on one device.
@@ -53,6 +56,7 @@ def generate(run: str | Path, options: GenerateOptions | None = None, *, runs_di
     return Generated.from_dict(_run_child("trainctl.models.generate", run_dir, options))
 
 
+@checked(options=EvalOptions)
 def evaluate(run: str | Path, options: EvalOptions | None = None, *, runs_dir: Path | str | None = None,
              **values) -> EvalResult:
     """Loss and perplexity of a checkpoint over a prepared dataset's val split.
@@ -97,9 +101,11 @@ def _regular_file(key: str, path: str) -> None:
         raise UserError([f"{key} {path}: not a regular file; pass a text file, one prompt per line"])
 
 
-def prepare_data(inputs: Sequence[str], out_dir: str, *, progress: Callable[[int, int | None], None] | None = None,
-                 data_format: str = "text", messages_field: str = "messages", prompt_field: str = "prompt",
-                 completion_field: str = "completion", max_doc_tokens: int | None = None, overlong: str = "refuse",
+@checked(options="trainctl.data.prepare:prepare", passed=("inputs", "out", "records"))
+def prepare_data(inputs: Sequence[str | Path], out_dir: str | Path, *,
+                 progress: Callable[[int, int | None], None] | None = None, data_format: str = "text",
+                 messages_field: str = "messages", prompt_field: str = "prompt", completion_field: str = "completion",
+                 max_doc_tokens: int | None = None, overlong: str = "refuse",
                  **options):
     """Tokenize text into a token dataset (data.datasets=[DIR]); its metadata. `options`: data.prepare.prepare's
     (tokenizer, train_tokenizer, vocab_size, eos_token, bos, text_field, val_fraction, shard_tokens, workers,
@@ -111,6 +117,6 @@ def prepare_data(inputs: Sequence[str], out_dir: str, *, progress: Callable[[int
     records = RecordOptions(data_format, messages_field, prompt_field, completion_field, None, max_doc_tokens,
                             overlong)
     try:
-        return tokenize(list(inputs), out_dir, progress=progress, records=records, **options)
+        return tokenize([str(i) for i in inputs], out_dir, progress=progress, records=records, **options)
     except DatasetError as exc:
         raise UserError([str(exc)]) from None

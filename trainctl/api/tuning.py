@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from trainctl.api import tuning_queued
+from trainctl.api.arguments import checked
 from trainctl.api.configs import ConfigDirs, override_list, resolved, search
 from trainctl.api.tune_table import TUNE_JSON, Probe, TuneResult, finish, merged, pin, write
 from trainctl.config.schema import RunConfig
@@ -134,6 +135,8 @@ def _start(overrides: list[str], config_dirs: ConfigDirs) -> tuple[list[str], Ru
             raise refused from None
 
 
+
+@checked
 def tune(overrides: Sequence[str] | None = None, config_dirs: ConfigDirs = None, *, top: int = DEFAULT_TOP,
          probe_steps: int = DEFAULT_PROBE_STEPS, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, name: str = "",
          repeats: int = DEFAULT_REPEATS, on_probe: Callable[[Probe, int, int], None] | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainctl.api.arguments import checked
 from trainctl.api.configs import ConfigDirs, resolved
 from trainctl.api.tune_table import TUNE_JSON, Probe, TuneResult, finish, merged
 from trainctl.core.errors import UserError
@@ -56,6 +57,7 @@ def submit_probes(result: TuneResult, probes_overrides: list[tuple[Probe, list[s
                           f"end: trainctl tune --collect {result.name} --runs-dir {runs_dir}")
 
 
+@checked
 def collect(name: str, runs_dir: Path | str, config_dirs: ConfigDirs = None) -> TuneResult:
     """Re-read a tune's probes (tune.json) and write its table and pinned recipe from what they measured."""
     from trainctl.core import rundir as layout

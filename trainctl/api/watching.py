@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from trainctl.api.arguments import checked
 from trainctl.api.configs import ConfigDirs, env_runs_dir, find_run, runs_dir_of
 from trainctl.core.errors import UserError
 from trainctl.runs.figures import Figures
@@ -40,6 +41,7 @@ class RunInfo:
                 **({"log": str(self.log)} if self.log is not None else {})}
 
 
+@checked
 def runs(runs_dir: Path | str | None = None, overrides: Sequence[str] | None = None,
          config_dirs: ConfigDirs = None) -> list[RunInfo]:
     """Every run under runs_dir (default: the config's runs_dir, $TRAINCTL_RUNS_DIR, else runs/), oldest first."""
@@ -50,6 +52,7 @@ def runs(runs_dir: Path | str | None = None, overrides: Sequence[str] | None = N
     return [RunInfo(st, figures(st.path)) for st in states]
 
 
+@checked
 def status(run: str | Path, runs_dir: Path | str | None = None) -> RunInfo:
     """One run's state, figures, ETA (while active) and log path; `run` is a path or a name under runs_dir."""
     from trainctl.runs import registry as found
@@ -66,6 +69,7 @@ class Cancelled:
     what: str  # how messages name its job: "the local launch", "Slurm job 123"
 
 
+@checked
 def cancel(run: str | Path, runs_dir: Path | str | None = None) -> Cancelled:
     """Stop a running or pending run (it checkpoints first; scancel on Slurm)."""
     from trainctl.launch import backends
@@ -82,6 +86,7 @@ class SweepRanking:
     rows: list[dict]  # run, state, finished, train_loss, val_loss, swept, ...; best first, unfinished last
 
 
+@checked
 def sweep_runs(name: str, runs_dir: Path | str | None = None) -> SweepRanking:
     """A sweep's points ranked by their final eval loss (else train loss), finished points first."""
     from trainctl.launch import sweep
@@ -94,6 +99,7 @@ def sweep_runs(name: str, runs_dir: Path | str | None = None) -> SweepRanking:
     return SweepRanking(name, metric, rows)
 
 
+@checked
 def logs(run: str | Path, out: BinaryIO, *, rank: int | None = None, follow: bool = False,
          runs_dir: Path | str | None = None) -> None:
     """Copy a run's log (a rank's own, else its workers' newest output) to `out`; `follow`: until the run ends."""
@@ -128,6 +134,7 @@ def _no_log(path: Path, rank: int | None, state: str, run_dir: Path) -> str:
     return f"{path} does not exist (run state {state}); a run writes it once its workers start"
 
 
+@checked
 def plot(runs: Sequence[str | Path] = (), *, sweep_name: str | None = None, out_file: Path | str | None = None,
          runs_dir: Path | str | None = None) -> Path:
     """Draw train/eval loss, learning rate, tokens/s and grad norm of runs (or a sweep's points) overlaid; the PNG."""

@@ -296,8 +296,10 @@ class TrainConfig:
     # Python's garbage collector runs every N steps on every rank at once; 0: whenever it likes
     gc_every: int = at_least(50, 0, "0 leaves Python's garbage collector alone")
     # a rank with no step, eval or save finished for this long dumps its stacks and exits (a restart follows,
-    # cluster.max_restarts); 0: no watchdog
-    hang_timeout_s: float = at_least(1800.0, 0, "0 turns the hang watchdog off")
+    # cluster.max_restarts); 0: no watchdog. At most 30 days: the watchdog's timer (faulthandler) overflows
+    # somewhere past 1e9 s, depending on the platform, and a month without progress is a hang on any cluster
+    hang_timeout_s: float = within(1800.0, 0, 2_592_000.0, message="must be 0 (no hang watchdog) or 1 to 2592000 "
+                                   "seconds (30 days), a few times the slowest step or save")
 
     @property
     def tokens_per_step(self) -> int:

@@ -35,10 +35,13 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     # A blank runs_dir (an empty or blank $TRAINCTL_RUNS_DIR) means the default, as `runs` reads it.
     cfg = dataclasses.replace(cfg, model=model, runs_dir=cfg.runs_dir.strip() or "runs")
     nonfinite = check_finite(cfg) + check_init_from(cfg.checkpoint, cfg.model)
-    problems = declared_problems(cfg) + check_ranges(cfg) + check_model(cfg.model, cfg.train)
+    model_problems = check_model(cfg.model, cfg.train)
+    problems = declared_problems(cfg) + check_ranges(cfg) + model_problems
     problems += check_data(cfg.data, cfg.model) + check_cluster(cfg.cluster, cfg.precision) + cfg.cluster.problems()
     problems += check_names(cfg) + check_offload(cfg.sharding) + check_resume_optimizer(cfg.checkpoint, cfg.optim)
     problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim) + check_optim_model(cfg.optim, cfg.model)
+    if not model_problems and not declared_problems(cfg.model, "model"):  # the shapes mean something
+        problems += lora.width_problems(cfg.model.lora, registry.spec(cfg.model.family).linear_shapes(cfg.model))
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:
@@ -263,14 +266,12 @@ def check_cluster(c: schema.ClusterConfig, p: schema.PrecisionConfig) -> list[st
 
 
 def check_names(cfg: schema.RunConfig) -> list[str]:
-    """Run names become folder names and sbatch paths: no separators, no whitespace."""
+    """Run names become folder names: no separators, no whitespace. (What a backend's files cannot hold, e.g. a
+    runs_dir with spaces in an #SBATCH line, its preflight says: a local run takes any runs_dir.)"""
     problems = []
     if cfg.name and (re.search(r"[\s/]", cfg.name) or cfg.name in (".", "..")):
         problems.append(f"name={cfg.name!r}: a run name is one folder name without spaces or '/'; e.g. "
                         "name=llama7b-lr1e-4")
-    if re.search(r"\s", cfg.runs_dir):
-        problems.append(f"runs_dir={cfg.runs_dir!r}: paths with spaces break sbatch's --output; pick a path without "
-                        "whitespace")
     return problems
 
 

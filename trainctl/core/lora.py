@@ -48,6 +48,37 @@ def problems(lora) -> list[str]:
     return out
 
 
+def width_problems(lora, shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """A rank above a target's min(in, out): B @ A is then no longer low-rank, so the extra rank adds parameters
+    (rank x (in + out) each) and memory but nothing a full fine-tune could not do with fewer.
+
+    `shapes`: each matmul's (in, out) by its path in a block (the family spec's linear_shapes)."""
+    if not enabled(lora) or any(t not in TARGETS for t in lora.targets):
+        return []
+    narrowest = {t: min(shapes[TARGETS[t]]) for t in lora.targets}
+    too_narrow = sorted(t for t, width in narrowest.items() if lora.rank > width)
+    if not too_narrow:
+        return []
+    limit = min(narrowest[t] for t in too_narrow)
+    return [f"model.lora.rank={lora.rank}: above min(in, out) of {', '.join(too_narrow)} ({limit}), where an "
+            f"adapter is no longer low-rank; use a rank of at most {limit} (e.g. 8 or 16), or model.lora.rank=0 "
+            "to train every weight"]
+
+
+def oversized(lora, shapes: dict[str, tuple[int, int]]) -> str | None:
+    """A warning when the adapters hold more parameters than the weights they adapt (rank > in*out/(in+out))."""
+    if not enabled(lora):
+        return None
+    paths = [TARGETS[t] for t in lora.targets if t in TARGETS]
+    adapters = sum(lora.rank * sum(shapes[p]) for p in paths)
+    weights = sum(shapes[p][0] * shapes[p][1] for p in paths)
+    if adapters <= weights:
+        return None
+    return (f"model.lora.rank={lora.rank}: the adapters train {adapters:,} parameters per layer, more than the "
+            f"{weights:,} weights they adapt; a smaller rank (e.g. 8 or 16) is the usual LoRA, or "
+            "model.lora.rank=0 trains every weight with less")
+
+
 def target_paths(lora) -> list[str]:
     """The module paths inside a block that carry adapters, in the order of model.lora.targets."""
     return [TARGETS[t] for t in lora.targets]

@@ -202,6 +202,7 @@ class Completion:
     prompt: str
     completion: str
     ids: list[int]
+    error: str | None = None  # --prompts FILE: why this line has no completion (the other lines still have theirs)
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,8 @@ class Generated:
         """What `trainctl generate` prints: the completion, or one JSON object per line for a file of prompts."""
         if not self.from_file:
             return "\n".join(c.completion for c in self.completions)
-        return "\n".join(json.dumps(asdict(c), ensure_ascii=False) for c in self.completions)
+        return "\n".join(json.dumps({k: v for k, v in asdict(c).items() if k != "error" or v is not None},
+                                     ensure_ascii=False) for c in self.completions)
 
 
 @dataclass(frozen=True)

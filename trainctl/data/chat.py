@@ -24,7 +24,17 @@ import numpy as np
 
 from trainctl.data.chat_template import ChatTemplate, TemplateRefusal, assistant_spans, load_template
 from trainctl.data.format import CONTENTS, DOC_START, LOSS, DatasetError
-from trainctl.data.inputs import JSON_LINES, Unit, _decoded, _parquet, json_kind, json_lines, not_text, unit_bytes
+from trainctl.data.inputs import (
+    JSON_LINES,
+    Unit,
+    _decoded,
+    _parquet,
+    json_kind,
+    json_lines,
+    not_text,
+    too_deep,
+    unit_bytes,
+)
 from trainctl.data.split import is_val
 
 OVERLONG = ("refuse", "truncate")
@@ -96,6 +106,8 @@ def unit_records(unit: Unit) -> Iterator[tuple[str, object]]:
             record = json.loads(_decoded(line, unit.path, offset))
         except ValueError:
             raise DatasetError(f"{unit.path}: byte {offset}: not a JSON object per line (.jsonl)") from None
+        except RecursionError:
+            raise DatasetError(too_deep(unit.path, offset)) from None
         yield f"byte {offset}", record
 
 

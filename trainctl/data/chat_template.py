@@ -89,7 +89,7 @@ def _config(folder: Path) -> dict:
         return {}
     try:
         data = json.loads(_read_text(path, "--tokenizer"))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise DatasetError(f"{path}: not JSON ({exc}); fix or remove it") from None
     return data if isinstance(data, dict) else {}
 
@@ -167,6 +167,9 @@ def _compiled(text: str):
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise DatasetError(f"the chat template does not parse (line {exc.lineno}: {exc.message}); fix it or pass "
                            f"--chat-template {'|'.join(BUILTIN)}") from None
+    except RecursionError:  # its expressions nest deeper than jinja's parser follows
+        raise DatasetError(f"the chat template nests too deeply to parse; fix it or pass --chat-template "
+                           f"{'|'.join(BUILTIN)}") from None
 
 
 def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -178,7 +181,7 @@ def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: 
                                add_generation_prompt=add_generation_prompt, **template.tokens)
     except jinja2.exceptions.TemplateError as exc:
         raise TemplateRefusal(str(exc) or type(exc).__name__) from None
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
+    except Exception as exc:  # noqa: BLE001 (a template is the user's code: 1 // 0, a macro calling itself, ...)
         raise TemplateRefusal(f"{type(exc).__name__}: {exc}") from None
 
 

@@ -223,8 +223,21 @@ def dataset_problems(path: str | Path, split: str, vocab_size: int, seq_len: int
                             f"{meta.token_dtype} tokens ({shard.tokens * itemsize} bytes); prepare it again")
         if shard.mask:
             problems += _mask_problems(head, meta.root / shard.mask, shard)
-    problems += _split_size_problems(head, meta, split, seq_len)
+    problems += _split_size_problems(head, meta, split, seq_len) + _no_loss_problems(head, meta, split)
     return problems
+
+
+def _no_loss_problems(head: str, meta: DatasetMeta, split: str) -> list[str]:
+    """Masked data whose split has tokens but none that counts in the loss (meta.json's loss_tokens): training
+    would skip every step, evaluation would report a nan loss (0 / 0)."""
+    counted = meta.splits[split].loss_tokens
+    if not meta.masked or counted is None or counted > 0 or not meta.splits[split].tokens:
+        return []
+    if split == "train":
+        return [f"{head}: no train token counts in the loss (every loss mask is empty), so every step would be "
+                "skipped; prepare it again from records with answers"]
+    return [f"{head}: no val token counts in the loss (every val loss mask is empty), so the val loss would be nan; "
+            "prepare it with a larger --val-fraction, or set train.eval_every=0"]
 
 
 def _mask_problems(head: str, where: Path, shard: Shard) -> list[str]:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,18 +70,12 @@ def expand_inputs(inputs: list[str], out: Path | None = None) -> list[Path]:
         path = Path(item).expanduser()
         if out is not None:
             _not_out(item, path, out)
-        if path.is_file():
-            found.add(path.resolve())
-        elif path.is_dir():
-            found |= {p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES}
-        elif glob.has_magic(item):
-            found |= {Path(p).resolve() for p in glob.glob(os.path.expanduser(item), recursive=True)
-                      if Path(p).is_file()}
-        elif os.path.lexists(path):
-            raise DatasetError(f"{item}: {_kind_of(path)}, not a regular file or folder; pass text files, folders "
-                               "or glob patterns")
-        else:
-            raise DatasetError(f"{item}: no such file or folder; pass text files, folders or glob patterns")
+        try:
+            found |= _item_files(item, path)
+        except (OSError, RuntimeError) as exc:  # an entry that cannot be stat'ed or listed (permissions, length)
+            raise DatasetError(f"{item}: {_short(getattr(exc, 'filename', None) or path)} cannot be read "
+                               f"({getattr(exc, 'strerror', None) or exc}); make it readable, or leave it out of "
+                               "the inputs") from None
         if out is not None:
             found = {p for p in found if not p.is_relative_to(out)}
         if not found:
@@ -89,6 +84,33 @@ def expand_inputs(inputs: list[str], out: Path | None = None) -> list[Path]:
     for file in files:
         check_text(file)
     return files
+
+
+def _item_files(item: str, path: Path) -> set[Path]:
+    """The input files one argument names; OSError for an entry that cannot be read (never skipped: its text
+    would be missing from the dataset without a word)."""
+    if path.is_file():
+        return {path.resolve()}
+    if path.is_dir():
+        return {p.resolve() for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()}
+    if glob.has_magic(item):
+        return {Path(p).resolve() for p in glob.glob(os.path.expanduser(item), recursive=True) if Path(p).is_file()}
+    if os.path.lexists(path):
+        raise DatasetError(f"{item}: {_kind_of(path)}, not a regular file or folder; pass text files, folders "
+                           "or glob patterns")
+    raise DatasetError(f"{item}: no such file or folder; pass text files, folders or glob patterns")
+
+
+def too_deep(path: Path, offset: int) -> str:
+    """A JSON line nested deeper than Python's parser follows (its RecursionError), in one line."""
+    return (f"{path}: byte {offset}: JSON nested deeper than the reader follows (about "
+            f"{sys.getrecursionlimit()} levels); flatten the record or leave it out")
+
+
+def _short(path: object, keep: int = 120) -> str:
+    """A path short enough for one line: its head and tail around an ellipsis."""
+    text = str(path)
+    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]}"
 
 
 def _not_out(item: str, path: Path, out: Path) -> None:
@@ -235,6 +257,8 @@ def _json_text(line: bytes, field: str, path: Path, offset: int) -> str | None:
         record = json.loads(text)
     except ValueError:
         raise DatasetError(f"{path}: byte {offset}: not a JSON object per line (.jsonl)") from None
+    except RecursionError:
+        raise DatasetError(too_deep(path, offset)) from None
     if not isinstance(record, dict) or field not in record:
         raise DatasetError(f"{path}: byte {offset}: no text field {field!r}; name the field with --text-field")
     value = record[field]

@@ -248,6 +248,8 @@ class Job:
                              "documents": sum(s["documents"] for s in shards), "shards": shards}
             if self.records is not None:  # what the loss sees: plan and users size epochs of answers by it
                 splits[split]["loss_tokens"] = sum(count_loss_tokens(self.out / s["mask"]) for s in shards)
+        if self.records is not None and splits["train"]["tokens"] and not splits["train"]["loss_tokens"]:
+            raise DatasetError(empty_masks(self.records))
         meta = {
             "format": FORMAT, "version": VERSION,
             "tokenizer": {"kind": tok.kind, "file": tokenizer_file,
@@ -264,6 +266,15 @@ class Job:
             if self.records.template is not None:
                 meta["chat_template"] = self.records.template.record()
         _write_json(self.out / META_FILE, meta)
+
+
+def empty_masks(records: RecordOptions) -> str:
+    """Every loss mask empty: training would skip every step (nothing to learn) and still end COMPLETED."""
+    why = ("the chat template renders no assistant text" if records.format == "chat"
+           else "no completion text survives")
+    cut = ", or --overlong truncate cut every answer at --max-doc-tokens" if records.overlong == "truncate" else ""
+    return (f"--format {records.format}: no train token counts in the loss (every loss mask is empty: {why}{cut}); "
+            "check the records, the --chat-template or --max-doc-tokens")
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:

@@ -164,6 +164,6 @@ def token_string(tokenizer_file: str | Path, token_id: int) -> str | None:
     """The text of a special token of a tokenizer.json (for tokenizer_config.json), or None."""
     try:
         data = json.loads(Path(tokenizer_file).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return next((t.get("content") for t in data.get("added_tokens", []) if t.get("id") == token_id), None)

@@ -44,6 +44,14 @@ FROZEN = ("model.", "data.", "precision.", "optim.name", "train.seq_len", "train
           "train.seed", "cluster.launcher", "cluster.device",
           "checkpoint.resume", "checkpoint.load_only", "checkpoint.init_from", "name", "recipe", "runs_dir")
 NEW_RUN_HINT = "launch a new run starting from this one's checkpoint with checkpoint.resume=RUN_DIR"
+# A LoRA key changes the adapters' shapes (or drops them): no checkpoint of this run loads into the new model, so
+# the trained adapters are folded into full weights first and a new run starts from those.
+LORA_HINT = ("to train with another model.lora, fold this run's adapters in first (trainctl export RUN --merged "
+             "--out DIR), then launch a new run with checkpoint.init_from=DIR and the new model.lora keys")
+
+
+def new_run_hint(key: str) -> str:
+    return LORA_HINT if key.startswith("model.lora.") else NEW_RUN_HINT
 
 
 @dataclass
@@ -97,7 +105,7 @@ def _override_problem(o) -> str | None:
     if key in (*GROUPS, "recipe"):
         return f"{o.input_line}: a resume keeps the run's {key}; {NEW_RUN_HINT}"
     if frozen(key):
-        return f"{o.input_line}: a resume keeps {key} (the model, the data and its order); {NEW_RUN_HINT}"
+        return f"{o.input_line}: a resume keeps {key} (the model, the data and its order); {new_run_hint(key)}"
     return None
 
 
@@ -160,7 +168,8 @@ def flat(cfg: RunConfig) -> dict[str, object]:
 
 def frozen_changes(before: RunConfig, after: RunConfig) -> list[str]:
     a, b = flat(before), flat(after)
-    return [f"{k}: {a[k]!r} -> {b[k]!r}: a resume keeps it; {NEW_RUN_HINT}" for k in a if frozen(k) and a[k] != b[k]]
+    return [f"{k}: {a[k]!r} -> {b[k]!r}: a resume keeps it; {new_run_hint(k)}"
+            for k in a if frozen(k) and a[k] != b[k]]
 
 
 def newest_step(run_dir: Path) -> int | None:

@@ -118,8 +118,9 @@ def generate_ids(model: nn.Module, prompt: list[int], sampling: Sampling, eos_id
     return out
 
 
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per non-empty line of a regular file; a FIFO or device is refused (it could block forever)."""
+def read_prompts(path: Path) -> list[tuple[str, str]]:
+    """(`--prompts FILE line N`, the prompt) of each non-empty line of a regular file; a FIFO or device is refused
+    (it could block forever)."""
     try:
         mode = path.stat().st_mode
     except OSError as exc:
@@ -129,7 +130,8 @@ def read_prompts(path: Path) -> list[str]:
         raise GenerateError([f"--prompts {path}: not a regular file of at most {MAX_PROMPTS_BYTES >> 20} MiB; "
                              "pass a text file, one prompt per line"])
     try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [(f"--prompts {path} line {n}", line)
+                 for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise GenerateError([f"--prompts {path}: unreadable as UTF-8 text ({exc}); pass a text file"]) from None
     if not lines:
@@ -137,21 +139,22 @@ def read_prompts(path: Path) -> list[str]:
     return lines
 
 
-def prompt_ids(text: str, tokens: RunTokens, chat: bool) -> list[int]:
+def prompt_ids(text: str, tokens: RunTokens, chat: bool, label: str = "--prompt") -> list[int]:
     ids = tokens.encode(tokens.chat_prompt(text) if chat else text)
     if not ids:
-        raise GenerateError(["--prompt: encodes to no tokens; give some text"])
+        raise GenerateError([f"{label}: encodes to no tokens; give some text"])
     return ids
 
 
-def fit_to_context(prompt: list[int], sampling: Sampling, max_seq_len: int) -> Sampling:
+def fit_to_context(prompt: list[int], sampling: Sampling, max_seq_len: int, label: str = "--prompt") -> Sampling:
     """`sampling` with max_new_tokens cut to what fits in model.max_seq_len (said on stderr), or refused."""
     room = max_seq_len - len(prompt)
     if room <= 0:
-        raise GenerateError([f"--prompt: {len(prompt)} tokens, no room for a new one within model.max_seq_len="
+        raise GenerateError([f"{label}: {len(prompt)} tokens, no room for a new one within model.max_seq_len="
                              f"{max_seq_len}; shorten the prompt"])
     if sampling.max_new_tokens > room:
-        print(f"warning: --max-new-tokens {sampling.max_new_tokens} cut to {room}: the prompt has {len(prompt)} "
+        what = "the prompt" if label == "--prompt" else label
+        print(f"warning: --max-new-tokens {sampling.max_new_tokens} cut to {room}: {what} has {len(prompt)} "
               f"tokens and model.max_seq_len={max_seq_len}", file=sys.stderr)
         return Sampling(room, sampling.temperature, sampling.top_p, sampling.seed)
     return sampling
@@ -193,30 +196,51 @@ def run(run_dir: Path, options: GenerateOptions) -> Generated:
         raise GenerateError(problems)
     sampling = Sampling(options.max_new_tokens, options.temperature, options.top_p, options.seed)
     from_file, as_ids = options.prompts is not None, options.prompt_ids is not None
-    prompts = read_prompts(Path(options.prompts)) if from_file else [options.prompt or options.prompt_ids]
+    labelled = read_prompts(Path(options.prompts)) if from_file else \
+        [("--prompt-ids" if as_ids else "--prompt", options.prompt or options.prompt_ids)]
+    prompts = [text for _, text in labelled]
     device = pick_device(options.device)
     read_model_config(run_dir)  # not a run directory: refused before the tokenizer is looked for
     tokens = run_tokens(run_dir)
-    encoded = [parse_ids(p) if as_ids else prompt_ids(p, tokens, options.chat) for p in prompts]
     model, _ = load_model(run_dir, options.checkpoint, device)
-    vocab = model.cfg.vocab_size
-    if max(max(ids) for ids in encoded) >= vocab:
-        key = "--prompt-ids" if as_ids else "the run's tokenizer"
-        raise GenerateError([f"{key}: token id {max(max(ids) for ids in encoded)} >= model.vocab_size={vocab}; "
-                             "the model has no embedding for it (use ids below it)"])
     end = tokens.end_of_turn() if options.chat else None
     # Each new token holds at least one byte of text: the last len(end) bytes' worth of tokens is enough to look at.
     tail = len(end.encode("utf-8")) + 1 if end else 0
     stop = (lambda new: end in tokens.decode(new[-tail:])) if end else None
+    # Every prompt is checked before the first is answered; in a file, a line that cannot be answered (no token,
+    # no room in the context, an id past the vocabulary) gets its reason in its own JSON line, the others answers.
+    checked = [_checked_prompt(label, p, tokens, options, sampling, model.cfg) for label, p in labelled]
+    if not from_file and isinstance(checked[0], GenerateError):
+        raise checked[0]
     completions = []
-    for text, ids in zip(prompts, encoded, strict=True):
-        new = generate_ids(model, ids, fit_to_context(ids, sampling, model.cfg.max_seq_len), tokens.eos_ids,
-                           stop=stop)
+    for text, item in zip(prompts, checked, strict=True):
+        if isinstance(item, GenerateError):
+            completions.append(Completion(text, "", [], error=str(item)))
+            continue
+        ids, fit = item
+        new = generate_ids(model, ids, fit, tokens.eos_ids, stop=stop)
         shown = new[:-1] if new and new[-1] in tokens.eos_ids else new
         completion = " ".join(map(str, shown)) if as_ids else tokens.decode(shown)
         completion = without_end(completion, end) if end else completion
         completions.append(Completion(text, completion, new))
+    if failed := [c for c in completions if c.error]:
+        print(f"warning: {len(failed)} of {len(completions)} prompts not answered; their JSON lines say why "
+              f"(\"error\"), first: {failed[0].error}", file=sys.stderr)
     return Generated(completions, from_file)
+
+
+def _checked_prompt(label: str, text: str, tokens: RunTokens, options: GenerateOptions, sampling: Sampling,
+                    model_cfg) -> tuple[list[int], Sampling] | GenerateError:
+    """A prompt's ids and its sampling cut to the context, or why it cannot be answered (returned, not raised)."""
+    try:
+        ids = parse_ids(text) if options.prompt_ids is not None else prompt_ids(text, tokens, options.chat, label)
+        if max(ids) >= model_cfg.vocab_size:
+            key = "--prompt-ids" if options.prompt_ids is not None else f"{label}: the run's tokenizer"
+            raise GenerateError([f"{key}: token id {max(ids)} >= model.vocab_size={model_cfg.vocab_size}; "
+                                 "the model has no embedding for it (use ids below it)"])
+        return ids, fit_to_context(ids, sampling, model_cfg.max_seq_len, label)
+    except GenerateError as exc:
+        return exc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from trainctl.config import hf_config
 from trainctl.config.data_check import data_file_problems, epochs_of
 from trainctl.config.schema import CheckpointConfig, ClusterConfig, ModelConfig, RunConfig, ShardingConfig, TrainConfig
-from trainctl.core import hub
+from trainctl.core import hub, lora
 from trainctl.core.dims import ParallelDims, UnresolvedDims
 from trainctl.core.errors import UserError
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import unsupported
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
-from trainctl.plan.flops import flops_per_token, lora_formula_count, param_count, trainable_count
+from trainctl.plan.flops import flops_per_token, linear_shapes, lora_formula_count, param_count, trainable_count
 from trainctl.plan.throughput import StepTime, attention_flops_causal, hours
 
 
@@ -232,7 +232,7 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
                 fit_warning(a, fit.device_label(cfg.cluster.device, cfg.cluster.gpu))]
     # The token files, by size and a bounded sample (launch refuses what this warns about).
     warnings += data_file_problems(cfg.data, cfg.data.vocab_size or cfg.model.vocab_size, cfg.train.seq_len)
-    warnings += [epochs_warning(cfg), weights_warning(cfg.model, cfg.checkpoint)]
+    warnings += [epochs_warning(cfg), weights_warning(cfg.model, cfg.checkpoint), *lora_warnings(cfg)]
     return RunPlan(
         world_size=world,
         nodes=cfg.cluster.nodes,
@@ -260,3 +260,16 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
         advice=tuple(suggestions),
         warnings=tuple(w for w in warnings if w),
     )
+
+
+def lora_warnings(cfg: RunConfig) -> list[str]:
+    """Adapters larger than what they adapt, and adapters trained on a frozen base that is random numbers."""
+    if not lora.enabled(cfg.model.lora):
+        return []
+    found = [lora.oversized(cfg.model.lora, linear_shapes(cfg.model))]
+    ck = cfg.checkpoint
+    if not (cfg.model.path or ck.init_from or ck.resume not in ("auto", "never")):
+        found.append(f"model.lora.rank={cfg.model.lora.rank} on a random base: no checkpoint.init_from (or "
+                     "model.path) gives the frozen weights, so the adapters learn around noise and their export fits "
+                     "no published model; set checkpoint.init_from=HF_MODEL_DIR")
+    return [w for w in found if w]

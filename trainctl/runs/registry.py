@@ -52,11 +52,20 @@ def _mtime(path: Path) -> float:
 
 
 def list_runs(runs_dir: Path) -> list[Path]:
-    """Run directories under runs_dir, oldest first."""
+    """Run directories under runs_dir, oldest first; none when it does not exist yet (no run was launched).
+
+    A runs_dir that is a file or cannot be read is said in one line: an empty table would claim there are no runs.
+    """
     try:
         entries = list(runs_dir.iterdir())
-    except OSError:
+    except FileNotFoundError:
         return []
+    except NotADirectoryError:
+        raise LaunchError(f"runs_dir {runs_dir}: a file, not a folder of runs; point --runs-dir (or "
+                          "$TRAINCTL_RUNS_DIR, runs_dir=) at the folder the runs were launched into") from None
+    except OSError as exc:
+        raise LaunchError(f"runs_dir {runs_dir}: cannot be read ({exc.strerror or exc}); fix its permissions or "
+                          "point --runs-dir at another folder") from None
     found = [p for p in entries if not p.name.startswith(".") and rundir.is_run_dir(p)]
     return sorted(found, key=lambda p: (_mtime(p), p.name))
 

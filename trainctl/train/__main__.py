@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from trainctl.core import rundir
-from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerError
+from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerError, storage_line
 
 log = logging.getLogger("trainctl.train")
 
@@ -196,6 +196,9 @@ def failed(err: BaseException) -> tuple[int, str]:
         message = one_line(err, True)
         log.error("%s", message)
         return err.exit_code, message
+    if storage := storage_line(err):  # the machine refused a write: what to change, not an errno
+        log.error("training failed: %s", storage, exc_info=err)
+        return EXIT_FAILURE, storage
     message = one_line(err, False)
     log.error("training failed: %s", message, exc_info=err)
     return EXIT_FAILURE, message

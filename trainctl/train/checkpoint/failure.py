@@ -1,8 +1,10 @@
-"""Why a checkpoint save failed: which ranks, what error, whether the disk is full (checkpoint.py's messages)."""
+"""Why a checkpoint save failed: which ranks, what error, whether the disk is full or a file passed the file size
+limit (`ulimit -f`) (checkpoint.py's messages)."""
 
 from __future__ import annotations
 
 import errno
+import resource
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +21,13 @@ class Part:
 
     error: str | None = None
     disk_full: bool = False
+    file_limit: int | None = None  # the file size limit (bytes) a write hit (EFBIG), when that is what failed
     files: dict[str, dict] = field(default_factory=dict)  # relative path -> {"size", "sha256"}
 
     def fail(self, exc: BaseException, where: Path) -> None:
         self.error = self.error or describe(exc)
         self.disk_full = self.disk_full or _is_disk_full(exc, where)
+        self.file_limit = self.file_limit or hit_file_limit(exc)
 
 
 def _chain(exc: BaseException):
@@ -53,6 +57,25 @@ def _is_disk_full(exc: BaseException, where: Path) -> bool:
     return usage.free < min(64 << 20, usage.total // 100)
 
 
+def file_size_limit() -> int | None:
+    """This process's file size limit in bytes (`ulimit -f`; every rank of a node inherits it), None when unlimited.
+    Python ignores SIGXFSZ, so a write past it fails with EFBIG instead of killing the process."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def hit_file_limit(exc: BaseException) -> int | None:
+    """The limit, when the failure is a write past the file size limit: EFBIG in the chain, or torch's stream
+    writer's "unexpected pos" (its write stopped short, the errno dropped) under a finite limit."""
+    limit = file_size_limit()
+    if limit is None:
+        return None
+    for e in _chain(exc):
+        if (isinstance(e, OSError) and e.errno == errno.EFBIG) or "unexpected pos" in str(e):
+            return limit
+    return None
+
+
 def describe(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException):
         return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(exc.failures.items()))
@@ -60,4 +83,6 @@ def describe(exc: BaseException) -> str:
 
 
 def human(n: int) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

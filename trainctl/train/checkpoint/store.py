@@ -317,6 +317,11 @@ class CheckpointManager:
                 f"{human(usage.free)} free of {human(usage.total)} now that the partial save is removed); {kept}; "
                 f"free space, lower checkpoint.keep_last or put the run on a larger filesystem"
             )
+        if limits := [p.file_limit for _, p in failed if p.file_limit]:
+            limit = human(min(limits))
+            return (f"checkpoint step {step}: a file under {self.root} reached the file size limit ({limit}, "
+                    f"`ulimit -f`) after {human(partial)} were written; {kept}; raise the limit (ulimit -f unlimited) "
+                    "in the shell or job script that starts the run")
         ranks = ", ".join(str(rank) for rank, _ in failed)
         return f"checkpoint step {step} failed on rank(s) {ranks}: {failed[0][1].error}; {kept}"
 

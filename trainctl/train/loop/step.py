@@ -138,8 +138,9 @@ def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGrou
 
 
 @torch.no_grad()
-def evaluate(job: Job) -> float:
-    """Mean token loss over the held-out batches of every rank (validation keeps eval_batches >= 1 when it runs)."""
+def evaluate(job: Job) -> tuple[float, int]:
+    """(mean token loss, the targets it averages) over the held-out batches of every rank (validation keeps
+    eval_batches >= 1 when it runs); no counted target (every one masked) is a nan loss over 0 targets."""
     job.model.eval()
     batches = job.val_data.eval_batches(job.cfg.train.eval_batches)
     if job.pipeline is not None:
@@ -151,7 +152,7 @@ def evaluate(job: Job) -> float:
     # cp ranks add disjoint slices of the same sequences.
     if dist.get_world_size() > 1:
         dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
+    return (totals[0] / totals[1]).item(), int(totals[1].item())
 
 
 def eval_totals(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],

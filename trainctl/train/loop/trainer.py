@@ -32,7 +32,7 @@ from trainctl.train.checkpoint import state as checkpoint_state
 from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
 from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
 from trainctl.train.checkpoint.store import CheckpointManager, checkpoint_dir, step_name
-from trainctl.train.errors import WorkerConfigError
+from trainctl.train.errors import WorkerConfigError, WorkerError
 from trainctl.train.loop.data import TokenBatches
 from trainctl.train.loop.data_setup import check_vocab, prepare_data
 from trainctl.train.loop.gc_schedule import collect_every
@@ -71,6 +71,7 @@ def train_loop(job: Job) -> dict:
     val_loss = begin_training(job)
     job.stop.armed = True  # from here a stop signal means: finish the step, save, leave
     timer, started, stopped = StepTimer(job.world.device), time.perf_counter(), False
+    empty_before = job.guard.empty_batches
     with collect_every(job.cfg.train.gc_every) as collect:
         for step in range(begin, steps):
             job.watchdog.arm()
@@ -83,6 +84,7 @@ def train_loop(job: Job) -> dict:
             if result.stop:
                 stopped = True
                 break
+    check_something_trained(job.guard.empty_batches - empty_before, steps - begin, stopped)
     if begin == steps:  # a restart after the final checkpoint (a crash or preemption before result.json)
         val_loss = evaluate_and_log(job, steps)
     job.watchdog.arm()  # the final commit gets a whole timeout of its own
@@ -91,6 +93,14 @@ def train_loop(job: Job) -> dict:
     summary = make_summary(job, begin, stopped, val_loss, time.perf_counter() - started)
     job.metrics.final(summary)
     return summary
+
+
+def check_something_trained(empty: int, ran: int, stopped: bool) -> None:
+    """Every step of the run skipped for empty loss masks is a failure, not COMPLETED with loss 0.0."""
+    if ran > 0 and empty == ran and not stopped:
+        raise WorkerError(f"no step trained: in all {ran} steps the loss masks left no target token in the global "
+                          "batch (every window holds prompt tokens only); check the dataset's masks (trainctl data "
+                          "prepare --format chat|instruction counts them) or raise train.seq_len")
 
 
 def check_steps_left(job: Job, begin: int, steps: int) -> None:
@@ -134,8 +144,8 @@ def evaluate_and_log(job: Job, step: int) -> float | None:
     if job.val_data is None or job.cfg.train.eval_every <= 0:
         return None
     job.watchdog.arm()  # an evaluation is progress: it gets a whole timeout of its own
-    val_loss = evaluate(job)
-    job.metrics.eval(step, val_loss)
+    val_loss, targets = evaluate(job)
+    job.metrics.eval(step, val_loss, targets)
     return val_loss
 
 

@@ -38,6 +38,14 @@ def _train(r: dict, total: int | None) -> str:
     return SEP.join(parts)
 
 
+def _no_targets(record: dict) -> str:
+    """Why a val loss is nan when no val target counted (chat or instruction data whose val answers are all masked)."""
+    if record.get("val_targets") != 0:
+        return ""
+    return (" (no val token counts in the loss: the val batches hold prompts only, every answer masked; prepare "
+            "with a larger --val-fraction, or train.eval_every=0)")
+
+
 def _final(r: dict) -> str:
     parts = [f"final step {r.get('steps')}"]
     if r.get("final_train_loss") is not None:
@@ -84,7 +92,7 @@ def console_line(record: dict, total_steps: int | None = None) -> str:
         if kind == "train":
             return _train(record, total_steps)
         if kind == "eval":
-            return f"eval step {record['step']}{SEP}val loss {record['val_loss']:.4f}"
+            return f"eval step {record['step']}{SEP}val loss {record['val_loss']:.4f}{_no_targets(record)}"
         if kind == "final":
             return _final(record)
         if kind == "memory":

@@ -112,8 +112,10 @@ class MetricsLogger:
     def train(self, step: int, values: dict) -> None:
         self._emit({"kind": "train", "step": step, **values}, step)
 
-    def eval(self, step: int, val_loss: float) -> None:
-        self._emit({"kind": "eval", "step": step, "val_loss": val_loss}, step)
+    def eval(self, step: int, val_loss: float, targets: int | None = None) -> None:
+        """`targets`: the val tokens the loss averages (0: every one masked, so the loss is nan; said why)."""
+        extra = {"val_targets": targets} if targets is not None else {}
+        self._emit({"kind": "eval", "step": step, "val_loss": val_loss, **extra}, step)
 
     def memory(self, step: int, values: dict) -> None:
         """Measured per-rank memory (memory_stats.memory_record), logged once, next to the plan's prediction."""

@@ -75,7 +75,7 @@ class SlurmBackend(Backend):
     name = "slurm"
 
     def preflight(self, cfg: RunConfig, *, dry_run: bool, machine=None) -> list[str]:
-        return slurm.setup_problems(cfg) + job_python.local_problems(cfg.cluster)
+        return slurm.directive_path_problems(cfg) + slurm.setup_problems(cfg) + job_python.local_problems(cfg.cluster)
 
     def submit_problems(self, cfg: RunConfig) -> list[str]:
         if shutil.which("sbatch") is None:

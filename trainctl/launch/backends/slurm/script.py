@@ -62,6 +62,21 @@ def directive_value(what: str, value: str) -> str:
     return value
 
 
+def directive_path_problems(cfg: RunConfig) -> list[str]:
+    """The run directory goes into `#SBATCH --output=` (unquotable): its whole path, as the launch will make it
+    absolute, must hold no whitespace or '%'; said before anything is written, with what works."""
+    where = Path(cfg.runs_dir).expanduser().absolute()
+    problems = []
+    if re.search(r"[\s%]", str(where)):
+        shown = f"runs_dir={cfg.runs_dir!r}" + (f" ({where})" if str(where) != cfg.runs_dir else "")
+        problems.append(f"{shown}: Slurm reads the run directory from an #SBATCH line, which cannot hold whitespace "
+                        "or '%'; set runs_dir to a path without (cluster=local takes any path)")
+    if "%" in cfg.name:
+        problems.append(f"name={cfg.name!r}: Slurm reads the run directory from an #SBATCH line, where '%' is a "
+                        "filename pattern; pick a name without '%'")
+    return problems
+
+
 def job_name(cluster: SlurmClusterConfig, run_dir: Path) -> str:
     return cluster.job_name or run_dir.name
 
