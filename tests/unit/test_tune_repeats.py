@@ -55,7 +55,7 @@ def test_a_ranking_within_the_repeats_noise_says_so(tmp_path, monkeypatch):
 def test_bad_repeats_are_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for bad in (0, -1, True):
-        with pytest.raises(UserError, match="--repeats"):
+        with pytest.raises(UserError, match="repeats"):
             tuning.tune(["recipe=tiny_cpu"], repeats=bad)
 
 
