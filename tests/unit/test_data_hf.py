@@ -117,3 +117,14 @@ def test_inputs_and_hf_options_are_checked(tmp_path, monkeypatch, capsys, args, 
     code, _, err = cli_in_process(monkeypatch, capsys, "data", "prepare", *args, "--out", str(tmp_path / "out"))
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_datasets_is_imported_by_the_hf_reader_only():
+    """The launcher and every other path stay free of `datasets` (and whatever it pulls in): one module reads it,
+    reached by a lazy import from api.prepare_data only when --hf is given."""
+    from tests.unit.test_layering import ROOT, third_party_imports
+
+    found = third_party_imports(ROOT.rglob("*.py"))
+    assert [where.split(":")[0] for where in found.get("datasets", [])] == ["trainctl/data/hf_source.py"]
+    hf_users = [p for p in ROOT.rglob("*.py") if "hf_source" in p.read_text() and p.name != "hf_source.py"]
+    assert [p.relative_to(ROOT).as_posix() for p in hf_users] == ["api/tools.py"]
