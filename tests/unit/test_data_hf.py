@@ -128,3 +128,18 @@ def test_datasets_is_imported_by_the_hf_reader_only():
     assert [where.split(":")[0] for where in found.get("datasets", [])] == ["trainctl/data/hf_source.py"]
     hf_users = [p for p in ROOT.rglob("*.py") if "hf_source" in p.read_text() and p.name != "hf_source.py"]
     assert [p.relative_to(ROOT).as_posix() for p in hf_users] == ["api/tools.py"]
+
+
+def test_the_same_rows_export_to_the_same_input_listing(tmp_path):
+    """A prepare stopped by Ctrl-C continues when its inputs list the same (path, size, mtime): the export of the
+    same rows must, and other rows must not."""
+    from trainctl.data import hf_source
+    from trainctl.data.prepare_job import input_listing
+
+    datasets.Dataset.from_list(TEXT_ROWS).save_to_disk(str(tmp_path / "a"))
+    datasets.Dataset.from_list(TEXT_ROWS[1:]).save_to_disk(str(tmp_path / "b"))
+    listings = []
+    for name in ("a", "a", "b"):
+        with hf_source.exported(str(tmp_path / name), "train", None, ["text"]) as rows:
+            listings.append(input_listing([rows]))
+    assert listings[0] == listings[1] != listings[2]
