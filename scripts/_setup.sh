@@ -19,7 +19,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 # The project and its dev tools; torch is already satisfied so nothing heavy is fetched.
-if ! "$PY" -c "import trainctl, hydra, typer, rich, wandb, pytest, hypothesis, torchao, transformers, tokenizers, tensorboard, matplotlib, peft" >/dev/null 2>&1 \
+if ! "$PY" -c "import trainctl, hydra, typer, rich, wandb, pytest, hypothesis, torchao, transformers, tokenizers, tensorboard, matplotlib, peft, datasets" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.trainctl-installed ]; then
   # fp8 extra: torchao declares no dependency on torch, so the pinned CPU torch above stays.
   echo "[setup] installing trainctl (editable) with dev and fp8 extras"

@@ -67,7 +67,7 @@ eval_command = tool_command("eval", EvalOptions, api.evaluate, "Loss and perplex
 
 
 def data_prepare(
-    inputs: list[str] = typer.Argument(..., help="Text files, folders or glob patterns (.txt .md .jsonl .parquet).",
+    inputs: list[str] = typer.Argument(None, help="Text files, folders or glob patterns (.txt .md .jsonl .parquet).",
                                        show_default=False),
     out_dir: str = typer.Option(..., "--out", help="The dataset folder to create.", show_default=False),
     tokenizer: str = typer.Option("bytes", "--tokenizer",
@@ -96,10 +96,20 @@ def data_prepare(
     max_doc_tokens: int = typer.Option(None, "--max-doc-tokens", show_default=False,
                                        help="Longest chat / instruction document (e.g. train.seq_len + 1)."),
     overlong: str = typer.Option("refuse", "--overlong", help="A longer document: refuse, or truncate it."),
+    hf: str = typer.Option(None, "--hf", show_default=False,
+                           help="A Hugging Face dataset instead of INPUTS: a save_to_disk folder, a .parquet .arrow "
+                           ".json .jsonl .csv file, or a Hub name (through the datasets cache)."),
+    split: str = typer.Option("train", "--split", help="--hf: the dataset's split to read."),
+    hf_config: str = typer.Option(None, "--hf-config", show_default=False,
+                                  help="--hf: the dataset's configuration (subset) name."),
 ) -> None:
     """Tokenize text into a token dataset (data.datasets=[DIR]).  Example: trainctl data prepare docs/ --out tok"""
     from trainctl.render import progress_bar
 
+    if not inputs and hf is None:
+        err.print("data prepare: name the text (files, folders or glob patterns) or a Hugging Face dataset "
+                  "(--hf NAME_OR_PATH)", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
     try:
         with progress_bar(err, "tokenizing") as progress:
             meta = api.prepare_data(
@@ -108,7 +118,7 @@ def data_prepare(
                 overlong=overlong, tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,
                 eos_token=eos_token, bos=bos, text_field=text_field, val_fraction=val_fraction,
                 shard_tokens=shard_tokens,
-                workers=workers, chat_template=chat_template)
+                workers=workers, chat_template=chat_template, hf=hf, split=split, hf_config=hf_config)
     except KeyboardInterrupt:
         err.print(f"interrupted: run the same command again to continue where it stopped ({out_dir})",
                   markup=False, highlight=False)

@@ -359,3 +359,33 @@ def _(p: Probe) -> None:
               "data.val_path=odd.bin", "--dry-run")
     refused(r, "t.bin", "odd.bin", one_line=False)
     expect(not (p.tmp / "runs").exists(), "wrong", "a run directory was written")
+
+
+SAVE_ROWS = ("import datasets, json, sys; "
+             "datasets.Dataset.from_list(json.loads(sys.argv[1])).save_to_disk(sys.argv[2])")
+
+
+@case("data", "data prepare --hf: a saved dataset without the named field")
+def _(p: Probe) -> None:
+    r = p.python(SAVE_ROWS, json.dumps([{"body": "some text", "n": 1}] * 5), str(p.tmp / "rows"))
+    expect(r.code == 0, "wrong", f"could not save the test dataset: {r.brief()}")
+    before = p.files()
+    refused(p.cli("data", "prepare", "--hf", "rows", "--out", "ds"), "'text'", "body, n")
+    nothing_left(p, before, p.tmp / "ds")
+
+
+@case("data", "data prepare --hf: a Hub name not in the cache, offline")
+def _(p: Probe) -> None:
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(p.tmp / "hf-home")}
+    refused(p.cli("data", "prepare", "--hf", "someorg/nothing-here", "--out", "ds", env=env), "offline",
+            "load_dataset")
+
+
+@case("data", "data prepare --hf: a saved dataset with no rows")
+def _(p: Probe) -> None:
+    r = p.python("import datasets, sys; datasets.Dataset.from_dict({'text': []}).save_to_disk(sys.argv[1])",
+                 str(p.tmp / "empty"))
+    expect(r.code == 0, "wrong", f"could not save the test dataset: {r.brief()}")
+    before = p.files()
+    refused(p.cli("data", "prepare", "--hf", "empty", "--out", "ds"), one_line=False)
+    nothing_left(p, before, p.tmp / "ds")

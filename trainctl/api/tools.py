@@ -105,11 +105,12 @@ def _regular_file(key: str, path: str) -> None:
 def prepare_data(inputs: Sequence[str | Path], out_dir: str | Path, *,
                  progress: Callable[[int, int | None], None] | None = None, data_format: str = "text",
                  messages_field: str = "messages", prompt_field: str = "prompt", completion_field: str = "completion",
-                 max_doc_tokens: int | None = None, overlong: str = "refuse",
-                 **options):
+                 max_doc_tokens: int | None = None, overlong: str = "refuse", hf: str | None = None,
+                 split: str = "train", hf_config: str | None = None, **options):
     """Tokenize text into a token dataset (data.datasets=[DIR]); its metadata. `options`: data.prepare.prepare's
     (tokenizer, train_tokenizer, vocab_size, eos_token, bos, text_field, val_fraction, shard_tokens, workers,
-    chat_template)."""
+    chat_template). hf: a Hugging Face dataset (a save_to_disk folder, a data file, a Hub name) read in place of
+    `inputs`, its `split` and configuration `hf_config` (data/hf_source.py)."""
     from trainctl.data.chat import RecordOptions
     from trainctl.data.prepare import DatasetError
     from trainctl.data.prepare import prepare as tokenize
@@ -117,6 +118,24 @@ def prepare_data(inputs: Sequence[str | Path], out_dir: str | Path, *,
     records = RecordOptions(data_format, messages_field, prompt_field, completion_field, None, max_doc_tokens,
                             overlong)
     try:
-        return tokenize([str(i) for i in inputs], out_dir, progress=progress, records=records, **options)
+        if hf is None:
+            _hf_options_unused(split, hf_config)
+            return tokenize([str(i) for i in inputs], out_dir, progress=progress, records=records, **options)
+        if inputs:
+            raise DatasetError(f"--hf {hf} and the inputs {' '.join(map(str, inputs))}: choose one")
+        from trainctl.data import hf_source
+
+        fields = hf_source.fields_of(data_format, options.get("text_field", "text"), messages_field, prompt_field,
+                                     completion_field)
+        with hf_source.exported(hf, split, hf_config, fields) as rows:
+            return tokenize([str(rows)], out_dir, progress=progress, records=records, **options)
     except DatasetError as exc:
         raise UserError([str(exc)]) from None
+
+
+def _hf_options_unused(split: str, hf_config: str | None) -> None:
+    from trainctl.data.prepare import DatasetError
+
+    if split != "train" or hf_config is not None:
+        raise DatasetError(f"{'--split' if split != 'train' else '--hf-config'}: only with --hf NAME_OR_PATH "
+                           "(a Hugging Face dataset)")

@@ -1,0 +1,136 @@
+"""`data prepare --hf NAME_OR_PATH`: the rows of a Hugging Face `datasets` dataset as prepare's records.
+
+What is read: a folder written by `Dataset.save_to_disk` (or a DatasetDict's, one split of it), a local
+.parquet / .arrow / .json / .jsonl / .csv file or a folder of them (`load_dataset(format, data_files=...)`), or a
+Hub dataset name through the datasets cache (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE honoured).
+
+The named fields of every row are written, in the dataset's row order, as one JSON object per line to a
+temporary .jsonl file, and that file is prepared exactly as a .jsonl the user gave: the same record readers,
+chat templating, loss masks, refusals and train/val split (data/prepare.py), so the token files are
+byte-identical to a jsonl export of the same rows. The file's name is its content's sha256 and its mtime is
+fixed, so the same dataset prepared again (a resume after Ctrl-C) names the same input.
+
+`datasets` is imported here only, when --hf is given: the launcher never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainctl.data.format import DatasetError
+
+FILE_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes (a DatasetDict, a Dataset)
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def fields_of(data_format: str, text_field: str, messages_field: str, prompt_field: str,
+              completion_field: str) -> list[str]:
+    """The fields a record of this format is read from (data/chat.py and data/inputs.py read the same)."""
+    return {"text": [text_field], "chat": [messages_field],
+            "instruction": [prompt_field, completion_field]}.get(data_format, [text_field])
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError("--hf: reading Hugging Face datasets needs the datasets package: "
+                           "pip install 'trainctl[hf]' (or pip install datasets)") from None
+    datasets.disable_progress_bars()  # prepare's own progress bar is the one the user watches
+    return datasets
+
+
+def load(name: str, split: str, config: str | None):
+    """The `split` of the dataset `name` (a save_to_disk folder, a data file or folder, a Hub name)."""
+    datasets = _datasets()
+    path = Path(name).expanduser()
+    try:
+        if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
+            return _saved_split(datasets.load_from_disk(str(path)), name, split)
+        if path.is_file():
+            kind = FILE_FORMATS.get(path.suffix.lower())
+            if kind is None:
+                raise DatasetError(f"--hf {name}: a {path.suffix or 'suffix-less'} file; pass a "
+                                   f"{', '.join(FILE_FORMATS)} file, a save_to_disk folder or a Hub dataset name")
+            return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
+        return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split)
+    except DatasetError:
+        raise
+    except ValueError as exc:  # an unknown split or configuration: datasets names the ones there are
+        raise DatasetError(f"--hf {name}: {_first_line(exc)}; choose with --split / --hf-config") from None
+    except Exception as exc:  # datasets raises FileNotFoundError, ConnectionError, its own DatasetNotFoundError
+        if _offline() and not path.exists():
+            raise DatasetError(f"--hf {name}: not in the Hugging Face datasets cache and offline "
+                               f"({'/'.join(OFFLINE_VARIABLES)} set); fetch it once online: python -c \"import "
+                               f"datasets; datasets.load_dataset('{name}'{_config_arg(config)})\"") from None
+        raise DatasetError(f"--hf {name}: cannot load it ({type(exc).__name__}: {_first_line(exc)}); pass a "
+                           "save_to_disk folder, a data file, or a Hub dataset name") from None
+
+
+def _config_arg(config: str | None) -> str:
+    return f", '{config}'" if config else ""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _saved_split(saved, name: str, split: str):
+    """A saved Dataset is the split itself; a saved DatasetDict gives `split`, or names the ones it has."""
+    if not hasattr(saved, "keys"):
+        return saved
+    if split not in saved:
+        raise DatasetError(f"--split {split}: {name} has the splits {', '.join(saved.keys())}; choose one")
+    return saved[split]
+
+
+def _check_fields(dataset, name: str, fields: list[str]) -> None:
+    have = list(dataset.column_names)
+    missing = [f for f in fields if f not in have]
+    if missing:
+        raise DatasetError(f"--hf {name}: no field {missing[0]!r} (fields: {', '.join(have) or 'none'}); name it "
+                           "with --text-field, --messages-field or --prompt-field / --completion-field")
+
+
+@contextlib.contextmanager
+def exported(name: str, split: str, config: str | None, fields: list[str]) -> Iterator[Path]:
+    """The named fields of the dataset's rows as a .jsonl file (removed afterwards), in row order."""
+    dataset = load(name, split, config)
+    _check_fields(dataset, name, fields)
+    folder = Path(tempfile.gettempdir())
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=".trainctl-hf-", suffix=".jsonl", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            for row in _rows(dataset, fields):
+                line = json.dumps(row, ensure_ascii=False) + "\n"
+                digest.update(line.encode("utf-8"))
+                f.write(line)
+        path = folder / f"trainctl-hf-{digest.hexdigest()[:32]}.jsonl"
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    os.utime(path, ns=(0, 0))  # a fixed mtime: the same rows make the same input listing (prepare's resume)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _rows(dataset, fields: list[str]) -> Iterator[dict]:
+    """Each row's named fields, in order, read a batch of rows at a time (never the whole table in memory)."""
+    for batch in dataset.select_columns(fields).iter(batch_size=1024):
+        for i in range(len(batch[fields[0]])):
+            yield {f: batch[f][i] for f in fields}
