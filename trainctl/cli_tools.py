@@ -113,7 +113,7 @@ def data_prepare(
     try:
         with progress_bar(err, "tokenizing") as progress:
             meta = api.prepare_data(
-                inputs, out_dir, progress=progress, data_format=data_format, messages_field=messages_field,
+                inputs or [], out_dir, progress=progress, data_format=data_format, messages_field=messages_field,
                 prompt_field=prompt_field, completion_field=completion_field, max_doc_tokens=max_doc_tokens,
                 overlong=overlong, tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,
                 eos_token=eos_token, bos=bos, text_field=text_field, val_fraction=val_fraction,
