@@ -17,4 +17,4 @@ case $ATEN_CPU_CAPABILITY in
   avx2) export MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
 esac
 python -c "import torch; print('[parity] CPU kernels:', torch.backends.cpu.get_cpu_capability())"
-python -m pytest -q -ra -m parity -n "$(( $(nproc) >= 2 ? 2 : 0 ))" --dist loadgroup "$@"
+python -m pytest -q -ra -m parity "$@"

@@ -49,8 +49,7 @@ if [ $# -eq 0 ]; then
   # parallel, distributed checkpoints and exact resume, autocast and torchao float8, and the layouts composed.
   # The launcher, CLI and Slurm tests do not touch torch; Hugging Face import and export is safetensors and
   # plain tensor indexing, the same in every release.
-  set -- -n "$(( $(nproc) >= 2 ? 2 : 0 ))" --dist loadgroup \
-    tests/dist/test_pipeline.py tests/dist/test_fsdp_units.py tests/dist/test_zero.py \
+  set -- tests/dist/test_pipeline.py tests/dist/test_fsdp_units.py tests/dist/test_zero.py \
     tests/dist/test_tensor_parallel.py tests/dist/test_checkpoint_store_dist.py tests/dist/test_resume.py \
     tests/dist/test_precision.py tests/dist/test_parity.py tests/dist/test_parity_3d.py
 fi

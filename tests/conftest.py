@@ -8,9 +8,9 @@ A `unit` test that starts a process or opens a torch process group fails, saying
 `pytest -m unit` runs on up to UNIT_WORKERS processes (pytest-xdist, in the dev extra) where the machine has the
 cores: the tier is about 1450 in-process tests, most of them one Hydra composition (~0.1 s) each, and two cores
 halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process unless it asks
-for workers; scripts/test.sh runs the whole suite on two with `--dist loadgroup` (xdist_group_of keeps a module's
-shared torchrun run, and the Slurm cluster, on one worker): a torchrun test spends much of its time starting
-interpreters and waiting on its ranks, which a second test fills.
+for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared torchrun run, and the Slurm cluster,
+on one worker). scripts/test.sh runs the whole suite in one process: on two cores the torchrun tests already fill
+both, and a whole-suite run on two workers was no faster than one process.
 """
 
 from __future__ import annotations
