@@ -301,7 +301,8 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     watchdog.arm()
     metrics = MetricsLogger(run_dir, cfg.logging, train.steps, world.is_main, asdict(cfg))
     print0(f"world {world.world_size} on {world.device}, {threads} threads/rank, strategy {sharding.strategy}, "
-           f"global batch {train.global_batch} = {train.micro_batch} micro x {train.grad_accum} accum x dp",
+           f"global batch {train.global_batch} = {train.micro_batch} micro x {train.grad_accum} accum x "
+           f"{train.global_batch // (train.micro_batch * train.grad_accum)} dp",
            world.is_main)
     guard, progress = StepGuard(cfg.guards), TrainProgress(seq_len=train.seq_len, wandb_id=metrics.wandb_id)
     layout = {"global_batch": train.global_batch, "sharding": asdict(sharding),
