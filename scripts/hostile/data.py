@@ -234,10 +234,10 @@ def _(p: Probe) -> None:
     expect(not (p.tmp / "ds").exists(), "wrong", "left ds behind")
 
 
-@case("data", "--val-fraction 1, -0.5 and nan")
+@case("data", "--val-fraction 1.5, -0.5 and nan (1 is an eval-only set)")
 def _(p: Probe) -> None:
     zen(p)
-    for value in ("1", "-0.5", "nan"):
+    for value in ("1.5", "-0.5", "nan"):
         refused(p.cli("data", "prepare", "text", "--out", "ds", "--val-fraction", value), "val-fraction")
     expect(not (p.tmp / "ds").exists(), "wrong", "left ds behind")
 
