@@ -276,11 +276,13 @@ def hang_requeue(cluster: SlurmClusterConfig, run_dir: Path) -> list[str]:
         'release it with: $EXCLUDE_CMD" >&2',
         "    fi",
         "  fi",
+        "  # The end is recorded first: the requeue may kill this shell at once.",
+        '  record end "$STATUS"',
         '  if scontrol "$REQUEUE" "$SLURM_JOB_ID"; then',
-        '    record end "$STATUS"',
         *wait_for_requeue_kill(),
         "  fi",
         '  echo "trainctl: job $JOB not requeued after the hang (Slurm refused)" >&2',
+        '  exit "$STATUS"',
         "fi",
     ]
 
