@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from worker_runs import base_config, records, series, train_and_check
+from worker_runs import base_config, records, series, train_many
 
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import ShardingConfig
@@ -46,11 +46,8 @@ def runs(tmp_path_factory, data_cache):
         # The real HSDP layout: shard within groups of 2, replicate across 2 groups (4 ranks).
         "hsdp2x2": ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=2),
     }
-    out = {}
-    for name, (cfg, nproc) in configs.items():
-        cfg = replace(cfg, name=name, sharding=sharding.get(name, cfg.sharding))
-        out[name] = train_and_check(root, cfg, nproc)
-    return out
+    return train_many(root, {name: (replace(cfg, sharding=sharding.get(name, cfg.sharding)), nproc)
+                             for name, (cfg, nproc) in configs.items()})
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "hsdp", "hsdp2x2"])

@@ -72,11 +72,38 @@ def run_worker(run_dir: Path, nproc: int | None, entry: Path | None = None) -> s
 
 def train_and_check(root: Path, cfg: RunConfig, nproc: int | None, entry: Path | None = None) -> Path:
     run_dir = write_run_dir(root, cfg)
-    proc = run_worker(run_dir, nproc, entry)
+    check_worker(run_dir, run_worker(run_dir, nproc, entry))
+    return run_dir
+
+
+MANY_RUNS_WORKER = Path(__file__).with_name("many_runs_worker.py")
+
+
+def check_worker(run_dir: Path, proc: subprocess.CompletedProcess) -> None:
     logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
     stacks = "\n".join(f"--- {h.path.name}\n{h.path.read_text()[-1500:]}" for h in hangs.hangs(run_dir))
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-4000:]}\n{stacks}"
-    return run_dir
+
+
+def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]]) -> dict[str, Path]:
+    """Every case's run directory, trained: the cases of one world size in one torchrun (tests/dist/
+    many_runs_worker.py, each run through the worker's own entry), a case without torchrun (None) on its own.
+
+    cases: name -> (config, nproc); each run directory is root/NAME. A failure names the run that failed.
+    """
+    run_dirs = {name: write_run_dir(root, replace(cfg, name=name)) for name, (cfg, _) in cases.items()}
+    by_world: dict[int, list[str]] = {}
+    for name, (_, nproc) in cases.items():
+        if nproc is None:
+            check_worker(run_dirs[name], run_worker(run_dirs[name], None))
+        else:
+            by_world.setdefault(nproc, []).append(name)
+    for nproc, names in by_world.items():
+        program = [str(MANY_RUNS_WORKER), *(str(run_dirs[n]) for n in names)]
+        proc = run_group(torchrun_cmd(nproc, *program), WORKER_TIMEOUT_S * len(names), worker_env())
+        failed = [n for n in names if not (run_dirs[n] / "result.json").is_file()]
+        check_worker(run_dirs[failed[0]] if failed else run_dirs[names[-1]], proc)
+    return run_dirs
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:

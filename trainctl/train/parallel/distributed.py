@@ -62,16 +62,31 @@ def init_distributed(cluster: ClusterConfig, cpu_collectives: bool = False) -> W
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and cpu_collectives:
         backend = "cuda:nccl,cpu:gloo"
-    if "RANK" in os.environ:
+    global _own_group
+    if dist.is_initialized():
+        # A program that runs several workers' runs in one process formed the group once; each run joins it.
+        if dist.get_world_size() != world_size:
+            raise WorkerConfigError(f"the process group already formed has {dist.get_world_size()} ranks, the "
+                                    f"environment says WORLD_SIZE={world_size}")
+    elif "RANK" in os.environ:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        _own_group = True
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _own_group = True
     return World(rank, local_rank, world_size, local_world, device)
 
 
+_own_group = False  # whether init_distributed formed the default group (then close_distributed ends it)
+
+
 def close_distributed() -> None:
-    if dist.is_initialized():
+    """End the process group this worker formed; one it joined stays for its owner (a group cannot be formed
+    twice over torchrun's store: the second rendezvous would read the first one's keys)."""
+    global _own_group
+    if _own_group and dist.is_initialized():
         dist.destroy_process_group()
+    _own_group = False
 
 
 def set_cpu_threads(cluster: ClusterConfig, local_world_size: int) -> int:
