@@ -13,10 +13,11 @@ the (whole) parameter tensors, steps them, and broadcasts the updated ones to th
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from trainctl.config.schema import OptimConfig, ScheduleConfig
@@ -134,7 +135,16 @@ def build_optimizer(
     cls, hyper = OPTIMIZER_BUILDERS[cfg.name](cfg, fused)
     if shard_group is None:
         return cls(groups, **hyper)
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # here: the package scripts its functional optimizers
+
     return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=shard_group, **hyper)
+
+
+def is_zero1(optimizer: object) -> bool:
+    """Whether `optimizer` is a ZeroRedundancyOptimizer, without importing torch.distributed.optim (a fifth of a
+    second per worker start): one exists only once its module was imported."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

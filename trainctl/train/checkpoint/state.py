@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from trainctl.train.errors import WorkerConfigError
+from trainctl.train.optim import is_zero1
 
 
 def named_view(model: nn.Module) -> nn.Module:
@@ -105,7 +105,7 @@ def app_state(model: nn.Module, optimizer: torch.optim.Optimizer, parts: Sequenc
     state: dict[str, Stateful] = {}
     if "model" in parts:
         state["model"] = ModelState(view, skip)
-    if "optim" in parts and not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if "optim" in parts and not is_zero1(optimizer):
         state["optim"] = OptimizerState(view, optimizer)
     return state
 
@@ -118,14 +118,14 @@ def rank_state(optimizer: torch.optim.Optimizer) -> dict:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if is_zero1(optimizer):
         state["zero1_shard"] = optimizer.optim.state_dict()
     return state
 
 
 def apply_rank_state(state: dict | None, optimizer: torch.optim.Optimizer, load_optim: bool) -> None:
     """Restore RNG streams (when saved by this rank of the same world) and zero1's shard."""
-    zero1 = isinstance(optimizer, ZeroRedundancyOptimizer)
+    zero1 = is_zero1(optimizer)
     if state is None:
         if zero1 and load_optim:
             raise WorkerConfigError(

@@ -26,13 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core.stages import local_stage_ids, stage_layers
@@ -42,12 +35,13 @@ from trainctl.train.loop.loss import TokenLoss
 from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.parallel.parallelize import parallelize
 
-# Single-stage schedules take one stage; the interleaved ones a list (several stages per rank).
+# torch.distributed.pipelining's class of each schedule. Single-stage schedules take one stage; the interleaved
+# ones a list (several stages per rank).
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
 }
 MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"}
 
@@ -119,10 +113,14 @@ def build_pipeline(
     rank_tokens = train.grad_accum * train.micro_batch * train.seq_len
     loss_fn = StageLoss(rank_tokens, scale_loss)
 
+    # Imported here, not at module level: torch.distributed.pipelining brings in torch._dynamo (about half a second
+    # of every worker's start) and a run without a pipeline never needs it.
+    from torch.distributed import pipelining
+
     def make_schedule():
-        stages = [PipelineStage(part, stage_id, n_stages, device, group=group)
+        stages = [pipelining.PipelineStage(part, stage_id, n_stages, device, group=group)
                   for part, stage_id in zip(parts, stage_ids, strict=True)]
-        return SCHEDULES[sharding.pp_schedule](
+        return getattr(pipelining, SCHEDULES[sharding.pp_schedule])(
             stages if sharding.pp_schedule in MULTI_STAGE else stages[0],
             n_microbatches=train.grad_accum,
             loss_fn=loss_fn,
