@@ -71,16 +71,28 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
 
 
+def stdlib_sources(root: Path) -> dict[str, int]:
+    """Relative POSIX path -> size of the stdlib's non-empty `.py` files, sorted by path; third-party packages
+    excluded. One os.scandir walk (every rank of every run does it to check the cache: no Path per file)."""
+    found: dict[str, int] = {}
+    pending = [(str(root), "")]
+    while pending:
+        folder, prefix = pending.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=True):
+                    if entry.name not in ("site-packages", "dist-packages"):
+                        pending.append((entry.path, f"{prefix}{entry.name}/"))
+                elif entry.name.endswith(".py") and entry.is_file(follow_symlinks=True):
+                    size = entry.stat(follow_symlinks=True).st_size
+                    if size > 0:
+                        found[prefix + entry.name] = size
+    return dict(sorted(found.items()))
+
+
 def list_stdlib_sources(root: Path) -> list[str]:
     """Relative POSIX paths of the stdlib's non-empty `.py` files, sorted; third-party packages excluded."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
-        for name in filenames:
-            path = Path(dirpath) / name
-            if name.endswith(".py") and path.is_file() and path.stat().st_size > 0:
-                found.append(path.relative_to(root).as_posix())
-    return sorted(found)
+    return list(stdlib_sources(root))
 
 
 def is_val_file(rel_path: str, val_fraction: float) -> bool:
@@ -96,11 +108,11 @@ def stdlib_cache_dir(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir).expanduser() / f"stdlib-py{version}-{fingerprint}"
 
 
-def _sources_digest(root: Path, rel_paths: list[str]) -> str:
+def _sources_digest(sources: dict[str, int]) -> str:
     # Paths and sizes are enough to notice a reinstalled or patched stdlib without reading every file.
     h = hashlib.sha1()
-    for rel in rel_paths:
-        h.update(f"{rel}\0{(root / rel).stat().st_size}\n".encode())
+    for rel, size in sources.items():
+        h.update(f"{rel}\0{size}\n".encode())
     return h.hexdigest()
 
 
@@ -147,10 +159,11 @@ def _tokenize_files(root: Path, rel_paths: list[str]) -> bytes:
 def build_stdlib_cache(cfg: DataConfig) -> Path:
     """Tokenize the stdlib into the cache unless a complete, matching cache is there; returns its directory."""
     root, cache = stdlib_root(), stdlib_cache_dir(cfg)
-    rel_paths = list_stdlib_sources(root)
+    sources = stdlib_sources(root)
+    rel_paths = list(sources)
     if not rel_paths:
         raise DataError(f"data.kind=stdlib: no .py files under {root}; use data.kind=memmap or synthetic")
-    digest = _sources_digest(root, rel_paths)
+    digest = _sources_digest(sources)
     meta = _read_meta(cache)
     if _stdlib_cache_is_complete(cache, meta) and meta.get("sources_digest") == digest:
         return cache
