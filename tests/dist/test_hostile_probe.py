@@ -4,7 +4,7 @@ The probe runs the real CLI in fresh folders with deadlines; a case that regress
 answer, an escape or a data loss fails this test with its id, verdict and what was seen. Here with `--fast`: the
 cases that start no training (189 of 207). The 18 that train a short run for their verdict (export, generate,
 resume) run with the whole probe, `python scripts/hostile_probe.py`, which docs/contributing.md asks for before a
-change to those commands is merged; most have a twin among the worker tests.
+change to those commands is merged.
 """
 
 from __future__ import annotations
