@@ -18,8 +18,9 @@ from trainctl.core.tool_options import EvalOptions
 from trainctl.models.build import build_model
 from trainctl.models.run_tokens import RunTokens
 
-# The harness is an optional extra, imported inside the tests: its import alone takes seconds.
-pytestmark = [pytest.mark.filterwarnings("ignore"),  # the harness's own deprecation chatter
+# The harness is an optional extra, imported inside the tests: its import alone takes seconds, so these run in
+# the dist tier (in process, whole-model passes), not in the one-minute unit loop.
+pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore"),  # the harness's own deprecation chatter
               pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="pip install 'trainctl[eval]'")]
 
 TINY = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, max_seq_len=32)

@@ -195,6 +195,7 @@ def test_the_worker_refuses_a_tensor_the_model_has_no_place_for(tmp_path):
         load_hf_weights(model, folder, m)
 
 
+@pytest.mark.dist  # transformers builds and saves each model: seconds, not the unit loop's milliseconds
 @pytest.mark.parametrize("name", ["tied", "qwen3"])  # a tied head; a family with more tensors (q/k norms)
 def test_folders_transformers_saves_pass_the_header_checks(tmp_path, name):
     # The checks above refuse what transformers never writes: every family's own folder (sharded: an index) passes.
