@@ -1,6 +1,7 @@
-"""Under torchrun: a Hugging Face folder (any family) loaded into one parallel layout; rank 0 saves the logits.
+"""Under torchrun: Hugging Face folders (any family) loaded into parallel layouts; the rank holding the logits saves
+them. Each case (a folder, a layout) runs after the other in the same process group: one torchrun for them all.
 
-    torchrun --nproc_per_node=2 hf_layout_worker.py HF_DIR LAYOUT TOKENS_PT OUT_PT
+    torchrun --nproc_per_node=2 hf_layout_worker.py HF_DIR LAYOUT TOKENS_PT OUT_PT [HF_DIR LAYOUT TOKENS_PT OUT_PT ...]
 
 LAYOUT: ddp | fsdp | hsdp | tp | pp. The model is built as the worker builds it (meta, parallelize,
 materialize with a random init; for pp, the two stages of train/pipeline.py), then `load_hf_weights`
@@ -46,10 +47,10 @@ def pipeline_logits(cfg, hf_dir, mesh, sharding, train, device, tokens) -> tuple
     return (logits if pipeline.is_last else None), loaded
 
 
-def main() -> None:
-    hf_dir, layout, tokens_path, out_path = sys.argv[1:5]
-    dist.init_process_group("gloo")
-    torch.manual_seed(1234)  # a random init that the loaded weights must replace everywhere
+def one_case(hf_dir: str, layout: str, tokens_path: str, out_path: str) -> None:
+    # The same seed in every case: a case's random init (which the loaded weights must replace everywhere) does not
+    # depend on which cases ran before it in this process. Nothing else carries over: each case builds its own mesh.
+    torch.manual_seed(1234)
     cfg = ModelConfig(**model_fields(hf_dir))
     sharding, device = LAYOUTS[layout], torch.device("cpu")
     mesh = build_mesh(ParallelDims.from_config(sharding), device)
@@ -67,7 +68,16 @@ def main() -> None:
     saver = dist.get_world_size() - 1 if layout == "pp" else 0  # pp: the last stage holds the logits
     if dist.get_rank() == saver:
         torch.save({"logits": logits, "loaded": loaded}, out_path)
-    dist.barrier()  # no rank tears the group down while another still uses it (gloo aborts then)
+    dist.barrier()  # no rank starts the next case (or tears the group down) while another still uses this one
+
+
+def main() -> None:
+    cases = sys.argv[1:]
+    if not cases or len(cases) % 4:
+        sys.exit("usage: hf_layout_worker.py HF_DIR LAYOUT TOKENS_PT OUT_PT [HF_DIR LAYOUT TOKENS_PT OUT_PT ...]")
+    dist.init_process_group("gloo")
+    for start in range(0, len(cases), 4):
+        one_case(*cases[start:start + 4])
     dist.destroy_process_group()
     # Under torch 2.11 about 1 run in 15 aborted AFTER this point ("terminate called without an active
     # exception", SIGABRT): gloo threads of the mesh's sub-groups, still referenced by DTensors, are destroyed

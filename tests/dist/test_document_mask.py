@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, assert_same_evals, assert_same_steps, base_config, records, series, train_and_check
+from worker_runs import TINY, assert_same_evals, assert_same_steps, base_config, records, series, train_many
 
 from tests.unit.test_masked_loss import chat_set
 from trainctl.config.schema import DataConfig, ShardingConfig
@@ -31,24 +31,26 @@ def chat(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(chat, data_cache):
+    """The layouts' runs and the learning test's two: the runs of one process in one interpreter, the two 2-rank
+    layouts in one torchrun (tests/dist/worker_runs.train_many)."""
     root, data = chat
     base = base_config(data_cache, steps=STEPS, seq_len=SEQ, micro_batch=8, eval_every=3, eval_batches=1)
     base = replace(base, model=replace(TINY, max_seq_len=SEQ), data=data)
-    out = {"single": train_and_check(root, replace(base, name="single"), None)}
+    cases = {"single": (base, None)}
     for name, (sharding, ranks, micro) in LAYOUTS.items():
         dp = ranks // sharding.tp
         train = replace(base.train, micro_batch=micro, eval_batches=8 // (micro * dp))
-        out[name] = train_and_check(root, replace(base, name=name, sharding=sharding, train=train), ranks)
-    return out
+        cases[name] = (replace(base, sharding=sharding, train=train), ranks)
+    learn = base_config(data_cache, steps=20, seq_len=SEQ, micro_batch=8, eval_every=20, eval_batches=1)
+    learn = replace(learn, model=replace(TINY, max_seq_len=SEQ), data=data, optim=replace(learn.optim, lr=1e-2))
+    cases["learn-masked"] = (learn, None)
+    cases["learn-unmasked"] = (replace(learn, data=replace(data, document_mask=False)), None)
+    return train_many(root, cases)
 
 
-def test_a_masked_run_learns_end_to_end_and_the_mask_reaches_the_model(chat, data_cache):
+def test_a_masked_run_learns_end_to_end_and_the_mask_reaches_the_model(runs):
     """20 steps at a high rate: an untrained model barely reads its context, a trained one does."""
-    root, data = chat
-    base = base_config(data_cache, steps=20, seq_len=SEQ, micro_batch=8, eval_every=20, eval_batches=1)
-    base = replace(base, model=replace(TINY, max_seq_len=SEQ), data=data, optim=replace(base.optim, lr=1e-2))
-    masked = train_and_check(root, replace(base, name="learn-masked"), None)
-    unmasked = train_and_check(root, replace(base, name="learn-unmasked", data=replace(data, document_mask=False)), None)
+    masked, unmasked = runs["learn-masked"], runs["learn-unmasked"]
     losses = series(masked, "loss")
     assert len(losses) == 20 and all(x == x for x in losses) and losses[-1] < losses[0] / 5  # learns, no NaN
     got, other = (records(run, "eval")[-1]["val_loss"] for run in (masked, unmasked))

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from worker_runs import base_config, run_worker, series, train_and_check, write_run_dir
+from worker_runs import base_config, run_worker, series, train_and_check, train_many, write_run_dir
 
 from tests.helpers import assert_curve_close
 from trainctl.config.schema import LoggingConfig, ShardingConfig, WandbConfig
@@ -22,22 +22,32 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(root, data_cache):
-    return train_and_check(root, replace(base_config(data_cache, steps=STEPS), name="reference"), None)
+def runs(root, data_cache):
+    """The reference and the W&B run in one interpreter (the W&B run last: nothing runs after its wandb session in
+    that process), the 2-rank run in its torchrun (tests/dist/worker_runs.train_many)."""
+    full_ac = replace(base_config(data_cache, steps=STEPS, activation_checkpointing="full"),
+                      logging=LoggingConfig(log_every=1, progress=False,
+                                            wandb=WandbConfig(mode="offline", project="trainctl-test")))
+    selective = base_config(data_cache, steps=STEPS, micro_batch=4, activation_checkpointing="selective", ac_every=2)
+    return train_many(root, {"reference": (base_config(data_cache, steps=STEPS), None),
+                             "full-ac-wandb": (full_ac, None),
+                             "selective-ac-fsdp": (replace(selective, sharding=ShardingConfig(strategy="fsdp",
+                                                                                              dp_shard=2)), 2)})
 
 
 @pytest.fixture(scope="module")
-def full_ac_with_wandb(root, data_cache):
-    cfg = replace(base_config(data_cache, steps=STEPS, activation_checkpointing="full"), name="full-ac-wandb",
-                  logging=LoggingConfig(log_every=1, progress=False, wandb=WandbConfig(mode="offline", project="trainctl-test")))
-    return train_and_check(root, cfg, None)
+def reference(runs):
+    return runs["reference"]
 
 
 @pytest.fixture(scope="module")
-def selective_ac_fsdp(root, data_cache):
-    cfg = base_config(data_cache, steps=STEPS, micro_batch=4, activation_checkpointing="selective", ac_every=2)
-    cfg = replace(cfg, name="selective-ac-fsdp", sharding=ShardingConfig(strategy="fsdp", dp_shard=2))
-    return train_and_check(root, cfg, 2)
+def full_ac_with_wandb(runs):
+    return runs["full-ac-wandb"]
+
+
+@pytest.fixture(scope="module")
+def selective_ac_fsdp(runs):
+    return runs["selective-ac-fsdp"]
 
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
@@ -71,6 +81,8 @@ def test_wandb_run_id_is_kept_for_restarts(full_ac_with_wandb):
 
 
 def test_compile_smoke(root, data_cache, reference):
+    # Its own process: Dynamo's and Inductor's caches and settings are process-wide, and a smoke test of compile
+    # should not lean on (or leave) state from the eager runs.
     cfg = replace(base_config(data_cache, steps=STEPS, compile=True), name="compiled")
     run_dir = train_and_check(root, cfg, None)
     # Inductor fuses and orders the same sums differently from eager: rounding's bound, not bitwise.
@@ -78,6 +90,7 @@ def test_compile_smoke(root, data_cache, reference):
 
 
 def test_unsupported_option_fails_with_one_line_naming_the_key(root, data_cache):
+    # Its own torchrun: the failing exit and the one error line are the point.
     # Context parallelism needs CUDA: the worker re-checks the device (validate refuses it first; this run dir is hand-written).
     cfg = replace(base_config(data_cache, steps=STEPS), name="cp2", sharding=ShardingConfig(strategy="none", cp=2))
     run_dir = write_run_dir(root, cfg)

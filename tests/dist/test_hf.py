@@ -11,14 +11,25 @@ whose logits equal the trained checkpoint's in trainctl, and which generates.
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from worker_runs import MANY_RUNS_WORKER, WORKER_TIMEOUT_S, check_worker
 
-from tests.helpers import forward_terms, rounding_rel, run_cli, run_torchrun
+from tests.helpers import (
+    forward_terms,
+    rounding_rel,
+    run_cli,
+    run_group,
+    run_torchrun,
+    tool_argv,
+    torchrun_cmd,
+    worker_env,
+)
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: installed by scripts/_setup.sh
 
@@ -130,15 +141,36 @@ LAYOUTS = [(name, layout) for name in SHAPES for layout in ("fsdp", "tp", "pp")]
           [(name, layout) for name in ("gqa", "qwen3") for layout in ("ddp", "hsdp")]
 
 
+TEST_LAYOUTS = "test_imported_logits_equal_transformers_in_every_layout"
+
+
+@pytest.fixture(scope="module")
+def layout_logits(request, tmp_path_factory) -> tuple[dict[tuple[str, str], Path], object]:
+    """({(name, layout): the worker's out.pt}, the torchrun): every collected case of LAYOUTS in ONE torchrun
+    (hf_layout_worker.py runs them one after another in one process group; all are 2 ranks), not one each."""
+    wanted = {tuple(item.callspec.params[k] for k in ("name", "layout")) for item in request.session.items
+              if getattr(item, "originalname", None) == TEST_LAYOUTS}
+    cases = [case for case in LAYOUTS if case in wanted] or LAYOUTS
+    root, args, outs = tmp_path_factory.mktemp("hf-layouts"), [], {}
+    for name, layout in cases:
+        _, folder, tokens, _ = saved(name, tmp_path_factory)
+        torch.save(tokens, root / f"{name}-tokens.pt")
+        outs[name, layout] = root / f"{name}-{layout}-out.pt"
+        args += [str(folder), layout, str(root / f"{name}-tokens.pt"), str(outs[name, layout])]
+    return outs, run_torchrun(2, WORKER, *args, timeout=240 + 30 * len(cases))
+
+
 @pytest.mark.parametrize(("name", "layout"), LAYOUTS)
-def test_imported_logits_equal_transformers_in_every_layout(name, layout, tmp_path, tmp_path_factory):
+def test_imported_logits_equal_transformers_in_every_layout(name, layout, layout_logits, tmp_path_factory):
     name, folder, tokens, expected = saved(name, tmp_path_factory)
     if name == "gqa":
         assert (folder / "model.safetensors.index.json").is_file()
-    torch.save(tokens, tmp_path / "tokens.pt")
-    proc = run_torchrun(2, WORKER, str(folder), layout, str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(tmp_path / "out.pt")
+    outs, proc = layout_logits
+    # The cases run in order and the first failure ends the torchrun: a case after it has no file either.
+    assert outs[name, layout].is_file(), f"{name}/{layout}: no logits ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    # With every case's logits written, a failing exit is this torchrun's teardown: still a failure.
+    assert proc.returncode == 0 or not all(out.is_file() for out in outs.values()), proc.stderr[-4000:]
+    got = torch.load(outs[name, layout])
     assert got["loaded"] > 0  # load_hf_weights refuses a rank with any parameter left unset
     diff, bound = (got["logits"] - expected).abs().max().item(), logits_bound(SHAPES[name][1], expected)
     assert diff <= bound, f"{name}/{layout}: max |logits - transformers'| = {diff:.3g} > {bound:.3g} (rounding)"
@@ -170,32 +202,63 @@ def greedy_trainctl(model: torch.nn.Module, prompt: torch.Tensor, steps: int) ->
     return tokens
 
 
+ROUND_TRIP_SHAPES = ["gqa", "llama3_rope", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory) -> tuple[dict[str, tuple], object]:
+    """({shape: (the source model, its run directory)}, the torchrun): every shape's run directory written as
+    `trainctl launch` writes it (api.prepare_launch, model=hf from the source folder), then all five (2 ranks each)
+    trained in ONE torchrun (many_runs_worker.py: each through the worker's own entry) instead of a launch each."""
+    from trainctl import api
+
+    root, runs = tmp_path_factory.mktemp("round-trip"), {}
+    for shape in ROUND_TRIP_SHAPES:
+        source = root / f"source-{shape}"
+        source_model = save_random(source, shape, seed=3)
+        prepared = api.prepare_launch(["model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
+                                       "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2",
+                                       "train.steps=3", "train.seq_len=32", "train.global_batch=4",
+                                       "train.micro_batch=2", "train.eval_every=0", "schedule.warmup_steps=1",
+                                       "logging.progress=false", f"runs_dir={root / 'runs'}"], name=f"rt-{shape}")
+        runs[shape] = source_model, prepared.run_dir
+    dirs = [str(run_dir) for _, run_dir in runs.values()]
+    proc = run_group(torchrun_cmd(2, str(MANY_RUNS_WORKER), *dirs), WORKER_TIMEOUT_S * len(dirs), worker_env())
+    return runs, proc
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["gqa", "llama3_rope", "qwen2", "qwen3", "mistral"])
-def test_hf_to_trainctl_to_hf_round_trip(tmp_path, shape):
+@pytest.mark.parametrize("shape", ROUND_TRIP_SHAPES)
+def test_hf_to_trainctl_to_hf_round_trip(round_trips, tmp_path, capsys, shape):
     """A Hugging Face folder trains 3 steps under FSDP2, exports (sharded, --verify) and loads in transformers
     with every key; its logits are the checkpoint's, not the source's, and greedy generation equals trainctl's."""
     from trainctl.config.load import load_run_config
+    from trainctl.core.tool_options import ExportOptions
+    from trainctl.models import export as export_module
     from trainctl.models.build import build_model
     from trainctl.models.registry import spec
 
-    source = tmp_path / "source"
-    source_model = save_random(source, shape, seed=3)
-    launch = trainctl("launch", "model=hf", f"model.path={source}", f"checkpoint.init_from={source}",
-                      "data=synthetic", "sharding=fsdp", "cluster.procs_per_node=2", "train.steps=3",
-                      "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
-                      "schedule.warmup_steps=1", "logging.progress=false", "--name", "rt", cwd=tmp_path)
-    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
-    assert "initialized" in launch.stdout + launch.stderr
-    run_dir, out = tmp_path / "runs" / "rt", tmp_path / "exported"
-    exported = trainctl("export", str(run_dir), "--out", str(out), "--verify", "--max-shard-size", "200KB",
-                        cwd=tmp_path)
-    assert exported.returncode == 0, exported.stderr
+    runs, proc = round_trips
+    source_model, run_dir = runs[shape]
+    if not (run_dir / "result.json").is_file():
+        check_worker(run_dir, proc)  # fails, naming the exit code, the stderr and this run's logs
+    # With every run trained, a failing exit is this torchrun's teardown: still a failure.
+    done = all((r / "result.json").is_file() for _, r in runs.values())
+    assert proc.returncode == 0 or not done, proc.stderr[-4000:]
+    source = run_dir.parent.parent / f"source-{shape}"
+    assert re.search(rf"initialized \d+ tensors from {re.escape(str(source))}\n", proc.stdout), proc.stdout[-3000:]
+    out = tmp_path / "exported"
+    # The exporter's own entry in this process (test_export_cli.py runs it through the console script).
+    capsys.readouterr()
+    code = export_module.main(tool_argv(ExportOptions, [str(run_dir), "--out", str(out), "--verify",
+                                                        "--max-shard-size", "200KB"]))
+    exported = capsys.readouterr()
+    assert code == 0, exported.err
     assert (out / "model.safetensors.index.json").is_file()  # verify follows the index as inference tools do
     cfg = load_run_config(run_dir).model
     architecture = spec(cfg.family).hf_architectures[0]
     assert (f"verified: transformers loads it as {architecture} with no missing or unexpected keys; every tensor "
-            "matches the checkpoint") in exported.stdout
+            "matches the checkpoint") in exported.out
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

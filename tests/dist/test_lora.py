@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from worker_runs import TINY, base_config, records, run_worker, write_run_dir
+from worker_runs import TINY, base_config, records, run_worker, train_many, write_run_dir
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import assert_close_fp, forward_terms, run_cli, tool_argv, torchrun_cmd, worker_env
@@ -22,6 +22,7 @@ from trainctl.config.schema import CheckpointConfig, LoRAConfig, OptimConfig, Sh
 from trainctl.core import checkpoints
 from trainctl.core.lora import is_adapter
 from trainctl.core.tool_options import ExportOptions
+from trainctl.models import export as export_module
 from trainctl.models.build import build_model
 from trainctl.models.hf import from_hf
 from trainctl.plan.flops import lora_formula_count
@@ -82,14 +83,11 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data_cache, hf_base):
-    """One LoRA run per layout, from the Hugging Face folder."""
-    root, runs = tmp_path_factory.mktemp("lora"), {}
-    for layout, (sharding, ac) in LAYOUTS.items():
-        cfg = lora_config(data_cache, layout.replace("+", "-"), hf_base, sharding, ac)
-        run_dir = write_run_dir(root, cfg)
-        ok(run_worker(run_dir, 2), run_dir)
-        runs[layout] = run_dir, cfg
-    return runs
+    """One LoRA run per layout, from the Hugging Face folder: all three (2 ranks each) in one torchrun."""
+    configs = {layout: lora_config(data_cache, layout.replace("+", "-"), hf_base, sharding, ac)
+               for layout, (sharding, ac) in LAYOUTS.items()}
+    run_dirs = train_many(tmp_path_factory.mktemp("lora"), {cfg.name: (cfg, 2) for cfg in configs.values()})
+    return {layout: (run_dirs[cfg.name], cfg) for layout, cfg in configs.items()}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -121,6 +119,7 @@ def test_lora_resume_after_a_stop_equals_a_straight_run(tmp_path, data_cache, hf
     """Dropout on: the adapters' RNG and optimizer state resume exactly (the whole model state is saved)."""
     lora = replace(LORA, dropout=0.1)
     sharding = ShardingConfig(strategy="ddp", dp_replicate=2)
+    # Its own torchrun rather than one with `trained`'s runs: compared bitwise with runs in fresh processes.
     straight = write_run_dir(tmp_path, lora_config(data_cache, "straight", hf_base, sharding, lora=lora))
     ok(run_worker(straight, 2), straight)
     resumed = write_run_dir(tmp_path, lora_config(data_cache, "resumed", hf_base, sharding, lora=lora))
@@ -154,17 +153,22 @@ def export(run_dir: Path, out: Path, *flags: str) -> subprocess.CompletedProcess
     return subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=240)
 
 
-def test_peft_adapter_logits_equal_the_merged_export(trained, hf_base, tmp_path):
+def test_peft_adapter_logits_equal_the_merged_export(trained, hf_base, tmp_path, capsys):
     peft = pytest.importorskip("peft")
     run_dir, cfg = trained["ddp"]
     refused = export(run_dir, tmp_path / "plain")
     assert refused.returncode == 2 and "--merged" in refused.stderr and "--adapter" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "plain").exists()
-    merged = export(run_dir, tmp_path / "merged", "--merged", "--verify")
-    assert merged.returncode == 0, merged.stderr
-    assert "verified" in merged.stdout
-    adapter = export(run_dir, tmp_path / "adapter", "--adapter")
-    assert adapter.returncode == 0, adapter.stderr
+    # The two good exports through the exporter's entry in this process (the refusal above: its own, for its exit).
+    capsys.readouterr()
+    merged = export_module.main(tool_argv(ExportOptions, [str(run_dir), "--out", str(tmp_path / "merged"),
+                                                          "--merged", "--verify"]))
+    said = capsys.readouterr()
+    assert merged == 0, said.err
+    assert "verified" in said.out
+    adapter = export_module.main(tool_argv(ExportOptions, [str(run_dir), "--out", str(tmp_path / "adapter"),
+                                                           "--adapter"]))
+    assert adapter == 0, capsys.readouterr().err
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
 
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -189,13 +193,12 @@ def test_peft_adapter_logits_equal_the_merged_export(trained, hf_base, tmp_path)
 def test_lora_run_starts_from_a_full_runs_checkpoint(tmp_path, data_cache):
     """checkpoint.resume=RUN with load_only=model: the base weights come from a trainctl run without LoRA, the
     adapters start fresh (B = 0), and the base stays bitwise the source's."""
-    full = replace(base_config(data_cache, steps=4), name="full", model=TINY)
-    source = write_run_dir(tmp_path, full)
-    ok(run_worker(source, None), source)
-    lora = replace(full, name="lora", model=replace(TINY, lora=LORA), optim=OptimConfig(lr=1e-2),
+    full = replace(base_config(data_cache, steps=4), model=TINY)
+    source = tmp_path / "full"
+    lora = replace(full, model=replace(TINY, lora=LORA), optim=OptimConfig(lr=1e-2),
                    checkpoint=CheckpointConfig(resume=str(source), load_only="model"))
-    run_dir = write_run_dir(tmp_path, lora)
-    ok(run_worker(run_dir, None), run_dir)
+    # One interpreter, one run after the other (the LoRA run reads the full run's checkpoint).
+    run_dir = train_many(tmp_path, {"full": (full, None), "lora": (lora, None)})["lora"]
     before, after = checkpoint_tensors(source, TINY), checkpoint_tensors(run_dir, lora.model)
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert all(after[n].abs().max() > 0 for n in after if n.endswith("lora_b"))

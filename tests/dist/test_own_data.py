@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -79,13 +80,21 @@ def exported_with_tokenizer(tmp_path: Path) -> None:
     assert tokenizer.decode(out[0]).startswith("river stone")
 
 
+@pytest.fixture(scope="module")
+def notes_tokens(corpus, tmp_path_factory) -> Path:
+    """The notes prepared once for the cases below that need a dataset (each takes its own copy)."""
+    root = tmp_path_factory.mktemp("notes-tokens")
+    made = trainctl("data", "prepare", str(corpus / "notes"), "--out", "tok", cwd=root)
+    assert made.returncode == 0, made.stderr
+    return root / "tok"
+
+
 @pytest.mark.parametrize("case", ["missing", "unfinished", "vocabulary"])
-def test_bad_data_is_refused_by_plan_in_one_line(corpus, tmp_path, case):
+def test_bad_data_is_refused_by_plan_in_one_line(request, tmp_path, case):
     if case == "missing":
         overrides = [f"data.datasets=[{tmp_path / 'nowhere'}]"]
     else:
-        made = trainctl("data", "prepare", str(corpus / "notes"), "--out", "tok", cwd=tmp_path)
-        assert made.returncode == 0, made.stderr
+        shutil.copytree(request.getfixturevalue("notes_tokens"), tmp_path / "tok")
         if case == "unfinished":
             (tmp_path / "tok" / "meta.json").unlink()
         overrides = [f"data.datasets=[{tmp_path / 'tok'}]"] + (["model.vocab_size=200"] if case == "vocabulary" else [])
