@@ -56,6 +56,7 @@ from trainctl.plan import activations as act
 from trainctl.plan.rank_states import (
     busiest_dp_rank,
     local_tensors,
+    param_bytes,
     stepped_tensors,
     stored_elements,
     stored_of,
@@ -168,7 +169,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     stored = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims, optim))[0]
     stepped = stepped_tensors(learn, wrap, dims, busiest_dp_rank(learn, wrap, dims, optim))
     fsdp = wrap.fully_shard
-    params, grads = FP32 * stored, FP32 * stored_of(learn, wrap, dims)
+    params, grads = param_bytes(m, tensors, stored), FP32 * stored_of(learn, wrap, dims)
     optimizer = optimizers.state_bytes(optim, stepped)
     tokens = train.micro_batch * train.seq_len // dims.cp
     lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp), train.compile,
