@@ -227,3 +227,44 @@ def test_adapter_loads_in_peft_on_the_full_precision_base(qlora_run, tmp_path, c
         ours = model(tokens)
     terms = forward_terms(CFG, 16) + CFG.lora.rank
     assert_close_fp(peft_logits, ours, torch.float32, terms, what="peft on the dequantized base against QLoRA")
+
+
+def _restore_from(ckpt: Path, model: torch.nn.Module):
+    def restore():
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+        model.load_state_dict(state["model"])
+        return "restored"
+    return restore
+
+
+def test_a_resume_reads_the_nf4_base_bitwise_and_a_full_precision_source_is_quantized_after(qlora_run, tmp_path):
+    """The worker's order around a checkpoint read (train/loop/qlora_start.py): a 4-bit run's checkpoint is read
+    into NF4 tensors; a full-precision one is read first, then quantized; a 4-bit one under fp32 is refused."""
+    from trainctl.train.errors import WorkerConfigError
+    from trainctl.train.loop.qlora_start import around_restore
+
+    run_dir, saved = qlora_run
+    ckpt = run_dir / "checkpoints" / "step-00000003"
+    live = build_model(CFG, "cpu")
+    live.init_weights()  # another base than the saved one: the read must replace it
+    assert around_restore(live, CFG, ckpt, _restore_from(ckpt, live)) == "restored"
+    for name, tensor in saved.state_dict().items():
+        got = live.state_dict()[name]
+        assert qlora.is_nf4(got) == qlora.is_nf4(tensor), name
+        assert torch.equal(qlora.dequantized(got), qlora.dequantized(tensor)), name
+
+    full = _model(quantize=False)
+    source = tmp_path / "full"
+    dcp.save({"model": full.state_dict()}, checkpoint_id=str(source), no_dist=True)
+    fresh = build_model(CFG, "cpu")
+    fresh.init_weights()
+    around_restore(fresh, CFG, source, _restore_from(source, fresh))
+    wq = fresh.layers["0"].attention.wq.weight
+    assert qlora.is_nf4(wq)
+    expected = qlora.quantize(full.layers["0"].attention.wq.weight).get_original_weight()
+    assert torch.equal(wq.get_original_weight(), expected)
+
+    fp32 = dataclasses.replace(CFG, lora=dataclasses.replace(QLORA, base_dtype="fp32"))
+    with pytest.raises(WorkerConfigError, match="model.lora.base_dtype=nf4"):
+        around_restore(build_model(fp32, "cpu"), fp32, ckpt, lambda: None)
