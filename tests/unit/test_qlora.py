@@ -123,6 +123,40 @@ def test_plan_counts_the_live_nf4_params_per_rank():
     assert planned["params_bytes"] < full["params_bytes"]
 
 
+def test_plan_keeps_no_autocast_copy_of_an_nf4_weight():
+    """bf16 autocast saves a bf16 copy of each matmul weight for backward; torchao's NF4 linear saves the 4-bit
+    weight itself and dequantizes again in backward, so the plan's weight_casts leave the adapted weights out."""
+    from trainctl.config.schema import PrecisionConfig, TrainConfig
+    from trainctl.plan.memory import estimate
+
+    sharding = ShardingConfig(strategy="ddp", dp_replicate=2)
+    dims, train = ParallelDims.from_config(sharding), TrainConfig(seq_len=64, micro_batch=2, global_batch=4)
+    bf16 = PrecisionConfig(compute_dtype="bf16")
+
+    def casts(lora):
+        m = dataclasses.replace(CFG, lora=lora)
+        return estimate(m, bf16, sharding, train, dims, rank_stages(m, sharding, 1)[0]).weight_casts
+
+    adapted = CFG.n_layers * 128 * (4 * 128 + 256)  # q, k, v, o 128 x 128 and up 128 -> 256 per layer
+    assert casts(dataclasses.replace(QLORA, base_dtype="fp32")) - casts(QLORA) == 2 * adapted
+
+
+def test_an_nf4_projection_under_autocast_saves_no_dense_weight():
+    """What the plan's weight_casts assume, measured: the tensors autograd saves in an adapted NF4 projection's
+    forward under bf16 autocast hold no dense copy of the [out, in] weight."""
+    layer = LoRALinear(128, 256, False, rank=4, alpha=8.0, dropout=0.0)
+    layer.reset_adapter()
+    layer.weight.requires_grad_(False)
+    layer.weight = torch.nn.Parameter(qlora.quantize(layer.weight), requires_grad=False)
+    saved = []
+    x = torch.randn(8, 128, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+    dense = [t for t in saved if not qlora.is_nf4(t) and tuple(t.shape) == (256, 128)]
+    assert any(qlora.is_nf4(t) for t in saved) and dense == []
+
+
 def _problems(overrides):
     with pytest.raises(ConfigError) as info:
         resolve(compose(["recipe=tiny_cpu", *overrides]))

@@ -50,6 +50,7 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.float8 import converts
+from trainctl.core.lora import quantized_base
 from trainctl.core.loss_head import chunked_loss, planned_chunk_tokens
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import activations as act
@@ -179,7 +180,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         saved = offloaded(saved, m, lay, train, stage, tokens)
     mode = train.activation_checkpointing
     wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
-    cast = autocast_cast(tensors, precision)
+    # QLoRA's NF4 weights: torchao's linear saves the 4-bit weight and dequantizes again in backward, no copy kept.
+    cast = [t for t in autocast_cast(tensors, precision) if not quantized_base(t.name, m.lora)]
     casts = weight_cast_bytes(cast, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
     first_part, head_part = end_parts(tensors, stage)
     at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r, precision)
