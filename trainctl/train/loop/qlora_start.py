@@ -15,18 +15,24 @@ from torch import nn
 
 from trainctl.config.schema import ModelConfig
 from trainctl.core.errors import UserError
-from trainctl.models.qlora import quantize_base, saved_nf4
+from trainctl.models.qlora import base_bytes, quantize_base, saved_nf4
 from trainctl.train.errors import WorkerConfigError
+from trainctl.train.observe.metrics import print0
 
 
-def quantize(model: nn.Module, m: ModelConfig) -> int:
+def quantize(model: nn.Module, m: ModelConfig, is_main: bool = True) -> int:
+    """The live base in NF4 (once: a no-op when it already is); says so on rank 0."""
     try:
-        return quantize_base(model, m.lora)
+        count = quantize_base(model, m.lora)
     except UserError as exc:  # torchao missing: one line naming the key and the install
         raise WorkerConfigError(str(exc)) from None
+    if count:
+        print0(f"qlora: {count} adapted weights quantized to NF4, {base_bytes(model) / 2**20:.1f} MiB on this rank",
+               is_main)
+    return count
 
 
-def around_restore(model: nn.Module, m: ModelConfig, path: Path, restore: Callable):
+def around_restore(model: nn.Module, m: ModelConfig, path: Path, restore: Callable, is_main: bool = True):
     """`restore()` of checkpoint `path` with the live base quantized before or after it (module doc)."""
     before = saved_nf4(path) is not None
     if before and m.lora.base_dtype != "nf4":
@@ -35,7 +41,7 @@ def around_restore(model: nn.Module, m: ModelConfig, path: Path, restore: Callab
                                 "model.lora.base_dtype=nf4, or start from the run's merged export "
                                 "(trainctl export RUN --merged) with checkpoint.init_from")
     if before:
-        quantize(model, m)
+        quantize(model, m, is_main)
     start = restore()
-    quantize(model, m)  # a no-op when done before
+    quantize(model, m, is_main)  # a no-op when done before
     return start

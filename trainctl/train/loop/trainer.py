@@ -335,12 +335,12 @@ def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: Checkpoint
     if path is None:
         if cfg.checkpoint.init_from:
             init_from_hf(cfg, model, world)
-        qlora_start.quantize(model, cfg.model)  # model.lora.base_dtype=nf4: the loaded base, in 4 bits
+        qlora_start.quantize(model, cfg.model, world.is_main)  # model.lora.base_dtype=nf4: the loaded base, in 4 bits
         return StartPoint()
     # said by metrics.resumed
     return qlora_start.around_restore(
         model, cfg.model, path, lambda: restore(checkpoints, path, load_only, model, optimizer, world.world_size,
-                                                cfg.model))
+                                                cfg.model), world.is_main)
 
 
 def init_from_hf(cfg: RunConfig, model: nn.Module, world: distributed.World) -> None:
