@@ -202,3 +202,23 @@ def _(p: Probe) -> None:
     text = r.out + r.err
     expect("file size limit" in text and "unexpected pos" not in text, "wrong",
            f"does not name the limit: {[line for line in text.splitlines() if 'checkpoint' in line][-1:]}")
+
+
+@case("edges", "QLoRA (model.lora.base_dtype=nf4) without adapters, misspelled, or on a width NF4's blocks split")
+def _(p: Probe) -> None:
+    refused(p.cli("plan", *TINY, "model.lora.base_dtype=nf4"), "model.lora.base_dtype=nf4", "model.lora.rank")
+    refused(p.cli("plan", *TINY, "model.lora.rank=8", "model.lora.base_dtype=NF4"), "model.lora.base_dtype",
+            "fp32, nf4")
+    refused(p.cli("plan", *TINY, "model.lora.rank=8", "model.lora.base_dtype=nf4", "model.ffn_dim=200",
+                  "model.lora.targets=[q,up]"), "model.lora.base_dtype=nf4", "up 256x200", "16384")
+
+
+@case("edges", "QLoRA under FSDP2 is refused naming ddp and zero1; a resume that drops nf4 suggests a new run")
+def _(p: Probe) -> None:
+    qlora = ("model.lora.rank=8", "model.lora.base_dtype=nf4")
+    before = p.files()
+    refused(p.cli("launch", "--dry-run", *TINY, *qlora, "sharding=fsdp", "cluster.procs_per_node=2", "runs_dir=r"),
+            "model.lora.base_dtype=nf4", "FSDP2", "sharding=ddp", "zero1")
+    nothing_left(p, before, p.tmp / "r")
+    succeeded(p.cli("launch", "--dry-run", *TINY, *qlora, "sharding=ddp", "runs_dir=r", "name=q"))
+    refused(p.cli("resume", "q", "--runs-dir", "r", "model.lora.base_dtype=fp32"), "model.lora", "--merged")

@@ -17,6 +17,7 @@ from typing import ClassVar
 from trainctl.config.fields import at_least, at_most, choice, positive, within
 from trainctl.core import optimizers, schedules, wrapping
 from trainctl.core.float8 import FP8_FILTERS
+from trainctl.core.nf4 import BASE_DTYPES
 
 # Allowed values of the string-valued choices that no registry lists (the fields below declare theirs).
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -65,6 +66,8 @@ class LoRAConfig:
     alpha: float = 16.0  # the update is scaled by alpha / rank (peft's lora_alpha)
     dropout: float = 0.0  # dropout on the adapter's input (peft's lora_dropout)
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])  # any of q, k, v, o, gate, up, down
+    # the adapted projections' frozen weights: fp32 (the master weights), or nf4 (QLoRA: torchao's 4-bit NF4)
+    base_dtype: str = choice("fp32", BASE_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ always had.
 
 from __future__ import annotations
 
+from trainctl.core import nf4
 from trainctl.core.tensors import Tensor
 
 # model.lora.targets -> the projection's module path inside a block (every family shares the llama layout).
@@ -45,16 +46,23 @@ def problems(lora) -> list[str]:
         out.append(f"model.lora.targets={list(lora.targets)}: names a projection twice; list each once")
     elif lora.rank > 0 and not lora.targets:
         out.append("model.lora.targets=[]: no projection to adapt; name some of " + ", ".join(TARGETS))
-    return out
+    return out + nf4.problems(lora)
 
 
 def width_problems(lora, shapes: dict[str, tuple[int, int]]) -> list[str]:
-    """A rank above a target's min(in, out): B @ A is then no longer low-rank, so the extra rank adds parameters
-    (rank x (in + out) each) and memory but nothing a full fine-tune could not do with fewer.
+    """What the adapted projections' shapes refuse: torchao's NF4 block sizes (core/nf4.py), and a rank too wide.
 
     `shapes`: each matmul's (in, out) by its path in a block (the family spec's linear_shapes)."""
     if not enabled(lora) or any(t not in TARGETS for t in lora.targets):
         return []
+    return nf4.shape_problems(lora, shapes, TARGETS) + rank_problems(lora, shapes)
+
+
+def rank_problems(lora, shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """A rank above a target's min(in, out): B @ A is then no longer low-rank, so the extra rank adds parameters
+    (rank x (in + out) each) and memory but nothing a full fine-tune could not do with fewer.
+
+    `shapes`: each matmul's (in, out) by its path in a block (the family spec's linear_shapes)."""
     narrowest = {t: min(shapes[TARGETS[t]]) for t in lora.targets}
     too_narrow = sorted(t for t, width in narrowest.items() if lora.rank > width)
     if not too_narrow:
@@ -111,3 +119,11 @@ def peft_name(trainctl_hf_weight: str, which: str) -> str:
     """peft's key for an adapter: `model.layers.0.self_attn.q_proj.weight`, "A" ->
     `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
     return f"base_model.model.{trainctl_hf_weight.removesuffix('.weight')}.lora_{which}.weight"
+
+
+def quantized_base(name: str, lora) -> bool:
+    """Whether a parameter name (trainctl's: `layers.0.attention.wq.weight`) is a 4-bit (NF4) base weight."""
+    if not nf4.enabled(lora):
+        return False
+    path, _, leaf = name.rpartition(".")
+    return leaf == "weight" and any(path.endswith("." + p) for p in target_paths(lora))

@@ -27,6 +27,8 @@ def record(m) -> dict:
     """The model config's keys that decide what its tensors compute (`m`: a ModelConfig), JSON-ready."""
     fields = {k: v for k, v in asdict(m).items() if k not in UNCHECKED}
     fields["lora"] = {k: fields["lora"][k] for k in LORA_KEYS} if m.lora.rank > 0 else {"rank": 0}
+    if m.lora.rank > 0 and m.lora.base_dtype != "fp32":  # a 4-bit base: its tensors are NF4 (records before it: fp32)
+        fields["lora"]["base_dtype"] = m.lora.base_dtype
     return json.loads(json.dumps(fields))  # the form meta.json gives back (lists, floats)
 
 

@@ -7,6 +7,9 @@ anything is submitted, and the worker refuses them at startup.
 
 from __future__ import annotations
 
+from trainctl.core import nf4  # the 4-bit base's own layouts
+from trainctl.core.wrapping import shards_parameters
+
 
 def unsupported(sharding, precision) -> list[str]:
     """One line per requested feature the worker does not implement yet (config.schema's sharding and precision)."""
@@ -30,6 +33,7 @@ def lora_unsupported(lora, sharding, precision) -> list[str]:
     """One line per layout LoRA (model.lora.rank > 0) does not compose with in the worker yet."""
     if lora.rank <= 0:
         return []
+
     later = [
         # Tensor and pipeline parallelism swap or split the projections LoRA wraps; float8 swaps them too.
         (sharding.tp > 1, f"sharding.tp={sharding.tp}"),
@@ -39,4 +43,4 @@ def lora_unsupported(lora, sharding, precision) -> list[str]:
     ]
     return [f"model.lora.rank={lora.rank}: LoRA with {key} is not implemented in the worker yet; use "
             "data parallelism (sharding=ddp, zero1, zero2, fsdp or hsdp) without fp8, or model.lora.rank=0"
-            for wanted, key in later if wanted]
+            for wanted, key in later if wanted] + nf4.layout_problems(lora, shards_parameters(sharding.strategy))

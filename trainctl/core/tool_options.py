@@ -189,12 +189,13 @@ class ExportReport:
     step: int | None = None
     verified: dict | None = None  # architecture, worst_tensor, logits_diff, tokens
     verified_line: str | None = None
+    note: str | None = None  # what the export holds beyond its files (QLoRA: a dequantized base)
 
     def text(self) -> str:
         """What `trainctl export` prints."""
         what = f"step {self.step} " if self.step is not None else "the adapters "
         line = f"exported {what}to {self.out}: {', '.join(self.files)}"
-        return f"{line}\n{self.verified_line}" if self.verified_line else line
+        return "\n".join(part for part in (line, self.note, self.verified_line) if part)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from trainctl.config.load import load_run_config
 from trainctl.config.schema import ModelConfig
 from trainctl.core import checkpoints, model_record, rundir
 from trainctl.core.errors import UserError
+from trainctl.models import qlora
 from trainctl.models.build import build_model
 
 # Module wrappers (torch.compile, activation checkpointing, FSDP1) that may prefix saved names.
@@ -176,7 +177,9 @@ def read_tensors(
     ckpt: Path, entries: dict[str, tuple[str, TensorStorageMetadata]], names: list[str]
 ) -> dict[str, torch.Tensor]:
     """Read the named tensors, whole, into CPU memory (DCP fills preallocated tensors by flat key)."""
-    state = {entries[n][0]: torch.empty(entries[n][1].size, dtype=entries[n][1].properties.dtype) for n in names}
+    quantized = qlora.saved_nf4_names(ckpt, names)  # a 4-bit run's base: read into NF4 tensors, then dequantized
+    state = {entries[n][0]: (qlora.placeholder if n in quantized else torch.empty)(
+        entries[n][1].size, dtype=entries[n][1].properties.dtype) for n in names}
     with warnings.catch_warnings():
         # Loading in one process without a process group is exactly the intent here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -185,7 +188,7 @@ def read_tensors(
         except CheckpointException as exc:  # DCP wraps whatever a shard read raised, per rank
             reason = _dcp_failure(exc)
             raise ExportError(f"{ckpt}: DCP cannot read it: {reason}; name an older one with --checkpoint") from None
-    return {n: state[entries[n][0]] for n in names}
+    return {n: qlora.dequantized(state[entries[n][0]]) for n in names}
 
 
 def _dcp_failure(exc: CheckpointException) -> str:

@@ -177,8 +177,9 @@ def run(run_dir: Path, options: ExportOptions) -> ExportReport:
     config = out / "config.json"  # a PEFT adapter folder has none
     step = json.loads(config.read_text())["trainctl_checkpoint"]["step"] if config.exists() else None
     figures = None if verified is None else {**asdict(verified), "tokens": list(verified.tokens)}
+    note = lora_export.base_note(read_model_config(run_dir), options.lora_mode)
     return ExportReport(str(out), sorted(p.name for p in out.iterdir()), options.dtype, step, figures,
-                        verified.line() if verified else None)
+                        verified.line() if verified else None, note)
 
 
 def main(argv: list[str] | None = None) -> int:

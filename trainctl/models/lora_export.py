@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from trainctl.config.schema import LoRAConfig, ModelConfig
+from trainctl.core import nf4
 from trainctl.core.errors import UserError
 from trainctl.core.lora import HF_TARGETS, is_adapter, peft_name
 from trainctl.models.hf import to_hf, to_hf_name
@@ -103,3 +104,14 @@ def adapter_config(lora: LoRAConfig, base_model: str, revision: str | None = Non
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": sorted(HF_TARGETS[t] for t in lora.targets), "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "modules_to_save": None}
+
+
+def base_note(cfg: ModelConfig, mode: str | None) -> str | None:
+    """What a QLoRA run's export holds of its 4-bit base (model.lora.base_dtype=nf4), in one line; None otherwise."""
+    if not nf4.enabled(cfg.lora):
+        return None
+    if mode == "merged":
+        return ("dequantized: the run's base was 4-bit NF4; the merged weights are its dequantized values (fp32) "
+                "plus the adapters, not the original full-precision base plus the adapters")
+    return ("the adapters were trained on the 4-bit NF4 base: on the full-precision base they compute what they "
+            "did in training up to NF4's quantization error")

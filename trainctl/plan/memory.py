@@ -50,12 +50,14 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.float8 import converts
+from trainctl.core.lora import quantized_base
 from trainctl.core.loss_head import chunked_loss, planned_chunk_tokens
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import activations as act
 from trainctl.plan.rank_states import (
     busiest_dp_rank,
     local_tensors,
+    param_bytes,
     stepped_tensors,
     stored_elements,
     stored_of,
@@ -168,7 +170,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     stored = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims, optim))[0]
     stepped = stepped_tensors(learn, wrap, dims, busiest_dp_rank(learn, wrap, dims, optim))
     fsdp = wrap.fully_shard
-    params, grads = FP32 * stored, FP32 * stored_of(learn, wrap, dims)
+    params, grads = param_bytes(m, tensors, stored), FP32 * stored_of(learn, wrap, dims)
     optimizer = optimizers.state_bytes(optim, stepped)
     tokens = train.micro_batch * train.seq_len // dims.cp
     lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp), train.compile,
@@ -178,7 +180,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         saved = offloaded(saved, m, lay, train, stage, tokens)
     mode = train.activation_checkpointing
     wrapped = act.checkpointed_blocks(mode, len(stage.layers), train.ac_every)
-    cast = autocast_cast(tensors, precision)
+    # QLoRA's NF4 weights: torchao's linear saves the 4-bit weight and dequantizes again in backward, no copy kept.
+    cast = [t for t in autocast_cast(tensors, precision) if not quantized_base(t.name, m.lora)]
     casts = weight_cast_bytes(cast, stage, c, wrapped, lay.chunked_loss) if lay.autocast else 0
     first_part, head_part = end_parts(tensors, stage)
     at_loss, during_block, at_end = gathered_bytes(m, stage, dims, wrap, c, r, precision)

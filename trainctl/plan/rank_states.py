@@ -8,9 +8,9 @@ counts against the live tensors one by one, and they do not depend on activation
 from __future__ import annotations
 
 from trainctl.config.schema import ModelConfig, ShardingConfig
-from trainctl.core import optimizers
+from trainctl.core import nf4, optimizers
 from trainctl.core.dims import ParallelDims
-from trainctl.core.lora import is_adapter
+from trainctl.core.lora import is_adapter, quantized_base
 from trainctl.core.wrapping import Wrapping, fsdp_shards, wrapping
 from trainctl.plan.activations import FP32
 from trainctl.plan.shapes import (
@@ -76,7 +76,14 @@ def model_states(
     stored = stored_elements(tensors, wrap, dims, dp_rank)[0]
     optimizer = optimizers.state_bytes(optim, stepped_tensors(trainable(tensors), wrap, dims, dp_rank))
     grads = stored_of(trainable(tensors), wrap, dims)
-    return {"params_bytes": FP32 * stored, "grads_bytes": FP32 * grads, "optimizer_bytes": optimizer}
+    return {"params_bytes": param_bytes(m, tensors, stored), "grads_bytes": FP32 * grads, "optimizer_bytes": optimizer}
+
+
+def param_bytes(m: ModelConfig, tensors: list[Tensor], stored: int) -> int:
+    """Bytes of `stored` parameter elements: fp32, but for QLoRA's 4-bit base weights (core/nf4.py), which the
+    worker holds whole on every rank (layouts that shard parameters are refused with nf4)."""
+    quantized = [t.numel for t in tensors if quantized_base(t.name, m.lora)]
+    return FP32 * (stored - sum(quantized)) + sum(nf4.tensor_bytes(n) for n in quantized)
 
 
 def trainable(tensors: list[Tensor]) -> list[Tensor]:

@@ -111,6 +111,7 @@ def model_label(m: ModelConfig) -> str:
     """What the worker builds, in one line: `qwen2 (name): 24 layers x 896, 14/2 heads, vocab 151936`."""
     named = f" ({m.name})" if m.name and m.name != m.family else ""
     lora = f", LoRA rank {m.lora.rank} on {','.join(m.lora.targets)}" if m.lora.rank > 0 else ""
+    lora += " (4-bit NF4 base)" if lora and m.lora.base_dtype == "nf4" else ""
     return (f"{m.family}{named}: {m.n_layers} layers x {m.dim}, {m.n_heads}/{m.n_kv_heads} heads, "
             f"vocab {m.vocab_size}{lora}")
 

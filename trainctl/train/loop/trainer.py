@@ -33,6 +33,7 @@ from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
 from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
 from trainctl.train.checkpoint.store import CheckpointManager, checkpoint_dir, step_name
 from trainctl.train.errors import WorkerConfigError, WorkerError
+from trainctl.train.loop import qlora_start
 from trainctl.train.loop.data import TokenBatches
 from trainctl.train.loop.data_setup import check_vocab, prepare_data
 from trainctl.train.loop.gc_schedule import collect_every
@@ -334,9 +335,12 @@ def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: Checkpoint
     if path is None:
         if cfg.checkpoint.init_from:
             init_from_hf(cfg, model, world)
+        qlora_start.quantize(model, cfg.model, world.is_main)  # model.lora.base_dtype=nf4: the loaded base, in 4 bits
         return StartPoint()
     # said by metrics.resumed
-    return restore(checkpoints, path, load_only, model, optimizer, world.world_size, cfg.model)
+    return qlora_start.around_restore(
+        model, cfg.model, path, lambda: restore(checkpoints, path, load_only, model, optimizer, world.world_size,
+                                                cfg.model), world.is_main)
 
 
 def init_from_hf(cfg: RunConfig, model: nn.Module, world: distributed.World) -> None:
