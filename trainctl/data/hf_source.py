@@ -34,7 +34,8 @@ def fields_of(data_format: str, text_field: str, messages_field: str, prompt_fie
               completion_field: str) -> list[str]:
     """The fields a record of this format is read from (data/chat.py and data/inputs.py read the same)."""
     return {"text": [text_field], "chat": [messages_field],
-            "instruction": [prompt_field, completion_field]}.get(data_format, [text_field])
+            "instruction": [prompt_field, completion_field],
+            "preference": [prompt_field, "chosen", "rejected"]}.get(data_format, [text_field])
 
 
 def _offline() -> bool:
