@@ -47,4 +47,5 @@ class Job:
     peak_flops: float | None  # per device, for MFU; None where unknown
     hooks: Hooks = field(default_factory=Hooks)  # test seams (hooks.py); none in production
     watchdog: HangWatchdog = field(default_factory=lambda: HangWatchdog(0.0, None))  # off unless setup made one
+    objective: object | None = None  # train.objective=dpo|simpo: train/preference/objective.py; None: SFT
     logged_commit: SaveStats | None = None  # the last committed save logged (each is logged once)
