@@ -19,6 +19,7 @@ GIB = 1024**3
 # Rows of the memory table, in the order a step meets them: (key in the plan's memory dict, label).
 MEMORY_ROWS = (
     ("params_bytes", "weights (fp32 master)"),
+    ("reference_bytes", "frozen DPO reference (fp32)"),
     ("grads_bytes", "gradients (fp32)"),
     ("optimizer_bytes", "optimizer states"),
     ("ddp_buckets_bytes", "DDP gradient buckets"),
