@@ -52,3 +52,53 @@ def test_layouts_that_split_a_pair_are_refused_naming_what_works():
         (line,) = objectives.unsupported("dpo", replace(ShardingConfig(), **{key: 2}))
         assert f"sharding.{key}=2" in line and "fsdp" in line
     assert objectives.unsupported("sft", replace(ShardingConfig(), pp=2)) == []
+
+
+def test_status_shows_the_last_steps_pair_metrics(tmp_path):
+    import io
+    import json
+
+    from rich.console import Console
+
+    from tests.helpers import make_run
+    from trainctl.api.watching import RunInfo
+    from trainctl.render import status_panel
+    from trainctl.runs.figures import figures
+    from trainctl.runs.registry import run_state
+
+    run_dir = make_run(tmp_path / "runs", "a", launch={"launcher": "local", "exit_code": 0})
+    pairs = {"reward_accuracy": 0.975, "reward_margin": 1.25, "reward_chosen": 0.5, "reward_rejected": -0.75,
+             "logp_chosen": -12.3, "logp_rejected": -20.1}
+    lines = [{"kind": "train", "step": 1, "loss": 0.7, **{k: 0.0 for k in pairs}}, {"kind": "train", "step": 2,
+             "loss": 0.5, **pairs}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    info = RunInfo(run_state(run_dir), figures(run_dir))
+    assert info.to_dict()["preference"] == pairs
+    out = io.StringIO()
+    status_panel(Console(file=out, width=200, force_terminal=False), info)
+    assert "pairs    accuracy 97.5%, margin 1.25, logp chosen -12.30 rejected -20.10" in out.getvalue()
+
+
+def test_launch_validation_ties_the_objective_to_preference_data(tmp_path):
+    from tests.unit.test_preference_loss import preference_set
+    from trainctl.config.compose import compose
+    from trainctl.config.errors import ConfigError
+    from trainctl.config.validate import resolve
+
+    pairs = preference_set(tmp_path, pairs=40)
+    base = ["model=tiny", "data=memmap", f"data.datasets=[{pairs}]", "train.seq_len=64"]
+    assert resolve(compose([*base, "train.objective=dpo"])).train.objective == "dpo"
+    refusals = {
+        "train.objective=sft: ": [],  # SFT on preference pairs would learn the rejected answers too
+        "train.objective=dpo: trains on preference pairs": ["train.objective=dpo", "data=synthetic"],
+        "sharding.pp=2; use sharding.pp=1": ["train.objective=simpo", "sharding.pp=2", "cluster.procs_per_node=2",
+                                             "train.global_batch=4", "train.micro_batch=1"],
+        "data.document_mask=true: train.objective=dpo": ["train.objective=dpo", "data.document_mask=true"],
+        "checkpoint.resume=/elsewhere: train.objective=dpo without LoRA": ["train.objective=dpo",
+                                                                          "checkpoint.resume=/elsewhere"],
+    }
+    for words, extra in refusals.items():
+        overrides = base + extra if "data=synthetic" not in extra else ["model=tiny", *extra]
+        with pytest.raises(ConfigError) as refused:
+            resolve(compose(overrides))
+        assert any(words in line for line in refused.value.problems), (words, refused.value.problems)

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 OBJECTIVES = ("sft", "dpo", "simpo")
 PREFERENCE = ("dpo", "simpo")
+# The pair metrics every preference step logs (train/preference/objective.py) and `trainctl status` shows.
+PAIR_METRICS = ("reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen",
+                "logp_rejected")
 # Forward + backward is 3 forwards' worth of FLOPs (backward ~ 2x forward): a reference forward adds 1 to 3.
 TRAIN_PASSES = 3
 

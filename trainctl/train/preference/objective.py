@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from trainctl.config.schema import TrainConfig
+from trainctl.core import objectives
 from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.preference import losses
 from trainctl.train.preference.reference import adapters_off
 
 # The agreed sums, in this order; each metric is its sum over the pairs (STATS[0]).
-STATS = ("pairs", "loss", "reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected", "logp_chosen",
-         "logp_rejected")
+STATS = ("pairs", "loss", *objectives.PAIR_METRICS)
 
 
 class PreferenceObjective:
