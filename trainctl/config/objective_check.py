@@ -25,6 +25,8 @@ def objective_problems(train: TrainConfig, d: DataConfig, adapters: LoRAConfig, 
                        sharding) -> list[str]:
     """One line per problem of train.objective with this data, layout (resolved degrees) and start point."""
     name = train.objective
+    if name not in objectives.OBJECTIVES:
+        return []  # the declared choice names it
     contents = _contents(d)
     if not objectives.is_preference(name):
         return [f"train.objective={name}: {path} holds preference pairs; train on them with train.objective=dpo "
