@@ -55,9 +55,15 @@ def frozen_copy(cfg: RunConfig, mesh, device: torch.device) -> nn.Module:
     return model.requires_grad_(False).eval()
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a plain tensor is its own)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 @torch.no_grad()
 def copy_weights(reference: nn.Module, policy: nn.Module) -> None:
-    """The policy's current parameters into the reference (same build: same names, shapes and shardings)."""
+    """The policy's current parameters into the reference, shard by shard: the same build gives the same names and
+    local shards (FSDP2's and TP's); the policy's DDP-over-TP replication adds a mesh dimension, not a shard."""
     own = dict(unwrap(policy).named_parameters())
     for name, param in reference.named_parameters():
-        param.copy_(own[name])
+        _local(param).copy_(_local(own[name]))

@@ -7,6 +7,7 @@ from torch import nn
 
 from trainctl.config.schema import RunConfig
 from trainctl.core import lora, objectives
+from trainctl.train.errors import WorkerConfigError
 from trainctl.train.loop.data import TokenBatches
 from trainctl.train.preference.objective import PreferenceObjective
 from trainctl.train.preference.pairs import PairBatches
@@ -27,6 +28,9 @@ def build_objective(cfg: RunConfig, model: nn.Module, mesh, device: torch.device
     """
     if not objectives.is_preference(cfg.train.objective):
         return None
+    refused = objectives.unsupported(cfg.train.objective, cfg.sharding)  # a hand-edited config.yaml meets it here
+    if refused:
+        raise WorkerConfigError("; ".join(refused))
     reference = None
     if objectives.cost(cfg.train.objective, lora.enabled(cfg.model.lora)).reference_weights:
         reference = frozen_copy(cfg, mesh, device)
