@@ -89,3 +89,21 @@ def test_refusals_name_the_line(tmp_path, monkeypatch, capsys, case):
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert f"{source}: line 4: {words}" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_torn_pairs_are_refused_by_the_worker(tmp_path):
+    from trainctl.config.schema import DataConfig
+    from trainctl.train.loop.sources import DataError
+    from trainctl.train.preference.pairs import PairBatches
+
+    source = write_jsonl(tmp_path / "p.jsonl", [LAYOUTS["text"]] * 3)
+    prepare([str(source)], tmp_path / "out", records=RecordOptions("preference"), chat_template="chatml",
+            val_fraction=0, workers=1)
+    cfg = DataConfig(kind="memmap", datasets=[str(tmp_path / "out")], vocab_size=256)
+    assert len(PairBatches(cfg, "train", 64, 2, 2, 1, 0, 1, seed=0).pairs) == 3
+    mask = dataset.read_meta(tmp_path / "out").mask_paths("train")[0]
+    flags = np.fromfile(mask, np.uint8)
+    flags[np.flatnonzero(flags & dataset.REJECTED)[1]] &= ~np.uint8(dataset.REJECTED)  # pair 2 loses its mark
+    flags.tofile(mask)
+    with pytest.raises(DataError, match="not whole preference pairs"):
+        PairBatches(cfg, "train", 64, 2, 2, 1, 0, 1, seed=0)

@@ -45,6 +45,8 @@ def test_with_lora_the_reference_is_the_base_itself():
 @pytest.mark.parametrize("objective,factor", [("sft", 1.0), ("simpo", 2.0), ("dpo", 2 * 4 / 3)])
 def test_step_flops_count_the_pairs_and_the_reference_forward(objective, factor):
     assert objectives.cost(objective, lora_enabled=False).flops_factor == pytest.approx(factor, rel=1e-15)
+    pairs = 1 if objective == "sft" else 2  # global_batch counts pairs: tokens per step (and tokens/s) both answers
+    assert replace(TRAIN, objective=objective).tokens_per_step == pairs * TRAIN.global_batch * TRAIN.seq_len
 
 
 def test_layouts_that_split_a_pair_are_refused_naming_what_works():

@@ -311,8 +311,9 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one optimizer step trains on (global_batch resolved: validate fills in -1)."""
-        return self.global_batch * self.seq_len
+        """Tokens one optimizer step trains on (global_batch resolved: validate fills in -1); a preference pair
+        is two sequences (core/objectives.py)."""
+        return self.global_batch * self.seq_len * objectives.cost(self.objective, False).sequences_per_sample
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,14 @@ class Cost:
     reference_weights: bool = False  # a frozen copy of the model's weights (full fine-tuning DPO)
 
     @property
+    def pass_factor(self) -> float:
+        """FLOPs per trained token over SFT's (forward and backward): DPO's reference forward adds one pass."""
+        return (TRAIN_PASSES + self.reference_forwards) / TRAIN_PASSES
+
+    @property
     def flops_factor(self) -> float:
         """Step FLOPs over those of SFT on the same number of samples."""
-        return self.sequences_per_sample * (TRAIN_PASSES + self.reference_forwards) / TRAIN_PASSES
+        return self.sequences_per_sample * self.pass_factor
 
 
 def is_preference(objective: str) -> bool:

@@ -71,11 +71,12 @@ def step_time(
     tokens = t.tokens_per_step
     rate = dims.world_size * peak * mfu * tp_model.micro_batch_efficiency(mem.tokens_per_micro_batch)
     rate *= tp_model.COMPILE_SPEEDUP if t.compile else 1.0
-    cost = objectives.cost(t.objective, lora.enabled(m.lora))  # preference pairs, DPO's reference forward
-    compute = flops_per_token(m, t.seq_len) * tokens * cost.flops_factor / rate
+    # tokens_per_step counts both sequences of a preference pair; DPO's reference forward adds a pass over them
+    passes = objectives.cost(t.objective, lora.enabled(m.lora)).pass_factor
+    compute = flops_per_token(m, t.seq_len) * tokens * passes / rate
     wrapped = checkpointed_blocks(t.activation_checkpointing, m.n_layers, t.ac_every)
     recompute_flops = tp_model.recompute_flops_per_token(m, t.seq_len, t.activation_checkpointing, wrapped)
-    recompute = recompute_flops * tokens * cost.sequences_per_sample / (rate * tp_model.RECOMPUTE_SPEEDUP)
+    recompute = recompute_flops * tokens / (rate * tp_model.RECOMPUTE_SPEEDUP)
     if cfg.precision.fp8:
         factor = tp_model.fp8_time_factor(m, t.seq_len, cfg.precision.fp8_exclude,
                                           fp8_speedup_bound(cfg.cluster.gpu, cfg.precision.compute_dtype),
