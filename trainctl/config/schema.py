@@ -304,6 +304,7 @@ class TrainConfig:
     # preference), global_batch and micro_batch then count pairs
     objective: str = choice("sft", objectives.OBJECTIVES)
     dpo_beta: float = positive(0.1)  # dpo: how far the policy may move from the reference (the KL weight)
+    # dpo: the assumed share of pairs whose preference is flipped (conservative DPO; 0: plain DPO)
     dpo_label_smoothing: float = within(0.0, 0, 0.5, message="must be in [0, 0.5]: the assumed share of "
                                         "pairs whose labels are flipped (0: plain DPO)")
     simpo_beta: float = positive(2.0)  # simpo: the scale of the length-normalized reward
