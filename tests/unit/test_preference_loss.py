@@ -196,3 +196,21 @@ def test_a_tiny_model_learns_to_prefer_the_chosen_answers(tmp_path):
     assert objective.last["reward_accuracy"] > 0.95 and objective.last["reward_margin"] > 0
     loss, pairs = objective.evaluate(model, held_out, contexts)
     assert pairs == 32 and loss < 0.3 and objective.last_eval["reward_accuracy"] > 0.95
+
+
+def test_the_frozen_reference_copies_the_policy_and_stays_frozen():
+    from trainctl.config.schema import RunConfig
+    from trainctl.train.preference.reference import copy_weights, frozen_copy
+
+    cfg = RunConfig(model=TINY)
+    policy = build_model(TINY, "cpu")
+    policy.init_weights()
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param))  # a policy that moved away from the seeded init
+    reference = frozen_copy(cfg, None, torch.device("cpu"))
+    tokens = torch.randint(0, 256, (2, 16))
+    assert not torch.equal(reference(tokens), policy(tokens))
+    copy_weights(reference, policy)
+    assert torch.equal(reference(tokens), policy(tokens))
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
