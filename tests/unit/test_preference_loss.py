@@ -174,7 +174,16 @@ def preferred_share(model, batches) -> float:
     return wins / total
 
 
-def test_a_tiny_model_learns_to_prefer_the_chosen_answers(tmp_path):
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: a second intra-op thread only waits for the first (and, on a busy machine, for a core)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_tiny_model_learns_to_prefer_the_chosen_answers(tmp_path, one_thread):
     torch.manual_seed(0)
     data = preference_set(tmp_path)
     model = build_model(TINY, "cpu")
