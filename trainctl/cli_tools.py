@@ -85,10 +85,12 @@ def data_prepare(
                                        "eval-only set)."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file."),
     workers: int = typer.Option(None, "--workers", help="Processes (default: one per core).", show_default=False),
-    data_format: str = typer.Option("text", "--format", help="text, chat (a messages list per record) or "
-                                    "instruction (prompt and completion): chat and instruction keep a loss mask."),
+    data_format: str = typer.Option("text", "--format", help="text, chat (a messages list per record), "
+                                    "instruction (prompt and completion) or preference (prompt, chosen, rejected): "
+                                    "all but text keep a loss mask."),
     messages_field: str = typer.Option("messages", "--messages-field", help="--format chat: the records' field."),
-    prompt_field: str = typer.Option("prompt", "--prompt-field", help="--format instruction: the prompt field."),
+    prompt_field: str = typer.Option("prompt", "--prompt-field", help="--format instruction or preference: "
+                                      "the prompt field."),
     completion_field: str = typer.Option("completion", "--completion-field",
                                          help="--format instruction: the completion field (what the loss counts)."),
     chat_template: str = typer.Option(None, "--chat-template", show_default=False,

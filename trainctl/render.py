@@ -19,6 +19,7 @@ GIB = 1024**3
 # Rows of the memory table, in the order a step meets them: (key in the plan's memory dict, label).
 MEMORY_ROWS = (
     ("params_bytes", "weights (fp32 master)"),
+    ("reference_bytes", "frozen DPO reference (fp32)"),
     ("grads_bytes", "gradients (fp32)"),
     ("optimizer_bytes", "optimizer states"),
     ("ddp_buckets_bytes", "DDP gradient buckets"),
@@ -292,6 +293,7 @@ def status_panel(console: Console, info) -> None:
             ("state", st.state), ("detail", st.detail), ("step", _step(st)),
             ("loss", f"{_fmt(f.loss, '.4f')}  {sparkline(f.losses)}".strip() if f.loss is not None else ""),
             ("eval", _fmt(f.val_loss, ".4f") if f.val_loss is not None else ""),
+            ("pairs", f.preference_text()),
             ("speed", f"{f.tokens_per_s:,.0f} tokens/s" if f.tokens_per_s is not None else ""),
             ("eta", duration(info.eta_s) if info.eta_s is not None else ""),
             ("mfu", f.mfu_text()), ("peak", peak), ("lm-eval", f.tasks_text()), ("log", str(info.log))]

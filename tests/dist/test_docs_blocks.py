@@ -84,4 +84,23 @@ def check_fine_tuning(folder: Path, out: str) -> None:
     assert "Qwen3ForCausalLM 'Yes.'" in out and "PeftModelForCausalLM 'Yes.'" in out
 
 
-CHECKS = {"fine-tuning.md": check_fine_tuning}
+def check_preference_tuning(folder: Path, out: str) -> None:
+    """What docs/preference-tuning.md says its DPO run shows: the loss starts at ln 2 (the policy is the reference)
+    and the chosen answers win on (nearly) every pair by the end; status shows the pair metrics."""
+    metrics = [json.loads(line) for line in (folder / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in metrics if r["kind"] == "eval"]
+    trains = [r for r in metrics if r["kind"] == "train"]
+    import math
+
+    import torch
+
+    from tests.helpers import rounding_rel
+
+    # every h is 0 at step 0: a log-sigmoid and a mean in fp32 away from ln 2
+    assert evals[0]["step"] == 0 and abs(evals[0]["val_loss"] - math.log(2)) <= rounding_rel(torch.float32, 4), evals
+    assert evals[-1]["val_loss"] < 0.3 and trains[-1]["reward_accuracy"] > 0.95, (evals, trains[-1])
+    assert re.search(r"pairs +accuracy [0-9.]+%, margin", out), out[-2000:]
+    assert json.loads((folder / "runs" / "simpo" / "result.json").read_text())["steps"] == 10
+
+
+CHECKS = {"fine-tuning.md": check_fine_tuning, "preference-tuning.md": check_preference_tuning}

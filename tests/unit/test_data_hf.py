@@ -143,3 +143,16 @@ def test_the_same_rows_export_to_the_same_input_listing(tmp_path):
         with hf_source.exported(str(tmp_path / name), "train", None, ["text"]) as rows:
             listings.append(input_listing([rows]))
     assert listings[0] == listings[1] != listings[2]
+
+
+def test_preference_rows_with_the_prompt_inside_the_conversations(tmp_path, monkeypatch, capsys):
+    """TRL's implicit-prompt layout (chosen and rejected conversations, no prompt column) reads as its jsonl."""
+    rows = [{"chosen": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "yes"}],
+             "rejected": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "no"}]}
+            for i in range(20)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    pref = ("--format", "preference", "--chat-template", "chatml")
+    _prepare(monkeypatch, capsys, tmp_path / "want", str(_jsonl(tmp_path / "p.jsonl", rows, ["chosen", "rejected"])),
+             *pref)
+    _prepare(monkeypatch, capsys, tmp_path / "got", "--hf", str(tmp_path / "saved"), *pref)
+    assert _files(tmp_path / "got") == _files(tmp_path / "want")

@@ -127,7 +127,8 @@ def prepare_data(inputs: Sequence[str | Path], out_dir: str | Path, *,
 
         fields = hf_source.fields_of(data_format, options.get("text_field", "text"), messages_field, prompt_field,
                                      completion_field)
-        with hf_source.exported(hf, split, hf_config, fields) as rows:
+        optional = (prompt_field,) if data_format == "preference" else ()  # TRL's implicit-prompt layout
+        with hf_source.exported(hf, split, hf_config, fields, optional) as rows:
             return tokenize([str(rows)], out_dir, progress=progress, records=records, **options)
     except DatasetError as exc:
         raise UserError([str(exc)]) from None

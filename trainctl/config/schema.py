@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from trainctl.config.fields import at_least, at_most, choice, positive, within
-from trainctl.core import optimizers, schedules, wrapping
+from trainctl.core import objectives, optimizers, schedules, wrapping
 from trainctl.core.float8 import FP8_FILTERS
 from trainctl.core.nf4 import BASE_DTYPES
 
@@ -303,11 +303,21 @@ class TrainConfig:
     # somewhere past 1e9 s, depending on the platform, and a month without progress is a hang on any cluster
     hang_timeout_s: float = within(1800.0, 0, 2_592_000.0, message="must be 0 (no hang watchdog) or 1 to 2592000 "
                                    "seconds (30 days), a few times the slowest step or save")
+    # sft | dpo | simpo (core/objectives.py); dpo and simpo train on preference pairs (data prepare --format
+    # preference), global_batch and micro_batch then count pairs
+    objective: str = choice("sft", objectives.OBJECTIVES)
+    dpo_beta: float = positive(0.1)  # dpo: how far the policy may move from the reference (the KL weight)
+    # dpo: the assumed share of pairs whose preference is flipped (conservative DPO; 0: plain DPO)
+    dpo_label_smoothing: float = within(0.0, 0, 0.5, message="must be in [0, 0.5]: the assumed share of "
+                                        "pairs whose labels are flipped (0: plain DPO)")
+    simpo_beta: float = positive(2.0)  # simpo: the scale of the length-normalized reward
+    simpo_gamma: float = at_least(0.5, 0)  # simpo: the target reward margin
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one optimizer step trains on (global_batch resolved: validate fills in -1)."""
-        return self.global_batch * self.seq_len
+        """Tokens one optimizer step trains on (global_batch resolved: validate fills in -1); a preference pair
+        is two sequences (core/objectives.py)."""
+        return self.global_batch * self.seq_len * objectives.cost(self.objective, False).sequences_per_sample
 
 
 @dataclass(frozen=True)

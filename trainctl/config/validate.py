@@ -16,6 +16,7 @@ from trainctl.config import hf_config, hf_tensors, schema
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
+from trainctl.config.objective_check import objective_problems
 from trainctl.config.resume_source import check_resume_optimizer
 from trainctl.config.schema import MAX_SEED  # noqa: F401 (tests import it from here)
 from trainctl.core import hub, lora, optimizers
@@ -58,6 +59,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_context_parallel(dims, cfg.cluster, train)
         problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
         problems += document_mask_problems(cfg.data, dims.pp, dims.cp)
+        problems += objective_problems(train, cfg.data, cfg.model.lora, cfg.checkpoint, resolved)
         problems += model_tokenizer_problems(cfg.data, cfg.checkpoint.init_from or cfg.model.path)
     problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:

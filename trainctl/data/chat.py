@@ -81,7 +81,7 @@ def resolve_options(records: RecordOptions | None, chat_template: str | None, gi
         raise DatasetError(f"--format {records.format} and --train-tokenizer: train a tokenizer on the text first, "
                            "or pass --tokenizer (a Hugging Face tokenizer.json or its folder) or bytes")
     check_options(records, {p.suffix for p in files})
-    if records.format == "chat":
+    if records.format in ("chat", "preference"):  # preference pairs are chat records twice (data/preference.py)
         records = dataclasses.replace(records, template=load_template(chat_template, given and given.parent))
     elif chat_template:
         raise DatasetError(f"--chat-template {chat_template}: only with --format chat (instruction records are "

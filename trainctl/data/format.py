@@ -14,7 +14,7 @@ Every document is followed by the tokenizer's EOS id (a long document cut for th
 that a split holds). meta.json records the tokenizer (with a fingerprint of what decides its ids), the token
 width, each shard's tokens and documents, the train/val split and the source files (size, sha256).
 
-Version 2 adds `content` (text | chat | instruction) and, for chat and instruction data, a mask file per
+Version 2 adds `content` (text | chat | instruction | preference) and, for record data, a mask file per
 shard (`"mask"` in its shard entry). Reading them: `np.memmap(mask_file, np.uint8)` lines up with the
 shard's tokens; `flags & LOSS` is the loss mask (token i counts when it is predicted from tokens < i), and
 `np.flatnonzero(flags & DOC_START)` are the documents' first tokens, so document d spans
@@ -38,7 +38,8 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: written before masks; the same layout without them
 LOSS = 1  # mask bit: the token is a target that counts in the loss
 DOC_START = 2  # mask bit: the first token of a document
-CONTENTS = ("text", "chat", "instruction")  # what a dataset holds: the record formats prepare reads
+REJECTED = 4  # mask bit: the first token of a preference pair's rejected document (data/preference.py)
+CONTENTS = ("text", "chat", "instruction", "preference")  # what a dataset holds: the record formats prepare reads
 ITEMSIZE = {"uint16": 2, "uint32": 4}
 SPLITS = ("train", "val")
 MAX_VOCAB = 1 << 32  # ids 0 .. 2**32-1: what the widest token width (uint32) holds

@@ -34,7 +34,8 @@ def fields_of(data_format: str, text_field: str, messages_field: str, prompt_fie
               completion_field: str) -> list[str]:
     """The fields a record of this format is read from (data/chat.py and data/inputs.py read the same)."""
     return {"text": [text_field], "chat": [messages_field],
-            "instruction": [prompt_field, completion_field]}.get(data_format, [text_field])
+            "instruction": [prompt_field, completion_field],
+            "preference": [prompt_field, "chosen", "rejected"]}.get(data_format, [text_field])
 
 
 def _offline() -> bool:
@@ -104,9 +105,12 @@ def _check_fields(dataset, name: str, fields: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def exported(name: str, split: str, config: str | None, fields: list[str]) -> Iterator[Path]:
-    """The named fields of the dataset's rows as a .jsonl file (removed afterwards), in row order."""
+def exported(name: str, split: str, config: str | None, fields: list[str], optional: tuple[str, ...] = ()
+             ) -> Iterator[Path]:
+    """The named fields of the dataset's rows as a .jsonl file (removed afterwards), in row order; a field in
+    `optional` is left out where the dataset lacks it (a preference set's prompt may be inside its conversations)."""
     dataset = load(name, split, config)
+    fields = [f for f in fields if f not in optional or f in dataset.column_names]
     _check_fields(dataset, name, fields)
     folder = Path(tempfile.gettempdir())
     digest = hashlib.sha256()

@@ -32,6 +32,7 @@ from trainctl.data.format import (
 )
 from trainctl.data.inputs import Unit, documents, plan_units, sha256_of, unit_documents
 from trainctl.data.outdir import LOCK_FILE, STATE_FILE, TOKENIZER_FILE, is_temporary
+from trainctl.data.preference import tokenize_pairs
 from trainctl.data.shards import SplitWriter, append_unit, intact_units, save_state, shard_table
 from trainctl.data.split import stretches
 from trainctl.data.tokenizer import TRAINED_EOS, ByteTokenizer, HFTokenizer, from_spec, train_bpe
@@ -81,7 +82,8 @@ def tokenize_unit(unit: Unit, text_field: str, seed: int, val_fraction: float, t
 def tokenize_record_unit(unit: Unit, options: RecordOptions, seed: int, val_fraction: float, tokenizer=None,
                          last_to: str | None = None) -> dict:
     """tokenize_unit for chat / instruction records: the same result, with each split's mask flags."""
-    return tokenize_records(unit, options, seed, val_fraction, tokenizer or _WORKER_TOKENIZER, last_to)
+    tokenize = tokenize_pairs if options.format == "preference" else tokenize_records
+    return tokenize(unit, options, seed, val_fraction, tokenizer or _WORKER_TOKENIZER, last_to)
 
 
 # ---------------------------------------------------------------- the whole job

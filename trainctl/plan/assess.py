@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainctl.config.schema import RunConfig
+from trainctl.core import lora, objectives
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import GPUS, fp8_speedup_bound, peak_flops
 from trainctl.core.wrapping import fsdp_shards, replicas, wrapping
@@ -70,7 +71,9 @@ def step_time(
     tokens = t.tokens_per_step
     rate = dims.world_size * peak * mfu * tp_model.micro_batch_efficiency(mem.tokens_per_micro_batch)
     rate *= tp_model.COMPILE_SPEEDUP if t.compile else 1.0
-    compute = flops_per_token(m, t.seq_len) * tokens / rate
+    # tokens_per_step counts both sequences of a preference pair; DPO's reference forward adds a pass over them
+    passes = objectives.cost(t.objective, lora.enabled(m.lora)).pass_factor
+    compute = flops_per_token(m, t.seq_len) * tokens * passes / rate
     wrapped = checkpointed_blocks(t.activation_checkpointing, m.n_layers, t.ac_every)
     recompute_flops = tp_model.recompute_flops_per_token(m, t.seq_len, t.activation_checkpointing, wrapped)
     recompute = recompute_flops * tokens / (rate * tp_model.RECOMPUTE_SPEEDUP)

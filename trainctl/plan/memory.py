@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
-from trainctl.core import optimizers
+from trainctl.core import lora, objectives, optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.float8 import converts
 from trainctl.core.lora import quantized_base
@@ -110,6 +110,7 @@ class RankMemory:
     in_flight: float
     local_params: int  # elements of this rank's tensor-parallel share of its stage, before data-parallel sharding
     loss_chunk: int = 0  # tokens per chunk of the chunked loss head (0: the dense loss or no head on this rank)
+    reference: int = 0  # DPO without LoRA: the frozen reference's fp32 weights on this rank (core/objectives.py)
 
     @property
     def states(self) -> int:
@@ -123,7 +124,7 @@ class RankMemory:
         blocks' backward peaks at one of its ends: the last block (all activations but the
         head's, the head's gradients) or the first block (the gradients of all later blocks).
         """
-        base = self.params + self.optimizer + self.ddp_buckets
+        base = self.params + self.optimizer + self.ddp_buckets + self.reference
         early = self.unsharded_grads + self.accumulated_grads + self.weight_casts
         block = self.gathered_block + self.recompute + self.grad_temp
         return {
@@ -172,9 +173,14 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     fsdp = wrap.fully_shard
     params, grads = param_bytes(m, tensors, stored), FP32 * stored_of(learn, wrap, dims)
     optimizer = optimizers.state_bytes(optim, stepped)
-    tokens = train.micro_batch * train.seq_len // dims.cp
-    lay = activation_layout(precision, wrap, dims, chunked_loss(m, precision, dims.tp, dims.pp), train.compile,
-                            device)
+    # Preference objectives: a pair is two sequences, their loss reads whole logits (no chunked head), and DPO
+    # without LoRA holds a frozen fp32 reference sharded as the weights (core/objectives.py); the reference's
+    # no-grad forward runs before the policy's and frees its logits first, so it adds no transient at the peak.
+    cost = objectives.cost(train.objective, lora.enabled(m.lora))
+    tokens = train.micro_batch * cost.sequences_per_sample * train.seq_len // dims.cp
+    chunked = chunked_loss(m, precision, dims.tp, dims.pp) and not objectives.is_preference(train.objective)
+    lay = activation_layout(precision, wrap, dims, chunked, train.compile, device)
+    reference = FP32 * stored if cost.reference_weights else 0
     saved = activation_bytes(m, train, lay, stage, tokens)
     if train.activation_offload:
         saved = offloaded(saved, m, lay, train, stage, tokens)
@@ -191,13 +197,15 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     step_temp = optimizers.spec(optim).step_temp_bytes(stepped, device == "cuda" and not sharding.cpu_offload)
     host = saved.host
     if sharding.cpu_offload:
-        host, params, grads, optimizer, step_temp = host + params + grads + optimizer, 0, 0, 0, 0
+        host, params, grads, optimizer, step_temp = host + params + grads + optimizer + reference, 0, 0, 0, 0
+        reference = 0
     mem = RankMemory(
         pp_rank=stage.pp_rank,
         params=params,
         grads=grads,
         optimizer=optimizer,
         ddp_buckets=FP32 * learn_local if wrap.ddp else 0,
+        reference=reference,
         host=host,
         gathered_loss=at_loss,
         gathered_block=during_block,

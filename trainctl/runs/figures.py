@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainctl.core import rundir
+from trainctl.core.objectives import PAIR_METRICS
 
 HEAD_BYTES = 256 * 1024  # the memory record comes after a few steps' records
 TAIL_BYTES = 64 * 1024
@@ -35,6 +36,7 @@ class Figures:
     tokens_per_s: float | None = None  # median of the recent train records
     step_time_s: float | None = None  # median of the recent train records
     losses: tuple[float, ...] = ()  # the recent train losses, oldest first (for a sparkline)
+    preference: dict | None = None  # train.objective=dpo|simpo: the last train record's pair metrics
     tasks: dict | None = None  # `trainctl eval --tasks`: {"step": N, "tasks": {task: {metric: value}}} (lm_eval.json)
 
     def eta_s(self, step: int | None, steps: int | None) -> float | None:
@@ -47,7 +49,8 @@ class Figures:
         return {"loss": self.loss, "val_loss": self.val_loss, "tokens_per_s": self.tokens_per_s,
                 "step_time_s": self.step_time_s, "mfu": self.mfu, "plan_mfu": self.plan_mfu,
                 "peak_bytes": self.peak_bytes, "plan_peak_bytes": self.plan_peak_bytes,
-                **({"lm_eval": self.tasks} if self.tasks else {})}
+                **({"lm_eval": self.tasks} if self.tasks else {}),
+                **({"preference": self.preference} if self.preference else {})}
 
     def tasks_text(self) -> str:
         """'hellaswag acc 0.2610, arc_easy acc 0.4010 (step 300)': each task's first metric; '' without any."""
@@ -56,6 +59,17 @@ class Figures:
         shown = ", ".join(f"{task} {metric} {value:.4f}" for task, metrics in self.tasks["tasks"].items()
                           for metric, value in list(metrics.items())[:1])
         return f"{shown} (step {self.tasks['step']})" if self.tasks.get("step") is not None else shown
+
+    def preference_text(self) -> str:
+        """'accuracy 97.5%, margin 1.234, logp chosen -12.30 rejected -20.10'; '' for SFT."""
+        p = self.preference
+        if not p:
+            return ""
+        parts = [f"accuracy {p['reward_accuracy']:.1%}" if "reward_accuracy" in p else "",
+                 f"margin {p['reward_margin']:.4g}" if "reward_margin" in p else "",
+                 f"logp chosen {p['logp_chosen']:.2f} rejected {p['logp_rejected']:.2f}"
+                 if "logp_chosen" in p and "logp_rejected" in p else ""]
+        return ", ".join(part for part in parts if part)
 
     def mfu_text(self) -> str:
         """'38.2% (plan 40%)', '- (plan 40%)', or '-'."""
@@ -124,7 +138,14 @@ def figures(run_dir: Path) -> Figures:
         step_time_s=_median(trains[-RECENT:], "step_time_s"),
         losses=tuple(x for r in trains[-SPARK:] if (x := rundir.as_float(r.get("loss"))) is not None),
         tasks=harness_scores(run_dir),
+        preference=_pair_metrics(trains[-1]) if trains else None,
     )
+
+
+def _pair_metrics(record: dict) -> dict | None:
+    """A preference step's pair metrics (core/objectives.py), None for an SFT record."""
+    found = {k: v for k in PAIR_METRICS if (v := rundir.as_float(record.get(k))) is not None}
+    return found or None
 
 
 def harness_scores(run_dir: Path) -> dict | None:

@@ -21,6 +21,7 @@ from trainctl.train.loop.watchdog import HangWatchdog
 from trainctl.train.observe.metrics import MetricsLogger
 from trainctl.train.parallel.distributed import World
 from trainctl.train.parallel.pipeline import Pipeline
+from trainctl.train.preference.objective import PreferenceObjective
 
 
 @dataclass(kw_only=True)
@@ -47,4 +48,5 @@ class Job:
     peak_flops: float | None  # per device, for MFU; None where unknown
     hooks: Hooks = field(default_factory=Hooks)  # test seams (hooks.py); none in production
     watchdog: HangWatchdog = field(default_factory=lambda: HangWatchdog(0.0, None))  # off unless setup made one
+    objective: PreferenceObjective | None = None  # train.objective=dpo|simpo; None: SFT (the loop's own loss)
     logged_commit: SaveStats | None = None  # the last committed save logged (each is logged once)

@@ -43,6 +43,7 @@ class StepResult:
     lr: float
     stop: bool  # some rank was asked to stop: every rank saves this step and leaves
     memory: dict | None = None  # the measured peak of this step, on the one step that measures it
+    extra: dict | None = None  # the objective's own agreed metrics (preference tuning: rewards, accuracy)
 
 
 def train_step(job: Job, step: int) -> StepResult:
@@ -60,7 +61,9 @@ def train_step(job: Job, step: int) -> StepResult:
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
     on_loss = job.hooks.on_loss
     adjust = None if on_loss is None else functools.partial(on_loss, step)
-    if job.pipeline is None:
+    if job.objective is not None:  # preference tuning (train/preference/objective.py); pp is refused for it
+        local_loss = job.objective.forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, adjust)
+    elif job.pipeline is None:
         local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust)
     else:
         local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust)
@@ -75,7 +78,8 @@ def train_step(job: Job, step: int) -> StepResult:
     # Every model state exists now (gradients not yet zeroed): measure once.
     memory = memory_record(job.model, job.optimizer, meter.stop()) if meter is not None else None
     job.optimizer.zero_grad(set_to_none=True)
-    return StepResult(step + 1, loss, grad_norm, lr, stop, memory)
+    extra = None if job.objective is None else job.objective.last
+    return StepResult(step + 1, loss, grad_norm, lr, stop, memory, extra)
 
 
 def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
@@ -143,6 +147,10 @@ def evaluate(job: Job) -> tuple[float, int]:
     eval_batches >= 1 when it runs); no counted target (every one masked) is a nan loss over 0 targets."""
     job.model.eval()
     batches = job.val_data.eval_batches(job.cfg.train.eval_batches)
+    if job.objective is not None:  # the mean pair loss, already agreed over the ranks
+        result = job.objective.evaluate(job.model, batches, job.contexts)
+        job.model.train()
+        return result
     if job.pipeline is not None:
         totals = pipeline_eval_totals(job.pipeline, batches, job.contexts)  # the same on every stage
     else:

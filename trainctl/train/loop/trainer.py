@@ -57,6 +57,7 @@ from trainctl.train.parallel.context_parallel import check_cp_device, cp_mesh_of
 from trainctl.train.parallel.float8 import register_float8_scale_precompute
 from trainctl.train.parallel.parallelize import check_supported, parallelize
 from trainctl.train.parallel.pipeline import Pipeline, build_pipeline
+from trainctl.train.preference.setup import batches_for, build_objective
 
 log = logging.getLogger("trainctl.train")
 
@@ -215,6 +216,7 @@ def step_metrics(job: Job, result: StepResult, lap: tuple[float, int]) -> dict:
         "tokens_seen": job.cfg.train.tokens_per_step * result.step,
         **job.scaler.metrics(),
         **job.guard.metrics(),
+        **(result.extra or {}),
     }
     if job.peak_flops:
         model = job.cfg.model  # FLOPs per token: the family spec's, as the plan counts them
@@ -240,14 +242,15 @@ def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBat
     train = cfg.train
     common = dict(seq_len=train.seq_len, global_batch=train.global_batch, micro_batch=train.micro_batch,
                   grad_accum=train.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=train.seed)
+    batches = batches_for(train.objective)  # preference pairs or token windows
     try:
-        val = TokenBatches(cfg.data, "val", **common)
+        val = batches(cfg.data, "val", **common)
     except DataError as exc:
         if train.eval_every > 0:
             raise
         print0(f"no evaluation: {exc}", world.is_main)
         val = None
-    return TokenBatches(cfg.data, "train", **common), val
+    return batches(cfg.data, "train", **common), val
 
 
 def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> tuple[nn.Module, Pipeline | None]:
@@ -318,6 +321,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     if start.resumed:
         meta.load_state_dict(start.meta)
         train_data.resume_at(progress.step, progress.samples_seen)
+    objective = build_objective(cfg, model, mesh, world.device, start.resumed)  # after the weights are loaded
     peak = device_peak_flops(world.device, cfg.precision)
     if peak:
         print0(f"mfu: {MFU_FORMULA}; peak {peak / 1e12:.0f} TFLOP/s per GPU ({cfg.precision.compute_dtype})",
@@ -325,7 +329,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     return Job(cfg=cfg, world=world, model=model, optimizer=optimizer, pipeline=pipeline, contexts=contexts,
                train_data=train_data, val_data=val_data, scaler=scaler, guard=guard, progress=progress, meta=meta,
                checkpoints=checkpoints, start=start, metrics=metrics, stop=stop, peak_flops=peak, hooks=hooks,
-               watchdog=watchdog)
+               watchdog=watchdog, objective=objective)
 
 
 def start_from_checkpoint(cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager, model: nn.Module,

@@ -1,0 +1,1 @@
+"""Preference tuning on the worker (train.objective=dpo|simpo): pairs, losses, the reference, the step's part."""

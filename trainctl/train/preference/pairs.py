@@ -1,0 +1,130 @@
+"""Batches of preference pairs: each micro-batch holds whole pairs, chosen rows first, then the rejected ones.
+
+A prepared preference dataset (data/preference.py) stores each pair as two documents in a row, the rejected
+one's first token flagged REJECTED. Here every document becomes one row of seq_len + 1 tokens (a longer one
+keeps its first tokens; a shorter one is padded, its missing targets ignored), so a pair never leaves its
+micro-batch or its rank. A micro-batch of M pairs is [2M, seq_len] inputs and targets: rows 0..M-1 are the
+chosen answers, rows M..2M-1 the rejected ones, row i and row M + i one pair.
+
+Sampling follows train/loop/data.py's TokenBatches with a pair for a sample: sample j of a step (0 <= j <
+global_batch) is the j-th pair drawn by blocks seeded by (seed, block), rank r and micro-batch a read
+j = r*(A*M) + a*M + b; the union over ranks is the same global batch whatever the dp / accumulation split,
+and a resume continues the sample stream where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from trainctl.config.schema import DataConfig
+from trainctl.data import format as dataset
+from trainctl.models.loss_head import IGNORE_INDEX
+from trainctl.train.loop.data import MicroBatch
+from trainctl.train.loop.sources import BlendedTokens, DataError, ShardedTokens
+
+_BLOCK = 1024  # pairs drawn per seeded block (as TokenBatches)
+_INV_PHI = (math.sqrt(5.0) - 1.0) / 2.0  # eval pairs spread evenly over the split (as TokenBatches)
+
+
+def document_starts(part: ShardedTokens) -> np.ndarray:
+    """The first token of every document of one dataset's split, read shard by shard (int64 offsets)."""
+    starts, offset = [], 0
+    for mask in part.masks or []:
+        starts.append(np.flatnonzero(np.asarray(mask) & dataset.DOC_START) + offset)
+        offset += mask.size
+    return np.concatenate(starts) if starts else np.zeros(0, np.int64)
+
+
+class PairTable:
+    """Where each pair's two documents are: (dataset, start, length) of the chosen and the rejected one."""
+
+    def __init__(self, parts: list[ShardedTokens], key: str):
+        rows = []
+        for d, part in enumerate(parts):
+            starts = document_starts(part)
+            ends = np.append(starts[1:], part.size)
+            flags = np.asarray([part.flags(int(s), 1)[0] for s in starts], np.uint8)
+            rejected = (flags & dataset.REJECTED) != 0
+            if starts.size % 2 or rejected[0::2].any() or not rejected[1::2].all():
+                raise DataError(f"{key}: not whole preference pairs (a chosen document, then its rejected one); "
+                                "prepare it with `trainctl data prepare --format preference`")
+            rows.append(np.stack([np.full(starts.size, d), starts, ends - starts], axis=1))
+        self.parts = parts
+        self.docs = np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)  # [2 * pairs, 3]
+
+    def __len__(self) -> int:
+        return len(self.docs) // 2
+
+    def document(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        part, start, length = (int(v) for v in self.docs[index])
+        return self.parts[part].window(start, length), self.parts[part].flags(start, length)
+
+
+def _row(tokens: np.ndarray, flags: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, targets) of one document in `width` tokens: cut or padded; uncounted targets IGNORE_INDEX."""
+    tokens, flags = tokens[:width].astype(np.int64), flags[:width]
+    targets = np.where((flags[1:] & dataset.LOSS) != 0, tokens[1:], IGNORE_INDEX)
+    pad = width - tokens.size
+    return np.pad(tokens, (0, pad)), np.pad(targets, (0, pad), constant_values=IGNORE_INDEX)
+
+
+class PairBatches:
+    """TokenBatches' interface for preference pairs (module doc); `masked` is False: the objective, not the
+    step's token divisor, normalizes the loss (per pair)."""
+
+    masked = False
+
+    def __init__(self, data_cfg: DataConfig, split: str, seq_len: int, global_batch: int, micro_batch: int,
+                 grad_accum: int, dp_rank: int, dp_size: int, seed: int):
+        assert global_batch == micro_batch * grad_accum * dp_size, (global_batch, micro_batch, grad_accum, dp_size)
+        if data_cfg.kind != "memmap" or not data_cfg.datasets:
+            raise DataError("train.objective: preference pairs come from data=memmap data.datasets=[DIR] prepared "
+                            "with `trainctl data prepare --format preference`")
+        self.split, self.seq_len, self.seed = split, seq_len, seed
+        self.global_batch, self.micro_batch, self.grad_accum = global_batch, micro_batch, grad_accum
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.vocab_size = data_cfg.vocab_size
+        self._base_step = self._base_sample = 0
+        blend = BlendedTokens.open(data_cfg.datasets, [], split)
+        self.pairs = PairTable(blend.parts, "data.datasets")
+        self.num_tokens = int(blend.size)
+        if not len(self.pairs):
+            raise DataError(f"data.datasets: the {split} split holds no preference pair; prepare more pairs"
+                            + (" or a larger --val-fraction" if split == "val" else ""))
+
+    def resume_at(self, step: int, samples_seen: int) -> None:
+        """Continue the pair stream at `samples_seen` from optimizer step `step` on (as TokenBatches)."""
+        self._base_step, self._base_sample = step, samples_seen
+
+    def first_sample(self, step: int) -> int:
+        return self._base_sample + (step - self._base_step) * self.global_batch
+
+    def sample_ids(self, step: int) -> list[range]:
+        first = self.first_sample(step) + self.dp_rank * self.grad_accum * self.micro_batch
+        return [range(first + a * self.micro_batch, first + (a + 1) * self.micro_batch) for a in range(self.grad_accum)]
+
+    def micro_batches(self, step: int) -> list[MicroBatch]:
+        """This rank's `grad_accum` micro-batches of `micro_batch` pairs each ([2 * micro_batch, seq_len])."""
+        return [self._batch([self._drawn(j) for j in ids]) for ids in self.sample_ids(step)]
+
+    def eval_batches(self, n: int) -> list[MicroBatch]:
+        """`n` fixed micro-batches of pairs, independent of seed and step, disjoint across dp ranks."""
+        first = self.dp_rank * n * self.micro_batch
+        return [self._batch([int(((first + i * self.micro_batch + b + 1) * _INV_PHI) % 1.0 * len(self.pairs))
+                             for b in range(self.micro_batch)]) for i in range(n)]
+
+    def _drawn(self, sample: int) -> int:
+        block = np.random.default_rng([self.seed, sample // _BLOCK]).integers(0, len(self.pairs), size=_BLOCK)
+        return int(block[sample % _BLOCK])
+
+    def _batch(self, pairs: list[int]) -> MicroBatch:
+        rows = [_row(*self.pairs.document(2 * p + which), self.seq_len + 1) for which in (0, 1) for p in pairs]
+        tokens = np.stack([t for t, _ in rows])
+        if int(tokens.max()) >= self.vocab_size:
+            raise DataError(f"data.datasets: token id {int(tokens.max())} >= data.vocab_size={self.vocab_size}; "
+                            "set data.vocab_size (and model.vocab_size) above the largest id")
+        targets = np.stack([t for _, t in rows])
+        return MicroBatch(torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(targets))
