@@ -85,25 +85,31 @@ def check_worker(run_dir: Path, proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-4000:]}\n{stacks}"
 
 
-def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]]) -> dict[str, Path]:
+def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]],
+               entry: Path = MANY_RUNS_WORKER) -> dict[str, Path]:
     """Every case's run directory, trained: the cases of one world size in one torchrun (tests/dist/
-    many_runs_worker.py, each run through the worker's own entry), a case without torchrun (None) on its own.
+    many_runs_worker.py, each run through the worker's own entry), the cases without torchrun (None) in one plain
+    process (a world of one, as the worker forms alone).
 
     cases: name -> (config, nproc); each run directory is root/NAME. A failure names the run that failed.
+    entry: a script that takes several run directories as many_runs_worker.py does (a test wrapper around it).
     """
     run_dirs = {name: write_run_dir(root, replace(cfg, name=name)) for name, (cfg, _) in cases.items()}
-    by_world: dict[int, list[str]] = {}
-    for name, (_, nproc) in cases.items():
-        if nproc is None:
-            check_worker(run_dirs[name], run_worker(run_dirs[name], None))
-        else:
-            by_world.setdefault(nproc, []).append(name)
-    for nproc, names in by_world.items():
-        program = [str(MANY_RUNS_WORKER), *(str(run_dirs[n]) for n in names)]
-        proc = run_group(torchrun_cmd(nproc, *program), WORKER_TIMEOUT_S * len(names), worker_env())
-        failed = [n for n in names if not (run_dirs[n] / "result.json").is_file()]
-        check_worker(run_dirs[failed[0]] if failed else run_dirs[names[-1]], proc)
+    train_written({name: (run_dirs[name], nproc) for name, (_, nproc) in cases.items()}, entry)
     return run_dirs
+
+
+def train_written(cases: dict[str, tuple[Path, int | None]], entry: Path = MANY_RUNS_WORKER) -> None:
+    """train_many for run directories already written (name -> (run directory, nproc)), in this order."""
+    by_world: dict[int | None, list[Path]] = {}
+    for run_dir, nproc in cases.values():
+        by_world.setdefault(nproc, []).append(run_dir)
+    for nproc, run_dirs in by_world.items():
+        program = [str(entry), *map(str, run_dirs)]
+        cmd = [sys.executable, *program] if nproc is None else torchrun_cmd(nproc, *program)
+        proc = run_group(cmd, WORKER_TIMEOUT_S * len(run_dirs), worker_env())
+        failed = [run_dir for run_dir in run_dirs if not (run_dir / "result.json").is_file()]
+        check_worker(failed[0] if failed else run_dirs[-1], proc)
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
