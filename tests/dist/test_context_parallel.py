@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_runs import assert_same_steps, base_config, records, series, train_and_check
+from worker_runs import assert_same_steps, base_config, records, series, train_and_check, train_many
 
 from tests.helpers import assert_close_fp, assert_curve_close, forward_terms, run_torchrun
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
@@ -53,11 +53,13 @@ def cp_runs(tmp_path_factory, data_cache):
     """One process without cp, and each cp layout through the product's worker with the CPU ring."""
     root = tmp_path_factory.mktemp("cp")
     base = base_config(data_cache, steps=10, eval_every=5)
-    runs = {"single": train_and_check(root, replace(base, name="single"), None)}
+    runs = train_many(root, {"single": (base, None)})
+    layouts = {}
     for name, (sharding, ranks, micro, accum, ac) in CP_LAYOUTS.items():
         train = replace(base.train, micro_batch=micro, grad_accum=accum, activation_checkpointing=ac)
-        runs[name] = train_and_check(root, replace(base, name=name, sharding=sharding, train=train), ranks, CPU_RING_WORKER)
-    return runs
+        layouts[name] = (replace(base, sharding=sharding, train=train), ranks)
+    # The layouts of one world size in one torchrun of the CPU-ring worker.
+    return {**runs, **train_many(root, layouts, CPU_RING_WORKER)}
 
 
 @pytest.mark.parametrize("name", list(CP_LAYOUTS))

@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, train_and_check
+from worker_runs import TINY, base_config, records, series, train_and_check, train_many
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import assert_curve_close
@@ -50,14 +50,11 @@ def pipeline_config(data_cache, name: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
-    root = tmp_path_factory.mktemp("pipeline")
+    """The one-process reference and every layout; the layouts of one world size train in one torchrun."""
     reference = base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=4)
-    reference = replace(reference, name="reference", model=MODEL)
-    out = {"reference": train_and_check(root, reference, None)}
-    for name in LAYOUTS:
-        cfg, nproc = pipeline_config(data_cache, name)
-        out[name] = train_and_check(root, cfg, nproc)
-    return out
+    cases = {"reference": (replace(reference, model=MODEL), None)}
+    cases.update((name, pipeline_config(data_cache, name)) for name in LAYOUTS)
+    return train_many(tmp_path_factory.mktemp("pipeline"), cases)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -83,7 +80,9 @@ def test_the_steps_actually_differ(runs):
 
 
 def with_faults(root, cfg, nproc: int, **faults):
-    """train_and_check with test-side faults or probes in the workers (tests/faults)."""
+    """train_and_check with test-side faults or probes in the workers (tests/faults), in a torchrun of its own: the
+    faults reach a process through its environment, so they would act on every run it trains, and the offload
+    probe counts for the whole process (it writes its counts at exit)."""
     with pytest.MonkeyPatch.context() as env:
         for name, value in fault_env(**faults).items():
             env.setenv(name, value)

@@ -19,7 +19,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, train_and_check
+from worker_runs import TINY, base_config, records, series, train_many
 
 from tests.faults.worker_faults import fault_env
 from trainctl.config.schema import PrecisionConfig, ShardingConfig
@@ -51,33 +51,54 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fp32(root, data_cache):
-    return train_and_check(root, tiny(data_cache, "fp32", PrecisionConfig()), None)
+def clean(root, data_cache):
+    """fp32 and every reduced-precision run without an injected fault: the single-process ones in one process,
+    the 2-rank ones in one torchrun. Each run builds its own model, float8 swap (tensorwise: no global Inductor
+    flag) and scaler, and is seeded on its own, so sharing the process changes none of its numbers."""
+    cases = {
+        "fp32": (tiny(data_cache, "fp32", PrecisionConfig()), None),
+        # bf16 through FSDP2's mixed-precision policy, fp16 through autocast + GradScaler, fp8 under FSDP2.
+        "bf16-fsdp": (tiny(data_cache, "bf16-fsdp", BF16, FSDP2, nproc=2), 2),
+        "fp16-single": (tiny(data_cache, "fp16-single", FP16), None),
+        "fp8-fsdp": (tiny(data_cache, "fp8-fsdp", FP8, FSDP2, nproc=2), 2),
+        # Float8Linear sharded by tensor parallelism (2 ranks, dp 1: each sees the whole batch of 4).
+        "fp8-tp": (replace(tiny(data_cache, "fp8-tp", FP8), sharding=TP2), 2),
+    }
+    return train_many(root, cases)
 
 
 @pytest.fixture(scope="module")
-def runs(root, data_cache):
-    """bf16 through FSDP2's mixed-precision policy, fp16 through autocast + GradScaler, fp8 under FSDP2."""
-    return {
-        "bf16": train_and_check(root, tiny(data_cache, "bf16-fsdp", BF16, FSDP2, nproc=2), 2),
-        "fp16": train_and_check(root, tiny(data_cache, "fp16-single", FP16), None),
-        "fp8": train_and_check(root, tiny(data_cache, "fp8-fsdp", FP8, FSDP2, nproc=2), 2),
-        # Float8Linear sharded by tensor parallelism (2 ranks, dp 1: each sees the whole batch of 4).
-        "fp8_tp": train_and_check(root, replace(tiny(data_cache, "fp8-tp", FP8), sharding=TP2), 2),
-    }
+def fp32(clean):
+    return clean["fp32"]
+
+
+@pytest.fixture(scope="module")
+def runs(clean):
+    return {"bf16": clean["bf16-fsdp"], "fp16": clean["fp16-single"], "fp8": clean["fp8-fsdp"],
+            "fp8_tp": clean["fp8-tp"]}
 
 
 PP2 = ShardingConfig(strategy="none", pp=2, pp_schedule="1f1b")
 
 
 @pytest.fixture(scope="module")
-def fp16_pipeline(root, data_cache):
-    """fp16 over 2 pipeline stages (the schedule's loss function applies the scale); inf injected at one step."""
-    cfg = replace(tiny(data_cache, "fp16-pp", FP16, micro_batch=2, grad_accum=2), sharding=PP2)
+def overflowed(root, data_cache):
+    """The two runs with inf injected at one step (one torchrun, the same fault environment): fp16 over 2 pipeline
+    stages (the schedule's loss function applies the scale), and fp16 under FSDP2 (ShardedGradScaler) evaluated
+    after every step."""
+    cases = {
+        "fp16-pp": (replace(tiny(data_cache, "fp16-pp", FP16, micro_batch=2, grad_accum=2), sharding=PP2), 2),
+        "fp16-fsdp-inf": (tiny(data_cache, "fp16-fsdp-inf", FP16, FSDP2, nproc=2, eval_every=1, eval_batches=1), 2),
+    }
     with pytest.MonkeyPatch.context() as env:
         for name, value in fault_env(inf_at_step=INJECT_STEP).items():
             env.setenv(name, value)
-        return train_and_check(root, cfg, 2)
+        return train_many(root, cases)
+
+
+@pytest.fixture(scope="module")
+def fp16_pipeline(overflowed):
+    return overflowed["fp16-pp"]
 
 
 def test_fp16_pipeline_tracks_fp32_and_skips_the_injected_overflow(fp32, fp16_pipeline):
@@ -90,13 +111,8 @@ def test_fp16_pipeline_tracks_fp32_and_skips_the_injected_overflow(fp32, fp16_pi
 
 
 @pytest.fixture(scope="module")
-def injected(root, data_cache):
-    """fp16 under FSDP2 (ShardedGradScaler) with an inf loss at one step; evaluated after every step."""
-    cfg = tiny(data_cache, "fp16-fsdp-inf", FP16, FSDP2, nproc=2, eval_every=1, eval_batches=1)
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in fault_env(inf_at_step=INJECT_STEP).items():
-            env.setenv(name, value)
-        return train_and_check(root, cfg, 2)
+def injected(overflowed):
+    return overflowed["fp16-fsdp-inf"]
 
 
 def max_relative_difference(values: list[float], reference: list[float]) -> float:

@@ -14,7 +14,7 @@ import re
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, train_and_check
+from worker_runs import TINY, base_config, records, series, train_many
 
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import ShardingConfig
@@ -24,10 +24,15 @@ pytestmark = pytest.mark.dist
 STEPS = 10
 
 
+# Families whose blocks hold more than llama's: qwen2's q/k/v biases (split with their rows), qwen3's per-head
+# q/k norms (replicated weights fed by each rank's own heads: their gradients must be summed over tp).
+FAMILIES = {"qwen2": dict(family="qwen2"), "qwen3": dict(family="qwen3", head_dim=32)}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache):
-    """One process on the global batch of 8, and the same batch under tp2, fsdp2 x tp2, ddp2 x tp2 (accumulating)."""
-    root = tmp_path_factory.mktemp("tensor-parallel")
+def all_runs(tmp_path_factory, data_cache):
+    """One process on the global batch of 8, and the same batch under tp2, fsdp2 x tp2, ddp2 x tp2 (accumulating);
+    per family, one process and tp2 over 4 steps. The runs of one world size train in one torchrun."""
     configs = {
         "single": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(), None),
         "tp2": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(tp=2), 2),
@@ -36,8 +41,18 @@ def runs(tmp_path_factory, data_cache):
         "ddp2_tp2": (base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=2),
                      ShardingConfig(strategy="ddp", dp_replicate=2, tp=2), 4),
     }
-    return {name: train_and_check(root, replace(cfg, name=name, sharding=sharding), nproc)
-            for name, (cfg, sharding, nproc) in configs.items()}
+    for family, model in FAMILIES.items():
+        cfg = base_config(data_cache, steps=4, micro_batch=8)
+        cfg = replace(cfg, model=replace(cfg.model, **model))
+        configs[f"{family}-single"] = (cfg, ShardingConfig(), None)
+        configs[f"{family}-tp2"] = (cfg, ShardingConfig(tp=2), 2)
+    return train_many(tmp_path_factory.mktemp("tensor-parallel"),
+                      {name: (replace(cfg, sharding=sharding), nproc) for name, (cfg, sharding, nproc) in configs.items()})
+
+
+@pytest.fixture(scope="module")
+def runs(all_runs):
+    return {name: all_runs[name] for name in ("single", "tp2", "fsdp2_tp2", "ddp2_tp2")}
 
 
 @pytest.mark.parametrize("name", ["tp2", "fsdp2_tp2", "ddp2_tp2"])
@@ -76,18 +91,9 @@ def test_weights_are_really_split(runs, name):
         assert (int(found[1]), int(found[2])) == (local, total)
 
 
-# Families whose blocks hold more than llama's: qwen2's q/k/v biases (split with their rows), qwen3's per-head
-# q/k norms (replicated weights fed by each rank's own heads: their gradients must be summed over tp).
-FAMILIES = {"qwen2": dict(family="qwen2"), "qwen3": dict(family="qwen3", head_dim=32)}
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_runs(request, tmp_path_factory, data_cache):
-    root = tmp_path_factory.mktemp(f"tp-{request.param}")
-    cfg = base_config(data_cache, steps=4, micro_batch=8)
-    cfg = replace(cfg, model=replace(cfg.model, **FAMILIES[request.param]))
-    return {name: train_and_check(root, replace(cfg, name=name, sharding=sharding), nproc)
-            for name, sharding, nproc in (("single", ShardingConfig(), None), ("tp2", ShardingConfig(tp=2), 2))}
+def family_runs(request, all_runs):
+    return {name: all_runs[f"{request.param}-{name}"] for name in ("single", "tp2")}
 
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, train_and_check
+from worker_runs import TINY, base_config, records, series, train_many
 
 from tests.helpers import assert_curve_close
 from trainctl.config.schema import ShardingConfig
@@ -55,7 +55,9 @@ def runs(tmp_path_factory, data_cache):
     """The single-process reference and four 2-rank runs over the same global batch of 8.
 
     ddp also runs op-level checkpointing with activation offload and 2 accumulation steps, and
-    zero3 offloads to CPU: each run checks its options' parity and its strategy's memory at once.
+    zero3 offloads to CPU: each run checks its options' parity and its strategy's memory at once. The four
+    2-rank runs train in one torchrun; the memory records count tensors' bytes, not the process's, so an earlier
+    run in the same process does not change them.
     """
     root = tmp_path_factory.mktemp("zero")
     configs = {
@@ -65,7 +67,7 @@ def runs(tmp_path_factory, data_cache):
         "zero2": (base_config(data_cache, steps=STEPS, micro_batch=4, activation_checkpointing="selective", ac_every=2), 2),
         "zero3": (base_config(data_cache, steps=STEPS, micro_batch=4), 2),
     }
-    return {name: train_and_check(root, replace(cfg, name=name, sharding=SHARDING[name]), nproc) for name, (cfg, nproc) in configs.items()}
+    return train_many(root, {name: (replace(cfg, sharding=SHARDING[name]), nproc) for name, (cfg, nproc) in configs.items()})
 
 
 def memory(run_dir) -> dict:

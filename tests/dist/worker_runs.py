@@ -95,16 +95,21 @@ def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]],
     entry: a script that takes several run directories as many_runs_worker.py does (a test wrapper around it).
     """
     run_dirs = {name: write_run_dir(root, replace(cfg, name=name)) for name, (cfg, _) in cases.items()}
-    by_world: dict[int | None, list[str]] = {}
-    for name, (_, nproc) in cases.items():
-        by_world.setdefault(nproc, []).append(name)
-    for nproc, names in by_world.items():
-        program = [str(entry), *(str(run_dirs[n]) for n in names)]
-        cmd = [sys.executable, *program] if nproc is None else torchrun_cmd(nproc, *program)
-        proc = run_group(cmd, WORKER_TIMEOUT_S * len(names), worker_env())
-        failed = [n for n in names if not (run_dirs[n] / "result.json").is_file()]
-        check_worker(run_dirs[failed[0]] if failed else run_dirs[names[-1]], proc)
+    train_written({name: (run_dirs[name], nproc) for name, (_, nproc) in cases.items()}, entry)
     return run_dirs
+
+
+def train_written(cases: dict[str, tuple[Path, int | None]], entry: Path = MANY_RUNS_WORKER) -> None:
+    """train_many for run directories already written (name -> (run directory, nproc)), in this order."""
+    by_world: dict[int | None, list[Path]] = {}
+    for run_dir, nproc in cases.values():
+        by_world.setdefault(nproc, []).append(run_dir)
+    for nproc, run_dirs in by_world.items():
+        program = [str(entry), *map(str, run_dirs)]
+        cmd = [sys.executable, *program] if nproc is None else torchrun_cmd(nproc, *program)
+        proc = run_group(cmd, WORKER_TIMEOUT_S * len(run_dirs), worker_env())
+        failed = [run_dir for run_dir in run_dirs if not (run_dir / "result.json").is_file()]
+        check_worker(failed[0] if failed else run_dirs[-1], proc)
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
