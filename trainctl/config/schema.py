@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from trainctl.config.fields import at_least, at_most, choice, positive, within
+from trainctl.config.schema_ramp import BatchRampConfig
 from trainctl.core import optimizers, schedules, wrapping
 from trainctl.core.float8 import FP8_FILTERS
 
@@ -301,9 +302,12 @@ class TrainConfig:
     hang_timeout_s: float = within(1800.0, 0, 2_592_000.0, message="must be 0 (no hang watchdog) or 1 to 2592000 "
                                    "seconds (30 days), a few times the slowest step or save")
 
+    # grow the global batch over the first steps; the lr schedule then runs on tokens (core/batch_ramp.py)
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one optimizer step trains on (global_batch resolved: validate fills in -1)."""
+        """Tokens of one full optimizer step (global_batch resolved: validate fills in -1); a ramp's are fewer."""
         return self.global_batch * self.seq_len
 
 

@@ -41,6 +41,7 @@ from trainctl.plan.schedule import continuation
 # Adafactor). Changing one would not continue this run; a new run can start from its checkpoint
 # (checkpoint.resume=PATH). The world size and the parallel split may change: DCP reshards (see reshard.py).
 FROZEN = ("model.", "data.", "precision.", "optim.name", "train.seq_len", "train.global_batch",
+          "train.batch_ramp.",
           "train.seed", "cluster.launcher", "cluster.device",
           "checkpoint.resume", "checkpoint.load_only", "checkpoint.init_from", "name", "recipe", "runs_dir")
 NEW_RUN_HINT = "launch a new run starting from this one's checkpoint with checkpoint.resume=RUN_DIR"

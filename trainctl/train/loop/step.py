@@ -22,9 +22,10 @@ from trainctl.train.loop.job import Job
 from trainctl.train.loop.loss import TokenLoss, step_divisor, token_loss_sum
 from trainctl.train.loop.loss_scaling import DynamicLossScaler
 from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.loop.ramp import step_lr
 from trainctl.train.observe.memory_stats import memory_record
 from trainctl.train.observe.peak_memory import PeakMeter, memory_step
-from trainctl.train.optim import lr_at, set_lr
+from trainctl.train.optim import set_lr
 from trainctl.train.parallel.pipeline import (
     norm_over_stages,
     pipeline_eval_totals,
@@ -47,7 +48,7 @@ class StepResult:
 
 def train_step(job: Job, step: int) -> StepResult:
     """Optimizer step `step` (0-based); see the module doc for the order."""
-    lr = lr_at(step, job.cfg.optim.lr, job.cfg.schedule, job.cfg.train.steps)
+    lr = step_lr(job, step)  # on the tokens trained before it (train.batch_ramp; without one: the step's)
     set_lr(job.optimizer, lr)
     micro_batches = job.train_data.micro_batches(step)
     divisor = None  # unmasked: every target counts, the count is known without a sync
