@@ -83,7 +83,8 @@ def lr_at(step: int | float, lr: float, schedule, total_steps: int | float) -> f
     """
     warmup = schedule.warmup_steps
     if step < warmup:
-        return lr * (step + 1) / warmup
+        # min: a ramp's fractional position may pass warmup within one step (for whole steps it is step + 1)
+        return lr * min(step + 1, warmup) / warmup
     if schedule.name not in SCHEDULES:
         raise ValueError(f"schedule.name={schedule.name!r}: unknown schedule; use {', '.join(names())}")
     decay = spec(schedule.name).decay
