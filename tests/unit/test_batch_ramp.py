@@ -180,3 +180,14 @@ def test_the_warmup_limit_is_the_runs_length_on_the_tokens_clock():
     assert math.ceil(length) - 1 == 16  # 16.625 full steps' worth: warmup 16 passes, 17 is refused above
     assert resolve(compose([*RAMPED, "schedule.warmup_steps=16"])).schedule.warmup_steps == 16
     assert dataclasses.asdict(cfg.train)["batch_ramp"] == {"start": 4, "steps": 7}
+
+
+def test_resume_notes_state_the_lr_on_the_tokens_clock():
+    from trainctl.plan.schedule import continuation
+
+    sched = ScheduleConfig(name="cosine", warmup_steps=2)
+    ramp = ramp_of(2, 1, 8, 10, 20)
+    note, jump = continuation(15, (1.0, sched, 20), (1.0, sched, 40), (ramp, dataclasses.replace(ramp, total_steps=40)))
+    want = schedules.lr_at(ramp.position(15), 1.0, sched, ramp.position(40))
+    assert note.endswith(f"lr at step 16 is {want:.3g}") and want != schedules.lr_at(15, 1.0, sched, 40)
+    assert jump is not None  # the re-stretched cosine is higher at step 16 than the trained step 15 was

@@ -52,8 +52,9 @@ class BatchRamp:
     total_steps: int  # train.steps
 
     @classmethod
-    def of(cls, train, dp: int) -> BatchRamp:
-        """The ramp of a resolved TrainConfig (validate checked it: problems() is empty)."""
+    def of(cls, train, dp: int | None = None) -> BatchRamp:
+        """The ramp of a resolved TrainConfig (validate checked it: problems() is empty); dp: from its batch math."""
+        dp = dp or train.global_batch // (train.micro_batch * train.grad_accum)
         unit = train.micro_batch * dp
         ramp = train.batch_ramp
         start = ramp.start // unit if ramp.start > 0 else train.grad_accum

@@ -32,6 +32,7 @@ from trainctl.config.schema import GROUPS, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import checkpoints
 from trainctl.core import rundir as layout
+from trainctl.core.batch_ramp import BatchRamp
 from trainctl.launch import reshard, start_point
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.schedule import continuation
@@ -218,7 +219,8 @@ def _schedule_notes(res: Resumption, old: RunConfig) -> None:
         return
     new = res.resolved
     note, jump = continuation(res.step, (old.optim.lr, old.schedule, old.train.steps),
-                              (new.optim.lr, new.schedule, new.train.steps))
+                              (new.optim.lr, new.schedule, new.train.steps),
+                              (BatchRamp.of(old.train), BatchRamp.of(new.train)))  # a ramp's lr counts tokens
     res.notes.append(note)
     if jump:
         res.warnings.append(jump)

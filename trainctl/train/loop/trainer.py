@@ -19,7 +19,6 @@ from torch import nn
 
 from trainctl.config.schema import RunConfig
 from trainctl.core import model_record, rundir
-from trainctl.core.batch_ramp import BatchRamp
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.lora import adapter_count
@@ -248,7 +247,7 @@ def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBat
             raise
         print0(f"no evaluation: {exc}", world.is_main)
         val = None
-    return TokenBatches(cfg.data, "train", **common, ramp=BatchRamp.of(train, dp_size)), val
+    return TokenBatches(cfg.data, "train", **common, ramp=ramp.train_ramp(cfg, dp_size)), val
 
 
 def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> tuple[nn.Module, Pipeline | None]:
