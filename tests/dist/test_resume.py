@@ -266,3 +266,4 @@ def test_stop_and_resume_inside_the_batch_ramp_is_bitwise_identical(tmp_path, da
         lr = lr_at(ramp.position(r["step"] - 1), cfg.optim.lr, cfg.schedule, ramp.schedule_length())
         assert r["lr"] == lr
     assert [r["global_batch"] for r in records(straight, "train")][:9] == [2, 2, 2, 4, 4, 4, 6, 6, 8]
+    assert [r["step"] for r in records(straight, "memory")] == [11]  # measured at the full batch, as planned

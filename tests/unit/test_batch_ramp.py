@@ -191,3 +191,40 @@ def test_resume_notes_state_the_lr_on_the_tokens_clock():
     want = schedules.lr_at(ramp.position(15), 1.0, sched, ramp.position(40))
     assert note.endswith(f"lr at step 16 is {want:.3g}") and want != schedules.lr_at(15, 1.0, sched, 40)
     assert jump is not None  # the re-stretched cosine is higher at step 16 than the trained step 15 was
+
+
+def worker_job(ramp: BatchRamp | None, steps: int = 20):
+    from types import SimpleNamespace
+
+    from trainctl.config.schema import OptimConfig, TrainConfig
+
+    train = TrainConfig(steps=steps, seq_len=8, global_batch=16, micro_batch=2, grad_accum=8)
+    return SimpleNamespace(cfg=SimpleNamespace(train=train, optim=OptimConfig(lr=1.0),
+                                               schedule=ScheduleConfig(name="cosine", warmup_steps=3)),
+                           train_data=batches(1, 0, ramp))
+
+
+def test_the_worker_reads_the_lr_and_the_logged_batch_off_the_sample_stream():
+    from trainctl.train.loop.ramp import batch_metrics, step_lr
+
+    ramp = ramp_of(2, 1, 8, 7, 20)
+    job = worker_job(ramp)
+    for s in range(20):
+        assert step_lr(job, s) == schedules.lr_at(ramp.position(s), 1.0, job.cfg.schedule, ramp.schedule_length())
+    record = batch_metrics(job, 3, (2.0, 2))  # logged steps 2 and 3 (batches 4 and 6: 80 tokens) in 2 s
+    assert record == {"global_batch": 6, "tokens": 48, "tokens_seen": (2 + 4 + 6) * 8, "tokens_per_s": 40.0}
+    # resumed after step 5 with 100 sequences seen (a checkpoint of another dp split): the clock is what was seen
+    job.train_data.resume_at(5, 100)
+    seen = 100 + ramp.sequences_before(9) - ramp.sequences_before(5)
+    assert step_lr(job, 9) == schedules.lr_at(seen / 16, 1.0, job.cfg.schedule, job.train_data.first_sample(20) / 16)
+
+
+def test_without_a_ramp_the_worker_keeps_the_step_schedule_and_its_rates_bit_for_bit():
+    from trainctl.train.loop.ramp import batch_metrics, step_lr
+
+    job = worker_job(None)
+    assert [step_lr(job, s) for s in range(20)] == [schedules.lr_at(s, 1.0, job.cfg.schedule, 20) for s in range(20)]
+    elapsed, steps = 0.7, 3
+    record = batch_metrics(job, 9, (elapsed, steps))
+    assert record["tokens_per_s"] == 16 * 8 / (elapsed / steps)  # the formula metrics.jsonl always had
+    assert record["tokens_seen"] == 9 * 16 * 8 and record["global_batch"] == 16

@@ -57,7 +57,8 @@ def train_step(job: Job, step: int) -> StepResult:
         if divisor == 0:
             return skip_empty_step(job, step, lr)
     # One step's peak is measured, once optimizer states exist and DDP has rebuilt its buckets.
-    measured = step == memory_step(job.start.step, job.cfg.train.steps)
+    # after a batch ramp: the plan predicts the full batch's (its accumulated gradients)
+    measured = step == memory_step(max(job.start.step, job.train_data.ramp.steps), job.cfg.train.steps)
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
     on_loss = job.hooks.on_loss
     adjust = None if on_loss is None else functools.partial(on_loss, step)
