@@ -17,5 +17,7 @@ class BatchRampConfig:
 
     # sequences of step 0's global batch: whole micro-batches per data-parallel rank, below global_batch; 0: no ramp
     start: int = at_least(0, 0, "0 means no ramp")
-    # the steps over which grad_accum grows to train.grad_accum (fewer than train.steps)
+    # ramp length R < train.steps: 0-based step s < R accumulates a0 + floor((A - a0) x s / R) micro-batches per rank
+    # (a0 = start / (micro_batch x dp), A = train.grad_accum), A from step R on; the lr schedule then counts tokens,
+    # step s at (sequences before s) / global_batch full steps (docs/plan.md)
     steps: int = at_least(0, 0, "0 means no ramp")
