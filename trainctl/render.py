@@ -101,6 +101,17 @@ def memory_table(memory: dict) -> Table:
     return table
 
 
+def ramp_table(stages: list[dict]) -> Table:
+    """train.batch_ramp's stages: the steps of each batch size and the tokens they cover (the full batch last)."""
+    table = Table(title="batch ramp (the lr schedule counts tokens)", title_justify="left", title_style="bold",
+                  box=None, padding=(0, 2))
+    for column in ("steps", "global batch", "grad_accum", "tokens"):
+        table.add_column(column, justify="right")
+    for s in stages:
+        table.add_row(s["steps"], str(s["global_batch"]), str(s["grad_accum"]), f"{s['tokens']:,}")
+    return table
+
+
 def throughput_section(t: dict) -> Table:
     seconds = {k: v for k, v in (t.get("step_time") or {}).items() if k != "total_s" and v}
     data = {k: v for k, v in t.items() if k != "step_time"}
@@ -136,8 +147,11 @@ def render_plan(console: Console, plan: dict) -> None:
     console.print(_section("run", scalars))
     for title, data in plan.items():
         if isinstance(data, dict):
+            stages = data.get("ramp")
             console.print()
-            console.print(_section(title, data))
+            console.print(_section(title, {k: v for k, v in data.items() if k != "ramp"}))
+            if stages:
+                console.print(ramp_table(stages))
     if "memory" in special:
         console.print()
         console.print(memory_table(special["memory"]))
@@ -172,6 +186,7 @@ def plan_summary(console: Console, plan: dict) -> None:
              f"  {nodes} ranks on {plan['device']}, {plan['strategy']}" + (f" ({degrees})" if degrees else ""),
              f"  global batch {b['global_batch']} = {b['micro_batch']} micro x {b['grad_accum']} accum x "
              f"{b['dp']} dp, {b['seq_len']} tokens each ({b['tokens_per_step']:,} tokens per step)",
+             *ramp_lines(b),
              f"  memory per rank: peak {gib(m['peak_bytes'])}, needs {gib(m['need_bytes'])} of "
              f"{gib(m['capacity_bytes'])}: {m['verdict']}"]
     if plan.get("step_time_s"):
@@ -179,6 +194,19 @@ def plan_summary(console: Console, plan: dict) -> None:
     lines.append("  (the whole plan: `trainctl plan` with the same overrides, or launch --verbose)")
     for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def ramp_lines(b: dict) -> list[str]:
+    """The launch summary's lines for train.batch_ramp: its stages, at most a few (`trainctl plan` lists all)."""
+    stages = b.get("ramp") or []
+    if not stages:
+        return []
+    shown = stages if len(stages) <= 6 else [*stages[:3], None, *stages[-2:]]
+    lines = [f"  batch ramp over {len(stages) - 1} stages, {b['tokens_total']:,} tokens in all "
+             "(the lr schedule counts tokens):"]
+    lines += ["    ..." if s is None else f"    steps {s['steps']}: global batch {s['global_batch']} "
+              f"({s['grad_accum']} accum), {s['tokens']:,} tokens" for s in shown]
+    return lines
 
 
 def compare_table(axis: str, rows: list[dict]) -> Table:

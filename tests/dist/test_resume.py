@@ -273,3 +273,39 @@ def test_async_save_gives_the_same_run_and_valid_checkpoints(tmp_path, data_cach
     assert [s for s, _ in committed] == [15, 20] and all(verify(p) == [] for _, p in committed)
     saves = records(run_dir, "checkpoint")
     assert [r["step"] for r in saves] == [5, 10, 15, 20] and all(r["blocking_s"] <= r["total_s"] for r in saves)
+
+
+def test_stop_and_resume_inside_the_batch_ramp_is_bitwise_identical(tmp_path, data_cache):
+    """train.batch_ramp: stopped at a step inside the ramp and resumed, every step's loss and the final weights are
+    the uninterrupted run's, and metrics.jsonl carries each step's planned global batch and its lr on the tokens
+    clock (core/batch_ramp.py)."""
+    from trainctl.config.schema import BatchRampConfig
+    from trainctl.core.batch_ramp import BatchRamp
+    from trainctl.core.schedules import lr_at
+
+    sharding, nproc, stop_at, steps = ShardingConfig(strategy="ddp", dp_replicate=2), 2, 5, 12
+
+    def run(name):  # global 8 = micro 1 x accum 4 x dp 2; the ramp starts at 2 (accum 1) and grows over 8 steps
+        cfg = config(data_cache, name, sharding, 1)
+        return replace(cfg, train=replace(cfg.train, steps=steps, eval_every=steps,
+                                          batch_ramp=BatchRampConfig(start=2, steps=8)))
+
+    straight = write_run_dir(tmp_path, run("straight"))
+    ok(launch(straight, nproc), straight)
+    resumed = write_run_dir(tmp_path, run("resumed"))
+    ok(launch(resumed, nproc, **fault_env(stop_after_step=stop_at)), resumed)
+    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [stop_at]
+    ok(launch(resumed, nproc), resumed)
+    assert [r["step"] for r in records(resumed, "resume")] == [stop_at]
+    assert losses(resumed) == losses(straight) and len(losses(straight)) == steps
+    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ramp, cfg = BatchRamp.of(run("x").train, 2), run("x")
+    assert ramp.accum_at(stop_at) < ramp.final_accum  # the stop was inside the ramp
+    for r in records(resumed, "train"):
+        assert r["global_batch"] == ramp.batch_at(r["step"] - 1) and r["tokens"] == r["global_batch"] * 64
+        assert r["tokens_seen"] == ramp.sequences_before(r["step"]) * 64
+        lr = lr_at(ramp.position(r["step"] - 1), cfg.optim.lr, cfg.schedule, ramp.schedule_length())
+        assert r["lr"] == lr
+    assert [r["global_batch"] for r in records(straight, "train")][:9] == [2, 2, 2, 4, 4, 4, 6, 6, 8]
+    assert [r["step"] for r in records(straight, "memory")] == [11]  # measured at the full batch, as planned

@@ -14,6 +14,7 @@ from array import array
 from pathlib import Path
 
 from trainctl.config.schema import DataConfig, TrainConfig
+from trainctl.core.batch_ramp import BatchRamp
 from trainctl.data import format as dataset
 
 SAMPLE_BYTES = 1 << 20  # per sampled window: three windows, at most 3 MiB read per file
@@ -218,4 +219,8 @@ def epochs_of(d: DataConfig, train: TrainConfig) -> float | None:
         tokens = sum(dataset.read_meta(path).splits["train"].tokens for path in d.datasets)
     except dataset.DatasetError:
         return None
-    return train.steps * train.global_batch * (train.seq_len + 1) / max(tokens, 1)
+    sequences = train.steps * train.global_batch
+    if train.batch_ramp.start > 0:  # a ramp's early steps train fewer sequences
+        dp = train.global_batch // (train.micro_batch * train.grad_accum)
+        sequences = BatchRamp.of(train, dp).total_sequences
+    return sequences * (train.seq_len + 1) / max(tokens, 1)

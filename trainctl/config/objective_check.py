@@ -44,6 +44,9 @@ def objective_problems(train: TrainConfig, d: DataConfig, adapters: LoRAConfig, 
     if d.document_mask:
         problems.append(f"data.document_mask=true: {head} gives each answer a row of its own already; set "
                         "data.document_mask=false")
+    if train.batch_ramp.start or train.batch_ramp.steps:
+        problems.append(f"train.batch_ramp: {head} steps whole pairs at a fixed batch (the pair sampler has no ramp); "
+                        "drop train.batch_ramp.start and train.batch_ramp.steps")
     frozen = objectives.cost(name, lora.enabled(adapters)).reference_weights
     if frozen and checkpoint.resume not in ("auto", "never"):
         problems.append(f"checkpoint.resume={checkpoint.resume}: {head} without LoRA rebuilds its frozen reference "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from trainctl.config.fields import at_least, at_most, choice, positive, within
+from trainctl.config.schema_ramp import BatchRampConfig
 from trainctl.core import objectives, optimizers, schedules, wrapping
 from trainctl.core.float8 import FP8_FILTERS
 from trainctl.core.nf4 import BASE_DTYPES
@@ -313,10 +314,13 @@ class TrainConfig:
     simpo_beta: float = positive(2.0)  # simpo: the scale of the length-normalized reward
     simpo_gamma: float = at_least(0.5, 0)  # simpo: the target reward margin
 
+    # grow the global batch over the first steps; the lr schedule then runs on tokens (core/batch_ramp.py)
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one optimizer step trains on (global_batch resolved: validate fills in -1); a preference pair
-        is two sequences (core/objectives.py)."""
+        """Tokens one full optimizer step trains on (global_batch resolved: validate fills in -1); a preference pair
+        is two sequences (core/objectives.py); a batch ramp's early steps train fewer."""
         return self.global_batch * self.seq_len * objectives.cost(self.objective, False).sequences_per_sample
 
 

@@ -19,7 +19,7 @@ from trainctl.config.fields import declared_problems
 from trainctl.config.objective_check import objective_problems
 from trainctl.config.resume_source import check_resume_optimizer
 from trainctl.config.schema import MAX_SEED  # noqa: F401 (tests import it from here)
-from trainctl.core import hub, lora, optimizers
+from trainctl.core import batch_ramp, hub, lora, optimizers
 from trainctl.core.dims import ParallelDims, degree_problems, degrees_of, infer_degrees
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import lora_unsupported
@@ -56,6 +56,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
+        problems += [] if batch_problems else batch_ramp.problems(train, dims.dp, dims.pp, cfg.schedule.warmup_steps)
         problems += check_context_parallel(dims, cfg.cluster, train)
         problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
         problems += document_mask_problems(cfg.data, dims.pp, dims.cp)

@@ -69,8 +69,11 @@ def decay_start(schedule, total_steps: int) -> int:
     return spec(schedule.name).decay_start(schedule.warmup_steps, schedule.decay_fraction, total_steps)
 
 
-def lr_at(step: int, lr: float, schedule, total_steps: int) -> float:
+def lr_at(step: int | float, lr: float, schedule, total_steps: int | float) -> float:
     """Learning rate for 0-indexed optimizer step `step` of `total_steps`.
+
+    Under train.batch_ramp both are positions on the tokens clock (floats, in full steps' worth of tokens:
+    core/batch_ramp.py); the formulas below read them alike.
 
     Linear warmup: step w (< warmup_steps) gets lr * (w + 1) / warmup_steps, so it starts
     near zero and the last warmup step reaches lr. Then the schedule `schedule.name` picks:
@@ -80,7 +83,8 @@ def lr_at(step: int, lr: float, schedule, total_steps: int) -> float:
     """
     warmup = schedule.warmup_steps
     if step < warmup:
-        return lr * (step + 1) / warmup
+        # min: a ramp's fractional position may pass warmup within one step (for whole steps it is step + 1)
+        return lr * min(step + 1, warmup) / warmup
     if schedule.name not in SCHEDULES:
         raise ValueError(f"schedule.name={schedule.name!r}: unknown schedule; use {', '.join(names())}")
     decay = spec(schedule.name).decay

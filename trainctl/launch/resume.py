@@ -32,6 +32,7 @@ from trainctl.config.schema import GROUPS, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import checkpoints
 from trainctl.core import rundir as layout
+from trainctl.core.batch_ramp import BatchRamp
 from trainctl.launch import reshard, start_point
 from trainctl.launch.errors import LaunchError
 from trainctl.plan.schedule import continuation
@@ -41,6 +42,7 @@ from trainctl.plan.schedule import continuation
 # Adafactor). Changing one would not continue this run; a new run can start from its checkpoint
 # (checkpoint.resume=PATH). The world size and the parallel split may change: DCP reshards (see reshard.py).
 FROZEN = ("model.", "data.", "precision.", "optim.name", "train.seq_len", "train.global_batch",
+          "train.batch_ramp.",
           "train.seed", "cluster.launcher", "cluster.device",
           "checkpoint.resume", "checkpoint.load_only", "checkpoint.init_from", "name", "recipe", "runs_dir")
 NEW_RUN_HINT = "launch a new run starting from this one's checkpoint with checkpoint.resume=RUN_DIR"
@@ -217,7 +219,8 @@ def _schedule_notes(res: Resumption, old: RunConfig) -> None:
         return
     new = res.resolved
     note, jump = continuation(res.step, (old.optim.lr, old.schedule, old.train.steps),
-                              (new.optim.lr, new.schedule, new.train.steps))
+                              (new.optim.lr, new.schedule, new.train.steps),
+                              (BatchRamp.of(old.train), BatchRamp.of(new.train)))  # a ramp's lr counts tokens
     res.notes.append(note)
     if jump:
         res.warnings.append(jump)

@@ -13,6 +13,7 @@ from trainctl.config import hf_config
 from trainctl.config.data_check import data_file_problems, epochs_of
 from trainctl.config.schema import CheckpointConfig, ClusterConfig, ModelConfig, RunConfig, ShardingConfig, TrainConfig
 from trainctl.core import hub, lora
+from trainctl.core.batch_ramp import BatchRamp
 from trainctl.core.dims import ParallelDims, UnresolvedDims
 from trainctl.core.errors import UserError
 from trainctl.core.gpus import GPUS
@@ -35,7 +36,9 @@ class BatchMath:
     dp: int  # data-parallel degree
     seq_len: int
     tokens_per_step: int
-    tokens_total: int  # over train.steps
+    tokens_total: int  # over train.steps (a batch ramp's smaller steps counted as they are)
+    # train.batch_ramp's stages (steps, global_batch, grad_accum, tokens), the full batch last; [] without a ramp
+    ramp: list = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ def batch_math(train: TrainConfig, dp: int) -> BatchMath:
         raise PlanError(f"{', '.join(unresolved)}: the plan needs resolved batch sizes; run the config through "
                         "validate first")
     tokens_per_step = train.tokens_per_step
+    ramp = BatchRamp.of(train, dp)
     return BatchMath(
         global_batch=train.global_batch,
         micro_batch=train.micro_batch,
@@ -143,7 +147,8 @@ def batch_math(train: TrainConfig, dp: int) -> BatchMath:
         dp=dp,
         seq_len=train.seq_len,
         tokens_per_step=tokens_per_step,
-        tokens_total=tokens_per_step * train.steps,
+        tokens_total=ramp.total_sequences * train.seq_len,
+        ramp=ramp.stage_records(train.seq_len) if ramp.enabled else [],
     )
 
 

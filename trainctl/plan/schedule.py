@@ -8,30 +8,38 @@ from __future__ import annotations
 
 from trainctl.config.schema import ScheduleConfig
 from trainctl.core import schedules
+from trainctl.core.batch_ramp import BatchRamp
 from trainctl.core.schedules import decay_start, lr_at
 
 # A step-to-step change of the rate beyond this share is a jump, not the schedule's own slope.
 JUMP_RATIO = 0.05
 
 
-def continuation(step: int, before: tuple[float, ScheduleConfig, int], after: tuple[float, ScheduleConfig, int]
-                 ) -> tuple[str, str | None]:
+def continuation(step: int, before: tuple[float, ScheduleConfig, int], after: tuple[float, ScheduleConfig, int],
+                 ramps: tuple[BatchRamp | None, BatchRamp | None] = (None, None)) -> tuple[str, str | None]:
     """What the schedule does when a run continues at `step` (steps done) under new settings.
 
     `before` and `after`: (optim.lr, schedule, train.steps) as trained and as continued. Returns a one-line
     note (what the schedule now does) and a warning when the rate of the next step differs from the last
-    trained step's by more than JUMP_RATIO (None otherwise).
+    trained step's by more than JUMP_RATIO (None otherwise). `ramps`: train.batch_ramp as trained and as continued,
+    whose schedule runs on tokens (core/batch_ramp.py).
     """
     lr0, s0, n0 = before
     lr1, s1, n1 = after
-    last = lr_at(step - 1, lr0, s0, n0) if step > 0 else None
-    nxt = lr_at(step, lr1, s1, n1)
+    last = _lr(step - 1, lr0, s0, n0, ramps[0]) if step > 0 else None
+    nxt = _lr(step, lr1, s1, n1, ramps[1])
     note = f"schedule: {_describe(lr1, s1, n1, step, n0)}; lr at step {step + 1} is {nxt:.3g}"
     if last is None or abs(nxt - last) <= JUMP_RATIO * max(abs(last), abs(nxt)):
         return note, None
     why = _jump_cause(s0, s1, n0, n1, step, lr0, lr1)
     return note, (f"the learning rate jumps from {last:.3g} (step {step}, as trained) to {nxt:.3g} (step {step + 1})"
                   f"{why}")
+
+
+def _lr(step: int, lr: float, s: ScheduleConfig, steps: int, ramp: BatchRamp | None) -> float:
+    if ramp is None or not ramp.enabled:
+        return lr_at(step, lr, s, steps)
+    return lr_at(ramp.position(step), lr, s, ramp.position(steps))
 
 
 def _describe(lr: float, s: ScheduleConfig, steps: int, step: int, old_steps: int) -> str:

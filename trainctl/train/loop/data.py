@@ -8,9 +8,10 @@ With `data.document_mask` each micro-batch also carries every input token's posi
 document starts a segment there: its earlier tokens are outside the window). A target that begins the next
 document is IGNORE_INDEX: no document learns to predict another one's first token.
 
-Sampling: sample j (0 <= j < global_batch) of a step starts at the j-th offset drawn by
-`np.random.default_rng([seed, step])`; rank r, micro-batch a, row b reads j = r*(A*M) + a*M + b. The union
-over ranks and micro-batches is therefore the same global batch whatever the dp / accumulation split.
+Sampling: the training samples form one stream; step s reads the next global batch of it (under train.batch_ramp
+the batch of step s, core/batch_ramp.py); its sample j is stream index first_sample(s) + j, and rank r,
+micro-batch a, row b reads j = r*(A*M) + a*M + b with A that step's grad_accum. The union over ranks and
+micro-batches is therefore the same global batch whatever the dp / accumulation split.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from trainctl.config.schema import DataConfig
+from trainctl.core.batch_ramp import BatchRamp
 from trainctl.data.format import DOC_START, LOSS
 from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.train.loop.data_setup import SPLITS, STDLIB_VOCAB, check_config, open_split
@@ -80,7 +82,7 @@ class TokenBatches:
     """Batches of one split for one data-parallel rank, each a pure function of (seed, step)."""
 
     def __init__(self, data_cfg: DataConfig, split: str, seq_len: int, global_batch: int, micro_batch: int,
-                 grad_accum: int, dp_rank: int, dp_size: int, seed: int):
+                 grad_accum: int, dp_rank: int, dp_size: int, seed: int, ramp: BatchRamp | None = None):
         assert split in SPLITS, split
         assert global_batch == micro_batch * grad_accum * dp_size, (global_batch, micro_batch, grad_accum, dp_size)
         assert 0 <= dp_rank < dp_size and seq_len >= 1, (dp_rank, dp_size, seq_len)
@@ -91,6 +93,8 @@ class TokenBatches:
         self.global_batch, self.micro_batch, self.grad_accum = global_batch, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._base_step = self._base_sample = 0  # see resume_at
+        # The batch of each step: train.batch_ramp's, or global_batch throughout
+        self.ramp = ramp or BatchRamp(micro_batch * dp_size, grad_accum, grad_accum, 0, 0)
         self.vocab_size = STDLIB_VOCAB if data_cfg.kind == "stdlib" else data_cfg.vocab_size
         self.document_mask = data_cfg.document_mask
         self._tokens: TokenSource | None = None  # None: synthetic
@@ -127,20 +131,22 @@ class TokenBatches:
 
     def first_sample(self, step: int) -> int:
         """Stream index of the first sample of `step`'s global batch."""
-        return self._base_sample + (step - self._base_step) * self.global_batch
+        ramp = self.ramp
+        return self._base_sample + ramp.sequences_before(step) - ramp.sequences_before(self._base_step)
 
     def sample_ids(self, step: int) -> list[range]:
-        """The stream indices of this rank's `grad_accum` micro-batches of `step` (what micro_batches reads)."""
+        """The stream indices of this rank's micro-batches of `step` (its grad_accum; what micro_batches reads)."""
         assert step >= self._base_step, (step, self._base_step)
-        first_of_rank = self.first_sample(step) + self.dp_rank * self.grad_accum * self.micro_batch
+        accum = self.ramp.accum_at(step)
+        first_of_rank = self.first_sample(step) + self.dp_rank * accum * self.micro_batch
         return [range(first_of_rank + a * self.micro_batch, first_of_rank + (a + 1) * self.micro_batch)
-                for a in range(self.grad_accum)]
+                for a in range(accum)]
 
     def micro_batches(self, step: int) -> list[MicroBatch]:
-        """This rank's `grad_accum` (inputs, targets) pairs of shape [micro_batch, seq_len] for `step`."""
+        """This rank's (inputs, targets) pairs of shape [micro_batch, seq_len] for `step`, its grad_accum of them."""
         ids = self.sample_ids(step)
         first_of_rank = ids[0].start
-        starts = self._sample_starts(first_of_rank, self.grad_accum * self.micro_batch)
+        starts = self._sample_starts(first_of_rank, len(ids) * self.micro_batch)
         out = []
         for sample_ids in ids:
             if self._tokens is None:

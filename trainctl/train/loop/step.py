@@ -22,9 +22,10 @@ from trainctl.train.loop.job import Job
 from trainctl.train.loop.loss import TokenLoss, step_divisor, token_loss_sum
 from trainctl.train.loop.loss_scaling import DynamicLossScaler
 from trainctl.train.loop.micro_batch import MicroBatchContext
+from trainctl.train.loop.ramp import step_lr
 from trainctl.train.observe.memory_stats import memory_record
 from trainctl.train.observe.peak_memory import PeakMeter, memory_step
-from trainctl.train.optim import lr_at, set_lr
+from trainctl.train.optim import set_lr
 from trainctl.train.parallel.pipeline import (
     norm_over_stages,
     pipeline_eval_totals,
@@ -48,7 +49,7 @@ class StepResult:
 
 def train_step(job: Job, step: int) -> StepResult:
     """Optimizer step `step` (0-based); see the module doc for the order."""
-    lr = lr_at(step, job.cfg.optim.lr, job.cfg.schedule, job.cfg.train.steps)
+    lr = step_lr(job, step)  # on the tokens trained before it (train.batch_ramp; without one: the step's)
     set_lr(job.optimizer, lr)
     micro_batches = job.train_data.micro_batches(step)
     divisor = None  # unmasked: every target counts, the count is known without a sync
@@ -57,7 +58,8 @@ def train_step(job: Job, step: int) -> StepResult:
         if divisor == 0:
             return skip_empty_step(job, step, lr)
     # One step's peak is measured, once optimizer states exist and DDP has rebuilt its buckets.
-    measured = step == memory_step(job.start.step, job.cfg.train.steps)
+    # after a batch ramp: the plan predicts the full batch's (its accumulated gradients)
+    measured = step == memory_step(max(job.start.step, job.train_data.ramp.steps), job.cfg.train.steps)
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
     on_loss = job.hooks.on_loss
     adjust = None if on_loss is None else functools.partial(on_loss, step)

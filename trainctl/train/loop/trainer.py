@@ -33,7 +33,7 @@ from trainctl.train.checkpoint.resume import StartPoint, find_source, restore
 from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
 from trainctl.train.checkpoint.store import CheckpointManager, checkpoint_dir, step_name
 from trainctl.train.errors import WorkerConfigError, WorkerError
-from trainctl.train.loop import qlora_start
+from trainctl.train.loop import qlora_start, ramp
 from trainctl.train.loop.data import TokenBatches
 from trainctl.train.loop.data_setup import check_vocab, prepare_data
 from trainctl.train.loop.gc_schedule import collect_every
@@ -197,7 +197,7 @@ def make_summary(job: Job, begin: int, stopped: bool, val_loss: float, wall_time
         "final_val_loss": val_loss,
         "initial_val_loss": progress.initial_val_loss,
         "wall_time_s": wall_time_s,
-        "tokens_seen": job.cfg.train.tokens_per_step * progress.step,
+        "tokens_seen": ramp.tokens_seen(job, progress.step),
         **job.guard.metrics(),
     }
 
@@ -206,14 +206,14 @@ def step_metrics(job: Job, result: StepResult, lap: tuple[float, int]) -> dict:
     """The logged numbers of one step (loss and norm already agreed across ranks)."""
     elapsed, steps = lap
     step_time = elapsed / max(steps, 1)
-    tokens_per_s = job.cfg.train.tokens_per_step / step_time
+    batch = ramp.batch_metrics(job, result.step, lap)  # this step's global batch and tokens (train.batch_ramp)
+    tokens_per_s = batch["tokens_per_s"]
     values = {
         "loss": result.loss,
         "lr": result.lr,
         "grad_norm": result.grad_norm,
-        "tokens_per_s": tokens_per_s,
         "step_time_s": step_time,
-        "tokens_seen": job.cfg.train.tokens_per_step * result.step,
+        **batch,
         **job.scaler.metrics(),
         **job.guard.metrics(),
         **(result.extra or {}),
@@ -250,7 +250,7 @@ def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBat
             raise
         print0(f"no evaluation: {exc}", world.is_main)
         val = None
-    return batches(cfg.data, "train", **common), val
+    return batches(cfg.data, "train", **common, ramp=ramp.train_ramp(cfg, dp_size)), val
 
 
 def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> tuple[nn.Module, Pipeline | None]:
@@ -308,6 +308,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
            f"global batch {train.global_batch} = {train.micro_batch} micro x {train.grad_accum} accum x "
            f"{train.global_batch // (train.micro_batch * train.grad_accum)} dp",
            world.is_main)
+    print0(train_data.ramp.describe(train.seq_len), world.is_main and train_data.ramp.enabled)
     guard, progress = StepGuard(cfg.guards), TrainProgress(seq_len=train.seq_len, wandb_id=metrics.wandb_id)
     layout = {"global_batch": train.global_batch, "sharding": asdict(sharding),
               model_record.KEY: model_record.record(cfg.model)}  # what model the checkpoint holds

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from trainctl.config.schema import DataConfig
+from trainctl.core.batch_ramp import BatchRamp
 from trainctl.data import format as dataset
 from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.train.loop.data import MicroBatch
@@ -78,8 +79,12 @@ class PairBatches:
     masked = False
 
     def __init__(self, data_cfg: DataConfig, split: str, seq_len: int, global_batch: int, micro_batch: int,
-                 grad_accum: int, dp_rank: int, dp_size: int, seed: int):
+                 grad_accum: int, dp_rank: int, dp_size: int, seed: int, ramp: BatchRamp | None = None):
         assert global_batch == micro_batch * grad_accum * dp_size, (global_batch, micro_batch, grad_accum, dp_size)
+        if ramp is not None and ramp.enabled:  # the launcher refuses it (config/objective_check.py); a hand edit
+            raise DataError("train.batch_ramp: preference objectives step whole pairs at a fixed batch; drop "
+                            "train.batch_ramp.start and train.batch_ramp.steps")
+        self.ramp = BatchRamp(micro_batch * dp_size, grad_accum, grad_accum, 0, 0)  # the fixed batch, as TokenBatches'
         if data_cfg.kind != "memmap" or not data_cfg.datasets:
             raise DataError("train.objective: preference pairs come from data=memmap data.datasets=[DIR] prepared "
                             "with `trainctl data prepare --format preference`")
