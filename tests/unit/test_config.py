@@ -7,9 +7,11 @@ import dataclasses
 import pytest
 
 from trainctl.config import load, schema
+from trainctl.config.batch import resolve_batch
 from trainctl.config.compose import compose, list_options, recipe_description
 from trainctl.config.errors import ConfigError
-from trainctl.config.validate import infer_dims, resolve, resolve_batch
+from trainctl.config.layout_check import infer_dims
+from trainctl.config.validate import resolve
 
 RECIPES = list_options("recipe")
 
