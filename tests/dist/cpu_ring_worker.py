@@ -10,10 +10,10 @@ import sys
 
 import cpu_ring_attention
 
-import trainctl.train.loop.trainer as trainer
+import trainctl.train.loop.job_setup as job_setup
 from trainctl.train.__main__ import main
 
 if __name__ == "__main__":
     cpu_ring_attention.install()
-    trainer.check_cp_device = lambda cp, device: None
+    job_setup.check_cp_device = lambda cp, device: None
     sys.exit(main(sys.argv[1:]))
