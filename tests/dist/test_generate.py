@@ -9,9 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from worker_runs import base_config, records, train_and_check
 
 from tests.helpers import assert_close_fp, curve_rel, forward_terms, run_cli, tool_argv
+from tests.unit.export_checkpoints import write_manifest
 from tests.unit.test_masked_loss import ANSWER, chat_set
 from trainctl import api
 from trainctl.config.load import to_yaml
@@ -28,9 +27,6 @@ from trainctl.models import export as export_module
 from trainctl.models.build import build_model
 from trainctl.models.generate import Sampling, generate_ids, load_model
 from trainctl.models.kv_cache import KVCache, forward_cached
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_export import write_manifest  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 CPU = torch.device("cpu")
