@@ -163,6 +163,14 @@ def test_generate_and_eval_through_the_cli(trained, tmp_path):
     assert proc.returncode == 0, proc.stderr
     [completion] = json.loads(proc.stdout)["completions"]
     assert completion["prompt"] == "1,2" and len(completion["ids"]) <= 3
+    # A file whose second line cannot fit model.max_seq_len=64: both lines printed, then exit 1.
+    (tmp_path / "prompts.txt").write_text("7\n" + "x" * 100 + "\n")
+    proc = run_cli("generate", str(run_dir), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "3",
+                   timeout=300)
+    answers = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 1, proc.stderr
+    assert [a["prompt"][:1] for a in answers] == ["7", "x"] and "error" not in answers[0]
+    assert "line 2" in answers[1]["error"] and "1 of 2 prompts not answered" in proc.stderr
 
 
 @pytest.mark.cli
