@@ -23,6 +23,9 @@ def _own_cache(tmp_path, monkeypatch):
     """load_dataset of local files converts them into the datasets cache: the test's own, never the user's."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    # The tests' own save_to_disk would draw progress bars on the stderr the one-line checks read (the product
+    # turns them off when it loads, so whether they show depended on which test ran first in the process).
+    datasets.disable_progress_bars()
 
 
 def _jsonl(path: Path, rows: list[dict], fields: list[str]) -> Path:

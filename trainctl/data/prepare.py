@@ -102,8 +102,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
 
     records: chat or instruction records (a loss mask beside the tokens); chat_template: --chat-template;
     bos: a beginning-of-text token before each text document (None: as the tokenizer's own config says);
-    input_names: what the (sorted) input files are known by in the fingerprint where their paths differ from
-    run to run (a --hf export in a temporary folder), so the same command still resumes.
+    input_names: what the (sorted) input files are known by in the fingerprint and meta.json where their paths
+    differ from run to run (a --hf export in a temporary folder), so the same command still resumes.
     """
     if bos is not None and records is not None and records.format != "text":
         raise DatasetError("--bos/--no-bos: for text documents; chat and instruction records get what their chat "
@@ -132,7 +132,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
     state = None
     try:
         state = _check_out(out, fingerprint)  # again, now that no other `data prepare` can change it
-        job = Job(out, files, listing, options, workers, progress, records)
+        job = Job(out, files, listing, options, workers, progress, records, input_names)
         return job.run(state or {"fingerprint": fingerprint, "tokenizer_sha256": None, "units": []})
     except DatasetError:
         if state is None:  # a fresh prepare refused: leave nothing behind
