@@ -5,7 +5,7 @@ precision, activation checkpointing and compile settings, in one process, on any
     python scripts/bench_loop.py --recipe llama1b_bench --device cuda --steps 40 --warmup 10   # 1B, bf16, compiled
     python scripts/bench_loop.py --recipe tiny_cpu train.seq_len=128 precision=bf16 --json out.json
 
-trainctl's arm is the worker itself: `trainer.setup` builds the Job from the composed recipe (one process,
+trainctl's arm is the worker itself: `job_setup.setup` builds the Job from the composed recipe (one process,
 no checkpoints, no evaluation; its batches swapped for the pre-generated ones) and `trainer.train_loop` runs
 warmup + timed steps. Its time is what the loop's own timer logs (metrics.jsonl, one record every `warmup`
 steps, synchronized on CUDA) for the steps after warmup, so one-off work of the first steps (compilation,
@@ -38,8 +38,9 @@ from trainctl.config.schema import CheckpointConfig, DataConfig, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.models.build import build_model
 from trainctl.models.common.attention import attention_backends
+from trainctl.train.loop.job_setup import setup
 from trainctl.train.loop.stop import StopRequest
-from trainctl.train.loop.trainer import setup, train_loop
+from trainctl.train.loop.trainer import train_loop
 from trainctl.train.optim import build_optimizer
 from trainctl.train.parallel import distributed
 from trainctl.train.parallel.activations import apply_activation_checkpointing

@@ -34,9 +34,11 @@ def _typer_option(option: Declared):
     return typer.Option(option.default, option.flag, help=option.help, show_default=option.default is not None)
 
 
-def tool_command(name: str, options: type, call: Callable, doc: str) -> Callable:
+def tool_command(name: str, options: type, call: Callable, doc: str,
+                 failed: Callable[[object], bool] | None = None) -> Callable:
     """A command `trainctl NAME RUN [its declared options] [--json] [--runs-dir]`: it calls `call(run, options,
-    runs_dir=...)` and prints the value's text, or its JSON."""
+    runs_dir=...)` and prints the value's text, or its JSON; exit 1 after printing when `failed(value)` says so
+    (part of the work failed; the child said why on stderr)."""
     param = partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = [param("run", default=RUN, annotation=str)]
     params += [param(o.name, default=_typer_option(o), annotation=o.type) for o in declared(options)]
@@ -50,6 +52,8 @@ def tool_command(name: str, options: type, call: Callable, doc: str) -> Callable
             print_json(asdict(value))
         else:
             sys.stdout.write(value.text() + "\n")  # as the tool wrote it: no markup, wrapping or tab expansion
+        if failed is not None and failed(value):
+            raise typer.Exit(1)
 
     command.__signature__ = inspect.Signature(params)  # what Typer reads: the declared options, in their order
     command.__annotations__ = {p.name: p.annotation for p in params}
@@ -60,7 +64,8 @@ def tool_command(name: str, options: type, call: Callable, doc: str) -> Callable
 export = tool_command("export", ExportOptions, api.export, "Write a verified checkpoint's model as safetensors.  "
                       "Example: trainctl export tiny_cpu-20250101-120000")
 generate = tool_command("generate", GenerateOptions, api.generate, "Continue a prompt with a run's checkpoint, on "
-                        "one device.  Example: trainctl generate RUN --prompt 'def '")
+                        "one device.  Example: trainctl generate RUN --prompt 'def '",
+                        failed=lambda generated: bool(generated.failed))
 eval_command = tool_command("eval", EvalOptions, api.evaluate, "Loss and perplexity of a checkpoint over a "
                             "dataset's split or a text file, or lm-evaluation-harness tasks.  Example: trainctl eval "
                             "RUN --data tok --all")

@@ -185,7 +185,7 @@ def _(p: Probe) -> None:
     succeeded(p.cli("launch", *ONE_STEP, timeout=300))
     (p.tmp / "prompts.txt").write_text("hello there\n" + "x" * 5000 + "\nbye\n")
     r = p.cli("generate", "one", "--runs-dir", "r", "--prompts", "prompts.txt", "--max-new-tokens", "3", timeout=300)
-    succeeded(r)
+    expect(r.code == 1, "wrong", f"exit {r.code} (1: a line was not answered): {r.brief()}")
     answers = [json.loads(line) for line in r.out.splitlines() if line.strip()]
     expect([a["prompt"][:5] for a in answers] == ["hello", "xxxxx", "bye"], "wrong",
            f"{len(answers)} answers for 3 lines")

@@ -6,9 +6,11 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
-from hostile.common import Probe, case, expect, nothing_left, refused, succeeded, write_json
+from hostile.common import Probe, Verdict, case, expect, nothing_left, refused, succeeded, write_json
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 352, "vocab_size": 512,
@@ -276,3 +278,27 @@ def _(p: Probe) -> None:
     (refs / "main").write_text("0" * 40)
     env = {"HF_HUB_CACHE": str(p.tmp / "hub"), "HF_HUB_OFFLINE": "1"}
     refused(p.cli("plan", *PLAN, "model.path=org/gone", env=env, timeout=60), "model.path=org/gone")
+
+
+@case("data", "the same data prepare --hf started twice at once, each to its own --out")
+def _(p: Probe) -> None:
+    lines = (json.dumps({"text": f"row {i}: " + "some words " * (i % 9 + 1)}) + "\n" for i in range(3000))
+    (p.tmp / "rows.jsonl").write_text("".join(lines))
+    r = p.python("import datasets, sys; datasets.Dataset.from_json(sys.argv[1]).save_to_disk(sys.argv[2])",
+                 str(p.tmp / "rows.jsonl"), str(p.tmp / "rows"))
+    expect(r.code == 0, "wrong", f"could not save the test dataset: {r.brief()}")
+    env = {"TMPDIR": str(p.tmp / "tmp")}
+    (p.tmp / "tmp").mkdir()
+    argv = [sys.executable, "-m", "trainctl.cli", "data", "prepare", "--hf", "rows", "--workers", "1", "--out"]
+    procs = [p.popen([*argv, out], env=env) for out in ("a", "b")]
+    try:
+        ends = [(proc.communicate(timeout=300)[1], proc.returncode) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise Verdict("hang", "a data prepare --hf still running after 300 s") from None
+    for err, code in ends:
+        expect(code == 0, "wrong", f"exit {code}: {err.strip().splitlines()[-1:] if err.strip() else ''}")
+    tokens = [{k: v for k, v in p.files(p.tmp / out).items() if k.endswith((".bin", ".mask"))} for out in "ab"]
+    expect(tokens[0] == tokens[1] and tokens[0], "wrong", "the two prepares wrote different token files")
+    expect(not list((p.tmp / "tmp").iterdir()), "wrong", f"left in TMPDIR: {sorted(os.listdir(p.tmp / 'tmp'))}")

@@ -12,9 +12,9 @@ import sys
 import cpu_ring_attention
 from many_runs_worker import run_all
 
-import trainctl.train.loop.trainer as trainer
+import trainctl.train.loop.job_setup as job_setup
 
 if __name__ == "__main__":
     cpu_ring_attention.install()
-    trainer.check_cp_device = lambda cp, device: None
+    job_setup.check_cp_device = lambda cp, device: None
     sys.exit(run_all(sys.argv[1:]))

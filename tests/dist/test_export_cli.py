@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import run_cli
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_export import SHARD, SMALL, assert_same_tensors, flip_bytes, make_run  # noqa: E402  (real DCP checkpoints)
+from tests.unit.export_checkpoints import SHARD, SMALL, assert_same_tensors, flip_bytes, make_run
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

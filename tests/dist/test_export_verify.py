@@ -1,6 +1,6 @@
 """`export --verify`: the export is loaded with transformers and compared with the checkpoint before it is done.
 
-In one process on real DCP checkpoints (tests/unit/test_export.py's make_run). A corrupted conversion (q rows in
+In one process on real DCP checkpoints (tests/unit/export_checkpoints.py's make_run). A corrupted conversion (q rows in
 the wrong rotary order, a config that computes another model) is caught and named; a failed check leaves nothing
 at --out and exits 1.
 """
@@ -16,10 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_export import SMALL, make_run  # noqa: E402  (real DCP checkpoints)
-
 from tests.helpers import tool_argv  # noqa: E402
+from tests.unit.export_checkpoints import SMALL, make_run, write_manifest  # noqa: E402  (real DCP checkpoints)
 from trainctl.core.tool_options import ExportOptions  # noqa: E402
 from trainctl.models import export as export_module  # noqa: E402
 from trainctl.models.verify import VerifyError, verify_export  # noqa: E402
@@ -130,7 +128,6 @@ def save_peaked_run(root: Path, cfg) -> None:
     """A run with one committed checkpoint whose random q/k weights are large: attention is sharp, so rounding
     between two correct implementations grows past 1e-4 of the logit scale (measured 3.5e-4)."""
     import torch.distributed.checkpoint as dcp
-    from test_export import write_manifest
 
     from trainctl.config.load import to_yaml
     from trainctl.config.schema import RunConfig

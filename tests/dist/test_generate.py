@@ -10,7 +10,6 @@ import copy
 import importlib.util
 import json
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from worker_runs import base_config, records, train_many
 
 from tests.helpers import assert_close_fp, curve_rel, forward_terms, run_cli, tool_argv
+from tests.unit.export_checkpoints import write_manifest
 from tests.unit.test_masked_loss import ANSWER, chat_set
 from trainctl import api
 from trainctl.config.load import to_yaml
@@ -29,9 +29,6 @@ from trainctl.models import export as export_module
 from trainctl.models.build import build_model
 from trainctl.models.generate import Sampling, generate_ids, load_model
 from trainctl.models.kv_cache import KVCache, forward_cached
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_export import write_manifest  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 CPU = torch.device("cpu")
@@ -186,6 +183,14 @@ def test_generate_and_eval_through_the_cli(trained, tmp_path):
     assert proc.returncode == 0, proc.stderr
     [completion] = json.loads(proc.stdout)["completions"]
     assert completion["prompt"] == "1,2" and len(completion["ids"]) <= 3
+    # A file whose second line cannot fit model.max_seq_len=64: both lines printed, then exit 1.
+    (tmp_path / "prompts.txt").write_text("7\n" + "x" * 100 + "\n")
+    proc = run_cli("generate", str(run_dir), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "3",
+                   timeout=300)
+    answers = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 1, proc.stderr
+    assert [a["prompt"][:1] for a in answers] == ["7", "x"] and "error" not in answers[0]
+    assert "line 2" in answers[1]["error"] and "1 of 2 prompts not answered" in proc.stderr
 
 
 @pytest.mark.cli

@@ -16,9 +16,9 @@ import torch
 from worker_runs import base_config
 
 from trainctl.config.schema import LoggingConfig, ShardingConfig
+from trainctl.train.loop.job_setup import setup
 from trainctl.train.loop.step import train_step
 from trainctl.train.loop.stop import StopRequest
-from trainctl.train.loop.trainer import setup
 from trainctl.train.parallel import distributed
 
 pytestmark = pytest.mark.dist

@@ -155,9 +155,9 @@ def test_attention_runs_the_kernel_the_plan_predicts(first, n_kv_heads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_one_host_sync_per_training_step(tmp_path, data_cache, monkeypatch):
+    from trainctl.train.loop.job_setup import setup
     from trainctl.train.loop.step import train_step
     from trainctl.train.loop.stop import StopRequest
-    from trainctl.train.loop.trainer import setup
     from trainctl.train.parallel import distributed
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

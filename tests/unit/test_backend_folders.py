@@ -109,3 +109,23 @@ def test_no_module_outside_a_backends_folder_asks_which_backend_it_is():
     found = [f"{module_name(path)}:{line}" for module, path in modules().items() if owner(module) is None
              for line in name_tests(path.read_text(), names)]
     assert found == []
+
+
+def called_methods(source: str) -> set[str]:
+    """The names called as methods (`x.name(...)`) in `source`."""
+    return {node.func.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+
+
+def test_every_method_of_the_interface_has_a_caller():
+    """A method no module calls is a promise nothing keeps (Backend.requeue was one: requeueing happens inside the
+    job, by rank 0 and the batch script, never from the launcher)."""
+    import inspect
+
+    from trainctl.launch.backends.base import Backend
+
+    assert called_methods("b.cancel(run_dir, job)\nb.name\nf(x)") == {"cancel"}
+    interface = {name for name, member in inspect.getmembers(Backend, inspect.isfunction) if not name.startswith("_")}
+    called = set().union(*(called_methods(path.read_text()) for path in modules().values()
+                           if path != BACKENDS / "base.py"))
+    assert sorted(interface - called) == []

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import cli_in_process
+from trainctl.data.outdir import STATE_FILE
 
 datasets = pytest.importorskip("datasets")
 
@@ -22,6 +23,9 @@ def _own_cache(tmp_path, monkeypatch):
     """load_dataset of local files converts them into the datasets cache: the test's own, never the user's."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    # The tests' own save_to_disk would draw progress bars on the stderr the one-line checks read (the product
+    # turns them off when it loads, so whether they show depended on which test ran first in the process).
+    datasets.disable_progress_bars()
 
 
 def _jsonl(path: Path, rows: list[dict], fields: list[str]) -> Path:
@@ -130,19 +134,88 @@ def test_datasets_is_imported_by_the_hf_reader_only():
     assert [p.relative_to(ROOT).as_posix() for p in hf_users] == ["api/tools.py"]
 
 
-def test_the_same_rows_export_to_the_same_input_listing(tmp_path):
-    """A prepare stopped by Ctrl-C continues when its inputs list the same (path, size, mtime): the export of the
-    same rows must, and other rows must not."""
+def test_an_interrupted_hf_prepare_resumes_to_the_same_bytes(tmp_path):
+    """A prepare stopped by Ctrl-C continues when run again: its export lies in a folder of its own each time, and
+    the fingerprint lists it by its name (the rows' sha256), size and mtime."""
+    from trainctl import api
+
+    datasets.Dataset.from_list(TEXT_ROWS).save_to_disk(str(tmp_path / "saved"))
+    common = dict(hf=str(tmp_path / "saved"), val_fraction=0.2, workers=1, unit_bytes=512)
+    reference = api.prepare_data([], tmp_path / "ref", **common)
+    calls = []
+
+    def stop_after_two(done, total):
+        calls.append(done)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        api.prepare_data([], tmp_path / "out", progress=stop_after_two, **common)
+    assert (tmp_path / "out" / STATE_FILE).is_file() and not (tmp_path / "out" / "meta.json").exists()
+    resumed = api.prepare_data([], tmp_path / "out", **common)  # "other inputs or options" if it did not match
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref") and resumed.splits == reference.splits
+
+
+def test_two_exports_of_the_same_rows_at_once_share_nothing(tmp_path):
+    """Two identical --hf prepares at once: each reads its own file, and the first to finish removes only its own."""
     from trainctl.data import hf_source
-    from trainctl.data.prepare_job import input_listing
 
     datasets.Dataset.from_list(TEXT_ROWS).save_to_disk(str(tmp_path / "a"))
-    datasets.Dataset.from_list(TEXT_ROWS[1:]).save_to_disk(str(tmp_path / "b"))
-    listings = []
-    for name in ("a", "a", "b"):
-        with hf_source.exported(str(tmp_path / name), "train", None, ["text"]) as rows:
-            listings.append(input_listing([rows]))
-    assert listings[0] == listings[1] != listings[2]
+    with hf_source.exported(str(tmp_path / "a"), "train", None, ["text"]) as first:
+        text = first.read_text(encoding="utf-8")
+        with hf_source.exported(str(tmp_path / "a"), "train", None, ["text"]) as second:
+            assert second != first and second.name == first.name  # same rows, same name; another folder
+            assert second.read_text(encoding="utf-8") == text
+        assert not second.parent.exists()
+        assert first.read_text(encoding="utf-8") == text, "the other export removed this one's file"
+    assert not first.parent.exists()
+
+
+def test_the_export_is_removed_when_the_prepare_fails(tmp_path):
+    from trainctl.data import hf_source
+
+    datasets.Dataset.from_list(TEXT_ROWS).save_to_disk(str(tmp_path / "a"))
+    with pytest.raises(RuntimeError), hf_source.exported(str(tmp_path / "a"), "train", None, ["text"]) as rows:
+        assert rows.is_file()
+        raise RuntimeError("the prepare failed")
+    assert not rows.parent.exists()
+
+
+def _zero_rows(tmp_path: Path, kind: str) -> tuple[Path, list[str], Path]:
+    """A dataset with no rows, saved as `kind`: (what --hf names, extra arguments, the path the error names)."""
+    empty = datasets.Dataset.from_dict({"text": []})
+    if kind == "saved":
+        empty.save_to_disk(str(tmp_path / "saved"))
+        return tmp_path / "saved", [], tmp_path / "saved"
+    if kind == "dict":
+        full = datasets.Dataset.from_list(TEXT_ROWS)
+        datasets.DatasetDict({"train": full, "empty": empty}).save_to_disk(str(tmp_path / "saved"))
+        return tmp_path / "saved", ["--split", "empty"], tmp_path / "saved" / "empty"
+    path = tmp_path / f"rows.{kind}"
+    if kind == "parquet":
+        empty.to_parquet(str(path))
+    else:
+        path.write_text("text\n" if kind == "csv" else "")
+    return path, [], path
+
+
+@pytest.mark.parametrize("kind", ["saved", "dict", "parquet", "csv", "jsonl"])
+def test_a_dataset_without_rows_is_one_line_naming_it(tmp_path, monkeypatch, capsys, kind):
+    name, args, where = _zero_rows(tmp_path, kind)
+    code, _, err = cli_in_process(monkeypatch, capsys, "data", "prepare", "--hf", str(name), *args,
+                                  "--out", str(tmp_path / "out"))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{where} has no rows" in lines[0] and "Error" not in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_dict_with_an_empty_split_still_gives_its_other_splits(tmp_path, monkeypatch, capsys):
+    """datasets' loader fails on a whole DatasetDict when any split is empty: the chosen split is read alone."""
+    name, _, _ = _zero_rows(tmp_path, "dict")
+    _prepare(monkeypatch, capsys, tmp_path / "want", str(_jsonl(tmp_path / "rows.jsonl", TEXT_ROWS, ["text"])))
+    _prepare(monkeypatch, capsys, tmp_path / "got", "--hf", str(name), "--split", "train")
+    assert _files(tmp_path / "got") == _files(tmp_path / "want")
 
 
 def test_preference_rows_with_the_prompt_inside_the_conversations(tmp_path, monkeypatch, capsys):

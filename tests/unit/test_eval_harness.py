@@ -52,9 +52,8 @@ def tiny():
 @pytest.mark.slow  # the harness indexes the few thousand task files it ships before it runs one
 def test_a_local_task_scores_what_the_models_log_probabilities_say(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    # The harness records the working folder's git commit and the machine's environment by starting programs,
-    # which the unit tier forbids; they are records only, not part of the score.
-    monkeypatch.setattr("lm_eval.evaluator.get_git_commit_hash", lambda: None)
+    # The harness records the machine's environment by starting programs, which the unit tier forbids; it is a
+    # record only, not part of the score. (Its git commit lookup run_tasks makes read files: no program.)
     monkeypatch.setattr("lm_eval.evaluator.add_env_info", lambda results: None)
     from lm_eval.api.model import LM
 
@@ -100,3 +99,22 @@ def test_rolling_loglikelihood_is_the_sum_over_windows_that_do_not_overlap(tiny)
         args = (text,)
 
     assert lm.loglikelihood_rolling([Request()])[0] == want  # the same windows, the same arithmetic
+
+
+def test_the_harness_looks_up_the_commit_without_running_git(tmp_path, monkeypatch, capfd):
+    """lm-eval ran `git describe` with its stderr on the terminal: outside a checkout every eval printed "fatal: not
+    a git repository". Under run_tasks the lookup reads .git's files (the unit tier fails any started program)."""
+    from lm_eval import evaluator
+
+    from trainctl.train import harness
+
+    original = evaluator.get_git_commit_hash
+    monkeypatch.chdir(tmp_path)
+    with harness.git_hash_from_files():
+        assert evaluator.get_git_commit_hash() is None  # not a checkout: no commit, and nothing printed
+        (tmp_path / ".git" / "refs" / "heads").mkdir(parents=True)
+        (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+        (tmp_path / ".git" / "refs" / "heads" / "main").write_text("0123abc\n")
+        assert evaluator.get_git_commit_hash() == "0123abc"
+    assert evaluator.get_git_commit_hash is original
+    assert capfd.readouterr().err == ""

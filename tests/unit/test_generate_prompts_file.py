@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
+from tests.helpers import cli_in_process, make_run
 from trainctl.core.tool_options import Completion, Generated, GenerateOptions
 from trainctl.models.generate import GenerateError, Sampling, _checked_prompt, read_prompts
 
@@ -47,3 +50,20 @@ def test_the_json_lines_carry_an_error_only_where_there_is_one():
         {"prompt": "x", "completion": "", "ids": [], "error": "line 2: no room"}]
     assert Generated.from_dict({"completions": [{"prompt": "x", "completion": "", "ids": [], "error": "e"}],
                                 "from_file": True}).completions[0].error == "e"
+
+
+@pytest.mark.parametrize("errors, code", [((None, None), 0), ((None, "line 2: no room"), 1)])
+def test_generate_exits_1_once_every_line_is_printed_when_a_line_failed(tmp_path, monkeypatch, capsys, errors,
+                                                                         code):
+    """The child's answer (its JSON value) stands in for the torch child: what the CLI prints and how it exits."""
+    run_dir = make_run(tmp_path / "runs", "ft")
+    (tmp_path / "p.txt").write_text("a\nb\n")
+    answer = {"completions": [{"prompt": p, "completion": "" if e else "ok", "ids": [], "error": e}
+                              for p, e in zip("ab", errors, strict=True)], "from_file": True}
+    monkeypatch.setattr("trainctl.api.tools._run_child", lambda module, run, options: answer)
+    for json_flag in ([], ["--json"]):
+        got, out, _ = cli_in_process(monkeypatch, capsys, "generate", str(run_dir), "--prompts",
+                                     str(tmp_path / "p.txt"), *json_flag)
+        assert got == code
+        printed = json.loads(out)["completions"] if json_flag else [json.loads(line) for line in out.splitlines()]
+        assert [c["prompt"] for c in printed] == ["a", "b"]  # every line, the failed one included

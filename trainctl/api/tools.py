@@ -101,7 +101,7 @@ def _regular_file(key: str, path: str) -> None:
         raise UserError([f"{key} {path}: not a regular file; pass a text file, one prompt per line"])
 
 
-@checked(options="trainctl.data.prepare:prepare", passed=("inputs", "out", "records"))
+@checked(options="trainctl.data.prepare:prepare", passed=("inputs", "out", "records", "input_names"))
 def prepare_data(inputs: Sequence[str | Path], out_dir: str | Path, *,
                  progress: Callable[[int, int | None], None] | None = None, data_format: str = "text",
                  messages_field: str = "messages", prompt_field: str = "prompt", completion_field: str = "completion",
@@ -129,7 +129,8 @@ def prepare_data(inputs: Sequence[str | Path], out_dir: str | Path, *,
                                      completion_field)
         optional = (prompt_field,) if data_format == "preference" else ()  # TRL's implicit-prompt layout
         with hf_source.exported(hf, split, hf_config, fields, optional) as rows:
-            return tokenize([str(rows)], out_dir, progress=progress, records=records, **options)
+            return tokenize([str(rows)], out_dir, progress=progress, records=records, input_names=[rows.name],
+                            **options)
     except DatasetError as exc:
         raise UserError([str(exc)]) from None
 

@@ -104,7 +104,8 @@ class ExportOptions:
 @dataclass(frozen=True)
 class GenerateOptions:
     prompt: str | None = option("--prompt", "The text to continue.", None)
-    prompts: str | None = option("--prompts", "A text file, one prompt per line (prints JSON lines).", None)
+    prompts: str | None = option("--prompts", "A text file, one prompt per line (prints JSON lines; exit 1 when a "
+                                 "line was not answered, once every line is printed).", None)
     prompt_ids: str | None = option("--prompt-ids", "Token ids instead of text (e.g. 1,2,3): for runs without a "
                                     "tokenizer (synthetic data).", None)
     checkpoint: str | None = option("--checkpoint", CHECKPOINT_HELP, None)
@@ -216,6 +217,11 @@ class Generated:
     @classmethod
     def from_dict(cls, data: dict) -> Generated:
         return cls([Completion(**c) for c in data["completions"]], data.get("from_file", False))
+
+    @property
+    def failed(self) -> list[Completion]:
+        """The prompts of a file that got no completion (each says why in its `error`)."""
+        return [c for c in self.completions if c.error is not None]
 
     def text(self) -> str:
         """What `trainctl generate` prints: the completion, or one JSON object per line for a file of prompts."""

@@ -7,8 +7,10 @@ Hub dataset name through the datasets cache (HF_HUB_OFFLINE / HF_DATASETS_OFFLIN
 The named fields of every row are written, in the dataset's row order, as one JSON object per line to a
 temporary .jsonl file, and that file is prepared exactly as a .jsonl the user gave: the same record readers,
 chat templating, loss masks, refusals and train/val split (data/prepare.py), so the token files are
-byte-identical to a jsonl export of the same rows. The file's name is its content's sha256 and its mtime is
-fixed, so the same dataset prepared again (a resume after Ctrl-C) names the same input.
+byte-identical to a jsonl export of the same rows. The file lies in a folder of this process's own (two
+prepares of the same dataset at once never share it, nor remove it under each other); its name is its
+content's sha256 and its mtime is fixed, so the same dataset prepared again (a resume after Ctrl-C) lists the
+same input under that name (prepare's `input_names`).
 
 `datasets` is imported here only, when --hf is given: the launcher never imports it.
 """
@@ -19,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,13 +61,13 @@ def load(name: str, split: str, config: str | None):
     path = Path(name).expanduser()
     try:
         if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
-            return _saved_split(datasets.load_from_disk(str(path)), name, split)
+            return _load_saved(datasets, path, name, split)
         if path.is_file():
             kind = FILE_FORMATS.get(path.suffix.lower())
             if kind is None:
                 raise DatasetError(f"--hf {name}: a {path.suffix or 'suffix-less'} file; pass a "
                                    f"{', '.join(FILE_FORMATS)} file, a save_to_disk folder or a Hub dataset name")
-            return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
+            return _load_file(datasets, kind, path, name, split)
         return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split)
     except DatasetError:
         raise
@@ -79,6 +82,18 @@ def load(name: str, split: str, config: str | None):
                            "save_to_disk folder, a data file, or a Hub dataset name") from None
 
 
+def _load_file(datasets, kind: str, path: Path, name: str, split: str):
+    """One data file as the split; a file without rows says so (datasets says StopIteration, or "no data")."""
+    if path.stat().st_size == 0:
+        raise _no_rows(name, f"the file {path.resolve()}")
+    try:
+        return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
+    except ValueError as exc:  # the split is ours here: its "corresponds to no data" means the file has no rows
+        if "no data" in str(exc):
+            raise _no_rows(name, f"the file {path.resolve()}") from None
+        raise
+
+
 def _config_arg(config: str | None) -> str:
     return f", '{config}'" if config else ""
 
@@ -87,13 +102,25 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def _saved_split(saved, name: str, split: str):
-    """A saved Dataset is the split itself; a saved DatasetDict gives `split`, or names the ones it has."""
-    if not hasattr(saved, "keys"):
-        return saved
-    if split not in saved:
-        raise DatasetError(f"--split {split}: {name} has the splits {', '.join(saved.keys())}; choose one")
-    return saved[split]
+def _load_saved(datasets, path: Path, name: str, split: str):
+    """A saved Dataset is the split itself; a saved DatasetDict gives `split` (read alone), or names the ones it has.
+
+    A split saved with no rows has no data file, and datasets' loader fails on it with a bare IndexError: it is
+    found first, from the split's state.json.
+    """
+    if (path / SAVED_MARKERS[0]).is_file():
+        splits = json.loads((path / SAVED_MARKERS[0]).read_text(encoding="utf-8")).get("splits", [])
+        if split not in splits:
+            raise DatasetError(f"--split {split}: {name} has the splits {', '.join(splits)}; choose one")
+        path = path / split
+    state = json.loads((path / SAVED_MARKERS[1]).read_text(encoding="utf-8"))
+    if isinstance(state, dict) and state.get("_data_files") == []:
+        raise _no_rows(name, f"the dataset at {path.resolve()}")
+    return datasets.load_from_disk(str(path))
+
+
+def _no_rows(name: str, what: str) -> DatasetError:
+    return DatasetError(f"--hf {name}: {what} has no rows; pass a dataset with at least one row")
 
 
 def _check_fields(dataset, name: str, fields: list[str]) -> None:
@@ -107,30 +134,34 @@ def _check_fields(dataset, name: str, fields: list[str]) -> None:
 @contextlib.contextmanager
 def exported(name: str, split: str, config: str | None, fields: list[str], optional: tuple[str, ...] = ()
              ) -> Iterator[Path]:
-    """The named fields of the dataset's rows as a .jsonl file (removed afterwards), in row order; a field in
-    `optional` is left out where the dataset lacks it (a preference set's prompt may be inside its conversations)."""
+    """The named fields of the dataset's rows as a .jsonl file in a folder of its own (both removed afterwards,
+    whatever happens), in row order. The file's name depends on the rows only: prepare lists the input by it. A
+    field in `optional` is left out where the dataset lacks it (a preference set's prompt may be inside its
+    conversations)."""
     dataset = load(name, split, config)
+    if dataset.num_rows == 0:
+        raise _no_rows(name, f"its split {split}")
     fields = [f for f in fields if f not in optional or f in dataset.column_names]
     _check_fields(dataset, name, fields)
-    folder = Path(tempfile.gettempdir())
-    digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=".trainctl-hf-", suffix=".jsonl", dir=folder)
+    folder = Path(tempfile.mkdtemp(prefix="trainctl-hf-"))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for row in _rows(dataset, fields):
-                line = json.dumps(row, ensure_ascii=False) + "\n"
-                digest.update(line.encode("utf-8"))
-                f.write(line)
-        path = folder / f"trainctl-hf-{digest.hexdigest()[:32]}.jsonl"
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    os.utime(path, ns=(0, 0))  # a fixed mtime: the same rows make the same input listing (prepare's resume)
-    try:
-        yield path
+        yield _write_rows(dataset, fields, folder)
     finally:
-        path.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _write_rows(dataset, fields: list[str], folder: Path) -> Path:
+    """The rows as jsonl in `folder`, named by their sha256, with a fixed mtime (prepare's resume compares it)."""
+    digest, tmp = hashlib.sha256(), folder / "rows.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        for row in _rows(dataset, fields):
+            line = json.dumps(row, ensure_ascii=False) + "\n"
+            digest.update(line.encode("utf-8"))
+            f.write(line)
+    path = folder / f"trainctl-hf-{digest.hexdigest()[:32]}.jsonl"
+    os.replace(tmp, path)
+    os.utime(path, ns=(0, 0))
+    return path
 
 
 def _rows(dataset, fields: list[str]) -> Iterator[dict]:

@@ -59,6 +59,13 @@ def _check_out(out: Path, fingerprint: str) -> dict | None:
     return state
 
 
+def _named_listing(listing: list, names: list[str] | None) -> list:
+    """The listing with each file's path replaced by its name (when its path is a temporary one)."""
+    if names is None:
+        return listing
+    return [(name, *entry[1:]) for name, entry in zip(names, listing, strict=True)]
+
+
 def _fingerprint(listing: list, options: dict) -> str:
     return hashlib.sha256(json.dumps([listing, options], sort_keys=True).encode()).hexdigest()
 
@@ -89,11 +96,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
             vocab_size: int | None = None, eos_token: str | None = None, text_field: str = "text",
             val_fraction: float = 0.01, shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
             seed: int = 0, progress: Callable[[int, int], None] | None = None, unit_bytes: int = UNIT_BYTES,
-            records: RecordOptions | None = None, chat_template: str | None = None, bos: bool | None = None):
+            records: RecordOptions | None = None, chat_template: str | None = None, bos: bool | None = None,
+            input_names: list[str] | None = None):
     """Tokenize `inputs` into a prepared dataset at `out`; returns its DatasetMeta.
 
     records: chat or instruction records (a loss mask beside the tokens); chat_template: --chat-template;
-    bos: a beginning-of-text token before each text document (None: as the tokenizer's own config says).
+    bos: a beginning-of-text token before each text document (None: as the tokenizer's own config says);
+    input_names: what the (sorted) input files are known by in the fingerprint and meta.json where their paths
+    differ from run to run (a --hf export in a temporary folder), so the same command still resumes.
     """
     if bos is not None and records is not None and records.format != "text":
         raise DatasetError("--bos/--no-bos: for text documents; chat and instruction records get what their chat "
@@ -115,14 +125,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "bytes", train_
     if records is not None:  # only then: a text prepare's fingerprint (its resume) is as before
         options["records"] = {**records.__dict__, "template": records.template and records.template.sha256}
     listing = input_listing(files)
-    fingerprint = _fingerprint(listing, options)
+    fingerprint = _fingerprint(_named_listing(listing, input_names), options)
     _check_out(out, fingerprint)  # before anything is written
     folder = OutFolder(out)
     folder.open()
     state = None
     try:
         state = _check_out(out, fingerprint)  # again, now that no other `data prepare` can change it
-        job = Job(out, files, listing, options, workers, progress, records)
+        job = Job(out, files, listing, options, workers, progress, records, input_names)
         return job.run(state or {"fingerprint": fingerprint, "tokenizer_sha256": None, "units": []})
     except DatasetError:
         if state is None:  # a fresh prepare refused: leave nothing behind

@@ -116,9 +116,10 @@ class Job:
     """One prepare into a locked --out, from a fresh or a saved state."""
 
     def __init__(self, out: Path, files: list[Path], listing: list, options: dict, workers: int | None, progress,
-                 records: RecordOptions | None = None):
+                 records: RecordOptions | None = None, names: list[str] | None = None):
         self.out, self.files, self.listing, self.options = out, files, listing, options
         self.workers, self.progress, self.records = workers, progress, records
+        self.names = names or [str(p) for p in files]  # what meta.json's sources call them (prepare's input_names)
 
     def run(self, state: dict) -> object:
         self.state = state
@@ -260,7 +261,8 @@ class Job:
                           **({"bos_id": tok.bos_id} if tok.prefix.size else {})},
             "token_dtype": dtype, "val_fraction": options["val_fraction"], "seed": options["seed"],
             "content": self.records.format if self.records else "text", "splits": splits,
-            "sources": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in self.files],
+            "sources": [{"path": name, "bytes": p.stat().st_size, "sha256": sha256_of(p)}
+                        for p, name in zip(self.files, self.names, strict=True)],
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         if self.records is not None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from trainctl.config.errors import ConfigError
+from trainctl.config.layout_check import infer_dims
 from trainctl.config.schema import RunConfig
-from trainctl.config.validate import infer_dims, world_size
+from trainctl.config.validate import world_size
 from trainctl.core.wrapping import REPLICATING, SHARDING_WITHIN_GROUP, canonical
 
 WORLD_KEYS = ("cluster.nodes", "cluster.procs_per_node")
@@ -65,7 +66,7 @@ def _open_dp(sharding, keys: set[str]):
 
 
 def _accum_fits(sharding, pp: int):
-    """Which grad_accum the pipeline schedule takes: one microbatch per accumulation step (see validate.py)."""
+    """Which grad_accum the pipeline schedule takes: one microbatch per accumulation step (see layout_check.py)."""
     if pp == 1 or sharding.pp_schedule == "gpipe":
         return lambda accum: True
     if sharding.pp_schedule.startswith("interleaved"):

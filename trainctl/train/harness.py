@@ -12,9 +12,12 @@ The results (the harness's metrics per task) are written to RUN/lm_eval.json, wh
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -119,6 +122,26 @@ def metrics(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+@contextlib.contextmanager
+def git_hash_from_files():
+    """lm-eval records the working folder's commit by running `git describe`, whose stderr it leaves on the
+    terminal: outside a checkout (where an eval usually runs) that printed "fatal: not a git repository" in the
+    eval's output. Its own fallback reads the commit from the .git folder's files, with no process and no output:
+    the same record, and a real error of the eval still says itself."""
+    from lm_eval import evaluator
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    from_files = getattr(sys.modules.get(getattr(original, "__module__", "")), "get_commit_from_path", None)
+    if original is None or from_files is None:  # a harness that looks the commit up some other way: leave it be
+        yield
+        return
+    evaluator.get_git_commit_hash = lambda: from_files(os.getcwd())
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 @functools.cache
 def _manager(include: str | None):
     """The harness's task index (it reads every task YAML it ships: seconds), built once a process per folder."""
@@ -154,8 +177,9 @@ def run_tasks(run_dir: Path, options: EvalOptions, checked: tuple, model: torch.
     """Run the checked tasks on the run's model; (task -> metrics, the JSON file written in the run directory)."""
     lm_eval, base, _ = _harness()
     manager, names, tokens = checked
-    results = lm_eval.simple_evaluate(model=run_lm_class(base)(model, device, tokens), tasks=names,
-                                      task_manager=manager, limit=options.limit, log_samples=False)
+    with git_hash_from_files():
+        results = lm_eval.simple_evaluate(model=run_lm_class(base)(model, device, tokens), tasks=names,
+                                          task_manager=manager, limit=options.limit, log_samples=False)
     found = metrics(results or {})
     record = {"step": checkpoints.step_of(checkpoint), "checkpoint": str(checkpoint), "limit": options.limit,
               "tasks": found}

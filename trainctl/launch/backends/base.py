@@ -2,7 +2,7 @@
 
 A backend renders the run's launch script, checks what only it can check before anything is written,
 starts a run (here, or by submitting it to a scheduler), starts sweeps and tune's probes, and later reads the
-state of its runs, names their logs, cancels and requeues them. Each backend is one folder,
+state of its runs, names their logs and cancels them. Each backend is one folder,
 launch/backends/<kind>/, holding all of itself; nothing outside it imports its modules or compares its name: the
 CLI, the api, the run directory and `trainctl runs` ask the backend the run's `cluster.launcher` names
 (`backends.for_cluster`, `backends.for_record`). Its typed config (`config.schema.ClusterConfig` and its
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar, NamedTuple
 
 from trainctl.config.schema import ClusterConfig, RunConfig
-from trainctl.launch.errors import LaunchError
 
 
 class State(NamedTuple):
@@ -126,8 +125,3 @@ class Backend(ABC):
         """The job of this backend a trainer lock's holder (trainer.json) records, "" if none: a launch script of
         a dry run started by hand still gets cancelled through the backend that runs it."""
         return ""
-
-    def requeue(self, run_dir: Path, job_id: str) -> None:
-        """Put a run's job back in the queue; a backend without a queue refuses."""
-        raise LaunchError(f"cluster={self.name} has no queue to put run {run_dir.name} back in; "
-                          f"use `trainctl resume {run_dir.name}`")

@@ -1,4 +1,4 @@
-"""The worker's state: everything the loop reads, built completely by `trainer.setup` (keywords only)."""
+"""The worker's state: everything the loop reads, built completely by `job_setup.setup` (keywords only)."""
 
 from __future__ import annotations
 

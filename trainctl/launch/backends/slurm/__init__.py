@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import shlex
 import shutil
-import subprocess
 from pathlib import Path
 
 from trainctl.config.schema import ClusterConfig, RunConfig
@@ -19,8 +18,6 @@ from trainctl.launch.backends.slurm import jobs as slurm_jobs
 from trainctl.launch.backends.slurm import script as slurm
 from trainctl.launch.backends.slurm import submit as slurm_submit
 from trainctl.launch.errors import LaunchError
-
-REQUEUE_TIMEOUT_S = 30
 
 
 def attempt_records(run_dir: Path, job_id: str) -> list[dict]:
@@ -139,15 +136,6 @@ class SlurmBackend(Backend):
 
     def holder_job(self, holder: dict) -> str:
         return rundir.as_str(holder.get("slurm_job_id"))  # what the trainer lock records inside a Slurm job
-
-    def requeue(self, run_dir: Path, job_id: str) -> None:
-        try:
-            done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
-                                  timeout=REQUEUE_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise LaunchError(f"scontrol requeue {job_id}: {exc}; is Slurm reachable from here?") from None
-        if done.returncode != 0:
-            raise LaunchError(f"scontrol requeue {job_id} refused: {' '.join(done.stderr.split())}")
 
 
 register(SlurmBackend())
