@@ -56,8 +56,9 @@ class FixedBatches:
 
     masked = False  # every target counts (synthetic tokens): no per-step count of loss tokens
 
-    def __init__(self, batches):
+    def __init__(self, batches, ramp):
         self._batches = batches
+        self.ramp = ramp  # the run's batch per step (train.batch_ramp): the loop's lr and metrics read it
 
     def micro_batches(self, step):
         return self._batches
@@ -150,7 +151,7 @@ def time_trainctl(cfg: RunConfig, batches, world: distributed.World, warmup: int
     """Seconds of the steps after warmup, as trainctl's own loop timed and logged them."""
     run_dir.mkdir(parents=True)
     job = setup(cfg, run_dir, world, StopRequest())
-    data = FixedBatches(batches)
+    data = FixedBatches(batches, job.train_data.ramp)
     job = replace(job, train_data=data, val_data=data)
     try:
         train_loop(job)
