@@ -16,6 +16,7 @@ both, and a whole-suite run on two workers was no faster than one process.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -103,6 +104,17 @@ def unit_tests_start_no_process(request, monkeypatch):
 
 def pytest_configure(config: pytest.Config) -> None:
     process_leaks.mark_session(own=hasattr(config, "workerinput"))
+
+
+@pytest.fixture(autouse=True)
+def children_get_ctrl_c():
+    """Every test starts with SIGINT deliverable to the programs it starts: neither ignored (a suite started in the
+    background inherits that, and exec passes an ignored signal on) nor blocked. The Ctrl-C tests' children must
+    see their signal whatever ran before them in this process."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler: reset to the default in a child
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
 
 
 @pytest.fixture(autouse=True)
