@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from worker_runs import WORKER_TIMEOUT_S, base_config, records, train_written, write_run_dir
+from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import curve_rel, torchrun_cmd, worker_env
@@ -86,6 +86,27 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
+    sharding, nproc, micro = LAYOUTS[layout]
+    straight = write_run_dir(tmp_path, config(data_cache, "straight", sharding, micro))
+    ok(launch(straight, nproc), straight)
+    resumed = write_run_dir(tmp_path, config(data_cache, "resumed", sharding, micro))
+    stopped = launch(resumed, nproc, **fault_env(stop_after_step=STOP_AT))
+    ok(stopped, resumed)
+    assert not (resumed / "result.json").exists()  # stopped early: no result yet
+    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
+    ok(launch(resumed, nproc), resumed)
+    resume_records = records(resumed, "resume")
+    assert [r["step"] for r in resume_records] == [STOP_AT]
+    assert losses(resumed) == losses(straight)  # every step, exactly
+    assert len(losses(straight)) == STEPS
+    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    result = json.loads((resumed / "result.json").read_text())
+    assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
+
+
 SINGLE = (ShardingConfig(strategy="none"), None, 8)  # one process: torchao compiles its step once per launch
 
 # (optimizer config, layout, a state entry only it keeps): each optimizer through DCP (zero1: per-rank shards) on
@@ -97,78 +118,24 @@ OPTIMIZER_CASES = {
     "sgd-tp": (OptimConfig(name="sgd", lr=1e-2, momentum=0.9, nesterov=True), LAYOUTS["tp"], "momentum_buffer"),
     "lion-zero3": (OptimConfig(name="lion", lr=1e-4, beta2=0.99), LAYOUTS["zero3"], "exp_avg"),
     "muon-ddp": (OptimConfig(name="muon", momentum=0.95, nesterov=True), LAYOUTS["ddp"], "momentum_buffer"),
-    "adamw8bit-single": (OptimConfig(name="adamw8bit"), SINGLE, "exp_avg_sq"),
+    "adamw8bit-single": pytest.param(OptimConfig(name="adamw8bit"), SINGLE, "exp_avg_sq", marks=pytest.mark.slow),
 }
-# adamw8bit's step is torch.compile'd: compiled code and its caches live in the process, so its pair trains in
-# processes of its own, as it would in a launch; it is slow, and trains only when the slow tier runs.
-OWN_PROCESSES = {"adamw8bit-single"}
 
 
-def pair_config(data_cache, case: str, name: str):
-    """The run `name` (straight or resumed) of a case: a layout of LAYOUTS with AdamW, or an OPTIMIZER_CASES id."""
-    if case in LAYOUTS:
-        sharding, _, micro = LAYOUTS[case]
-        return config(data_cache, name, sharding, micro)
-    optim, (sharding, _, micro), _ = OPTIMIZER_CASES[case]
-    return replace(config(data_cache, name, sharding, micro), optim=optim)
-
-
-def nproc_of(case: str) -> int | None:
-    if case in LAYOUTS:
-        return LAYOUTS[case][1]
-    return OPTIMIZER_CASES[case][1][1]
-
-
-def straight_and_stopped(root: Path, data_cache, cases: list[str]) -> dict[str, tuple[Path, Path]]:
-    """Per case, a run of STEPS straight through and a run stopped after STOP_AT (the stop_after_step fault: a stop
-    request, no signal, exit 0), each still in its first process. The straight runs of one world size train in one
-    process per rank, and so do the stopped ones: each run seeds itself and builds its own model, optimizer, data
-    and stop flag, so its numbers are a fresh process's (the bitwise comparison with the resume, which always
-    starts a new process, would show otherwise)."""
-    pairs = {case: tuple(write_run_dir(root / case, pair_config(data_cache, case, name))
-                         for name in ("straight", "resumed")) for case in cases}
-    train_written({case: (straight, nproc_of(case)) for case, (straight, _) in pairs.items()})
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in fault_env(stop_after_step=STOP_AT).items():
-            env.setenv(name, value)
-        train_written({case: (resumed, nproc_of(case)) for case, (_, resumed) in pairs.items()})
-    return pairs
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory, data_cache):
-    """The straight and stopped runs of every layout and optimizer case but those trained in their own processes."""
-    cases = [*LAYOUTS, *(case for case in OPTIMIZER_CASES if case not in OWN_PROCESSES)]
-    return straight_and_stopped(tmp_path_factory.mktemp("resume"), data_cache, cases)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stop_and_resume_is_bitwise_identical(pairs, tmp_path, layout):
-    _, nproc, _ = LAYOUTS[layout]
-    straight, resumed = pairs[layout]
-    assert not (resumed / "result.json").exists()  # stopped early: no result yet
-    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
-    ok(launch(resumed, nproc), resumed)  # the resume: a new process, as after a real stop
-    resume_records = records(resumed, "resume")
-    assert [r["step"] for r in resume_records] == [STOP_AT]
-    assert losses(resumed) == losses(straight)  # every step, exactly
-    assert len(losses(straight)) == STEPS
-    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    result = json.loads((resumed / "result.json").read_text())
-    assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
-
-
-@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.slow] if case in OWN_PROCESSES else [])
-                                  for case in OPTIMIZER_CASES], ids=list(OPTIMIZER_CASES))
-def test_each_optimizer_stop_and_resume_is_bitwise_identical(request, tmp_path, data_cache, case):
+@pytest.mark.parametrize(("optim", "layout", "state_key"), list(OPTIMIZER_CASES.values()), ids=list(OPTIMIZER_CASES))
+def test_each_optimizer_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, optim, layout, state_key):
     """optim.name=NAME: its states go through the checkpoint and come back exactly."""
-    # The module's pairs only where needed: a slow case alone does not train every other case's runs.
-    straight, resumed = (straight_and_stopped(tmp_path, data_cache, [case])[case] if case in OWN_PROCESSES
-                         else request.getfixturevalue("pairs")[case])
-    state_key = OPTIMIZER_CASES[case][2]
+    sharding, nproc, micro = layout
+
+    def run(name):
+        return replace(config(data_cache, name, sharding, micro), optim=optim)
+
+    straight = write_run_dir(tmp_path, run("straight"))
+    ok(launch(straight, nproc), straight)
+    resumed = write_run_dir(tmp_path, run("resumed"))
+    ok(launch(resumed, nproc, **fault_env(stop_after_step=STOP_AT)), resumed)
     assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
-    ok(launch(resumed, nproc_of(case)), resumed)
+    ok(launch(resumed, nproc), resumed)
     assert [r["step"] for r in records(resumed, "resume")] == [STOP_AT]
     assert losses(resumed) == losses(straight) and len(losses(straight)) == STEPS
     a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
@@ -198,32 +165,19 @@ def four_worker_runs(tmp_path_factory, data_cache):
     return root, straight, source
 
 
-RESHARD_TARGETS = {
-    "zero3x2": (ShardingConfig(strategy="zero3", dp_shard=2), 2, 4),
-    "single": (ShardingConfig(), None, 8),
-    "fsdp2+tp2": (ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4, 4),
-}
-
-
-@pytest.fixture(scope="module")
-def from_four(four_worker_runs, data_cache):
-    """New runs from the 4-worker run's checkpoint: one per resharding target with everything (step, data position
-    too), and one from its weights only (load_only=model); those of one world size in one process per rank."""
-    root, _, source = four_worker_runs
+@pytest.mark.parametrize("target", ["zero3x2", "single", "fsdp2+tp2"])
+def test_resharded_resume_continues_the_loss(four_worker_runs, data_cache, target):
+    root, straight, source = four_worker_runs
+    sharding, nproc, micro = {
+        "zero3x2": (ShardingConfig(strategy="zero3", dp_shard=2), 2, 4),
+        "single": (ShardingConfig(), None, 8),
+        "fsdp2+tp2": (ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4, 4),
+    }[target]
     checkpoint = list_committed(source / "checkpoints")[-1][1]
-    cases = {target: (write_run_dir(root, config(data_cache, f"from-4-{target}", sharding, micro,
-                                                 resume=str(checkpoint), load_only="all")), nproc)
-             for target, (sharding, nproc, micro) in RESHARD_TARGETS.items()}
-    finetune = config(data_cache, "finetune", ShardingConfig(), 8, resume=str(source), load_only="model")
-    cases["finetune"] = (write_run_dir(root, finetune), None)
-    train_written(cases)
-    return {name: run_dir for name, (run_dir, _) in cases.items()}
-
-
-@pytest.mark.parametrize("target", list(RESHARD_TARGETS))
-def test_resharded_resume_continues_the_loss(four_worker_runs, from_four, target):
-    _, straight, _ = four_worker_runs
-    run_dir, nproc = from_four[target], RESHARD_TARGETS[target][1]
+    # A new run that starts from the other run's checkpoint with everything (step, data position too).
+    cfg = config(data_cache, f"from-4-{target}", sharding, micro, resume=str(checkpoint), load_only="all")
+    run_dir = write_run_dir(root, cfg)
+    ok(launch(run_dir, nproc), run_dir)
     got, want = losses(run_dir), losses(straight)
     assert sorted(got) == list(range(STOP_AT + 1, STEPS + 1))
     # Resharding changes the order of floating-point sums: rounding's bound for the steps so far, not bitwise.
@@ -233,9 +187,12 @@ def test_resharded_resume_continues_the_loss(four_worker_runs, from_four, target
     assert "resharded" in log or nproc == 4
 
 
-def test_load_only_model_starts_a_fresh_run_from_the_weights(four_worker_runs, from_four):
-    _, straight, _ = four_worker_runs
-    got = losses(from_four["finetune"])
+def test_load_only_model_starts_a_fresh_run_from_the_weights(four_worker_runs, data_cache):
+    root, straight, source = four_worker_runs
+    cfg = config(data_cache, "finetune", ShardingConfig(), 8, resume=str(source), load_only="model")
+    run_dir = write_run_dir(root, cfg)
+    ok(launch(run_dir, None), run_dir)
+    got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))  # a fresh schedule from step 0
     # Its first loss is that of trained weights (well below the untrained run's first loss).
     assert got[1] < losses(straight)[1] - 0.5
@@ -266,8 +223,9 @@ def test_nan_at_a_chosen_step(tmp_path, data_cache, policy):
 def test_async_save_gives_the_same_run_and_valid_checkpoints(tmp_path, data_cache):
     sharding, nproc, micro = LAYOUTS["zero3"]
     sync = write_run_dir(tmp_path, config(data_cache, "sync", sharding, micro, every=5))
+    ok(launch(sync, nproc), sync)
     run_dir = write_run_dir(tmp_path, config(data_cache, "async", sharding, micro, every=5, async_save=True))
-    train_written({"sync": (sync, nproc), "async": (run_dir, nproc)})  # one torchrun; the async run last
+    ok(launch(run_dir, nproc), run_dir)
     assert losses(run_dir) == losses(sync)
     committed = list_committed(run_dir / "checkpoints")
     assert [s for s, _ in committed] == [15, 20] and all(verify(p) == [] for _, p in committed)
