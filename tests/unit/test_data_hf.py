@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import cli_in_process
+from tests.unit.test_data_resume import stop_after
 from trainctl.data.outdir import STATE_FILE
 
 datasets = pytest.importorskip("datasets")
@@ -142,15 +143,8 @@ def test_an_interrupted_hf_prepare_resumes_to_the_same_bytes(tmp_path):
     datasets.Dataset.from_list(TEXT_ROWS).save_to_disk(str(tmp_path / "saved"))
     common = dict(hf=str(tmp_path / "saved"), val_fraction=0.2, workers=1, unit_bytes=512)
     reference = api.prepare_data([], tmp_path / "ref", **common)
-    calls = []
-
-    def stop_after_two(done, total):
-        calls.append(done)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        api.prepare_data([], tmp_path / "out", progress=stop_after_two, **common)
+        api.prepare_data([], tmp_path / "out", progress=stop_after(2), **common)
     assert (tmp_path / "out" / STATE_FILE).is_file() and not (tmp_path / "out" / "meta.json").exists()
     resumed = api.prepare_data([], tmp_path / "out", **common)  # "other inputs or options" if it did not match
     assert _files(tmp_path / "out") == _files(tmp_path / "ref") and resumed.splits == reference.splits
