@@ -107,6 +107,22 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
     assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
 
 
+def stopped_and_resumed_equals_straight(tmp_path, run, nproc, stop_at: int, steps: int) -> tuple[Path, Path]:
+    """`run(name)`'s config trained straight, and again stopped after `stop_at` and resumed: every loss and the
+    final weights bitwise equal; the two run directories (straight, resumed)."""
+    straight = write_run_dir(tmp_path, run("straight"))
+    ok(launch(straight, nproc), straight)
+    resumed = write_run_dir(tmp_path, run("resumed"))
+    ok(launch(resumed, nproc, **fault_env(stop_after_step=stop_at)), resumed)
+    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [stop_at]
+    ok(launch(resumed, nproc), resumed)
+    assert [r["step"] for r in records(resumed, "resume")] == [stop_at]
+    assert losses(resumed) == losses(straight) and len(losses(straight)) == steps
+    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return straight, resumed
+
+
 SINGLE = (ShardingConfig(strategy="none"), None, 8)  # one process: torchao compiles its step once per launch
 
 # (optimizer config, layout, a state entry only it keeps): each optimizer through DCP (zero1: per-rank shards) on
@@ -130,16 +146,7 @@ def test_each_optimizer_stop_and_resume_is_bitwise_identical(tmp_path, data_cach
     def run(name):
         return replace(config(data_cache, name, sharding, micro), optim=optim)
 
-    straight = write_run_dir(tmp_path, run("straight"))
-    ok(launch(straight, nproc), straight)
-    resumed = write_run_dir(tmp_path, run("resumed"))
-    ok(launch(resumed, nproc, **fault_env(stop_after_step=STOP_AT)), resumed)
-    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
-    ok(launch(resumed, nproc), resumed)
-    assert [r["step"] for r in records(resumed, "resume")] == [STOP_AT]
-    assert losses(resumed) == losses(straight) and len(losses(straight)) == STEPS
-    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    straight, resumed = stopped_and_resumed_equals_straight(tmp_path, run, nproc, STOP_AT, STEPS)
     assert state_key in _optimizer_state_keys(resumed)  # the states that went through the checkpoint were its own
 
 
@@ -248,16 +255,7 @@ def test_stop_and_resume_inside_the_batch_ramp_is_bitwise_identical(tmp_path, da
         return replace(cfg, train=replace(cfg.train, steps=steps, eval_every=steps,
                                           batch_ramp=BatchRampConfig(start=2, steps=8)))
 
-    straight = write_run_dir(tmp_path, run("straight"))
-    ok(launch(straight, nproc), straight)
-    resumed = write_run_dir(tmp_path, run("resumed"))
-    ok(launch(resumed, nproc, **fault_env(stop_after_step=stop_at)), resumed)
-    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [stop_at]
-    ok(launch(resumed, nproc), resumed)
-    assert [r["step"] for r in records(resumed, "resume")] == [stop_at]
-    assert losses(resumed) == losses(straight) and len(losses(straight)) == steps
-    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    straight, resumed = stopped_and_resumed_equals_straight(tmp_path, run, nproc, stop_at, steps)
     ramp, cfg = BatchRamp.of(run("x").train, 2), run("x")
     assert ramp.accum_at(stop_at) < ramp.final_accum  # the stop was inside the ramp
     for r in records(resumed, "train"):
