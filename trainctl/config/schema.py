@@ -43,6 +43,8 @@ LOAD_ONLY = ("all", "model", "model_optim")
 NONFINITE_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("off", "warn", "skip")
 REDUCE_DTYPES = ("fp32", "bf16")
+# Qwen3-MoE: softmax over all experts, then top-k; Mixtral: top-k, then softmax over the k
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 # The worker seeds numpy's global generator with train.seed (np.random.seed takes 0 .. 2**32 - 1).
 MAX_SEED = 2**32 - 1
@@ -68,6 +70,24 @@ class LoRAConfig:
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])  # any of q, k, v, o, gate, up, down
     # the adapted projections' frozen weights: fp32 (the master weights), or nf4 (QLoRA: torchao's 4-bit NF4)
     base_dtype: str = choice("fp32", BASE_DTYPES)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: every block's MLP is `num_experts` SwiGLU experts of which a router picks
+    `experts_per_token` per token (0 experts: a dense model, the default)."""
+
+    num_experts: int = at_least(0, 0, message="must be 0 (a dense model) or the number of routed experts")
+    experts_per_token: int = positive(2)  # top-k
+    expert_ffn_dim: int = positive(704)  # each routed expert's SwiGLU hidden size
+    shared_expert_ffn_dim: int = at_least(0, 0)  # 0: no shared expert
+    router: str = choice("softmax_topk", ROUTERS)
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1 (softmax_topk)
+    aux_loss_coef: float = at_least(0.001, 0)  # load-balancing loss weight (Switch / Mixtral form); 0: off
+    # 0: no token dropped (default); else each expert takes at most capacity_factor * tokens * k / experts tokens
+    capacity_factor: float = at_least(0.0, 0)
+    # > 0: auxiliary-loss-free balancing (a per-expert routing bias nudged by this rate toward even load)
+    bias_update_rate: float = at_least(0.0, 0)
 
 
 @dataclass(frozen=True)
@@ -99,6 +119,7 @@ class ModelConfig:
     sliding_window: int = at_least(0, 0, message="must be 0 (the default) or positive")
     path: str = ""  # a Hugging Face folder or Hub name (org/name) whose config.json gives the family and shape
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass(frozen=True)
@@ -132,6 +153,8 @@ class ShardingConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # expert parallelism: each MoE layer's experts split over ep ranks carved from the data-parallel ranks
+    ep: int = 1
     pp_schedule: str = choice("1f1b", PP_SCHEDULES)  # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble
     pp_stages_per_rank: int = at_least(1, 1)  # >1 for the interleaved schedules (virtual stages)
     pp_layers: list[int] = field(default_factory=list)  # layers per stage, in order; []: split evenly
