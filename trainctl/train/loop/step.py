@@ -32,6 +32,7 @@ from trainctl.train.parallel.pipeline import (
     pipeline_forward_backward,
     pp_group_of,
 )
+from trainctl.train.parallel.tensor_parallel import settle_partial_gradients
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def train_step(job: Job, step: int) -> StepResult:
         local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust)
     else:
         local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust)
+    settle_partial_gradients(job.model)  # TP's partial sums reduced once, before the clip and the step
     job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
     local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))
     # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
