@@ -140,7 +140,9 @@ def preference_set(root: Path, pairs: int = 200, seed: int = 0) -> Path:
     return root / "pairs"
 
 
-SEQ_LEN = 64  # a ChatML pair of these words is at most 60 bytes
+# A ChatML answer document of these words is 66..74 bytes: rows of 65 keep every answer's letters and cut the
+# end-of-turn tail of most (counted, and warned by the worker: pairs.PairTable).
+SEQ_LEN = 64
 
 
 def pair_batches(data: Path, split: str, micro: int, accum: int = 1, dp_rank: int = 0, dp: int = 1) -> PairBatches:
