@@ -163,6 +163,11 @@ class PairBatches:
         return [self._batch([int(((first + i * self.micro_batch + b + 1) * _INV_PHI) % 1.0 * len(self.pairs))
                              for b in range(self.micro_batch)]) for i in range(n)]
 
+    def full_pass(self) -> list[MicroBatch]:
+        """Every pair once, in order, `micro_batch` pairs a batch (the last one shorter)."""
+        pairs, micro = len(self.pairs), self.micro_batch
+        return [self._batch(list(range(i, min(i + micro, pairs)))) for i in range(0, pairs, micro)]
+
     def _drawn(self, sample: int) -> int:
         block = np.random.default_rng([self.seed, sample // _BLOCK]).integers(0, len(self.pairs), size=_BLOCK)
         return int(block[sample % _BLOCK])
