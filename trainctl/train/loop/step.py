@@ -131,8 +131,8 @@ def _positions_on(batch: tuple, device: torch.device) -> torch.Tensor | None:
 def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip to global norm `max_norm` (0: no clipping); returns the pre-clip norm, as a tensor, unsynced.
 
-    FSDP and TP gradients are DTensors (shards, or TP's partial sums for the norm weights): their
-    norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
+    FSDP and TP gradients are DTensors (shards; TP's partial sums were reduced by settle_partial_gradients):
+    their norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
     and then applied, because clip_grad_norm_ fails on gradients of different meshes.
     """
     params = [p for p in model.parameters() if p.grad is not None]
