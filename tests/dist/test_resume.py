@@ -7,6 +7,7 @@ checkpoints after step 10 and exits; the same run directory launched again resum
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from worker_runs import WORKER_TIMEOUT_S, base_config, records, write_run_dir
+from worker_runs import WORKER_TIMEOUT_S, base_config, records, train_written, write_run_dir
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import curve_rel, torchrun_cmd, worker_env
@@ -86,43 +87,6 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, layout):
-    sharding, nproc, micro = LAYOUTS[layout]
-    straight = write_run_dir(tmp_path, config(data_cache, "straight", sharding, micro))
-    ok(launch(straight, nproc), straight)
-    resumed = write_run_dir(tmp_path, config(data_cache, "resumed", sharding, micro))
-    stopped = launch(resumed, nproc, **fault_env(stop_after_step=STOP_AT))
-    ok(stopped, resumed)
-    assert not (resumed / "result.json").exists()  # stopped early: no result yet
-    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [STOP_AT]
-    ok(launch(resumed, nproc), resumed)
-    resume_records = records(resumed, "resume")
-    assert [r["step"] for r in resume_records] == [STOP_AT]
-    assert losses(resumed) == losses(straight)  # every step, exactly
-    assert len(losses(straight)) == STEPS
-    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    result = json.loads((resumed / "result.json").read_text())
-    assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
-
-
-def stopped_and_resumed_equals_straight(tmp_path, run, nproc, stop_at: int, steps: int) -> tuple[Path, Path]:
-    """`run(name)`'s config trained straight, and again stopped after `stop_at` and resumed: every loss and the
-    final weights bitwise equal; the two run directories (straight, resumed)."""
-    straight = write_run_dir(tmp_path, run("straight"))
-    ok(launch(straight, nproc), straight)
-    resumed = write_run_dir(tmp_path, run("resumed"))
-    ok(launch(resumed, nproc, **fault_env(stop_after_step=stop_at)), resumed)
-    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [stop_at]
-    ok(launch(resumed, nproc), resumed)
-    assert [r["step"] for r in records(resumed, "resume")] == [stop_at]
-    assert losses(resumed) == losses(straight) and len(losses(straight)) == steps
-    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    return straight, resumed
-
-
 SINGLE = (ShardingConfig(strategy="none"), None, 8)  # one process: torchao compiles its step once per launch
 
 # (optimizer config, layout, a state entry only it keeps): each optimizer through DCP (zero1: per-rank shards) on
@@ -134,20 +98,116 @@ OPTIMIZER_CASES = {
     "sgd-tp": (OptimConfig(name="sgd", lr=1e-2, momentum=0.9, nesterov=True), LAYOUTS["tp"], "momentum_buffer"),
     "lion-zero3": (OptimConfig(name="lion", lr=1e-4, beta2=0.99), LAYOUTS["zero3"], "exp_avg"),
     "muon-ddp": (OptimConfig(name="muon", momentum=0.95, nesterov=True), LAYOUTS["ddp"], "momentum_buffer"),
-    "adamw8bit-single": pytest.param(OptimConfig(name="adamw8bit"), SINGLE, "exp_avg_sq", marks=pytest.mark.slow),
+    "adamw8bit-single": (OptimConfig(name="adamw8bit"), SINGLE, "exp_avg_sq"),
 }
+# adamw8bit's step is torch.compile'd: compiled code and its caches live in the process, so its pair trains in
+# processes of its own, as it would in a launch; it is slow, and trains only when the slow tier runs.
+OWN_PROCESSES = {"adamw8bit-single"}
 
 
-@pytest.mark.parametrize(("optim", "layout", "state_key"), list(OPTIMIZER_CASES.values()), ids=list(OPTIMIZER_CASES))
-def test_each_optimizer_stop_and_resume_is_bitwise_identical(tmp_path, data_cache, optim, layout, state_key):
-    """optim.name=NAME: its states go through the checkpoint and come back exactly."""
-    sharding, nproc, micro = layout
+def case_run(data_cache, case: str):
+    """`run(name)` of a case (a layout of LAYOUTS with AdamW, or an OPTIMIZER_CASES id) and its world size."""
+    if case in LAYOUTS:
+        (sharding, nproc, micro), optim = LAYOUTS[case], None
+    else:
+        optim, (sharding, nproc, micro), _ = OPTIMIZER_CASES[case]
 
     def run(name):
-        return replace(config(data_cache, name, sharding, micro), optim=optim)
+        cfg = config(data_cache, name, sharding, micro)
+        return cfg if optim is None else replace(cfg, optim=optim)
 
-    straight, resumed = stopped_and_resumed_equals_straight(tmp_path, run, nproc, STOP_AT, STEPS)
-    assert state_key in _optimizer_state_keys(resumed)  # the states that went through the checkpoint were its own
+    return run, nproc
+
+
+def straight_and_stopped(root: Path, cases: dict[str, tuple], stop_at: int) -> tuple[dict[str, tuple[Path, Path]],
+                                                                                      list[str]]:
+    """Per case (name -> (run, nproc)), a run straight through and a run stopped after `stop_at` (the stop_after_step
+    fault: a stop request, no signal, exit 0), each still in its first process; and the failures of the launches.
+
+    The straight runs of one world size train in one process per rank, and so do the stopped ones: each run seeds
+    itself and builds its own model, optimizer, data and stop flag, so its numbers are a fresh process's (the bitwise
+    comparison with the resume, which always starts a new process, would show otherwise). A launch that fails stops
+    at its failing run; the failure is returned, not raised, so that each test fails only if its own pair is missing
+    (a case that one torch release cannot run does not take the others down)."""
+    pairs = {case: tuple(write_run_dir(root / case, run(name)) for name in ("straight", "resumed"))
+             for case, (run, _) in cases.items()}
+    failures = []
+    for which, env in ((0, {}), (1, fault_env(stop_after_step=stop_at))):
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            try:
+                train_written({case: (pair[which], cases[case][1]) for case, pair in pairs.items()})
+            except AssertionError as failure:
+                failures.append(str(failure))
+    return pairs, failures
+
+
+def resumed_equals_straight(tmp_path, pair: tuple[Path, Path], failures: list[str], nproc, stop_at: int,
+                            steps: int) -> None:
+    """The stopped run of `pair` resumed in a new process (as after a real stop): every loss and the final weights
+    bitwise those of the straight run."""
+    straight, resumed = pair
+    for failure in failures:  # a shared launch that failed: only by another run, named (many_runs_worker.py)
+        named = re.search(r"many_runs_worker: (\S+) failed", failure)
+        assert named and named[1] not in (str(straight), str(resumed)), failure
+    trained = (straight / "result.json").is_file() and list_committed(resumed / "checkpoints")
+    assert trained, f"{straight.parent.name}: the shared launch stopped before its runs:\n" + "\n".join(failures)
+    assert not (resumed / "result.json").exists()  # stopped early: no result yet
+    assert [s for s, _ in list_committed(resumed / "checkpoints")] == [stop_at]
+    ok(launch(resumed, nproc), resumed)
+    assert [r["step"] for r in records(resumed, "resume")] == [stop_at]
+    assert losses(resumed) == losses(straight) and len(losses(straight)) == steps  # every step, exactly
+    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def stopped_and_resumed_equals_straight(tmp_path, run, nproc, stop_at: int, steps: int) -> tuple[Path, Path]:
+    """`run(name)`'s config trained straight, and again stopped after `stop_at` and resumed, in processes of its
+    own: every loss and the final weights bitwise equal; the two run directories (straight, resumed)."""
+    pair_of, failures = straight_and_stopped(tmp_path, {"own": (run, nproc)}, stop_at)
+    resumed_equals_straight(tmp_path, pair_of["own"], failures, nproc, stop_at, steps)
+    return pair_of["own"]
+
+
+def selected_cases(request) -> list[str]:
+    """The layouts and optimizer cases (not trained in their own processes) of this module's selected tests: the
+    shared launches train only what the session runs (a -k that picks a few cases does not pay for the rest)."""
+    chosen = set()
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if item.module is request.module and params:
+            chosen |= {params[key] for key in ("layout", "case") if key in params}
+    return [case for case in (*LAYOUTS, *OPTIMIZER_CASES) if case in chosen and case not in OWN_PROCESSES]
+
+
+@pytest.fixture(scope="module")
+def pairs(request, tmp_path_factory, data_cache):
+    """The straight and stopped runs of the selected layout and optimizer cases, and the shared launches' failures."""
+    cases = {case: case_run(data_cache, case) for case in selected_cases(request)}
+    return straight_and_stopped(tmp_path_factory.mktemp("resume"), cases, STOP_AT)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stop_and_resume_is_bitwise_identical(pairs, tmp_path, layout):
+    pair_of, failures = pairs
+    resumed_equals_straight(tmp_path, pair_of[layout], failures, LAYOUTS[layout][1], STOP_AT, STEPS)
+    result = json.loads((pair_of[layout][1] / "result.json").read_text())
+    assert result["resumed_from_step"] == STOP_AT and result["steps"] == STEPS
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.slow] if case in OWN_PROCESSES else [])
+                                  for case in OPTIMIZER_CASES], ids=list(OPTIMIZER_CASES))
+def test_each_optimizer_stop_and_resume_is_bitwise_identical(request, tmp_path, data_cache, case):
+    """optim.name=NAME: its states go through the checkpoint and come back exactly."""
+    run, nproc = case_run(data_cache, case)
+    if case in OWN_PROCESSES:
+        _, resumed = stopped_and_resumed_equals_straight(tmp_path, run, nproc, STOP_AT, STEPS)
+    else:
+        pair_of, failures = request.getfixturevalue("pairs")
+        resumed_equals_straight(tmp_path, pair_of[case], failures, nproc, STOP_AT, STEPS)
+        resumed = pair_of[case][1]
+    assert OPTIMIZER_CASES[case][2] in _optimizer_state_keys(resumed)  # the states in the checkpoint were its own
 
 
 def _optimizer_state_keys(run_dir: Path) -> set[str]:
@@ -172,19 +232,32 @@ def four_worker_runs(tmp_path_factory, data_cache):
     return root, straight, source
 
 
-@pytest.mark.parametrize("target", ["zero3x2", "single", "fsdp2+tp2"])
-def test_resharded_resume_continues_the_loss(four_worker_runs, data_cache, target):
-    root, straight, source = four_worker_runs
-    sharding, nproc, micro = {
-        "zero3x2": (ShardingConfig(strategy="zero3", dp_shard=2), 2, 4),
-        "single": (ShardingConfig(), None, 8),
-        "fsdp2+tp2": (ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4, 4),
-    }[target]
+RESHARD_TARGETS = {
+    "zero3x2": (ShardingConfig(strategy="zero3", dp_shard=2), 2, 4),
+    "single": (ShardingConfig(), None, 8),
+    "fsdp2+tp2": (ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def from_four(four_worker_runs, data_cache):
+    """New runs from the 4-worker run's checkpoint: one per resharding target with everything (step, data position
+    too), and one from its weights only (load_only=model); those of one world size in one process per rank."""
+    root, _, source = four_worker_runs
     checkpoint = list_committed(source / "checkpoints")[-1][1]
-    # A new run that starts from the other run's checkpoint with everything (step, data position too).
-    cfg = config(data_cache, f"from-4-{target}", sharding, micro, resume=str(checkpoint), load_only="all")
-    run_dir = write_run_dir(root, cfg)
-    ok(launch(run_dir, nproc), run_dir)
+    cases = {target: (write_run_dir(root, config(data_cache, f"from-4-{target}", sharding, micro,
+                                                 resume=str(checkpoint), load_only="all")), nproc)
+             for target, (sharding, nproc, micro) in RESHARD_TARGETS.items()}
+    finetune = config(data_cache, "finetune", ShardingConfig(), 8, resume=str(source), load_only="model")
+    cases["finetune"] = (write_run_dir(root, finetune), None)
+    train_written(cases)
+    return {name: run_dir for name, (run_dir, _) in cases.items()}
+
+
+@pytest.mark.parametrize("target", list(RESHARD_TARGETS))
+def test_resharded_resume_continues_the_loss(four_worker_runs, from_four, target):
+    _, straight, _ = four_worker_runs
+    run_dir, nproc = from_four[target], RESHARD_TARGETS[target][1]
     got, want = losses(run_dir), losses(straight)
     assert sorted(got) == list(range(STOP_AT + 1, STEPS + 1))
     # Resharding changes the order of floating-point sums: rounding's bound for the steps so far, not bitwise.
@@ -194,12 +267,9 @@ def test_resharded_resume_continues_the_loss(four_worker_runs, data_cache, targe
     assert "resharded" in log or nproc == 4
 
 
-def test_load_only_model_starts_a_fresh_run_from_the_weights(four_worker_runs, data_cache):
-    root, straight, source = four_worker_runs
-    cfg = config(data_cache, "finetune", ShardingConfig(), 8, resume=str(source), load_only="model")
-    run_dir = write_run_dir(root, cfg)
-    ok(launch(run_dir, None), run_dir)
-    got = losses(run_dir)
+def test_load_only_model_starts_a_fresh_run_from_the_weights(four_worker_runs, from_four):
+    _, straight, _ = four_worker_runs
+    got = losses(from_four["finetune"])
     assert sorted(got) == list(range(1, STEPS + 1))  # a fresh schedule from step 0
     # Its first loss is that of trained weights (well below the untrained run's first loss).
     assert got[1] < losses(straight)[1] - 0.5
@@ -230,9 +300,8 @@ def test_nan_at_a_chosen_step(tmp_path, data_cache, policy):
 def test_async_save_gives_the_same_run_and_valid_checkpoints(tmp_path, data_cache):
     sharding, nproc, micro = LAYOUTS["zero3"]
     sync = write_run_dir(tmp_path, config(data_cache, "sync", sharding, micro, every=5))
-    ok(launch(sync, nproc), sync)
     run_dir = write_run_dir(tmp_path, config(data_cache, "async", sharding, micro, every=5, async_save=True))
-    ok(launch(run_dir, nproc), run_dir)
+    train_written({"sync": (sync, nproc), "async": (run_dir, nproc)})  # one torchrun; the async run last
     assert losses(run_dir) == losses(sync)
     committed = list_committed(run_dir / "checkpoints")
     assert [s for s, _ in committed] == [15, 20] and all(verify(p) == [] for _, p in committed)
