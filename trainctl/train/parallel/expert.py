@@ -1,0 +1,118 @@
+"""Expert parallelism: each MoE layer's experts split over `ep` ranks, tokens exchanged with all-to-all.
+
+The ep ranks are carved from data parallelism, as torchtitan does: dp_shard is split into [dp_shard/ep ("efsdp"),
+ep] (ep innermost, so an ep group is ranks next to each other). Every rank keeps routing its own tokens; the
+experts' stacked weights ([E, ...], models/common/experts.py) become DTensors Shard(0) over the ep mesh, so a rank
+holds E/ep of them and DCP saves and reshards them like any other sharded weight.
+
+Around GroupedExperts.forward(x, counts), x sorted by expert over all E experts:
+  1. all-to-all of the counts: each rank learns how many rows every ep peer sends to each of its local experts;
+  2. all-to-all of the rows, uneven splits (autograd-aware: the backward sends the gradients the reverse way);
+  3. the received rows, ordered (source rank, local expert), are regrouped by local expert;
+  4. the local experts run; the regroup is undone and a second all-to-all returns every row to its sender,
+     in the order the MoE block handed it over. The block never knows.
+
+Gradients: an expert's gradient on its rank sums the contributions of all ep peers' tokens, so FSDP2 over the
+remaining ranks (efsdp, and dp_replicate under hsdp) must divide by the whole data-parallel degree, not by its own
+group's size, for the result to be the mean over every data-parallel rank that every other weight gets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+from trainctl.core.dims import ParallelDims
+from trainctl.models.common.experts import GroupedExperts
+
+# The world mesh's dims under expert parallelism: dp_shard split into efsdp x ep (flattened back to dp_shard).
+EP_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
+
+
+def build_ep_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The world mesh with dp_shard as two dims [efsdp, ep], and dp_shard itself as their flattening, so every
+    data-parallel user (FSDP of the dense weights, the data split) sees the same dp_shard as without ep."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "efsdp": dims.efsdp, "ep": dims.ep,
+             "cp": dims.cp, "tp": dims.tp}
+    mesh = init_device_mesh(device_type, tuple(sizes[name] for name in EP_MESH_DIMS), mesh_dim_names=EP_MESH_DIMS)
+    mesh["efsdp", "ep"]._flatten("dp_shard")
+    return mesh
+
+
+def expert_dp_mesh(mesh: DeviceMesh, dp_dims: tuple[str, ...]) -> DeviceMesh:
+    """The mesh FSDP2 shards the experts over: the wrapping's dp dims with dp_shard replaced by efsdp."""
+    names = tuple("efsdp" if name == "dp_shard" else name for name in dp_dims)
+    return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+
+def grouped_experts(model: nn.Module) -> list[GroupedExperts]:
+    """Every routed-experts module of the model (any family whose MoE block holds a GroupedExperts)."""
+    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
+    """Split every GroupedExperts' experts over `ep_mesh` (meta device, before FSDP); returns how many modules."""
+    modules = grouped_experts(model)
+    for module in modules:
+        if module.num_experts % ep_mesh.size():
+            raise ValueError(f"{module.num_experts} experts do not split over ep={ep_mesh.size()} ranks")
+        distribute_module(module, ep_mesh, _shard_experts, _dispatch, _combine)
+    return len(modules)
+
+
+def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """distribute_module's partition: the stacked weights Shard(0) over ep (this rank's experts)."""
+    for key, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                    requires_grad=param.requires_grad))
+
+
+class _Exchange:
+    """What one forward's dispatch hands its combine: the splits to send the rows back and the regroup order."""
+
+    def __init__(self, send: list[int], receive: list[int], order: torch.Tensor):
+        self.send, self.receive, self.order = send, receive, order
+
+
+def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """Forward pre-hook: (x, counts over all E experts) -> (this rank's received rows, counts of its experts)."""
+    x, counts = inputs
+    ep = mesh.size()
+    # received[s, e]: rows rank s sends to this rank's local expert e
+    received = torch.empty_like(counts).view(ep, -1)
+    dist.all_to_all_single(received, counts.reshape(ep, -1).contiguous(), group=mesh.get_group())
+    send = counts.reshape(ep, -1).sum(dim=1).tolist()
+    receive = received.sum(dim=1).tolist()
+    rows = all_to_all_single_autograd(x.contiguous(), receive, send, mesh.get_group())
+    order = regroup_order(received)
+    module._ep_exchange = _Exchange(send, receive, order)
+    return rows[order], received.sum(dim=0)
+
+
+def _combine(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Forward hook: undo the regroup, send every row back to the rank (and position) it came from."""
+    exchange = module.__dict__.pop("_ep_exchange")
+    back = torch.empty_like(exchange.order)
+    back[exchange.order] = torch.arange(exchange.order.numel(), device=back.device)
+    return all_to_all_single_autograd(outputs[back].contiguous(), exchange.send, exchange.receive,
+                                      mesh.get_group())
+
+
+def regroup_order(received: torch.Tensor) -> torch.Tensor:
+    """Row indices that turn rows ordered (source rank, local expert) into (local expert, source rank).
+
+    received[s, e] counts source s's rows for local expert e; the rows arrive as blocks in (s, e) order.
+    """
+    blocks = received.reshape(-1)
+    starts = (torch.cumsum(blocks, dim=0) - blocks).view_as(received)
+    by_expert, starts_by_expert = received.t().reshape(-1), starts.t().reshape(-1)
+    total = int(blocks.sum())
+    block_of_row = torch.repeat_interleave(torch.arange(blocks.numel(), device=blocks.device), by_expert)
+    first_row = torch.repeat_interleave(torch.cumsum(by_expert, dim=0) - by_expert, by_expert)
+    return starts_by_expert[block_of_row] + torch.arange(total, device=blocks.device) - first_row
