@@ -24,7 +24,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the cases: scripts/hostile/
 
-from hostile import boundary, data, hf, integrity, optim, preference, ramp, recipes, records, resume, sweeps  # noqa: E402,F401
+from hostile import (  # noqa: E402,F401
+    boundary,
+    data,
+    experts,
+    hf,
+    integrity,
+    optim,
+    preference,
+    ramp,
+    recipes,
+    records,
+    resume,
+    sweeps,
+)
 from hostile.common import CASES, VERDICTS, Case, Probe, Verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

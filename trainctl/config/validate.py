@@ -19,7 +19,13 @@ from trainctl.config.batch import resolve_batch
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
-from trainctl.config.layout_check import check_context_parallel, check_offload, check_pipeline, infer_dims
+from trainctl.config.layout_check import (
+    check_context_parallel,
+    check_expert_parallel,
+    check_offload,
+    check_pipeline,
+    infer_dims,
+)
 from trainctl.config.model_check import check_model, check_model_parallel
 from trainctl.config.objective_check import objective_problems
 from trainctl.config.optim_check import check_optim_keys, check_optim_model
@@ -63,6 +69,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
         problems += [] if batch_problems else batch_ramp.problems(train, dims.dp, dims.pp, cfg.schedule.warmup_steps)
         problems += check_context_parallel(dims, cfg.cluster, train)
+        problems += check_expert_parallel(cfg.sharding, dims, cfg.model, train)
         problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
         problems += document_mask_problems(cfg.data, dims.pp, dims.cp)
         problems += objective_problems(train, cfg.data, cfg.model.lora, cfg.checkpoint, resolved)
