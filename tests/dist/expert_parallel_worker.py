@@ -21,12 +21,13 @@ from trainctl.models.common.experts import GroupedExperts
 from trainctl.train.parallel.expert import apply_expert_parallel, build_ep_mesh, expert_dp_mesh
 
 E, DIM, HIDDEN = 4, 8, 16
-# Tokens each rank routes to each expert: uneven, expert 3 gets none, rank 1 sends nothing to its own experts.
-COUNTS = {0: [3, 1, 2, 0], 1: [2, 5, 0, 0]}
+# Tokens each rank routes to each expert (rank 0 holds experts 0 and 1, rank 1 experts 2 and 3). uneven: expert 3
+# gets none, rank 1 sends nothing to its own experts; idle: no token reaches rank 1's experts at all.
+ROUTINGS = {"uneven": {0: [3, 1, 2, 0], 1: [2, 5, 0, 0]}, "idle": {0: [1, 2, 0, 0], 1: [3, 1, 0, 0]}}
 
 
-def tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    counts = torch.tensor(COUNTS[rank], dtype=torch.int64)
+def tokens(routing: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.tensor(routing[rank], dtype=torch.int64)
     gen = torch.Generator().manual_seed(100 + rank)
     return torch.randn(int(counts.sum()), DIM, generator=gen), counts
 
@@ -46,13 +47,13 @@ def loss_of(y: torch.Tensor, rank: int) -> torch.Tensor:
     return (y * torch.randn(y.shape, generator=gen)).sum()
 
 
-def reference(rank: int) -> dict[str, torch.Tensor]:
+def reference(routing: dict, rank: int) -> dict[str, torch.Tensor]:
     """One process on every rank's tokens: this rank's outputs and input gradients, and the experts' gradients."""
     module = experts()
     out = {}
     total = 0
-    for r in COUNTS:
-        x, counts = tokens(r)
+    for r in routing:
+        x, counts = tokens(routing, r)
         x.requires_grad_(True)
         y = module(x, counts)
         total = total + loss_of(y, r)
@@ -64,7 +65,7 @@ def reference(rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def under_ep(rank: int, fsdp: bool) -> dict[str, torch.Tensor]:
+def under_ep(routing: dict, rank: int, fsdp: bool) -> dict[str, torch.Tensor]:
     """This rank's tokens through the experts split over ep=2 (with fsdp: FSDP2 over efsdp as the worker does)."""
     dims = ParallelDims(dp_shard=2, ep=2)
     mesh = build_ep_mesh(dims, "cpu")
@@ -73,7 +74,7 @@ def under_ep(rank: int, fsdp: bool) -> dict[str, torch.Tensor]:
     if fsdp:
         fully_shard(module, mesh=expert_dp_mesh(mesh, ("dp_shard",)))
         module.set_gradient_divide_factor(float(dims.dp))
-    x, counts = tokens(rank)
+    x, counts = tokens(routing, rank)
     x.requires_grad_(True)
     y = module(x, counts)
     loss_of(y, rank).backward()
@@ -96,9 +97,11 @@ def compare(rank: int, got: dict, want: dict) -> dict:
 def main(path: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    want = reference(rank)
-    cases = {"ep2": compare(rank, under_ep(rank, fsdp=False), want),
-             "ep2_fsdp": compare(rank, under_ep(rank, fsdp=True), want)}
+    cases = {}
+    for name, routing in ROUTINGS.items():
+        want = reference(routing, rank)
+        cases[f"{name}-ep2"] = compare(rank, under_ep(routing, rank, fsdp=False), want)
+        cases[f"{name}-ep2_fsdp"] = compare(rank, under_ep(routing, rank, fsdp=True), want)
     with open(f"{path}.{rank}", "w") as f:
         f.write(json.dumps({"rank": rank, "cases": cases}) + "\n")
     dist.destroy_process_group()

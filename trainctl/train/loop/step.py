@@ -133,14 +133,27 @@ def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGrou
     norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
     and then applied, because clip_grad_norm_ fails on gradients of different meshes.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    groups = grads_by_mesh([p for p in model.parameters() if p.grad is not None])
+    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups]
+    # Expert parallelism puts the experts' gradients on a mesh of their own: one norm per mesh, then their norm.
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     norm = norm_over_stages(norm, pp_group)  # pipeline: add the other stages' gradients
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
+
+
+def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by their gradients' mesh (plain tensors together): DTensor ops refuse mixed meshes."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(groups.values()) or [[]]
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @torch.no_grad()

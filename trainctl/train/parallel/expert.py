@@ -24,10 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from trainctl.core.dims import ParallelDims
 from trainctl.models.common.experts import GroupedExperts
+from trainctl.train.errors import WorkerConfigError
 
 # The world mesh's dims under expert parallelism: dp_shard split into efsdp x ep (flattened back to dp_shard).
 EP_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
@@ -58,12 +60,27 @@ def grouped_experts(model: nn.Module) -> list[GroupedExperts]:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     """Split every GroupedExperts' experts over `ep_mesh` (meta device, before FSDP); returns how many modules."""
-    modules = grouped_experts(model)
+    modules, ep = grouped_experts(model), ep_mesh.size()
+    if not modules:  # validate refuses ep on a dense config; a model built otherwise is caught here
+        raise WorkerConfigError(f"sharding.ep={ep}: this model has no GroupedExperts to split; use sharding.ep=1")
     for module in modules:
-        if module.num_experts % ep_mesh.size():
-            raise ValueError(f"{module.num_experts} experts do not split over ep={ep_mesh.size()} ranks")
+        if module.num_experts % ep:
+            raise WorkerConfigError(f"sharding.ep={ep}: {module.num_experts} experts do not split over {ep} ranks; "
+                                    "use an ep that divides model.moe.num_experts")
         distribute_module(module, ep_mesh, _shard_experts, _dispatch, _combine)
     return len(modules)
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh, dp: int, reshard_after_forward: bool,
+                  mp_policy: MixedPrecisionPolicy) -> None:
+    """FSDP2 units of the experts over `mesh` (efsdp, with dp_replicate under hsdp), before the blocks' units.
+
+    Each rank's expert gradients already sum its ep peers' tokens (the all-to-all's backward): dividing by the
+    whole data-parallel degree `dp` makes them the same mean over every rank that the other weights get.
+    """
+    for module in grouped_experts(model):
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        module.set_gradient_divide_factor(float(dp))
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -76,8 +93,8 @@ def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
 class _Exchange:
     """What one forward's dispatch hands its combine: the splits to send the rows back and the regroup order."""
 
-    def __init__(self, send: list[int], receive: list[int], order: torch.Tensor):
-        self.send, self.receive, self.order = send, receive, order
+    def __init__(self, send: list[int], receive: list[int], order: torch.Tensor, rows: torch.Tensor):
+        self.send, self.receive, self.order, self.rows = send, receive, order, rows
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -91,13 +108,17 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     receive = received.sum(dim=1).tolist()
     rows = all_to_all_single_autograd(x.contiguous(), receive, send, mesh.get_group())
     order = regroup_order(received)
-    module._ep_exchange = _Exchange(send, receive, order)
+    module._ep_exchange = _Exchange(send, receive, order, rows)
     return rows[order], received.sum(dim=0)
 
 
 def _combine(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Forward hook: undo the regroup, send every row back to the rank (and position) it came from."""
     exchange = module.__dict__.pop("_ep_exchange")
+    if not outputs.shape[0]:
+        # Nothing came to this rank's experts: tie the (empty) output to the received rows anyway, so that the
+        # backward runs the first all-to-all's reverse here too; without it the peers would wait for this rank.
+        outputs = outputs + exchange.rows
     back = torch.empty_like(exchange.order)
     back[exchange.order] = torch.arange(exchange.order.numel(), device=back.device)
     return all_to_all_single_autograd(outputs[back].contiguous(), exchange.send, exchange.receive,
