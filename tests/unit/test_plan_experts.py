@@ -79,3 +79,11 @@ def test_compare_ep_lists_the_divisors_of_dp_shard():
     assert rows[1]["overrides"] == ["sharding.ep=2"] and rows[1]["slowdown"] > 0
     dense = resolve(compose(["sharding=fsdp", *GPU]))
     assert [r["variant"] for r in compare(dense, "ep")] == ["(as configured)"]  # validate refuses ep on it
+
+
+def test_tune_tries_ep_for_a_mixture_of_experts_model_only():
+    from trainctl.plan.tune import layouts
+
+    moe = {v.cfg.sharding.ep for v in layouts(resolve(compose(["sharding=fsdp", "model.moe.num_experts=8", *GPU])))}
+    dense = {v.cfg.sharding.ep for v in layouts(resolve(compose(["sharding=fsdp", *GPU])))}
+    assert moe == {1, 2, 4} and dense == {1}
