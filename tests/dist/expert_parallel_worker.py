@@ -70,10 +70,9 @@ def under_ep(routing: dict, rank: int, fsdp: bool) -> dict[str, torch.Tensor]:
     dims = ParallelDims(dp_shard=2, ep=2)
     mesh = build_ep_mesh(dims, "cpu")
     module = experts()
-    apply_expert_parallel(module, mesh["ep"])
+    apply_expert_parallel(module, mesh["ep"], grad_divisor=dims.ep if fsdp else 1)
     if fsdp:
         fully_shard(module, mesh=expert_dp_mesh(mesh, ("dp_shard",)))
-        module.set_gradient_divide_factor(float(dims.dp))
     x, counts = tokens(routing, rank)
     x.requires_grad_(True)
     y = module(x, counts)

@@ -12,9 +12,11 @@ Around GroupedExperts.forward(x, counts), x sorted by expert over all E experts:
   4. the local experts run; the regroup is undone and a second all-to-all returns every row to its sender,
      in the order the MoE block handed it over. The block never knows.
 
-Gradients: an expert's gradient on its rank sums the contributions of all ep peers' tokens, so FSDP2 over the
-remaining ranks (efsdp, and dp_replicate under hsdp) must divide by the whole data-parallel degree, not by its own
-group's size, for the result to be the mean over every data-parallel rank that every other weight gets.
+Gradients: an expert's gradient on its rank sums the contributions of all ep peers' tokens, while FSDP2 over the
+remaining ranks (efsdp, and dp_replicate under hsdp) averages over its own group only. So the experts' gradients
+are divided by ep on the way (`grad_divisor`: the rows' gradient scaled by 1/ep entering the experts' backward and
+by ep leaving it, so the tokens' gradients are untouched): the result is the mean over every data-parallel rank
+that every other weight gets. (FSDP2's own divide factor would do it with a PREMUL_SUM reduction, which gloo lacks.)
 """
 
 from __future__ import annotations
@@ -58,8 +60,12 @@ def grouped_experts(model: nn.Module) -> list[GroupedExperts]:
     return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
-    """Split every GroupedExperts' experts over `ep_mesh` (meta device, before FSDP); returns how many modules."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: float = 1.0) -> int:
+    """Split every GroupedExperts' experts over `ep_mesh` (meta device, before FSDP); returns how many modules.
+
+    grad_divisor: what the experts' weight gradients are divided by (ep under FSDP2: module doc); 1 leaves them
+    the plain sum over the ep peers' tokens.
+    """
     modules, ep = grouped_experts(model), ep_mesh.size()
     if not modules:  # validate refuses ep on a dense config; a model built otherwise is caught here
         raise WorkerConfigError(f"sharding.ep={ep}: this model has no GroupedExperts to split; use sharding.ep=1")
@@ -67,20 +73,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
         if module.num_experts % ep:
             raise WorkerConfigError(f"sharding.ep={ep}: {module.num_experts} experts do not split over {ep} ranks; "
                                     "use an ep that divides model.moe.num_experts")
+        module._ep_grad_divisor = float(grad_divisor)
         distribute_module(module, ep_mesh, _shard_experts, _dispatch, _combine)
     return len(modules)
 
 
-def shard_experts(model: nn.Module, mesh: DeviceMesh, dp: int, reshard_after_forward: bool,
+def shard_experts(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
                   mp_policy: MixedPrecisionPolicy) -> None:
-    """FSDP2 units of the experts over `mesh` (efsdp, with dp_replicate under hsdp), before the blocks' units.
-
-    Each rank's expert gradients already sum its ep peers' tokens (the all-to-all's backward): dividing by the
-    whole data-parallel degree `dp` makes them the same mean over every rank that the other weights get.
-    """
+    """FSDP2 units of the experts over `mesh` (efsdp, with dp_replicate under hsdp), before the blocks' units, so
+    that a block's unit leaves them out. Their gradients average over `mesh`; apply_expert_parallel's grad_divisor
+    (ep) makes that the mean over every data-parallel rank."""
     for module in grouped_experts(model):
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-        module.set_gradient_divide_factor(float(dp))
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -109,12 +113,13 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     rows = all_to_all_single_autograd(x.contiguous(), receive, send, mesh.get_group())
     order = regroup_order(received)
     module._ep_exchange = _Exchange(send, receive, order, rows)
-    return rows[order], received.sum(dim=0)
+    return _ScaleGrad.apply(rows[order], module._ep_grad_divisor), received.sum(dim=0)
 
 
 def _combine(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Forward hook: undo the regroup, send every row back to the rank (and position) it came from."""
     exchange = module.__dict__.pop("_ep_exchange")
+    outputs = _ScaleGrad.apply(outputs, 1.0 / module._ep_grad_divisor)
     if not outputs.shape[0]:
         # Nothing came to this rank's experts: tie the (empty) output to the received rows anyway, so that the
         # backward runs the first all-to-all's reverse here too; without it the peers would wait for this rank.
@@ -123,6 +128,19 @@ def _combine(module: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torc
     back[exchange.order] = torch.arange(exchange.order.numel(), device=back.device)
     return all_to_all_single_autograd(outputs[back].contiguous(), exchange.send, exchange.receive,
                                       mesh.get_group())
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad if ctx.scale == 1.0 else grad * ctx.scale, None
 
 
 def regroup_order(received: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
-from trainctl.core.dims import ParallelDims
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import family_parallel
@@ -156,7 +155,8 @@ def parallelize(
         float8_collectives = precision.fp8 and precision.fp8_recipe == "tensorwise" and device.type == "cuda"
         apply_tp(model, mesh["tp"], float8_tensorwise=float8_collectives)
     if sharding.ep > 1:
-        apply_expert_parallel(model, mesh["ep"])  # every GroupedExperts: E/ep experts here, all-to-all around them
+        # every GroupedExperts: E/ep experts here, all-to-all around them; gradients / ep for FSDP2's mean
+        apply_expert_parallel(model, mesh["ep"], grad_divisor=sharding.ep)
     if sharding.cp > 1:
         expand_kv_heads_for_cp(model)  # the ring's kernels take equal q and kv head counts
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
@@ -167,8 +167,7 @@ def parallelize(
     dp_mesh = dp_mesh_for(wrap.dp_mesh, mesh) if wrap.dp_mesh else None
     if wrap.fsdp:
         if sharding.ep > 1:  # the experts first: their own units over the ranks that hold the same experts
-            shard_experts(model, expert_dp_mesh(mesh, wrap.dp_mesh), ParallelDims.from_config(sharding).dp,
-                          wrap.reshard_after_forward, fsdp_mp_policy(wrap))
+            shard_experts(model, expert_dp_mesh(mesh, wrap.dp_mesh), wrap.reshard_after_forward, fsdp_mp_policy(wrap))
         apply_fsdp(model, dp_mesh, wrap.reshard_after_forward, fsdp_mp_policy(wrap), sharding.cpu_offload)
     elif wrap.fsdp_as_ddp:
         # DDP's reducer cannot bucket DTensors, and breaks when a schedule runs several forwards before a backward.
