@@ -23,6 +23,7 @@ pytestmark = pytest.mark.dist
 HERE = Path(__file__).parent
 
 
+@pytest.mark.parity
 def test_experts_split_over_ep_match_one_process(tmp_path):
     out = tmp_path / "ep"
     proc = run_torchrun(2, str(HERE / "expert_parallel_worker.py"), str(out), timeout=120)
