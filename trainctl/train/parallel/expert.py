@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
@@ -40,8 +40,6 @@ EP_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
 def build_ep_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The world mesh with dp_shard as two dims [efsdp, ep], and dp_shard itself as their flattening, so every
     data-parallel user (FSDP of the dense weights, the data split) sees the same dp_shard as without ep."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "efsdp": dims.efsdp, "ep": dims.ep,
              "cp": dims.cp, "tp": dims.tp}
     mesh = init_device_mesh(device_type, tuple(sizes[name] for name in EP_MESH_DIMS), mesh_dim_names=EP_MESH_DIMS)
