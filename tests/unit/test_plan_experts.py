@@ -12,7 +12,13 @@ from trainctl.core.tensors import Tensor
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import runplan
 from trainctl.plan.compare import compare
-from trainctl.plan.experts import all_to_all_bytes, ep_local, expert_params_per_layer, expert_share
+from trainctl.plan.experts import (
+    all_to_all_bytes,
+    ep_local,
+    exchange_bytes_per_token,
+    expert_params_per_layer,
+    expert_share,
+)
 
 MOE = ModelConfig(dim=64, n_layers=4, moe=MoEConfig(num_experts=8, experts_per_token=2, expert_ffn_dim=32))
 GPU = ["cluster.device=cuda", "cluster.gpu=h100", "cluster.procs_per_node=4", "train.micro_batch=2"]
@@ -87,3 +93,12 @@ def test_tune_tries_ep_for_a_mixture_of_experts_model_only():
     moe = {v.cfg.sharding.ep for v in layouts(resolve(compose(["sharding=fsdp", "model.moe.num_experts=8", *GPU])))}
     dense = {v.cfg.sharding.ep for v in layouts(resolve(compose(["sharding=fsdp", *GPU])))}
     assert moe == {1, 2, 4} and dense == {1}
+
+
+def test_the_exchange_buffers_join_the_blocks_temporaries_under_ep_only():
+    assert exchange_bytes_per_token(MOE, 1, 2) == 0 == exchange_bytes_per_token(ModelConfig(), 2, 2)
+    assert exchange_bytes_per_token(MOE, 2, 2) == 2 * 2 * 64 * 2  # k rows of dim, arrived and regrouped, bf16
+    one, two = _plan(), _plan("sharding.ep=2")  # fp32
+    model = resolve(compose(["sharding=fsdp", "model.moe.num_experts=8", *GPU])).model
+    per_token = exchange_bytes_per_token(model, 2, 4)
+    assert two.memory.grad_temp - one.memory.grad_temp == per_token * two.memory.tokens_per_micro_batch > 0

@@ -12,6 +12,8 @@ of every MoE layer, and FSDP2 shards those over the efsdp ranks. So per rank:
                                                      dispatch and a combine in forward, both again in backward
                                                      (and in the recomputed forward under full checkpointing), of
                                                      dim elements in the compute dtype, per MoE layer
+Memory: besides the gathered experts, a block's exchange holds the routed rows as they arrive and their regrouped
+copy (exchange_bytes_per_token), counted with the block's backward temporaries.
 The all-to-all is not overlapped with compute (the experts wait for their rows): its time adds to the step, at
 the bandwidth of the ep group's ranks (assess.bandwidth: NVLink within a node, the NIC across).
 """
@@ -52,6 +54,14 @@ def is_expert(t: Tensor) -> bool:
 def ep_local(t: Tensor, ep: int) -> Tensor:
     """This rank's part of a stacked-experts tensor under expert parallelism (E/ep of its E rows); others whole."""
     return Tensor(t.name, t.rows // ep, t.cols) if ep > 1 and is_expert(t) else t
+
+
+def exchange_bytes_per_token(m: ModelConfig, ep: int, compute_bytes: int) -> int:
+    """The all-to-all's transient buffers per token of a micro-batch, in a block's forward and backward alike: the
+    k routed rows as they arrive and their copy regrouped by expert (or their gradients); 0 without ep."""
+    if ep == 1 or m.moe.num_experts == 0:
+        return 0
+    return 2 * m.moe.experts_per_token * m.dim * compute_bytes
 
 
 @dataclass(frozen=True)
