@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from hostile.common import Probe, case, nothing_left, refused
+from trainctl.models import registry
 
 LAUNCH = ["launch", "--dry-run", "recipe=tiny_cpu", "runs_dir=r", "cluster.procs_per_node=4", "train.micro_batch=2"]
-MOE = ["model.moe.num_experts=8"]
+# 8 experts: the qwen3_moe family where it is registered (a dense family refuses experts there), else model.moe alone
+MOE = (["model=qwen3_moe_tiny"] if "qwen3_moe" in registry.names() else []) + ["model.moe.num_experts=8"]
 
 for _name, _extra, _words in [
     ("ep>1 on a dense model", ["sharding=fsdp", "sharding.ep=2"], ("sharding.ep=2", "num_experts=0", "ep=1")),
-    ("experts that do not split over ep", ["sharding=fsdp", "sharding.ep=4", "model.moe.num_experts=6"],
+    ("experts that do not split over ep", ["sharding=fsdp", "sharding.ep=4", *MOE, "model.moe.num_experts=6"],
      ("sharding.ep=4", "num_experts=6", "1, 2, 3, 6")),
-    ("ep that does not divide dp_shard", ["sharding=fsdp", "sharding.tp=2", "sharding.ep=4", *MOE],
+    ("ep that does not divide dp_shard",
+     ["sharding=hsdp", "sharding.dp_replicate=2", "sharding.dp_shard=2", "sharding.ep=4", *MOE],
      ("sharding.ep=4", "dp_shard=2", "divides dp_shard")),
     ("ep under ddp", ["sharding=ddp", "sharding.ep=2", *MOE], ("sharding.ep=2", "zero2", "hsdp", "ddp")),
     ("ep with a pipeline", ["sharding=fsdp", "sharding.pp=2", "sharding.ep=2", *MOE], ("sharding.ep=2", "pp=2")),

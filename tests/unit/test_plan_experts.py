@@ -10,6 +10,7 @@ from trainctl.config.validate import resolve
 from trainctl.core.dims import ParallelDims
 from trainctl.core.tensors import Tensor
 from trainctl.core.wrapping import wrapping
+from trainctl.models import registry
 from trainctl.plan import runplan
 from trainctl.plan.compare import compare
 from trainctl.plan.experts import (
@@ -22,6 +23,8 @@ from trainctl.plan.experts import (
 
 MOE = ModelConfig(dim=64, n_layers=4, moe=MoEConfig(num_experts=8, experts_per_token=2, expert_ffn_dim=32))
 GPU = ["cluster.device=cuda", "cluster.gpu=h100", "cluster.procs_per_node=4", "train.micro_batch=2"]
+# 8 experts: the qwen3_moe family where it is registered (a dense family refuses experts there), else model.moe alone
+EXPERTS = (["model=qwen3_moe_tiny"] if "qwen3_moe" in registry.names() else []) + ["model.moe.num_experts=8"]
 
 
 def share(strategy: str, dims: ParallelDims, m: ModelConfig = MOE, recompute: bool = False):
@@ -65,7 +68,7 @@ def test_ep_local_splits_only_the_stacked_experts():
 
 
 def _plan(*overrides: str):
-    return runplan.build(resolve(compose(["sharding=fsdp", "model.moe.num_experts=8", *GPU, *overrides])),
+    return runplan.build(resolve(compose(["sharding=fsdp", *EXPERTS, *GPU, *overrides])),
                          with_advice=False)
 
 
@@ -79,7 +82,7 @@ def test_plan_reports_the_experts_and_adds_the_all_to_all_to_the_step():
 
 
 def test_compare_ep_lists_the_divisors_of_dp_shard():
-    cfg = resolve(compose(["sharding=fsdp", "model.moe.num_experts=8", *GPU]))
+    cfg = resolve(compose(["sharding=fsdp", *EXPERTS, *GPU]))
     rows = compare(cfg, "ep")
     assert [r["variant"] for r in rows] == ["(as configured)", "ep=2", "ep=4"]
     assert rows[1]["overrides"] == ["sharding.ep=2"] and rows[1]["slowdown"] > 0
@@ -90,7 +93,7 @@ def test_compare_ep_lists_the_divisors_of_dp_shard():
 def test_tune_tries_ep_for_a_mixture_of_experts_model_only():
     from trainctl.plan.tune import layouts
 
-    moe = {v.cfg.sharding.ep for v in layouts(resolve(compose(["sharding=fsdp", "model.moe.num_experts=8", *GPU])))}
+    moe = {v.cfg.sharding.ep for v in layouts(resolve(compose(["sharding=fsdp", *EXPERTS, *GPU])))}
     dense = {v.cfg.sharding.ep for v in layouts(resolve(compose(["sharding=fsdp", *GPU])))}
     assert moe == {1, 2, 4} and dense == {1}
 
@@ -99,6 +102,6 @@ def test_the_exchange_buffers_join_the_blocks_temporaries_under_ep_only():
     assert exchange_bytes_per_token(MOE, 1, 2) == 0 == exchange_bytes_per_token(ModelConfig(), 2, 2)
     assert exchange_bytes_per_token(MOE, 2, 2) == 2 * 2 * 64 * 2  # k rows of dim, arrived and regrouped, bf16
     one, two = _plan(), _plan("sharding.ep=2")  # fp32
-    model = resolve(compose(["sharding=fsdp", "model.moe.num_experts=8", *GPU])).model
+    model = resolve(compose(["sharding=fsdp", *EXPERTS, *GPU])).model
     per_token = exchange_bytes_per_token(model, 2, 4)
     assert two.memory.grad_temp - one.memory.grad_temp == per_token * two.memory.tokens_per_micro_batch > 0
