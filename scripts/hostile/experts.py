@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from hostile.common import Probe, case, nothing_left, refused
+from hostile.common import Probe, case, expect, nothing_left, refused
 from trainctl.models import registry
 
 LAUNCH = ["launch", "--dry-run", "recipe=tiny_cpu", "runs_dir=r", "cluster.procs_per_node=4", "train.micro_batch=2"]
 # 8 experts: the qwen3_moe family where it is registered (a dense family refuses experts there), else model.moe alone
 MOE = (["model=qwen3_moe_tiny"] if "qwen3_moe" in registry.names() else []) + ["model.moe.num_experts=8"]
 
+# A mixture-of-experts family may refuse the same layout for its own reason (its own line): only ep's line is judged.
 for _name, _extra, _words in [
     ("ep>1 on a dense model", ["sharding=fsdp", "sharding.ep=2"], ("sharding.ep=2", "num_experts=0", "ep=1")),
     ("experts that do not split over ep", ["sharding=fsdp", "sharding.ep=4", *MOE, "model.moe.num_experts=6"],
@@ -22,7 +23,10 @@ for _name, _extra, _words in [
 ]:
     def _check(p: Probe, extra=_extra, words=_words) -> None:
         before = p.files()
-        refused(p.cli(*LAUNCH, *extra), *words)
+        r = p.cli(*LAUNCH, *extra)
+        refused(r, *words, one_line=False)
+        ep_lines = [line for line in r.lines if line.startswith("error: sharding.ep=")]
+        expect(len(ep_lines) == 1, "wrong", f"{len(ep_lines)} sharding.ep lines for one problem: {ep_lines[:3]}")
         nothing_left(p, before, p.tmp / "r")
 
     case("experts", _name)(_check)

@@ -123,6 +123,6 @@ def check_expert_parallel(sh: schema.ShardingConfig, dims: ParallelDims, m: sche
     unsupported = [(dims.cp > 1, f"sharding.cp={dims.cp}"), (dims.pp > 1, f"sharding.pp={dims.pp}"),
                    (sh.cpu_offload, "sharding.cpu_offload=true"), (t.compile, "train.compile=true")]
     problems += [f"sharding.ep={ep}: expert parallelism with {key} is not implemented; use it with data "
-                 "parallelism (zero2, zero3, hsdp), tp and activation checkpointing, or sharding.ep=1"
+                 "parallelism (zero2, zero3, hsdp) and activation checkpointing, or sharding.ep=1"
                  for wanted, key in unsupported if wanted]
     return problems
