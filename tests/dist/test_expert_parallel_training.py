@@ -1,6 +1,6 @@
 """A tiny mixture of experts trained under expert parallelism: the same 10-step curve as one process.
 
-qwen3_moe with 4 experts, 2 per token (the Qwen3-MoE router), fp32, no auxiliary loss: one process on the global
+qwen3_moe (and mixtral under ep=2) with 4 experts, 2 per token (the Qwen3-MoE router), fp32, no auxiliary loss: one process on the global
 batch of 8, and the same batch under ep=2 with full activation checkpointing (FSDP2 over dp_shard=2, each rank
 holding 2 experts; the all-to-alls run again in the recomputed forward), and ep=2 x FSDP2 2 (4 ranks: dp_shard=4
 split into [efsdp=2, ep=2], each expert's weights sharded over 2 ranks). Only the order of the sums differs (the
@@ -35,6 +35,7 @@ MOE = ModelConfig(name="moe", family="qwen3_moe", dim=64, n_layers=2, n_heads=4,
                   ffn_dim=128, vocab_size=256, max_seq_len=64,
                   moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64, aux_loss_coef=0.0))
 AUX = replace(MOE, moe=replace(MOE.moe, aux_loss_coef=0.01))
+MIXTRAL = replace(MOE, family="mixtral", head_dim=0, moe=replace(MOE.moe, router="topk_softmax"))
 EP2 = ShardingConfig(strategy="zero3", dp_shard=2, ep=2)
 
 
@@ -51,11 +52,13 @@ def runs(tmp_path_factory, data_cache):
         "aux-fsdp2": (config(data_cache, replace(EP2, ep=1), 4, AUX), 2),
         "aux-ep2": (config(data_cache, EP2, 4, AUX), 2),
         "ep2_fsdp2": (config(data_cache, ShardingConfig(strategy="zero3", dp_shard=4, ep=2), 2), 4),
+        "mixtral-single": (config(data_cache, ShardingConfig(), 8, MIXTRAL), None),
+        "mixtral-ep2": (config(data_cache, EP2, 4, MIXTRAL), 2),
     }
     return train_many(tmp_path_factory.mktemp("expert-parallel"), cases)
 
 
-@pytest.mark.slow  # the fixture's 5 runs (3 torchruns, one of 4 ranks): 35-45 s on 2 cores
+@pytest.mark.slow  # the fixture's 7 runs (3 torchruns, one of 4 ranks): 40-50 s on 2 cores
 @pytest.mark.parity
 @pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2"])
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
@@ -63,6 +66,15 @@ def test_expert_parallel_matches_one_process(runs, name, key):
     want = series(runs["single"], key)
     assert len(want) == STEPS and len(set(want)) == STEPS
     assert_curve_close(series(runs[name], key), want, key, model=MOE)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_mixtral_under_ep_matches_one_process(runs, key):
+    want = series(runs["mixtral-single"], key)
+    assert len(set(want)) == STEPS and want != series(runs["single"], key)  # another model
+    assert_curve_close(series(runs["mixtral-ep2"], key), want, key, model=MIXTRAL)
 
 
 @pytest.mark.slow
