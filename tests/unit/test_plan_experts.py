@@ -79,6 +79,8 @@ def test_plan_reports_the_experts_and_adds_the_all_to_all_to_the_step():
     data = two.to_dict()
     assert data["experts"]["experts_per_rank"] == 4 and data["experts"]["all_to_all_bytes"] > 0
     assert one.to_dict()["experts"]["all_to_all_bytes"] == 0
+    assert [n for n in two.notes if n.startswith("experts (ep=2): each rank computes 4 of 8 experts")]
+    assert not [n for n in one.notes if n.startswith("experts (ep")]
 
 
 def test_compare_ep_lists_the_divisors_of_dp_shard():
