@@ -6,4 +6,11 @@ cd "$(dirname "$0")/.."
 source scripts/_setup.sh
 
 ruff check trainctl tests scripts
-python -m pytest -q -ra "$@"
+if [ $# -gt 0 ]; then
+    python -m pytest -q -ra "$@"
+    exit
+fi
+# The in-process tiers (about 2000 tests, one core each) on two xdist workers; then the rest in one process, where
+# each torchrun run already fills both cores.
+python -m pytest -q -ra -m "unit or fuzz" -n 2 --dist loadgroup
+python -m pytest -q -ra -m "not (unit or fuzz)"

@@ -9,8 +9,8 @@ A `unit` test that starts a process or opens a torch process group fails, saying
 cores: the tier is about 1450 in-process tests, most of them one Hydra composition (~0.1 s) each, and two cores
 halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process unless it asks
 for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared torchrun run, and the Slurm cluster,
-on one worker). scripts/test.sh runs the whole suite in one process: on two cores the torchrun tests already fill
-both, and a whole-suite run on two workers was no faster than one process.
+on one worker). scripts/test.sh runs the in-process tiers (unit, fuzz) on two workers and the rest in one process:
+on two cores the torchrun tests already fill both, and a whole-suite run on two workers was no faster than one.
 """
 
 from __future__ import annotations

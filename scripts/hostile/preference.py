@@ -71,3 +71,13 @@ def _(p: Probe) -> None:
                                                                "train.dpo_label_smoothing"),
                      ("train.simpo_gamma=nan", "train.simpo_gamma"), ("train.objective=ppo", "train.objective")):
         refused(p.cli("launch", *LAUNCH, f"data.datasets=[{data}]", "train.objective=dpo", bad), key)
+
+
+@case("preference", "trainctl eval --data PAIRS on a full-weight DPO run: its reference is in no checkpoint", slow=True)
+def _(p: Probe) -> None:
+    data = prepared(p)
+    pairs = ["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=176",
+             "train.steps=1", "train.global_batch=2", "train.micro_batch=2", "schedule.warmup_steps=0",
+             "cluster.procs_per_node=1", "logging.progress=false", "train.objective=dpo"]
+    succeeded(p.cli("launch", *LAUNCH[:-1], f"data.datasets=[{data}]", *pairs, "--name", "dpo", timeout=180))
+    refused(p.cli("eval", "dpo", "--data", data, timeout=120), "full-weight DPO", "model.lora.rank > 0")

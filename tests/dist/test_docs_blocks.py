@@ -99,7 +99,11 @@ def check_preference_tuning(folder: Path, out: str) -> None:
     # every h is 0 at step 0: a log-sigmoid and a mean in fp32 away from ln 2
     assert evals[0]["step"] == 0 and abs(evals[0]["val_loss"] - math.log(2)) <= rounding_rel(torch.float32, 4), evals
     assert evals[-1]["val_loss"] < 0.3 and trains[-1]["reward_accuracy"] > 0.95, (evals, trains[-1])
+    assert evals[-1]["reward_accuracy"] > 0.5 and evals[-1]["reward_margin"] > 0, evals  # held-out pairs
     assert re.search(r"pairs +accuracy [0-9.]+%, margin", out), out[-2000:]
+    assert "cuts the answers" not in out, out[-2000:]
+    assert re.search(r"step 20: val pairs \d+ .* dpo loss [0-9.]+, accuracy [0-9.]+%", out), out[-2000:]
+    assert (folder / "runs" / "dpo" / "plot.png").is_file()  # the page's train.seq_len holds every pair whole
     assert json.loads((folder / "runs" / "simpo" / "result.json").read_text())["steps"] == 10
 
 

@@ -20,6 +20,8 @@ def test_a_busy_train_line_fits_100_columns():
 
 def test_every_kind_has_its_line_and_odd_records_still_show():
     assert console_line({"kind": "eval", "step": 25, "val_loss": 2.492}) == "eval step 25  val loss 2.4920"
+    pairs = {"kind": "eval", "step": 25, "val_loss": 0.21, "reward_accuracy": 0.96875, "reward_margin": 1.25}
+    assert console_line(pairs) == "eval step 25  val loss 0.2100  pair accuracy 96.9%  margin 1.25"
     final = console_line({"kind": "final", "steps": 100, "final_train_loss": 2.028, "initial_val_loss": 5.761,
                           "final_val_loss": 2.086, "wall_time_s": 51.5, "stopped": False})
     assert final == "final step 100  loss 2.0280  val loss 5.7610 -> 2.0860  52 s"

@@ -43,6 +43,31 @@ def test_two_runs_overlaid_in_one_png(tmp_path):
     assert losses == [5 / s for s in range(1, 31)]  # the lost attempt's 99s are gone
 
 
+def a_preference_run(root, name: str, steps: int = 20):
+    """A DPO run's records: the pair metrics rise on train records and on the eval records at 10 and 20."""
+    def pairs(s: int) -> dict:
+        return {"reward_accuracy": 0.5 + s / (2 * steps), "reward_margin": s / 4, "reward_chosen": s / 8,
+                "reward_rejected": -s / 8}
+
+    records = [{"kind": "train", "step": s, "loss": 0.7 / s, "lr": 1e-3, "tokens_per_s": 100.0, "grad_norm": 1.0,
+                **pairs(s)} for s in range(1, steps + 1)]
+    records += [{"kind": "eval", "step": s, "val_loss": 0.7 / s, **pairs(s)} for s in (10, 20)]
+    return make_run(root, name, steps=steps, metrics=records)
+
+
+def test_preference_runs_add_a_row_of_pair_metrics(tmp_path):
+    import matplotlib.image
+
+    sft = plot([a_run(tmp_path, "sft", 1.0)], tmp_path / "sft.png")
+    dpo = plot([a_preference_run(tmp_path, "dpo")], tmp_path / "dpo.png")
+    sft_rows, dpo_rows = (matplotlib.image.imread(str(p)).shape[0] for p in (sft, dpo))
+    assert dpo_rows == sft_rows * 3 // 2  # a third row of panels
+    bottom = tmp_path / "bottom.png"  # the pair row alone: the run's color (C0) drew its curves there
+    matplotlib.image.imsave(bottom, matplotlib.image.imread(str(dpo))[sft_rows:])
+    assert colored_pixels(bottom, (0.122, 0.467, 0.706)) > 500
+    assert series(tmp_path / "dpo", "eval", "reward_accuracy") == ([10, 20], [0.75, 1.0])
+
+
 def test_nothing_to_plot_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.yaml").write_text("train:\n  steps: 3\n")

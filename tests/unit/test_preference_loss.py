@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers import assert_close_fp
 from trainctl.config.schema import DataConfig, LoRAConfig, ModelConfig, PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core import objectives
 from trainctl.core.wrapping import wrapping_of
 from trainctl.data.chat import RecordOptions
 from trainctl.data.prepare import prepare
@@ -140,7 +141,9 @@ def preference_set(root: Path, pairs: int = 200, seed: int = 0) -> Path:
     return root / "pairs"
 
 
-SEQ_LEN = 64  # a ChatML pair of these words is at most 60 bytes
+# A ChatML answer document of these words is 66..74 bytes: rows of 65 keep every answer's letters and cut the
+# end-of-turn tail of most (counted, and warned by the worker: pairs.PairTable).
+SEQ_LEN = 64
 
 
 def pair_batches(data: Path, split: str, micro: int, accum: int = 1, dp_rank: int = 0, dp: int = 1) -> PairBatches:
@@ -205,6 +208,9 @@ def test_a_tiny_model_learns_to_prefer_the_chosen_answers(tmp_path, one_thread):
     assert objective.last["reward_accuracy"] > 0.95 and objective.last["reward_margin"] > 0
     loss, pairs = objective.evaluate(model, held_out, contexts)
     assert pairs == 32 and loss < 0.3 and objective.last_eval["reward_accuracy"] > 0.95
+    held_out_metrics = objective.eval_metrics()  # what the eval record carries: the pair metrics, nothing else
+    assert held_out_metrics.keys() == set(objectives.PAIR_METRICS)
+    assert held_out_metrics["reward_accuracy"] == objective.last_eval["reward_accuracy"]
 
 
 def test_the_frozen_reference_copies_the_policy_and_stays_frozen():

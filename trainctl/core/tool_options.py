@@ -252,6 +252,7 @@ class EvalResult:
     note: str | None = None  # e.g. --batches beyond the split: one full pass instead
     tasks: dict | None = None  # lm-evaluation-harness: task -> {metric: value}
     tasks_file: str | None = None
+    pairs: dict | None = None  # a preference run on preference pairs: {objective, pairs, loss, PAIR_METRICS...}
 
     def text(self) -> str:
         """What `trainctl eval` prints."""
@@ -260,6 +261,12 @@ class EvalResult:
             lines.append(f"step {self.step}: {self.split} loss {self.loss:.4f}, perplexity {self.perplexity:.3f} "
                          f"over {self.tokens:,} tokens ({self._coverage()}{self.batches} batches of "
                          f"{self.micro_batch} x {self.seq_len}) of {self.data}")
+        if self.pairs is not None:
+            p = self.pairs
+            lines.append(f"step {self.step}: {self.split} pairs {p['pairs']:,} ({self.batches} batches of "
+                         f"{self.micro_batch} pairs x {self.seq_len}) of {self.data}: {p['objective']} loss "
+                         f"{p['loss']:.4f}, accuracy {p['reward_accuracy']:.1%}, margin {p['reward_margin']:.4g} "
+                         f"(chosen {p['reward_chosen']:.4g}, rejected {p['reward_rejected']:.4g})")
         for task, metrics in (self.tasks or {}).items():
             shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
             lines.append(f"step {self.step}: {task}: {shown}")

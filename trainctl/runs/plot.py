@@ -1,5 +1,8 @@
 """`trainctl plot RUN [RUN...]`: one PNG of train and eval loss, learning rate and tokens/s, runs overlaid.
 
+Preference runs (train.objective=dpo|simpo) add a row: the pair accuracy (train solid, held-out dashed) and the
+implicit rewards (margin solid, chosen dotted, rejected dash-dot), from the keys core/objectives.py names.
+
 Reads metrics.jsonl through the run-directory module (each step once, after resumes too); matplotlib
 is imported here only, with its file-only backend, so the command works on a login node without a display.
 """
@@ -13,6 +16,9 @@ from trainctl.launch.errors import LaunchError
 
 PANELS = (("loss", "train loss (solid), eval loss (dashed)"), ("lr", "learning rate"),
           ("tokens_per_s", "tokens/s"), ("grad_norm", "grad norm"))
+PAIR_PANELS = (("reward_accuracy", "pair accuracy: train (solid), eval (dashed)"),
+               ("reward_margin", "rewards: margin (solid), chosen (dotted), rejected (dash-dot)"))
+REWARD_STYLES = (("reward_margin", "-"), ("reward_chosen", ":"), ("reward_rejected", "-."))
 
 
 def series(run_dir: Path, kind: str, key: str) -> tuple[list[int], list[float]]:
@@ -45,6 +51,24 @@ def target_path(out: Path) -> Path:
     return out
 
 
+def _curve(ax, run_dir: Path, key: str, color: str, label: str) -> None:
+    """One key's train curve, and its held-out one dashed where eval records carry it (val_loss for the loss)."""
+    steps, values = series(run_dir, "train", key)
+    if steps:
+        ax.plot(steps, values, color=color, label=label, linewidth=1.2)
+    steps, values = series(run_dir, "eval", "val_loss" if key == "loss" else key)
+    if steps:
+        ax.plot(steps, values, color=color, linestyle="--", marker="o", markersize=3)
+
+
+def _rewards(ax, run_dir: Path, color: str) -> None:
+    """The train records' implicit rewards of one run, one line style each."""
+    for key, style in REWARD_STYLES:
+        steps, values = series(run_dir, "train", key)
+        if steps:
+            ax.plot(steps, values, color=color, linestyle=style, linewidth=1.2)
+
+
 def plot(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Path:
     """Draw the runs into `out` (PNG); a LaunchError when none has a training record yet."""
     import matplotlib
@@ -56,19 +80,18 @@ def plot(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Pa
     drawn = [p for p in run_dirs if series(p, "train", "loss")[0]]
     if not drawn:
         raise LaunchError(f"nothing to plot: no training step logged yet in {', '.join(map(str, run_dirs))}")
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    pairs = any(series(p, "train", "reward_accuracy")[0] for p in drawn)
+    panels = PANELS + PAIR_PANELS if pairs else PANELS
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(12, 4 * len(panels) // 2), sharex=True)
     for index, (run_dir, label) in enumerate(zip(run_dirs, labels, strict=True)):
         color = f"C{index % 10}"
-        for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
-            steps, values = series(run_dir, "train", key)
-            if steps:
-                ax.plot(steps, values, color=color, label=label, linewidth=1.2)
-            if key == "loss":
-                steps, values = series(run_dir, "eval", "val_loss")
-                if steps:
-                    ax.plot(steps, values, color=color, linestyle="--", marker="o", markersize=3)
+        for ax, (key, title) in zip(axes.flat, panels, strict=True):
+            if key == "reward_margin":
+                _rewards(ax, run_dir, color)
+            else:
+                _curve(ax, run_dir, key, color, label)
             ax.set_title(title)
-    for ax in axes[1]:
+    for ax in axes[-1]:
         ax.set_xlabel("step")
     axes.flat[0].legend(fontsize="small")
     fig.tight_layout()

@@ -36,6 +36,7 @@ from trainctl.models.checkpoint_reader import read_model_config
 from trainctl.models.generate import load_model, pick_device
 from trainctl.models.loss_head import IGNORE_INDEX
 from trainctl.models.run_tokens import run_tokens
+from trainctl.train import evaluate_pairs
 from trainctl.train.loop.data import TokenBatches
 from trainctl.train.loop.loss import token_loss_sum
 from trainctl.train.loop.sources import DataError
@@ -165,6 +166,8 @@ def loss_over(run_dir: Path, cfg: RunConfig, options: EvalOptions, model: Callab
     vocab_size = read_model_config(run_dir).vocab_size
     with dataset_of(run_dir, options.data) as (data_dir, from_file):
         meta = check_dataset(run_dir, data_dir, vocab_size)
+        if meta.content == "preference":
+            return pairs_over(run_dir, cfg, options, model, data_dir, vocab_size)
         source = split_batches(cfg, meta, options.split, vocab_size)
         asked = options.batches or cfg.train.eval_batches * dp_degree(run_dir, cfg)
         windows, batches, positions, note = chosen_windows(
@@ -181,6 +184,17 @@ def loss_over(run_dir: Path, cfg: RunConfig, options: EvalOptions, model: Callab
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count, "batches": batches,
             "data": str(Path(options.data).expanduser().resolve()), "split": options.split, "positions": positions,
             "seq_len": source.seq_len, "split_tokens": source.num_tokens, "full_pass": full, "note": note}
+
+
+def pairs_over(run_dir: Path, cfg: RunConfig, options: EvalOptions, model: Callable, data_dir: str,
+               vocab_size: int) -> dict:
+    """EvalResult's fields for a preference run over preference pairs (train/evaluate_pairs.py)."""
+    if why := evaluate_pairs.refusal(cfg, options.data):
+        raise EvalError([why])
+    asked = options.batches or cfg.train.eval_batches * dp_degree(run_dir, cfg)
+    pairs = evaluate_pairs.pair_metrics(cfg, model, data_dir, options.split, vocab_size, asked, options.full)
+    return {"pairs": pairs, "batches": pairs.pop("batches"), "data": str(Path(options.data).expanduser().resolve()),
+            "split": options.split, "seq_len": cfg.train.seq_len, "full_pass": options.full}
 
 
 def evaluate(run_dir: Path, options: EvalOptions, device: torch.device) -> EvalResult:

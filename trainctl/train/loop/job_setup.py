@@ -45,7 +45,7 @@ from trainctl.train.parallel.context_parallel import check_cp_device, cp_mesh_of
 from trainctl.train.parallel.float8 import register_float8_scale_precompute
 from trainctl.train.parallel.parallelize import check_supported, parallelize
 from trainctl.train.parallel.pipeline import Pipeline, build_pipeline
-from trainctl.train.preference.setup import batches_for, build_objective
+from trainctl.train.preference.setup import batches_for, build_objective, truncation_warning
 
 
 def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBatches, TokenBatches | None]:
@@ -70,7 +70,11 @@ def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBat
             raise
         print0(f"no evaluation: {exc}", world.is_main)
         val = None
-    return batches(cfg.data, "train", **common, ramp=ramp.train_ramp(cfg, dp_size)), val
+    train_batches = batches(cfg.data, "train", **common, ramp=ramp.train_ramp(cfg, dp_size))
+    warning = truncation_warning(train.seq_len, train_batches, val)
+    if warning:
+        print0(warning, world.is_main)
+    return train_batches, val
 
 
 def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> tuple[nn.Module, Pipeline | None]:

@@ -32,6 +32,7 @@ from trainctl.train.parallel.pipeline import (
     pipeline_forward_backward,
     pp_group_of,
 )
+from trainctl.train.parallel.tensor_parallel import settle_partial_gradients
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def train_step(job: Job, step: int) -> StepResult:
         local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust)
     else:
         local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust)
+    settle_partial_gradients(job.model)  # TP's partial sums reduced once, before the clip and the step
     job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
     local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))
     # One all-reduce: every rank judges the same loss and norm, and learns of any stop request.
@@ -129,8 +131,8 @@ def _positions_on(batch: tuple, device: torch.device) -> torch.Tensor | None:
 def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip to global norm `max_norm` (0: no clipping); returns the pre-clip norm, as a tensor, unsynced.
 
-    FSDP and TP gradients are DTensors (shards, or TP's partial sums for the norm weights): their
-    norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
+    FSDP and TP gradients are DTensors (shards; TP's partial sums were reduced by settle_partial_gradients):
+    their norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
     and then applied, because clip_grad_norm_ fails on gradients of different meshes.
     """
     groups = grads_by_mesh([p for p in model.parameters() if p.grad is not None])

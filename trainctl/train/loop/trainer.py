@@ -122,7 +122,7 @@ def evaluate_and_log(job: Job, step: int) -> float | None:
         return None
     job.watchdog.arm()  # an evaluation is progress: it gets a whole timeout of its own
     val_loss, targets = evaluate(job)
-    job.metrics.eval(step, val_loss, targets)
+    job.metrics.eval(step, val_loss, targets, None if job.objective is None else job.objective.eval_metrics())
     return val_loss
 
 

@@ -86,13 +86,21 @@ def _fields(r: dict) -> str:
                     if not isinstance(v, (list, dict)))
 
 
+def _eval_pairs(r: dict) -> str:
+    """A preference run's held-out pair metrics, when its eval record has them."""
+    if "reward_accuracy" not in r:
+        return ""
+    return f"{SEP}pair accuracy {r['reward_accuracy']:.1%}{SEP}margin {r['reward_margin']:.4g}"
+
+
 def console_line(record: dict, total_steps: int | None = None) -> str:
     kind = record.get("kind")
     try:
         if kind == "train":
             return _train(record, total_steps)
         if kind == "eval":
-            return f"eval step {record['step']}{SEP}val loss {record['val_loss']:.4f}{_no_targets(record)}"
+            return (f"eval step {record['step']}{SEP}val loss {record['val_loss']:.4f}{_no_targets(record)}"
+                    + _eval_pairs(record))
         if kind == "final":
             return _final(record)
         if kind == "memory":

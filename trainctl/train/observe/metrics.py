@@ -112,10 +112,11 @@ class MetricsLogger:
     def train(self, step: int, values: dict) -> None:
         self._emit({"kind": "train", "step": step, **values}, step)
 
-    def eval(self, step: int, val_loss: float, targets: int | None = None) -> None:
-        """`targets`: the val tokens the loss averages (0: every one masked, so the loss is nan; said why)."""
+    def eval(self, step: int, val_loss: float, targets: int | None = None, pairs: dict | None = None) -> None:
+        """`targets`: the val tokens the loss averages (0: every one masked, so the loss is nan; said why).
+        `pairs`: a preference objective's pair metrics over the held-out pairs, under the train records' names."""
         extra = {"val_targets": targets} if targets is not None else {}
-        self._emit({"kind": "eval", "step": step, "val_loss": val_loss, **extra}, step)
+        self._emit({"kind": "eval", "step": step, "val_loss": val_loss, **extra, **(pairs or {})}, step)
 
     def memory(self, step: int, values: dict) -> None:
         """Measured per-rank memory (memory_stats.memory_record), logged once, next to the plan's prediction."""

@@ -24,6 +24,7 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from trainctl.models.build import family_parallel
@@ -61,3 +62,19 @@ def apply_replicate_over_tp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+
+
+def settle_partial_gradients(model: nn.Module) -> None:
+    """Reduce every gradient TP left as a partial sum (Replicate weights fed Shard(1) tokens: the norms) to the
+    layout of its weight, once per step, before clipping and the optimizer see it.
+
+    Optimizers take a momentum buffer as a copy of the first gradient: a Partial one stays Partial, and DCP
+    refuses to save it. Under torch 2.11 the multi-tensor SGD step also mixes the partial sums with the
+    replicated weights wrongly (the weights drift from one process's); one explicit reduction here is also
+    cheaper than the implicit ones each optimizer op would do. A no-op where no gradient is Partial (FSDP2
+    reduces its own; DDP's are plain tensors).
+    """
+    for p in model.parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            p.grad = grad.redistribute(grad.device_mesh, p.placements)

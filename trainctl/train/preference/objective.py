@@ -37,6 +37,7 @@ class PreferenceObjective:
     def __init__(self, train: TrainConfig, reference: nn.Module | None = None):
         self.train, self.reference = train, reference  # reference None: dpo with LoRA uses adapters_off
         self.last: dict[str, float] = {}  # the last step's agreed metrics
+        self.last_eval: dict[str, float] = {}  # the last evaluation's, with its pair count and mean loss
 
     def _reference_logps(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         context = contextlib.nullcontext() if self.reference is not None else adapters_off(model)
@@ -75,7 +76,7 @@ class PreferenceObjective:
                     loss = loss if adjust is None else adjust(loss)
                 scale_loss(loss).backward()
             total += loss.detach()
-            sums += _sums(out, chosen, rejected)
+            sums += pair_sums(out, chosen, rejected)
         self.last = {k: v for k, v in agreed(sums).items() if k not in ("pairs", "loss")}
         return total
 
@@ -86,12 +87,17 @@ class PreferenceObjective:
         for batch in batches:
             inputs, targets = (t.to(contexts.device) for t in batch)
             with contexts.autocast():
-                sums += _sums(*self.pair_losses(model, inputs, targets))
+                sums += pair_sums(*self.pair_losses(model, inputs, targets))
         self.last_eval = agreed(sums)
         return self.last_eval["loss"], int(round(float(self.last_eval["pairs"])))
 
+    def eval_metrics(self) -> dict[str, float]:
+        """The last evaluation's pair metrics (core/objectives.PAIR_METRICS), for its eval record."""
+        return {k: v for k, v in self.last_eval.items() if k in objectives.PAIR_METRICS}
 
-def _sums(out: losses.PairLosses, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+
+def pair_sums(out: losses.PairLosses, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's sums in STATS' order (agreed() turns them into means over the pairs)."""
     chosen_r, rejected_r = out.chosen_rewards, out.rejected_rewards
     values = [torch.tensor(float(out.losses.numel()), device=chosen.device), out.losses.detach().sum(),
               (chosen_r > rejected_r).sum(), (chosen_r - rejected_r).sum(), chosen_r.sum(), rejected_r.sum(),

@@ -10,6 +10,10 @@ Sampling follows train/loop/data.py's TokenBatches with a pair for a sample: sam
 global_batch) is the j-th pair drawn by blocks seeded by (seed, block), rank r and micro-batch a read
 j = r*(A*M) + a*M + b; the union over ranks is the same global batch whatever the dp / accumulation split,
 and a resume continues the sample stream where it stopped.
+
+An answer longer than its row loses its last counted tokens; a pair of which an answer keeps no counted token at
+all has nothing to compare (its log-probability is an empty sum) and is dropped when the table is built. Both
+are counted (PairTable.truncated, .dropped) for the one warning setup.py prints.
 """
 
 from __future__ import annotations
@@ -39,11 +43,42 @@ def document_starts(part: ShardedTokens) -> np.ndarray:
     return np.concatenate(starts) if starts else np.zeros(0, np.int64)
 
 
-class PairTable:
-    """Where each pair's two documents are: (dataset, start, length) of the chosen and the rejected one."""
+def loss_counts_before(part: ShardedTokens, positions: np.ndarray) -> np.ndarray:
+    """How many LOSS-flagged tokens of one split come before each position (0..size), one shard in memory."""
+    out = np.zeros(positions.size, np.int64)
+    offset = carried = 0
+    for mask in part.masks or []:
+        end = offset + mask.size
+        inside = (positions >= offset) & (positions < end)
+        counted = np.cumsum((np.asarray(mask) & dataset.LOSS) != 0)
+        if inside.any():
+            before = positions[inside] - offset  # tokens of this shard before the position
+            out[inside] = carried + np.where(before > 0, counted[np.maximum(before - 1, 0)], 0)
+        carried += int(counted[-1]) if counted.size else 0
+        offset = end
+    out[positions >= offset] = carried
+    return out
 
-    def __init__(self, parts: list[ShardedTokens], key: str):
+
+def kept_targets(part: ShardedTokens, starts: np.ndarray, lengths: np.ndarray, width: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(counted targets each document keeps in a row of `width` tokens, counted targets it has): targets are
+    tokens 1.. of the document (_row)."""
+    first = starts + 1
+    before = loss_counts_before(part, np.concatenate([first, starts + np.minimum(lengths, width), starts + lengths]))
+    first_count, kept_end, end = np.split(before, 3)
+    return kept_end - first_count, end - first_count
+
+
+class PairTable:
+    """Where each pair's two documents are: (dataset, start, length) of the chosen and the rejected one.
+
+    Pairs of which an answer keeps no counted target in a row of `width` tokens are left out (module doc).
+    """
+
+    def __init__(self, parts: list[ShardedTokens], key: str, width: int):
         rows = []
+        self.truncated = self.dropped = 0  # pairs with an answer cut by the row; of them, pairs left out
         for d, part in enumerate(parts):
             starts = document_starts(part)
             ends = np.append(starts[1:], part.size)
@@ -52,7 +87,12 @@ class PairTable:
             if starts.size % 2 or rejected[0::2].any() or not rejected[1::2].all():
                 raise DataError(f"{key}: not whole preference pairs (a chosen document, then its rejected one); "
                                 "prepare it with `trainctl data prepare --format preference`")
-            rows.append(np.stack([np.full(starts.size, d), starts, ends - starts], axis=1))
+            kept, counted = kept_targets(part, starts, ends - starts, width)
+            cut = (kept < counted).reshape(-1, 2).any(axis=1)
+            empty = (kept == 0).reshape(-1, 2).any(axis=1)
+            self.truncated, self.dropped = self.truncated + int(cut.sum()), self.dropped + int(empty.sum())
+            table = np.stack([np.full(starts.size, d), starts, ends - starts], axis=1).reshape(-1, 2, 3)
+            rows.append(table[~empty].reshape(-1, 3))
         self.parts = parts
         self.docs = np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)  # [2 * pairs, 3]
 
@@ -94,11 +134,13 @@ class PairBatches:
         self.vocab_size = data_cfg.vocab_size
         self._base_step = self._base_sample = 0
         blend = BlendedTokens.open(data_cfg.datasets, [], split)
-        self.pairs = PairTable(blend.parts, "data.datasets")
+        self.pairs = PairTable(blend.parts, "data.datasets", seq_len + 1)
         self.num_tokens = int(blend.size)
         if not len(self.pairs):
-            raise DataError(f"data.datasets: the {split} split holds no preference pair; prepare more pairs"
-                            + (" or a larger --val-fraction" if split == "val" else ""))
+            dropped = self.pairs.dropped
+            raise DataError(f"data.datasets: the {split} split holds no preference pair" + (
+                f" whose answers both keep a token within train.seq_len={seq_len}; raise train.seq_len" if dropped
+                else "; prepare more pairs" + (" or a larger --val-fraction" if split == "val" else "")))
 
     def resume_at(self, step: int, samples_seen: int) -> None:
         """Continue the pair stream at `samples_seen` from optimizer step `step` on (as TokenBatches)."""
@@ -120,6 +162,11 @@ class PairBatches:
         first = self.dp_rank * n * self.micro_batch
         return [self._batch([int(((first + i * self.micro_batch + b + 1) * _INV_PHI) % 1.0 * len(self.pairs))
                              for b in range(self.micro_batch)]) for i in range(n)]
+
+    def full_pass(self) -> list[MicroBatch]:
+        """Every pair once, in order, `micro_batch` pairs a batch (the last one shorter)."""
+        pairs, micro = len(self.pairs), self.micro_batch
+        return [self._batch(list(range(i, min(i + micro, pairs)))) for i in range(0, pairs, micro)]
 
     def _drawn(self, sample: int) -> int:
         block = np.random.default_rng([self.seed, sample // _BLOCK]).integers(0, len(self.pairs), size=_BLOCK)

@@ -19,6 +19,19 @@ def batches_for(objective: str) -> type:
     return PairBatches if objectives.is_preference(objective) else TokenBatches
 
 
+def truncation_warning(seq_len: int, *batches) -> str | None:
+    """One line for the whole run's pair data (every split): how many pairs train.seq_len cuts, how many it
+    leaves without an answer token (dropped); None when it cuts none, or for token windows."""
+    tables = [b.pairs for b in batches if isinstance(b, PairBatches)]
+    truncated, dropped = sum(t.truncated for t in tables), sum(t.dropped for t in tables)
+    if not truncated:
+        return None
+    total = sum(len(t) for t in tables) + dropped
+    gone = f"; {dropped} of them dropped (an answer kept no token)" if dropped else ""
+    return (f"warning: train.seq_len={seq_len} cuts the answers of {truncated} of {total} preference pairs{gone}; "
+            "raise train.seq_len to train on whole answers")
+
+
 def build_objective(cfg: RunConfig, model: nn.Module, mesh, device: torch.device,
                     resumed: bool) -> PreferenceObjective | None:
     """None for SFT (the loop's own loss); a preference objective with DPO's reference otherwise.
