@@ -103,6 +103,8 @@ def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[st
         fields = hf_config.model_fields(m.path)
     except hf_config.HFConfigError as exc:
         return m, [f"model.path={m.path}: {exc}"]
+    if "moe" in fields:  # a mixture of experts: its shape from config.json, the training knobs the user's
+        fields["moe"] = dataclasses.replace(m.moe, **fields["moe"])
     return dataclasses.replace(m, **fields), []
 
 
@@ -117,6 +119,8 @@ def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[s
     except hf_config.HFConfigError as exc:
         return [f"{key}: {exc}"]
     ours = dataclasses.asdict(m)
+    theirs = {**theirs, **{f"moe.{k}": v for k, v in theirs.pop("moe", {}).items()}}  # the shape keys only
+    ours.update({f"moe.{k}": v for k, v in ours["moe"].items()})
     differ = [f"{k}={theirs[k]} (model.{k}={ours[k]})" for k in theirs
               if k != "max_seq_len" and theirs[k] != ours[k]]
     if differ:
