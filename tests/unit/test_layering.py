@@ -2,7 +2,8 @@
 the worker (train, models) on the left.
 
 `specs` is the torch-free part of models/ that the launcher side may import: the family registry
-(models/registry.py), the shared decoder's shape (models/common/shape.py, moe_shape.py) and each family's models/<family>/spec.py;
+(models/registry.py), the shared decoder's shape (models/common/shape.py, moe_shape.py) and each family's
+models/<family>/spec.py;
 the rest of models/ is the worker's. docs/design.md draws these tuples (a test below keeps it equal).
 
 Read from the source with ast (nothing is imported), lazy imports inside functions included: a package-level

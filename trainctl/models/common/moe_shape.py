@@ -160,9 +160,12 @@ class MoEShape:
         return None
 
     def hub_names_of_fused(self, name: str, tensor) -> list[tuple[str, object]] | None:
-        """transformers >= 5's in-memory fused expert tensor as the Hub's per-expert ones, else None
-        (`...mlp.experts.gate_up_proj` [E, 2h, dim]: gate rows then up rows; `...mlp.experts.down_proj`)."""
+        """transformers >= 5's in-memory MoE tensor under the Hub's names, else None: the fused experts
+        (`...mlp.experts.gate_up_proj` [E, 2h, dim]: gate rows then up rows; `...mlp.experts.down_proj`) split per
+        expert, and the router (Mixtral's in memory is `mlp.gate`, on the Hub `block_sparse_moe.gate`)."""
         parts = name.split(".")
+        if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[3:] == ["mlp", self.hf_router, "weight"]:
+            return [(f"model.layers.{parts[2]}.{self.hf_moe_module}.{self.hf_router}.weight", tensor)]  # mixtral's
         if len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"]:
             return None
         prefix = f"model.layers.{parts[2]}.{self.hf_moe_module}.experts"

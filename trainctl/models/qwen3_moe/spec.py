@@ -25,7 +25,9 @@ class Qwen3MoESpec(MoEShape, QKNormShape):
             raise HFConfigError(f"{where}: decoder_sparse_step={shown(data.get('decoder_sparse_step', 1))}, "
                                 f"mlp_only_layers={shown(data.get('mlp_only_layers'))}: dense layers between the "
                                 "sparse ones are not implemented; trainctl's qwen3_moe makes every block sparse")
-        moe = self.from_hf_moe(data, where, "num_experts", "moe_intermediate_size")
+        # The Hub's files say num_experts; transformers >= 5 writes num_local_experts.
+        experts_key = "num_experts" if "num_experts" in data else "num_local_experts"
+        moe = self.from_hf_moe(data, where, experts_key, "moe_intermediate_size")
         moe["norm_topk_prob"] = flag(where, data, "norm_topk_prob", False)
         return {**fields, "moe": moe}
 
