@@ -119,7 +119,8 @@ def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[s
     except hf_config.HFConfigError as exc:
         return [f"{key}: {exc}"]
     ours = dataclasses.asdict(m)
-    theirs = {**theirs, **{f"moe.{k}": v for k, v in theirs.pop("moe", {}).items()}}  # the shape keys only
+    moe = theirs.pop("moe", {})  # a mixture of experts: compare its shape keys, not the training knobs
+    theirs.update({f"moe.{k}": v for k, v in moe.items()})
     ours.update({f"moe.{k}": v for k, v in ours["moe"].items()})
     differ = [f"{k}={theirs[k]} (model.{k}={ours[k]})" for k in theirs
               if k != "max_seq_len" and theirs[k] != ours[k]]
