@@ -30,6 +30,7 @@ from hostile import (  # noqa: E402,F401
     experts,
     hf,
     integrity,
+    moe,
     optim,
     preference,
     ramp,
@@ -42,7 +43,8 @@ from hostile.common import CASES, VERDICTS, Case, Probe, Verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 AREA_IDS = {"api": "A", "edges": "E", "data": "D", "hf": "H", "records": "R", "recipes": "C", "resume": "M",
-            "sweeps": "S", "launch": "L", "integrity": "I", "optim": "O", "preference": "P", "ramp": "B"}
+            "sweeps": "S", "launch": "L", "integrity": "I", "optim": "O", "moe": "X", "ep": "Q", "preference": "P",
+            "ramp": "B"}
 
 
 def case_ids(cases: list[Case]) -> dict[int, str]:

@@ -29,4 +29,4 @@ for _name, _extra, _words in [
         expect(len(ep_lines) == 1, "wrong", f"{len(ep_lines)} sharding.ep lines for one problem: {ep_lines[:3]}")
         nothing_left(p, before, p.tmp / "r")
 
-    case("experts", _name)(_check)
+    case("ep", _name)(_check)

@@ -110,6 +110,8 @@ def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[st
         fields = hf_config.model_fields(m.path)
     except hf_config.HFConfigError as exc:
         return m, [f"model.path={m.path}: {exc}"]
+    if "moe" in fields:  # a mixture of experts: its shape from config.json, the training knobs the user's
+        fields["moe"] = dataclasses.replace(m.moe, **fields["moe"])
     return dataclasses.replace(m, **fields), []
 
 
@@ -124,6 +126,9 @@ def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[s
     except hf_config.HFConfigError as exc:
         return [f"{key}: {exc}"]
     ours = dataclasses.asdict(m)
+    moe = theirs.pop("moe", {})  # a mixture of experts: compare its shape keys, not the training knobs
+    theirs.update({f"moe.{k}": v for k, v in moe.items()})
+    ours.update({f"moe.{k}": v for k, v in ours["moe"].items()})
     differ = [f"{k}={theirs[k]} (model.{k}={ours[k]})" for k in theirs
               if k != "max_seq_len" and theirs[k] != ours[k]]
     if differ:
