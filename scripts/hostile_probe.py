@@ -24,12 +24,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the cases: scripts/hostile/
 
-from hostile import boundary, data, hf, integrity, optim, preference, ramp, recipes, records, resume, sweeps  # noqa: E402,F401
+from hostile import (  # noqa: E402,F401
+    boundary,
+    data,
+    experts,
+    hf,
+    integrity,
+    moe,
+    optim,
+    preference,
+    ramp,
+    recipes,
+    records,
+    resume,
+    sweeps,
+)
 from hostile.common import CASES, VERDICTS, Case, Probe, Verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 AREA_IDS = {"api": "A", "edges": "E", "data": "D", "hf": "H", "records": "R", "recipes": "C", "resume": "M",
-            "sweeps": "S", "launch": "L", "integrity": "I", "optim": "O", "preference": "P", "ramp": "B"}
+            "sweeps": "S", "launch": "L", "integrity": "I", "optim": "O", "moe": "X", "ep": "Q", "preference": "P",
+            "ramp": "B"}
 
 
 def case_ids(cases: list[Case]) -> dict[int, str]:

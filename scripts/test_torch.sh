@@ -53,13 +53,15 @@ export PATH="$PWD/$VENV/bin:$PATH"
 if [ $# -eq 0 ]; then
   # What changes between torch releases, once each: pipeline schedules, FSDP2 units and the ZeRO stages (DDP,
   # ZeroRedundancyOptimizer, fully_shard), DTensor tensor parallel composed with FSDP2 and a pipeline
-  # (parity_3d) and each family's plan, distributed checkpoints and bitwise resume in every layout, autocast and torchao float8.
+  # (parity_3d) and each family's plan, distributed checkpoints and bitwise resume in every layout, autocast and torchao float8,
+  # and expert parallelism's uneven all-to-all (functional collectives, distribute_module).
   # Not again: the launcher, CLI and Slurm tests (no torch); Hugging Face import and export (safetensors and
   # plain tensor indexing); the optimizers' own resume cases and the plain data-parallel parity, whose torch
   # pieces the files above already run, except SGD's momentum under tp (a buffer copied from the gradient: the
   # tensor-parallel partial sums must be reduced before it is taken, or DCP refuses to save it).
   set -- tests/dist/test_pipeline.py tests/dist/test_fsdp_units.py tests/dist/test_zero.py \
     tests/dist/test_tensor_parallel.py tests/dist/test_checkpoint_store_dist.py tests/dist/test_precision.py \
-    tests/dist/test_parity_3d.py tests/dist/test_resume.py -k "not test_each_optimizer_stop_and_resume or sgd-tp"
+    tests/dist/test_parity_3d.py tests/dist/test_resume.py tests/dist/test_expert_parallel.py \
+    -k "not test_each_optimizer_stop_and_resume or sgd-tp"
 fi
 "$PY" -m pytest -q -ra -p no:cacheprovider "$@"

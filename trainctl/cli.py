@@ -112,7 +112,7 @@ def config_show(overrides: list[str] = OVERRIDES, config_dirs: list[Path] = CONF
 def plan(overrides: list[str] = OVERRIDES,
          as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
          compare: str = _opt(None, "--compare", help="Side-by-side memory and step time along one axis: sharding, "
-                             "checkpointing, tp, micro_batch, optim."),
+                             "checkpointing, tp, micro_batch, optim, ep."),
          config_dirs: list[Path] = CONFIG_DIRS) -> None:
     # One help line for typer, written as two literals to keep the source under 120 columns.
     ("Show the run plan: topology, batch math, FLOPs, memory per rank with a verdict, throughput.  "

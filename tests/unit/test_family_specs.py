@@ -14,7 +14,7 @@ import pytest
 
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
-from trainctl.config.schema import ModelConfig
+from trainctl.config.schema import ModelConfig, MoEConfig
 from trainctl.config.validate import resolve
 from trainctl.models import registry
 from trainctl.plan.activations import ActLayout, block_none
@@ -26,7 +26,12 @@ SMALL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, voc
 SHAPES = {"llama": replace(SMALL, rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=16),
           "qwen2": replace(SMALL, family="qwen2", tie_embeddings=True),
           "qwen3": replace(SMALL, family="qwen3", head_dim=16),
-          "mistral": replace(SMALL, family="mistral", sliding_window=64)}
+          "mistral": replace(SMALL, family="mistral", sliding_window=64),
+          "qwen3_moe": replace(SMALL, family="qwen3_moe", head_dim=16,
+                               moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=16)),
+          "mixtral": replace(SMALL, family="mixtral", ffn_dim=16,
+                             moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=16,
+                                           router="topk_softmax"))}
 
 
 def test_every_family_has_a_small_shape_here():
@@ -39,8 +44,9 @@ def test_spec_tensors_are_the_modules_parameters_in_order(family):
 
     cfg = SHAPES[family]
     module = build_model(cfg, "meta")
-    block = [(n.removeprefix("layers.0."), tuple(p.shape)) for n, p in module.named_parameters()
-             if n.startswith("layers.0.")]
+    # A stacked expert weight [E, a, b] is a Tensor of E rows of a x b (models/common/moe_shape.py).
+    block = [(n.removeprefix("layers.0."), (p.shape[0],) if p.ndim == 1 else (p.shape[0], p[0].numel()))
+             for n, p in module.named_parameters() if n.startswith("layers.0.")]
     spec = [(t.name.removeprefix("layers.0."), (t.rows,) if t.cols == 1 else (t.rows, t.cols))
             for t in block_tensors(cfg, 0)]
     assert spec == block
@@ -71,7 +77,10 @@ def test_config_json_round_trips_through_the_spec(family, tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(registry.spec(family).to_hf(cfg)))
     fields = model_fields(folder)
-    assert {k: getattr(cfg, k) for k in fields} == fields
+    expected = {k: getattr(cfg, k) for k in fields}
+    if "moe" in fields:  # a mixture of experts' shape keys (its training knobs are not config.json's)
+        expected["moe"] = {k: getattr(cfg.moe, k) for k in fields["moe"]}
+    assert expected == fields
 
 
 def test_qwen3_flops_and_activations_use_its_head_dim_and_norms():
@@ -145,4 +154,5 @@ def test_what_a_family_cannot_reproduce_is_one_line(tmp_path, change, words):
 def test_an_unknown_family_is_one_line_with_the_choices():
     with pytest.raises(ConfigError) as err:
         resolve(compose(["model.family=gpt2", "data=synthetic"]))
-    assert err.value.problems == ["model.family='gpt2': unknown family; choose one of: llama, mistral, qwen2, qwen3"]
+    assert err.value.problems == ["model.family='gpt2': unknown family; choose one of: llama, mistral, mixtral, qwen2, "
+                                    "qwen3, qwen3_moe"]

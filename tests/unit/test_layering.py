@@ -2,7 +2,8 @@
 the worker (train, models) on the left.
 
 `specs` is the torch-free part of models/ that the launcher side may import: the family registry
-(models/registry.py), the shared decoder's shape (models/common/shape.py) and each family's models/<family>/spec.py;
+(models/registry.py), the shared decoder's shape (models/common/shape.py, moe_shape.py) and each family's
+models/<family>/spec.py;
 the rest of models/ is the worker's. docs/design.md draws these tuples (a test below keeps it equal).
 
 Read from the source with ast (nothing is imported), lazy imports inside functions included: a package-level
@@ -24,7 +25,7 @@ LAUNCHER = ("core", "data", "specs", "config", "plan", "launch", "runs", "api", 
 # The worker side imports these launcher packages (their torch-free parts), never launch, render or cli.
 WORKER = {"train": ("core", "data", "specs", "config", "models", "train"),
           "models": ("core", "data", "specs", "config", "models")}
-SPEC_MODULES = re.compile(r"^trainctl\.models\.(registry|common\.shape|[a-z0-9_]+\.spec)$")
+SPEC_MODULES = re.compile(r"^trainctl\.models\.(registry|common\.shape|common\.moe_shape|[a-z0-9_]+\.spec)$")
 
 
 def module_name(path: Path) -> str:

@@ -80,7 +80,7 @@ def test_compare_unknown_axis_is_one_line_and_exit_2(tmp_path):
     proc = trainctl("plan", "recipe=tiny_cpu", "--compare", "colour", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --compare colour: not an axis; use one of: sharding, checkpointing, tp, micro_batch, optim"
+        "error: --compare colour: not an axis; use one of: sharding, checkpointing, tp, micro_batch, optim, ep"
     ]
 
 

@@ -24,7 +24,11 @@ def expected_tensors(m) -> dict[str, list[int]]:
     spec = registry.spec(m.family)
     tensors = [spec.embedding_tensor(m), *(t for i in range(m.n_layers) for t in spec.block_tensors(m, i)),
                *spec.head_tensors(m, first=True)]
-    return {spec.to_hf_name(t.name): [t.rows] if t.cols == 1 else [t.rows, t.cols] for t in tensors}
+    expected = {}
+    for t in tensors:
+        experts = getattr(spec, "expert_hf_tensors", lambda *_: None)(t.name, m)  # a stacked weight: per expert
+        expected.update(experts or [(spec.to_hf_name(t.name), [t.rows] if t.cols == 1 else [t.rows, t.cols])])
+    return expected
 
 
 def check_tensors(stored: dict[str, Stored], m) -> None:

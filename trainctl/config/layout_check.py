@@ -92,3 +92,37 @@ def check_context_parallel(dims: ParallelDims, c: schema.ClusterConfig, t: schem
         return [f"sharding.cp={dims.cp}: train.seq_len={t.seq_len} must be a multiple of 2 x cp = {2 * dims.cp} "
                 "(load-balanced sequence shards)"]
     return []
+
+
+# Strategies expert parallelism runs under: FSDP2 shards the experts over the data-parallel ranks left (efsdp).
+EP_STRATEGIES = ("zero2", "zero3", "hsdp")
+
+
+def check_expert_parallel(sh: schema.ShardingConfig, dims: ParallelDims, m: schema.ModelConfig,
+                          t: schema.TrainConfig) -> list[str]:
+    """Expert parallelism (sharding.ep): an MoE model whose experts and dp_shard split evenly; what it runs with."""
+    ep, experts = sh.ep, m.moe.num_experts
+    if ep < 1:
+        return [f"sharding.ep={ep}: must be a positive integer (1: no expert parallelism)"]
+    if ep == 1:
+        return []
+    if experts == 0:
+        return [f"sharding.ep={ep}: model.moe.num_experts=0 is a dense model with no experts to split; "
+                "use sharding.ep=1 or a mixture-of-experts model"]
+    problems = []
+    if experts % ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        problems.append(f"sharding.ep={ep}: model.moe.num_experts={experts} does not split evenly over {ep} ranks; "
+                        f"use an ep that divides it ({', '.join(map(str, divisors))})")
+    if canonical(sh.strategy) not in EP_STRATEGIES:
+        problems.append(f"sharding.ep={ep}: expert parallelism runs under sharding=zero2, zero3 (fsdp) or hsdp, "
+                        f"not strategy {sh.strategy}")
+    elif dims.dp_shard % ep:
+        problems.append(f"sharding.ep={ep}: the ep ranks are carved from sharding.dp_shard={dims.dp_shard} "
+                        f"(data-parallel size {dims.dp}); use an ep that divides dp_shard, or raise dp_shard")
+    unsupported = [(dims.cp > 1, f"sharding.cp={dims.cp}"), (dims.pp > 1, f"sharding.pp={dims.pp}"),
+                   (sh.cpu_offload, "sharding.cpu_offload=true"), (t.compile, "train.compile=true")]
+    problems += [f"sharding.ep={ep}: expert parallelism with {key} is not implemented; use it with data "
+                 "parallelism (zero2, zero3, hsdp) and activation checkpointing, or sharding.ep=1"
+                 for wanted, key in unsupported if wanted]
+    return problems

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from trainctl.config import schema
 from trainctl.config.fields import declared_problems
 from trainctl.core.dims import ParallelDims
@@ -18,13 +20,42 @@ def check_model(m: schema.ModelConfig, t: schema.TrainConfig) -> list[str]:
         return [f"model.n_layers={m.n_layers}: more than {MAX_LAYERS} layers; "
                 "the largest published models have under 200"]
     problems = []
-    problems += registry.spec(m.family).problems(m, t.seq_len)
+    problems += registry.spec(m.family).problems(m, t.seq_len) + dense_moe_problems(m)
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads={m.n_heads} (grouped-query "
                         f"attention); use a divisor such as {_divisors(m.n_heads)}")
     if t.seq_len > m.max_seq_len:
         problems.append(f"train.seq_len={t.seq_len}: longer than model.max_seq_len={m.max_seq_len} of model {m.name}; "
                         f"use at most {m.max_seq_len}")
+    return problems
+
+
+def _is_moe(family: str) -> bool:
+    return getattr(registry.spec(family), "is_moe", False)  # models/common/moe_shape.py's MoEShape
+
+
+def dense_moe_problems(m: schema.ModelConfig) -> list[str]:
+    """model.moe keys on a dense family would be ignored without a word: refused, naming the MoE families."""
+    if _is_moe(m.family) or m.moe == schema.MoEConfig():
+        return []
+    changed = next(f.name for f in fields(m.moe) if getattr(m.moe, f.name) != getattr(schema.MoEConfig(), f.name))
+    moe_families = " or ".join(f for f in registry.names() if _is_moe(f))
+    return [f"model.moe.{changed}={getattr(m.moe, changed)}: model.family={m.family} is dense (no experts); use "
+            f"model.family={moe_families} (e.g. model=qwen3_moe_tiny), or leave model.moe unset"]
+
+
+def moe_parallel_problems(dims: ParallelDims, m: schema.ModelConfig) -> list[str]:
+    """What the mixture-of-experts families do not run: tensor parallelism (experts are not split by tp) and
+    pipeline stages (the auxiliary loss and load statistics are not carried between stages)."""
+    if not _is_moe(m.family):
+        return []
+    problems = []
+    if dims.tp > 1:
+        problems.append(f"sharding.tp={dims.tp}: tensor parallelism is not implemented for model.family={m.family} "
+                        "(its experts are not split by tp); use tp=1 with FSDP2 (sharding=fsdp) or DDP")
+    if dims.pp > 1:
+        problems.append(f"sharding.pp={dims.pp}: pipeline stages are not implemented for model.family={m.family} "
+                        "(its auxiliary loss is not carried between stages); use pp=1")
     return problems
 
 
@@ -41,6 +72,7 @@ def check_model_parallel(dims: ParallelDims, m: schema.ModelConfig) -> list[str]
             if value % dims.tp:
                 problems.append(f"sharding.tp={dims.tp}: does not divide model.{key}={value}; use a tp degree that "
                                 f"divides it ({_divisors(value)})")
+    problems += moe_parallel_problems(dims, m)
     if dims.pp > m.n_layers:
         problems.append(f"sharding.pp={dims.pp}: more pipeline stages than model.n_layers={m.n_layers}")
     return problems

@@ -96,7 +96,7 @@ class ModelConfig:
     family-specific keys below default to plain Llama (full attention, plain RoPE, head_dim = dim / n_heads)."""
 
     name: str = "tiny"
-    # llama | qwen2 | qwen3 | mistral (the folders of trainctl/models with a spec.py)
+    # llama | qwen2 | qwen3 | mistral | qwen3_moe | mixtral (the folders of trainctl/models with a spec.py)
     family: str = choice("llama", _families, "unknown family; choose one of")
     dim: int = positive(256)
     n_layers: int = positive(4)

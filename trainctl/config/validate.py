@@ -19,7 +19,13 @@ from trainctl.config.batch import resolve_batch
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
-from trainctl.config.layout_check import check_context_parallel, check_offload, check_pipeline, infer_dims
+from trainctl.config.layout_check import (
+    check_context_parallel,
+    check_expert_parallel,
+    check_offload,
+    check_pipeline,
+    infer_dims,
+)
 from trainctl.config.model_check import check_model, check_model_parallel
 from trainctl.config.objective_check import objective_problems
 from trainctl.config.optim_check import check_optim_keys, check_optim_model
@@ -63,6 +69,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_pipeline(cfg.sharding, dims, cfg.model, train)
         problems += [] if batch_problems else batch_ramp.problems(train, dims.dp, dims.pp, cfg.schedule.warmup_steps)
         problems += check_context_parallel(dims, cfg.cluster, train)
+        problems += check_expert_parallel(cfg.sharding, dims, cfg.model, train)
         problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
         problems += document_mask_problems(cfg.data, dims.pp, dims.cp)
         problems += objective_problems(train, cfg.data, cfg.model.lora, cfg.checkpoint, resolved)
@@ -103,6 +110,8 @@ def resolve_hf_model(m: schema.ModelConfig) -> tuple[schema.ModelConfig, list[st
         fields = hf_config.model_fields(m.path)
     except hf_config.HFConfigError as exc:
         return m, [f"model.path={m.path}: {exc}"]
+    if "moe" in fields:  # a mixture of experts: its shape from config.json, the training knobs the user's
+        fields["moe"] = dataclasses.replace(m.moe, **fields["moe"])
     return dataclasses.replace(m, **fields), []
 
 
@@ -117,6 +126,9 @@ def check_init_from(c: schema.CheckpointConfig, m: schema.ModelConfig) -> list[s
     except hf_config.HFConfigError as exc:
         return [f"{key}: {exc}"]
     ours = dataclasses.asdict(m)
+    moe = theirs.pop("moe", {})  # a mixture of experts: compare its shape keys, not the training knobs
+    theirs.update({f"moe.{k}": v for k, v in moe.items()})
+    ours.update({f"moe.{k}": v for k, v in ours["moe"].items()})
     differ = [f"{k}={theirs[k]} (model.{k}={ours[k]})" for k in theirs
               if k != "max_seq_len" and theirs[k] != ours[k]]
     if differ:

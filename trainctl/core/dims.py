@@ -28,6 +28,13 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    # expert parallelism: not a sixth factor of the world but a split of dp_shard into [dp_shard/ep, ep]
+    ep: int = 1
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks FSDP2 shards each expert over: dp_shard's ranks that hold the same experts."""
+        return self.dp_shard // self.ep
 
     @property
     def dp(self) -> int:
@@ -49,7 +56,7 @@ class ParallelDims:
         if unresolved:
             raise UnresolvedDims(f"{', '.join(unresolved)}: the plan needs resolved degrees; "
                                  "run the config through validate first")
-        dims = cls(**degrees)
+        dims = cls(**degrees, ep=getattr(sharding, "ep", 1))
         if world is not None and dims.world_size != world:
             raise UnresolvedDims(f"sharding degrees {dims.as_dict()} multiply to {dims.world_size}, "
                                  f"not the world size {world}")

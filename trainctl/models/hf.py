@@ -67,6 +67,16 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch
     return to_hf_name(name, cfg), (to_hf_rows(tensor, heads) if heads else tensor).contiguous()
 
 
+def to_hf_items(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A trainctl tensor as the Hugging Face tensors it is: one, or one per expert of a stacked expert weight
+    ([E, in, out] -> E tensors [out, in], the Hub's layout; models/common/moe_shape.py)."""
+    spec = _spec(cfg)
+    experts = getattr(spec, "expert_hf_tensors", lambda *_: None)(name, cfg)
+    if experts is None:
+        return [to_hf(name, tensor, cfg)]
+    return [(hf_name, tensor[e].t().contiguous()) for e, (hf_name, _) in enumerate(experts)]
+
+
 def from_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str | None, torch.Tensor]:
     ours = from_hf_name(name, cfg)
     heads = _spec(cfg).rotary_heads(ours, cfg) if ours else None
@@ -122,6 +132,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int
     # LoRA's adapters are not in a Hugging Face folder: they keep their init (B = 0, so the model starts as loaded).
     params = {name: p for name, p in local_parameters(model).items() if not is_adapter(name)}
     done: set[str] = set()
+    experts = _ExpertStacks(params, cfg, path)
     known = {*expected_tensors(cfg), HEAD}  # the whole model's (a pipeline rank holds a part); a tied head: plan's
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -129,6 +140,8 @@ def load_hf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int
                 if key not in known and not key.endswith(BUFFER_SUFFIXES):
                     raise HFWeightsError(f"checkpoint.init_from={path}: tensor {key} is not part of the {cfg.family} "
                                          "model, so it would not be loaded; use a folder of that architecture")
+                if experts.take(key, f):
+                    continue
                 targets = _targets(from_hf_name(key, cfg), cfg)
                 targets = [t for t in targets if t in params and t not in done]
                 if not targets:
@@ -137,8 +150,36 @@ def load_hf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int
                 for target in targets:
                     _copy_into(params[target], tensor, key, target, path)
                     done.add(target)
+    done |= experts.done
     missing = sorted(set(params) - done)
     if missing:
         raise HFWeightsError(f"checkpoint.init_from={path}: no weights for {', '.join(missing[:3])}"
                                 f"{' and more' if len(missing) > 3 else ''}")
     return len(done)
+
+
+class _ExpertStacks:
+    """Per-expert Hub tensors gathered into this rank's stacked expert weights: a stack is filled once all of its
+    experts are read (one layer's experts at a time in host memory, then each rank keeps its own slice)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], cfg: ModelConfig, path):
+        self.params, self.cfg, self.path = params, cfg, path
+        self.from_hf_expert = getattr(_spec(cfg), "from_hf_expert", None)
+        self.pending: dict[str, dict[int, torch.Tensor]] = {}
+        self.done: set[str] = set()
+
+    def take(self, key: str, f) -> bool:
+        """Whether `key` is a per-expert tensor (read into its stack when this rank holds it)."""
+        found = self.from_hf_expert(key) if self.from_hf_expert is not None else None
+        if found is None:
+            return False
+        ours, e = found
+        if ours not in self.params:
+            return True  # another pipeline stage's layer
+        slots = self.pending.setdefault(ours, {})
+        slots[e] = f.get_tensor(key).t()
+        if len(slots) == self.cfg.moe.num_experts:
+            _copy_into(self.params[ours], torch.stack([slots[i] for i in range(len(slots))]), key, ours, self.path)
+            self.done.add(ours)
+            del self.pending[ours]
+        return True

@@ -21,7 +21,7 @@ from trainctl.config.load import load_run_config
 from trainctl.config.schema import ModelConfig
 from trainctl.core import checkpoints
 from trainctl.models.checkpoint_reader import CONFIG_ERRORS, ExportError, read_tensors, tensor_bytes
-from trainctl.models.hf import hf_config, to_hf
+from trainctl.models.hf import hf_config, to_hf_items
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,8 +67,8 @@ def write_weights(ckpt: Path, entries: dict, names: list[str], out: Path, max_sh
     weight_map = {}
     for index, shard in enumerate(shards):
         filename = shard_file(index, len(shards))
-        tensors = dict(to_hf(name, t if dtype is None else t.to(dtype), cfg)
-                       for name, t in read(shard).items())
+        tensors = dict(item for name, t in read(shard).items()
+                       for item in to_hf_items(name, t if dtype is None else t.to(dtype), cfg))
         save_file(tensors, str(out / filename), metadata={"format": "pt"})
         _readable_like_other_files(out / filename)
         weight_map.update(dict.fromkeys(tensors, filename))

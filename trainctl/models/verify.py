@@ -26,7 +26,7 @@ import torch
 from trainctl.config.schema import ModelConfig
 from trainctl.models import registry
 from trainctl.models.build import build_model
-from trainctl.models.hf import to_hf
+from trainctl.models.hf import to_hf_items
 
 # Logits of the same weights in fp32 differ between trainctl's and transformers' kernels by rounding that grows
 # with depth and width (measured: up to 1.1e-4 of the logits' scale on a 200M random model, 3.5e-4 on a deep
@@ -64,7 +64,7 @@ def verify_export(folder: Path, weights: dict[str, torch.Tensor], cfg: ModelConf
     expected = registry.spec(cfg.family).hf_architectures[0]
     if architecture != expected:
         raise VerifyError(f"{folder}: transformers built {architecture}, not {expected}")
-    worst = _compare_tensors(theirs.state_dict(), cast, cfg)
+    worst = _compare_tensors(_hub_names(theirs.state_dict(), cfg), cast, cfg)
     ours = build_model(cfg, "cpu")
     ours.init_weights()  # the rotary table; every parameter is overwritten below
     missing, unexpected = ours.load_state_dict(cast, strict=False)
@@ -133,16 +133,25 @@ def _compare_tensors(loaded: dict[str, torch.Tensor], ours: dict[str, torch.Tens
     for name, tensor in ours.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue
-        hf_name, expected = to_hf(name, tensor, cfg)
-        got = loaded.get(hf_name)
-        if got is None or tuple(got.shape) != tuple(expected.shape):
-            raise VerifyError(f"{hf_name}: {'absent' if got is None else list(got.shape)} in the loaded model, "
-                              f"expected {list(expected.shape)} from {name}")
-        diff = (got.float() - expected).abs().max().item() if expected.numel() else 0.0
-        if not diff <= 0:  # the same bytes through the same cast: anything else is a conversion error
-            raise VerifyError(f"{hf_name}: differs from the checkpoint's {name} by up to {diff:.3g}")
-        worst = max(worst, diff)
+        for hf_name, expected in to_hf_items(name, tensor, cfg):
+            got = loaded.get(hf_name)
+            if got is None or tuple(got.shape) != tuple(expected.shape):
+                raise VerifyError(f"{hf_name}: {'absent' if got is None else list(got.shape)} in the loaded model, "
+                                  f"expected {list(expected.shape)} from {name}")
+            diff = (got.float() - expected).abs().max().item() if expected.numel() else 0.0
+            if not diff <= 0:  # the same bytes through the same cast: anything else is a conversion error
+                raise VerifyError(f"{hf_name}: differs from the checkpoint's {name} by up to {diff:.3g}")
+            worst = max(worst, diff)
     return worst
+
+
+def _hub_names(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' state dict under the Hub's names (its fused in-memory experts split per expert)."""
+    split = getattr(registry.spec(cfg.family), "hub_names_of_fused", lambda *_: None)
+    out = {}
+    for name, tensor in state.items():
+        out.update(split(name, tensor) or [(name, tensor)])
+    return out
 
 
 def _shape(cfg: ModelConfig) -> tuple[int, int]:

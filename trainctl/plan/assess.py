@@ -17,6 +17,7 @@ from trainctl.plan import fit as fitting
 from trainctl.plan import memory
 from trainctl.plan import throughput as tp_model
 from trainctl.plan.activations import checkpointed_blocks, kv_dim
+from trainctl.plan.experts import all_to_all_bytes, moe_layers
 from trainctl.plan.flops import flops_per_token
 from trainctl.plan.notes import notes_for
 from trainctl.plan.stages import rank_stages
@@ -103,7 +104,10 @@ def step_time(
     tp_s = tp_bytes / bandwidth(cfg, spec, dims.tp)
     cp_bytes = tp_model.cp_comm_bytes(mem.tokens_per_micro_batch, kv_dim(m, dims.cp) // dims.tp, n_blocks, dims.cp, c)
     cp_s = cp_bytes * t.grad_accum / bandwidth(cfg, spec, dims.cp * dims.tp)  # cp sits outside tp in the mesh
-    return tp_model.StepTime(compute, recompute, bubble, tp_s, exposed, offload, cp_s)
+    a2a = all_to_all_bytes(m, mem.tokens_per_micro_batch, dims.ep, moe_layers(m, n_blocks), c, t.grad_accum,
+                           t.activation_checkpointing == "full")
+    ep_s = a2a / bandwidth(cfg, spec, dims.ep * dims.cp * dims.tp)  # ep sits outside cp and tp in the mesh
+    return tp_model.StepTime(compute, recompute, bubble, tp_s, exposed, offload, cp_s, ep_s)
 
 
 def bandwidth(cfg: RunConfig, spec, span: int) -> float:

@@ -2,8 +2,9 @@
 
 Axes (variants.py): sharding (none, ddp, zero1, zero2, zero3, zero3 + cpu_offload over the same
 ranks), checkpointing (none, selective, op, full), tp (1, 2, 4, 8 within a node, the rest data
-parallel), micro_batch (the divisors of the per-rank samples per step, accumulation derived) and optim
-(every optimizer of core/optimizers.py: its state bytes and step temporaries).
+parallel), micro_batch (the divisors of the per-rank samples per step, accumulation derived), optim
+(every optimizer of core/optimizers.py: its state bytes and step temporaries) and ep (expert parallelism over the
+divisors of dp_shard: the experts FSDP2 gathers, and the all-to-all's time in the step).
 A variant the config cannot take (validation or the worker refuses it) is left out.
 """
 

@@ -31,6 +31,8 @@ textbook ZeRO table (the worker wins):
   gradients, computed in forward; where it is dense (tp, pp, a float8 output layer) log_softmax's
   fp32 [tokens, V] output is saved and backward adds two more fp32 [tokens, V] gradients
   (trainctl/plan/activations.py).
+- Expert parallelism (plan/experts.py): a block's routed experts are gathered E/ep at a time, and its token
+  exchange's buffers (the rows as they arrive and regrouped, or their gradients) join the block's temporaries.
 - cpu_offload moves weights, gradients and optimizer states to host memory; the device keeps
   the gathered units and their gradients.
 - The optimizer step: its temporaries are the optimizer's (core/optimizers.py): fused AdamW on CUDA
@@ -54,6 +56,7 @@ from trainctl.core.lora import quantized_base
 from trainctl.core.loss_head import chunked_loss, planned_chunk_tokens
 from trainctl.core.wrapping import wrapping
 from trainctl.plan import activations as act
+from trainctl.plan.experts import exchange_bytes_per_token
 from trainctl.plan.rank_states import (
     busiest_dp_rank,
     local_tensors,
@@ -217,7 +220,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
         activations_per_micro_batch=saved.one,
         loss_buffers=act.loss_transient_bytes(m, lay, tokens, head_reduce, 0) if stage.last else 0,
         recompute=(int(act.recompute_bytes(m, lay, mode) * tokens) if wrapped else 0) + saved.unpacked,
-        grad_temp=int(act.block_grad_bytes(m, lay) * tokens) if stage.layers else 0,
+        grad_temp=int((act.block_grad_bytes(m, lay) + exchange_bytes_per_token(m, dims.ep, c)) * tokens)
+        if stage.layers else 0,
         head_activations=saved.head,
         last_block_activations=saved.first_block,
         grads_head=0 if sharding.cpu_offload else FP32 * stored_of(trainable_of(head_part, learn), wrap, dims),

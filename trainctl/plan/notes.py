@@ -16,9 +16,11 @@ from trainctl.core.wrapping import wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import throughput as tp_model
 from trainctl.plan.attention_kernel import predicted_kernel
+from trainctl.plan.experts import expert_share
 from trainctl.plan.flops import linear_shapes
 from trainctl.plan.memory import GIB, RankMemory
 from trainctl.plan.throughput import DEFAULT_MFU
+from trainctl.plan.transients import DTYPE_BYTES
 
 
 def _gib(n: int) -> str:
@@ -179,7 +181,21 @@ def optimizer_notes(cfg: RunConfig, mem: RankMemory) -> list[str]:
             "counted tensor by tensor"]
 
 
+def expert_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
+    """Under expert parallelism: the experts each rank holds and gathers, and the all-to-all (plan/experts.py)."""
+    if dims.ep == 1 or cfg.model.moe.num_experts == 0:
+        return []
+    t, c = cfg.train, DTYPE_BYTES[cfg.precision.compute_dtype]
+    wrap = wrapping(cfg.sharding.strategy, dims, cfg.precision)
+    share = expert_share(cfg.model, dims, wrap, cfg.model.n_layers // dims.pp, mem.tokens_per_micro_batch, c,
+                         t.grad_accum, t.activation_checkpointing == "full", cfg.optim)
+    return [f"experts (ep={dims.ep}): each rank computes {share.experts_per_rank} of {cfg.model.moe.num_experts} "
+            f"experts per layer and gathers {_gib(share.gathered_bytes)} of them per layer (FSDP2 over "
+            f"dp_shard/ep={dims.efsdp}); the token all-to-alls move {_gib(int(share.all_to_all_bytes))} per step "
+            "each way, not overlapped (step time's ep_comm_s)"]
+
+
 def notes_for(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     """Every note that applies to this config, strategy first."""
     return (strategy_notes(cfg, dims, mem) + optimizer_notes(cfg, mem) + activation_notes(cfg, dims, mem)
-            + device_notes(cfg, dims) + lora_notes(cfg) + throughput_notes(cfg))
+            + expert_notes(cfg, dims, mem) + device_notes(cfg, dims) + lora_notes(cfg) + throughput_notes(cfg))

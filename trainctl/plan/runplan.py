@@ -18,10 +18,14 @@ from trainctl.core.dims import ParallelDims, UnresolvedDims
 from trainctl.core.errors import UserError
 from trainctl.core.gpus import GPUS
 from trainctl.core.support import unsupported
+from trainctl.core.wrapping import wrapping
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
+from trainctl.plan.experts import ExpertShare, expert_share
 from trainctl.plan.flops import flops_per_token, linear_shapes, lora_formula_count, param_count, trainable_count
+from trainctl.plan.stages import rank_stages
 from trainctl.plan.throughput import StepTime, attention_flops_causal, hours
+from trainctl.plan.transients import DTYPE_BYTES
 
 
 class PlanError(UserError):
@@ -68,6 +72,8 @@ class RunPlan:
     notes: tuple[str, ...]  # where the worker differs from the textbook, for this config
     advice: tuple[advice.Suggestion, ...]  # when a rank does not fit or is tight
     warnings: tuple[str, ...]
+    # the busiest rank's routed experts and all-to-all (plan/experts.py); None for a dense model
+    experts: ExpertShare | None = None
 
     @property
     def step_time_s(self) -> float | None:
@@ -107,6 +113,7 @@ class RunPlan:
         data["notes"] = list(self.notes)
         data["advice"] = [a.to_dict() for a in self.advice]
         data["warnings"] = list(self.warnings)
+        data["experts"] = None if self.experts is None else self.experts.to_dict()
         return data
 
 
@@ -265,7 +272,17 @@ def build(cfg: RunConfig, with_advice: bool = True, machine: fit.Machine | None 
         notes=a.notes,
         advice=tuple(suggestions),
         warnings=tuple(w for w in warnings if w),
+        experts=experts_of(cfg, dims, a),
     )
+
+
+def experts_of(cfg: RunConfig, dims: ParallelDims, a: Assessment) -> ExpertShare | None:
+    """The busiest rank's routed experts under the config's ep x FSDP2 split (None for a dense model)."""
+    t = cfg.train
+    layers = len(rank_stages(cfg.model, cfg.sharding, t.grad_accum)[a.busiest].layers)
+    return expert_share(cfg.model, dims, wrapping(cfg.sharding.strategy, dims, cfg.precision), layers,
+                        a.memory.tokens_per_micro_batch, DTYPE_BYTES[cfg.precision.compute_dtype], t.grad_accum,
+                        t.activation_checkpointing == "full", cfg.optim)
 
 
 def lora_warnings(cfg: RunConfig) -> list[str]:

@@ -33,6 +33,8 @@ The time model, stated once (every term is per optimizer step, on the busiest ra
               the model FLOPs) FP8_GEMM_EFFICIENCY[recipe] x (fp8 peak / bf16 peak) times faster; attention, the
               excluded layers (the output head by default) and everything else stay at the bf16 rate
               (Amdahl); the casts and amax reductions are inside the assumed MFU
+    ep        expert parallelism's token all-to-alls (plan/experts.py): each routed row that leaves the rank
+              goes and comes back in forward and backward, at the ep group's bandwidth, not hidden
     offload   cpu_offload: the parameter shard crosses PCIe (25 GB/s) at every gather, gradients once,
               and AdamW runs on the host at 1 G parameters/s per node, shared by its ranks
 """
@@ -76,11 +78,12 @@ class StepTime:
     exposed_dp_comm_s: float
     offload_s: float
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0  # expert parallelism's token all-to-alls (plan/experts.py), not overlapped
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.recompute_s + self.bubble_s + self.tp_comm_s + self.exposed_dp_comm_s
-                + self.offload_s + self.cp_comm_s)
+                + self.offload_s + self.cp_comm_s + self.ep_comm_s)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "total_s": self.total_s}

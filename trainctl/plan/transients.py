@@ -14,6 +14,7 @@ from trainctl.core.dims import ParallelDims
 from trainctl.core.wrapping import Wrapping, float8_all_gather
 from trainctl.plan import activations as act
 from trainctl.plan.activations import FP32
+from trainctl.plan.experts import ep_local
 from trainctl.plan.shapes import (
     Tensor,
     block_tensors,
@@ -26,10 +27,11 @@ from trainctl.plan.stages import RankStages
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def fsdp_units(m: ModelConfig, stage: RankStages, tp: int) -> dict[str, int]:
-    """Elements of each FSDP2 unit (parallelize.apply_fsdp), tp-local: embedding, one block, head, root."""
+def fsdp_units(m: ModelConfig, stage: RankStages, tp: int, ep: int = 1) -> dict[str, int]:
+    """Elements of each FSDP2 unit (parallelize.apply_fsdp), tp-local: embedding, one block, head, root; a block's
+    routed experts counted as its ep rank holds them (E/ep: plan/experts.py)."""
     def numel(ts: list[Tensor]) -> int:
-        return sum(tp_local(t, tp, m.family).numel for t in ts)
+        return sum(ep_local(tp_local(t, tp, m.family), ep).numel for t in ts)
 
     tied = m.tie_embeddings and stage.first and stage.last
     block = numel(block_tensors(m, stage.layers[0])) if stage.layers else 0
@@ -148,7 +150,7 @@ def gathered_bytes(m: ModelConfig, stage: RankStages, dims: ParallelDims, wrap: 
     """`gathered` for this wrapping's FSDP2 units; zeros without FSDP2."""
     if not wrap.fully_shard:
         return 0, 0, 0
-    units = fsdp_units(m, stage, dims.tp)
+    units = fsdp_units(m, stage, dims.tp, dims.ep)
     # FSDP2 as DDP (ddp over tp/pp) gathers and reduces fp32: it has no mixed precision.
     unit_c, unit_r = (c, r) if wrap.fsdp else (FP32, FP32)
     g = 1 if float8_all_gather(wrap.fsdp, precision) else unit_c

@@ -1,18 +1,19 @@
 """`trainctl tune`'s planning half: the layouts a config's cluster could run, those that fit, ranked by speed.
 
-Candidates are the config itself and its variants (variants.py) along sharding strategy x tensor parallel x
-context parallel x pipeline x activation checkpointing x micro-batch, combined in that order over the same ranks
-and the same global batch; each candidate is a config `launch` accepts and the overrides that give it from the
+Candidates are the config itself and its variants (variants.py) along sharding strategy x tensor parallel x context
+parallel x expert parallel x pipeline x activation checkpointing x micro-batch, combined in that order over the same
+ranks and the same global batch; each candidate is a config `launch` accepts and the overrides that give it from the
 user's recipe. Context parallelism (cp: the divisors of the data-parallel ranks up to MAX_CP, taken from data
-parallelism) is a speed layout like tp: it splits each sequence across cp ranks and runs exact (ring) attention,
-so the loss is the same; validate decides where it is legal (CUDA attention kernels, seq_len a multiple of 2 x cp,
-not with pipelines or zero1). Pipeline stages (pp 2 and 4, taken from data parallelism, the layers split evenly)
-are tried after them where the world and the layers allow. The set is bounded (MAX_CANDIDATES) and deduplicated
-by what the worker runs (strategy, degrees, checkpointing, micro-batch).
+parallelism) is a speed layout like tp: it splits each sequence across cp ranks and runs exact (ring) attention, so
+the loss is the same; validate decides where it is legal (CUDA attention kernels, seq_len a multiple of 2 x cp, not
+with pipelines or zero1). A mixture-of-experts model also tries expert parallelism (ep: the divisors of dp_shard
+that split its experts; plan/experts.py prices the all-to-all). Pipeline stages (pp 2 and 4, taken from data
+parallelism, the layers split evenly) are tried after them where the world and the layers allow. The set is bounded
+(MAX_CANDIDATES) and deduplicated by what the worker runs (strategy, degrees, checkpointing, micro-batch).
 
-Ranking: those that launch accepts (fits, tight, or an unknown capacity) by predicted tokens/s, highest first.
-The prediction is the throughput model's step time (throughput.py) at the device's peak; a device without a known
-peak (a CPU) is ranked by the same model at a nominal peak, whose absolute tokens/s mean nothing
+Ranking: those that launch accepts (fits, tight, or an unknown capacity) by predicted tokens/s, highest first. The
+prediction is the throughput model's step time (throughput.py) at the device's peak; a device without a known peak
+(a CPU) is ranked by the same model at a nominal peak, whose absolute tokens/s mean nothing
 (`predicted_tokens_per_s` is None then) but whose ratios between candidates are the model's.
 """
 
@@ -138,6 +139,15 @@ def _cps(cfg: RunConfig) -> list[Variant]:
     return [Variant("", (), cfg)] + [v for c in cps if (v := with_cp(cfg, c))]
 
 
+def _eps(cfg: RunConfig) -> list[Variant]:
+    """Expert parallelism over the divisors of dp_shard, for a mixture-of-experts model (validate keeps what splits)."""
+    if cfg.model.moe.num_experts == 0:
+        return [Variant("", (), cfg)]
+    eps = [e for e in variants._divisors_up_to(cfg.sharding.dp_shard, cfg.model.moe.num_experts)
+           if e != cfg.sharding.ep]
+    return [Variant("", (), cfg)] + [v for e in eps if (v := variants.with_ep(cfg, e))]
+
+
 def _pps(cfg: RunConfig) -> list[Variant]:
     return [Variant("", (), cfg)] + [v for pp in (2, 4) if (v := with_pp(cfg, pp))]
 
@@ -187,13 +197,13 @@ def layout_key(cfg: RunConfig) -> tuple:
     """What the worker runs differently between candidates (two candidates with one key are one layout)."""
     s, t = cfg.sharding, cfg.train
     return (s.strategy, s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp, s.cpu_offload, t.activation_checkpointing,
-            t.micro_batch, t.grad_accum)
+            t.micro_batch, t.grad_accum, s.ep)
 
 
 def layouts(cfg: RunConfig) -> list[Variant]:
     """Every distinct layout (module doc), the config itself first; at most MAX_CANDIDATES."""
     found = [Variant("(as configured)", (), cfg)]
-    for make in (_strategies, _tps, _cps, _pps, _checkpointing, _micro_batches):
+    for make in (_strategies, _tps, _cps, _eps, _pps, _checkpointing, _micro_batches):
         found = _expand(found, make)
     seen, out = set(), []
     for v in found:

@@ -17,7 +17,7 @@ from trainctl.core import optimizers
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import REPLICATING
 
-AXES = ("sharding", "checkpointing", "tp", "micro_batch", "optim")
+AXES = ("sharding", "checkpointing", "tp", "micro_batch", "optim", "ep")
 ZERO_ORDER = ("ddp", "zero1", "zero2", "zero3")
 
 
@@ -103,6 +103,11 @@ def with_optimizer(cfg: RunConfig, name: str) -> Variant | None:
     return _resolved(name, [f"optim={name}"], dataclasses.replace(cfg, optim=optim))
 
 
+def with_ep(cfg: RunConfig, ep: int) -> Variant | None:
+    """The routed experts split over `ep` of the dp_shard ranks (validate leaves out what cannot split)."""
+    return _resolved(f"ep={ep}", [f"sharding.ep={ep}"], _replace(cfg, sharding={"ep": ep}))
+
+
 def _divisors_up_to(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
@@ -123,6 +128,8 @@ def along(cfg: RunConfig, axis: str) -> list[Variant]:
         found = [with_micro_batch(cfg, mb) for mb in _divisors_up_to(per_rank, 64) if mb != cfg.train.micro_batch]
     elif axis == "optim":
         found = [with_optimizer(cfg, name) for name in optimizers.names() if name != cfg.optim.name]
+    elif axis == "ep":  # the divisors of dp_shard; validate refuses dense models and experts that do not split
+        found = [with_ep(cfg, ep) for ep in _divisors_up_to(cfg.sharding.dp_shard, 64) if ep != cfg.sharding.ep]
     else:
         raise ValueError(f"unknown axis {axis!r}")
     return [current] + [v for v in found if v is not None]

@@ -63,3 +63,21 @@ class TransformerBlock(nn.Module):
         # mask by keyword: TP's PrepareModuleInput lays out the positional (x, freqs) only.
         h = x + self.attention(self.attention_norm(x), freqs, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+class QKNormAttention(Attention):
+    """Qwen3's attention (qwen3, qwen3_moe): an RMSNorm over each q and k head before RoPE."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def init_weights(self, out_std: float) -> None:
+        super().init_weights(out_std)
+        self.q_norm.reset_parameters()
+        self.k_norm.reset_parameters()
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x)
+        return self.q_norm(q), self.k_norm(k), v

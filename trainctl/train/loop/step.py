@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainctl.models.loss_head import IGNORE_INDEX
+from trainctl.train.loop.expert_load import ExpertLoad
 from trainctl.train.loop.guards import agreed_step
 from trainctl.train.loop.job import Job
 from trainctl.train.loop.loss import TokenLoss, step_divisor, token_loss_sum
@@ -64,10 +65,11 @@ def train_step(job: Job, step: int) -> StepResult:
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
     on_loss = job.hooks.on_loss
     adjust = None if on_loss is None else functools.partial(on_loss, step)
+    load = ExpertLoad(job.model)  # a mixture of experts' auxiliary loss and load (nothing for a dense model)
     if job.objective is not None:  # preference tuning (train/preference/objective.py); pp is refused for it
         local_loss = job.objective.forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, adjust)
     elif job.pipeline is None:
-        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust)
+        local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust, load)
     else:
         local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust)
     settle_partial_gradients(job.model)  # TP's partial sums reduced once, before the clip and the step
@@ -82,8 +84,8 @@ def train_step(job: Job, step: int) -> StepResult:
     # Every model state exists now (gradients not yet zeroed): measure once.
     memory = memory_record(job.model, job.optimizer, meter.stop()) if meter is not None else None
     job.optimizer.zero_grad(set_to_none=True)
-    extra = None if job.objective is None else job.objective.last
-    return StepResult(step + 1, loss, grad_norm, lr, stop, memory, extra)
+    extra = {**((job.objective.last or {}) if job.objective is not None else {}), **load.finish()}
+    return StepResult(step + 1, loss, grad_norm, lr, stop, memory, extra or None)
 
 
 def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
@@ -98,10 +100,11 @@ def skip_empty_step(job: Job, step: int, lr: float) -> StepResult:
 
 def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                      contexts: MicroBatchContext, scale_loss=lambda loss: loss,
-                     divisor: float | None = None, adjust=None) -> torch.Tensor:
+                     divisor: float | None = None, adjust=None, load: ExpertLoad | None = None) -> torch.Tensor:
     """Accumulate gradients over this rank's micro-batches; returns this rank's mean token loss (no sync).
 
     divisor: masked data's (loss.step_divisor); None: every target counts. adjust: hooks.on_loss of this step.
+    load: a mixture of experts' auxiliary loss, added to each micro-batch's loss (not to the returned one).
     """
     device = contexts.device
     if divisor is None:
@@ -117,7 +120,8 @@ def forward_backward(model: nn.Module, micro_batches: list[tuple[torch.Tensor, t
         with contexts.around_backward(inputs, targets, last=index == len(micro_batches) - 1) as freqs:
             with contexts.forward():
                 loss = token_loss.of_model(model, inputs, targets, freqs, positions)
-            scale_loss(loss).backward()
+                aux = load.take(len(micro_batches)) if load is not None else None
+            scale_loss(loss if aux is None else loss + aux).backward()
         total += loss.detach()
     return total
 
@@ -135,14 +139,27 @@ def clip_gradients(model: nn.Module, max_norm: float, pp_group: dist.ProcessGrou
     their norm is a DTensor that `full_tensor` reduces over every mesh dim. The norm is computed once
     and then applied, because clip_grad_norm_ fails on gradients of different meshes.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    groups = grads_by_mesh([p for p in model.parameters() if p.grad is not None])
+    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups]
+    # Expert parallelism puts the experts' gradients on a mesh of their own: one norm per mesh, then their norm.
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     norm = norm_over_stages(norm, pp_group)  # pipeline: add the other stages' gradients
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
+
+
+def grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by their gradients' mesh (plain tensors together): DTensor ops refuse mixed meshes."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(groups.values()) or [[]]
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @torch.no_grad()

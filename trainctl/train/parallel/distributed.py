@@ -117,6 +117,10 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
             f"sharding degrees {dims.as_dict()} multiply to {dims.world_size} but this job has "
             f"{dist.get_world_size()} ranks; relaunch from the run plan or fix cluster.nodes x cluster.procs_per_node"
         )
+    if dims.ep > 1:
+        from trainctl.train.parallel.expert import build_ep_mesh
+
+        return build_ep_mesh(dims, device.type)  # dp_shard split into [efsdp, ep] (cp is refused with ep)
     shape = tuple(getattr(dims, name) for name in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     if dims.cp > 1:

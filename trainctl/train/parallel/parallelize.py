@@ -6,9 +6,10 @@ The order matters and is the same as torchtitan's:
      float8 styles and shard the Float8Linear itself -- converting already-sharded Linears
      would drop TP's input/output hooks)
   -> tensor parallel (swaps Linear weights for DTensors on the tp mesh)
+  -> expert parallel (every GroupedExperts' stacked weights Shard(0) over the ep mesh; all-to-all around them)
   -> activation checkpointing (wraps blocks; must wrap what FSDP will shard)
   -> compile (per block, around the checkpointed block)
-  -> FSDP2 fully_shard (per block, then the root)
+  -> FSDP2 fully_shard (under ep the experts first, over efsdp; then per block, then the root)
   -> materialize: to_empty + init_weights (every shard inits its own slice)
   -> DDP (last: it needs real weights and broadcasts rank 0's).
 Context parallelism changes no module except attention's kv heads: it shards each step's
@@ -39,6 +40,7 @@ from trainctl.models.lora import init_adapters
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.parallel.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.parallel.context_parallel import expand_kv_heads_for_cp
+from trainctl.train.parallel.expert import apply_expert_parallel, expert_dp_mesh, shard_experts
 from trainctl.train.parallel.float8 import apply_float8
 from trainctl.train.parallel.precision import fsdp_mp_policy
 from trainctl.train.parallel.tensor_parallel import apply_replicate_over_tp, apply_tp
@@ -152,6 +154,9 @@ def parallelize(
         # float8 activations in TP collectives: tensorwise recipe only, and NCCL (gloo has no float8 dtypes).
         float8_collectives = precision.fp8 and precision.fp8_recipe == "tensorwise" and device.type == "cuda"
         apply_tp(model, mesh["tp"], float8_tensorwise=float8_collectives)
+    if sharding.ep > 1:
+        # every GroupedExperts: E/ep experts here, all-to-all around them; gradients / ep for FSDP2's mean
+        apply_expert_parallel(model, mesh["ep"], grad_divisor=sharding.ep)
     if sharding.cp > 1:
         expand_kv_heads_for_cp(model)  # the ring's kernels take equal q and kv head counts
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
@@ -161,6 +166,8 @@ def parallelize(
         apply_compile(model)
     dp_mesh = dp_mesh_for(wrap.dp_mesh, mesh) if wrap.dp_mesh else None
     if wrap.fsdp:
+        if sharding.ep > 1:  # the experts first: their own units over the ranks that hold the same experts
+            shard_experts(model, expert_dp_mesh(mesh, wrap.dp_mesh), wrap.reshard_after_forward, fsdp_mp_policy(wrap))
         apply_fsdp(model, dp_mesh, wrap.reshard_after_forward, fsdp_mp_policy(wrap), sharding.cpu_offload)
     elif wrap.fsdp_as_ddp:
         # DDP's reducer cannot bucket DTensors, and breaks when a schedule runs several forwards before a backward.

@@ -1,0 +1,28 @@
+"""Mixture-of-experts keys: on a dense family, more experts per token than experts, and the layouts and adapters
+the MoE families do not implement (tp, pp, LoRA on the experts): each one line, exit 2, nothing launched."""
+
+from __future__ import annotations
+
+from hostile.common import Probe, case, refused
+
+TINY = ("plan", "recipe=tiny_cpu")
+MOE = (*TINY, "model=qwen3_moe_tiny")
+
+
+@case("moe", "model.moe keys on a dense family: refused naming the MoE families")
+def _(p: Probe) -> None:
+    refused(p.cli(*TINY, "model.moe.num_experts=8"), "model.moe.num_experts=8", "dense", "qwen3_moe")
+    refused(p.cli(*TINY, "model.moe.aux_loss_coef=0.5"), "model.moe.aux_loss_coef", "dense")
+
+
+@case("moe", "more experts per token than experts, and an MoE family without experts")
+def _(p: Probe) -> None:
+    refused(p.cli(*MOE, "model.moe.experts_per_token=9"), "model.moe.experts_per_token=9", "at most 4")
+    refused(p.cli(*MOE, "model.moe.num_experts=0"), "model.moe.num_experts=0", "mixture of experts")
+
+
+@case("moe", "tensor parallelism, pipeline stages and LoRA on the experts of an MoE family")
+def _(p: Probe) -> None:
+    refused(p.cli(*MOE, "sharding=none", "sharding.tp=2"), "sharding.tp=2", "not implemented", "fsdp")
+    refused(p.cli(*MOE, "sharding=none", "sharding.pp=2"), "sharding.pp=2", "not implemented")
+    refused(p.cli(*MOE, "model.lora.rank=4", "model.lora.targets=[q,gate]"), "model.lora.targets", "attention")

@@ -1,0 +1,103 @@
+"""A tiny mixture of experts trained under expert parallelism: the same 10-step curve as one process.
+
+qwen3_moe (and mixtral under ep=2) with 4 experts, 2 per token (the Qwen3-MoE router), fp32, no auxiliary loss: one process on the global
+batch of 8, and the same batch under ep=2 with full activation checkpointing (FSDP2 over dp_shard=2, each rank
+holding 2 experts; the all-to-alls run again in the recomputed forward), and ep=2 x FSDP2 2 (4 ranks: dp_shard=4
+split into [efsdp=2, ep=2], each expert's weights sharded over 2 ranks). Only the order of the sums differs (the
+experts' gradients are summed across ranks by the all-to-all's backward and FSDP2's reduce-scatter), so the curves
+agree to fp32 rounding (tests.helpers.curve_rel).
+
+The load-balancing loss is a product of two batch means, so any data-parallel layout computes it per rank's
+micro-batch, not over the global batch: with it on, ep=2 is compared with FSDP2 over the same 2 ranks (ep=1),
+which routes the same tokens per rank. Stop and resume under ep=2 is bitwise the straight run, and its checkpoint
+resumes under ep=1 (FSDP2 alone) with the same data order and the same steps to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_resume import launch, losses, ok, stopped_and_resumed_equals_straight
+from worker_runs import base_config, series, train_many, write_run_dir
+
+from tests.helpers import assert_curve_close, curve_rel
+from trainctl.config.schema import CheckpointConfig, ModelConfig, MoEConfig, ShardingConfig
+from trainctl.models import registry
+from trainctl.train.checkpoint.store import list_committed
+
+# The proof needs a mixture-of-experts family whose MoE block calls GroupedExperts (models/qwen3_moe).
+pytestmark = [pytest.mark.dist, pytest.mark.skipif("qwen3_moe" not in registry.names(),
+                                                   reason="needs the qwen3_moe family (models/qwen3_moe)")]
+
+STEPS = 10
+MOE = ModelConfig(name="moe", family="qwen3_moe", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  ffn_dim=128, vocab_size=256, max_seq_len=64,
+                  moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64, aux_loss_coef=0.0))
+AUX = replace(MOE, moe=replace(MOE.moe, aux_loss_coef=0.01))
+MIXTRAL = replace(MOE, family="mixtral", head_dim=0, moe=replace(MOE.moe, router="topk_softmax"))
+EP2 = ShardingConfig(strategy="zero3", dp_shard=2, ep=2)
+
+
+def config(cache, sharding: ShardingConfig, micro_batch: int, model: ModelConfig = MOE, **train):
+    base = base_config(cache, **{"steps": STEPS, **train}, micro_batch=micro_batch)
+    return replace(base, model=model, sharding=sharding)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    cases = {
+        "single": (config(data_cache, ShardingConfig(), 8), None),
+        "ep2_ac": (config(data_cache, EP2, 4, activation_checkpointing="full"), 2),
+        "aux-fsdp2": (config(data_cache, replace(EP2, ep=1), 4, AUX), 2),
+        "aux-ep2": (config(data_cache, EP2, 4, AUX), 2),
+        "ep2_fsdp2": (config(data_cache, ShardingConfig(strategy="zero3", dp_shard=4, ep=2), 2), 4),
+        "mixtral-single": (config(data_cache, ShardingConfig(), 8, MIXTRAL), None),
+        "mixtral-ep2": (config(data_cache, EP2, 4, MIXTRAL), 2),
+    }
+    return train_many(tmp_path_factory.mktemp("expert-parallel"), cases)
+
+
+@pytest.mark.slow  # the fixture's 7 runs (3 torchruns, one of 4 ranks): 40-50 s on 2 cores
+@pytest.mark.parity
+@pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2"])
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_expert_parallel_matches_one_process(runs, name, key):
+    want = series(runs["single"], key)
+    assert len(want) == STEPS and len(set(want)) == STEPS
+    assert_curve_close(series(runs[name], key), want, key, model=MOE)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_mixtral_under_ep_matches_one_process(runs, key):
+    want = series(runs["mixtral-single"], key)
+    assert len(set(want)) == STEPS and want != series(runs["single"], key)  # another model
+    assert_curve_close(series(runs["mixtral-ep2"], key), want, key, model=MIXTRAL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_expert_parallel_with_the_aux_loss_matches_the_same_data_parallel_ranks(runs, key):
+    want = series(runs["aux-fsdp2"], key)
+    assert len(set(want)) == STEPS and want != series(runs["single"], key)  # the aux loss is in the gradients
+    assert_curve_close(series(runs["aux-ep2"], key), want, key, model=MOE)
+
+
+@pytest.mark.slow
+def test_stop_and_resume_under_ep_is_bitwise_identical_and_resumes_onto_ep1(tmp_path, data_cache):
+    def run(name: str, sharding: ShardingConfig = EP2, **checkpoint):
+        cfg = config(data_cache, sharding, 4, AUX, steps=6, eval_every=6)
+        return replace(cfg, name=name, checkpoint=CheckpointConfig(**checkpoint))
+
+    straight, resumed = stopped_and_resumed_equals_straight(tmp_path, run, 2, stop_at=3, steps=6)
+    # The step-3 checkpoint (experts saved as E/ep-row shards) loaded by FSDP2 alone over the same ranks: the same
+    # data order, the same steps to rounding (resharding changes the order of the sums).
+    source = dict(list_committed(resumed / "checkpoints"))[3]
+    onto = write_run_dir(tmp_path, run("onto-ep1", replace(EP2, ep=1), resume=str(source), load_only="all"))
+    ok(launch(onto, 2), onto)
+    got, want = losses(onto), losses(straight)
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=curve_rel(step, model=MOE)), step
