@@ -9,11 +9,17 @@ import pytest
 from worker_runs import base_config, records, series, train_many
 
 from tests.helpers import assert_curve_close, curve_rel
-from trainctl.config.schema import ShardingConfig
+from trainctl.config.schema import MoEConfig, ShardingConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.parity]
 
 PARITY_STEPS = 10
+# A tiny Mixtral (4 experts, 2 per token, aux loss on): its curve under FSDP2 equals one process's.
+MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64, router="topk_softmax", aux_loss_coef=0.01)
+
+
+def moe_config(cfg):
+    return replace(cfg, model=replace(cfg.model, family="mixtral", ffn_dim=64, moe=MOE))
 
 
 def assert_same_curve(run_dir, reference, key: str, steps: int = PARITY_STEPS) -> None:
@@ -36,10 +42,16 @@ def runs(tmp_path_factory, data_cache):
         "zero2": (base_config(data_cache, micro_batch=2, grad_accum=2), 2),
         "hsdp": (base_config(data_cache, micro_batch=4, grad_accum=1), 2),
         "hsdp2x2": (base_config(data_cache, micro_batch=2, grad_accum=1), 4),
+        # The aux loss is a mean over each micro-batch's tokens (Switch's, not linear in them): both split the
+        # global batch into the same micro-batches of 2, one process accumulating 4, each of 2 ranks 2.
+        "moe_single": (moe_config(base_config(data_cache, micro_batch=2, grad_accum=4)), None),
+        # In the 2-rank torchrun above: accumulation and FSDP2's reduce-scatter around the aux loss.
+        "moe_fsdp": (moe_config(base_config(data_cache, micro_batch=2, grad_accum=2)), 2),
     }
     sharding = {
         "ddp": ShardingConfig(strategy="ddp", dp_replicate=2),
         "fsdp": fsdp,
+        "moe_fsdp": fsdp,
         "zero2": ShardingConfig(strategy="zero2", dp_shard=2),
         # A 2-D (replicate 2 x shard 1) mesh: the HSDP code path on two ranks.
         "hsdp": ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=1),
@@ -54,6 +66,14 @@ def runs(tmp_path_factory, data_cache):
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_data_parallel_matches_one_process(runs, name, key):
     assert_same_curve(runs[name], runs["single"], key)
+
+
+@pytest.mark.parametrize("key", ["loss", "grad_norm", "aux_loss"])
+def test_a_mixture_of_experts_under_fsdp2_matches_one_process(runs, key):
+    assert_same_curve(runs["moe_fsdp"], runs["moe_single"], key)
+    if key == "loss":  # every rank's routed tokens are counted: the whole global batch, k slots each
+        loads = [r["expert_load"] for r in records(runs["moe_fsdp"], "train")]
+        assert all(sum(layer) == 8 * 64 * MOE.experts_per_token for step in loads for layer in step)
 
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
