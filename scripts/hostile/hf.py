@@ -114,11 +114,14 @@ def _(p: Probe) -> None:
     succeeded(plan_with(p, root), "qwen2")
 
 
-@case("hf", "a Mixtral (mixture-of-experts) config.json given to model=hf")
+@case("hf", "mixture-of-experts config.json files given to model=hf: Mixtral plans, DeepSeek-V3 is refused")
 def _(p: Probe) -> None:
     root = hf_folder(p, {**LLAMA, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
                          "num_local_experts": 8, "num_experts_per_tok": 2})
-    refused(plan_with(p, root), "model_type", "mixtral", "qwen3")
+    succeeded(plan_with(p, root), "mixtral")
+    other = hf_folder(p, {**LLAMA, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                          "n_routed_experts": 8, "num_experts_per_tok": 2}, name="deepseek")
+    refused(plan_with(p, other), "model_type", "mixtral", "qwen3_moe")
 
 
 @case("hf", "init_from a folder whose weights are int8")
