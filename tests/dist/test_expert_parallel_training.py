@@ -23,12 +23,9 @@ from worker_runs import base_config, series, train_many, write_run_dir
 
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import CheckpointConfig, ModelConfig, MoEConfig, ShardingConfig
-from trainctl.models import registry
 from trainctl.train.checkpoint.store import list_committed
 
-# The proof needs a mixture-of-experts family whose MoE block calls GroupedExperts (models/qwen3_moe).
-pytestmark = [pytest.mark.dist, pytest.mark.skipif("qwen3_moe" not in registry.names(),
-                                                   reason="needs the qwen3_moe family (models/qwen3_moe)")]
+pytestmark = pytest.mark.dist
 
 STEPS = 10
 MOE = ModelConfig(name="moe", family="qwen3_moe", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -31,7 +31,6 @@ from worker_runs import base_config, records, train_written, write_run_dir
 from trainctl.config.schema import LoRAConfig, MoEConfig, OptimConfig, PrecisionConfig, ShardingConfig
 from trainctl.config.validate import resolve
 from trainctl.launch.command import plan_record
-from trainctl.models import registry
 from trainctl.plan import rank_states
 from trainctl.plan.assess import dims_of
 from trainctl.plan.runplan import build
@@ -82,11 +81,10 @@ RUNS = {
                  {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95, nesterov=True)}),
 }
 
-if "qwen3_moe" in registry.names():
-    # Expert parallelism: each rank's E/ep experts FSDP2-sharded over efsdp, and the token exchange's buffers.
-    MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64)
-    RUNS["ep_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2), PrecisionConfig(),
-                       {"micro_batch": 4, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
+# Expert parallelism: each rank's E/ep experts FSDP2-sharded over efsdp, and the token exchange's buffers.
+MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64)
+RUNS["ep_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2), PrecisionConfig(),
+                   {"micro_batch": 4, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
 
 
 def run_config(name: str, data_cache):

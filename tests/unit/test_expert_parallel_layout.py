@@ -7,11 +7,8 @@ import pytest
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.validate import resolve
-from trainctl.models import registry
 
-# A mixture-of-experts model with 8 experts: the qwen3_moe family where it is registered (a dense family refuses
-# experts there), else model.moe alone (what the schema accepted before the family existed).
-EXPERTS = (["model=qwen3_moe_tiny"] if "qwen3_moe" in registry.names() else []) + ["model.moe.num_experts=8"]
+EXPERTS = ["model=qwen3_moe_tiny", "model.moe.num_experts=8"]  # a mixture-of-experts model with 8 experts
 MOE = [*EXPERTS, "cluster.procs_per_node=4"]
 
 

@@ -99,16 +99,17 @@ def test_the_balancing_bias_moves_toward_even_load_and_never_weights():
 def test_the_steps_auxiliary_loss_is_the_mean_over_micro_batches():
     """Two micro-batches of the same tokens add what one does: the aux loss is weighted 1/micro-batches."""
     from trainctl.models.build import build_model
+    from trainctl.models.common.moe import moe_blocks
     from trainctl.train.loop.expert_load import ExpertLoad
 
     torch.manual_seed(0)
     model = build_model(CFG, "cpu")
     model.init_weights()
     tokens = torch.randint(0, 32, (2, 8))
-    one = ExpertLoad(model)
+    one = ExpertLoad(moe_blocks(model))
     model(tokens)
     single = one.take(1)
-    two = ExpertLoad(model)
+    two = ExpertLoad(moe_blocks(model))
     model(tokens)
     first = two.take(2)
     model(tokens)
@@ -117,7 +118,7 @@ def test_the_steps_auxiliary_loss_is_the_mean_over_micro_batches():
     metrics = two.finish()
     assert metrics["aux_loss"] == pytest.approx(single.item())
     assert [sum(layer) for layer in metrics["expert_load"]] == [2 * 16 * 2] * 2
-    assert ExpertLoad(torch.nn.Linear(2, 2)).finish() == {}  # a dense model: nothing, no collective
+    assert ExpertLoad(moe_blocks(torch.nn.Linear(2, 2))).finish() == {}  # a dense model: nothing, no collective
 
 
 @pytest.mark.parametrize(("overrides", "starts"), [

@@ -10,7 +10,6 @@ from trainctl.config.validate import resolve
 from trainctl.core.dims import ParallelDims
 from trainctl.core.tensors import Tensor
 from trainctl.core.wrapping import wrapping
-from trainctl.models import registry
 from trainctl.plan import runplan
 from trainctl.plan.compare import compare
 from trainctl.plan.experts import (
@@ -21,10 +20,10 @@ from trainctl.plan.experts import (
     expert_share,
 )
 
-MOE = ModelConfig(dim=64, n_layers=4, moe=MoEConfig(num_experts=8, experts_per_token=2, expert_ffn_dim=32))
+MOE = ModelConfig(family="qwen3_moe", dim=64, n_layers=4,
+                  moe=MoEConfig(num_experts=8, experts_per_token=2, expert_ffn_dim=32))
 GPU = ["cluster.device=cuda", "cluster.gpu=h100", "cluster.procs_per_node=4", "train.micro_batch=2"]
-# 8 experts: the qwen3_moe family where it is registered (a dense family refuses experts there), else model.moe alone
-EXPERTS = (["model=qwen3_moe_tiny"] if "qwen3_moe" in registry.names() else []) + ["model.moe.num_experts=8"]
+EXPERTS = ["model=qwen3_moe_tiny", "model.moe.num_experts=8"]
 
 
 def share(strategy: str, dims: ParallelDims, m: ModelConfig = MOE, recompute: bool = False):

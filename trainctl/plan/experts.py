@@ -26,20 +26,17 @@ from trainctl.config.schema import ModelConfig
 from trainctl.core import optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.wrapping import Wrapping, fsdp_shards
+from trainctl.models.registry import spec
 from trainctl.plan.shapes import Tensor
 
 FP32 = 4
 # The stacked experts' tensor names in a mixture-of-experts family's spec (models/common/moe_shape.py).
 EXPERT_NAME = ".experts."
-EXPERT_WEIGHTS = 3  # w1, w2, w3: SwiGLU's gate, down and up projections of every expert
 
 
 def expert_params_per_layer(m: ModelConfig) -> int:
-    """Routed-expert parameters of one MoE layer: E x 3 x dim x expert_ffn_dim (0 for a dense model).
-
-    Read from model.moe here; the one place to swap for the family spec's count.
-    """
-    return m.moe.num_experts * EXPERT_WEIGHTS * m.dim * m.moe.expert_ffn_dim
+    """Routed-expert parameters of one MoE layer: E times the family spec's count of one expert (0: dense)."""
+    return m.moe.num_experts * spec(m.family).expert_params(m) if m.moe.num_experts else 0
 
 
 def moe_layers(m: ModelConfig, layers: int | None = None) -> int:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from trainctl.models.common.moe import moe_blocks
+from trainctl.models.common.moe import MoE
 
 
 class ExpertLoad:
-    def __init__(self, model: nn.Module):
-        self.blocks = moe_blocks(model)
+    def __init__(self, blocks: list[tuple[str, MoE]]):
+        self.blocks = blocks  # models.common.moe.moe_blocks of the model (Job.expert_blocks)
         self.aux = None  # the step's auxiliary loss so far (detached)
         self.counts = None  # [layers, experts] tokens routed this step (this rank)
         self.dropped = None  # [layers] tokens dropped by the capacity this step (this rank)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from trainctl.config.schema import RunConfig
+from trainctl.models.common.moe import MoE, moe_blocks
 from trainctl.train.checkpoint.resume import StartPoint
 from trainctl.train.checkpoint.state import CheckpointMeta, TrainProgress
 from trainctl.train.checkpoint.store import CheckpointManager, SaveStats
@@ -50,3 +52,9 @@ class Job:
     watchdog: HangWatchdog = field(default_factory=lambda: HangWatchdog(0.0, None))  # off unless setup made one
     objective: PreferenceObjective | None = None  # train.objective=dpo|simpo; None: SFT (the loop's own loss)
     logged_commit: SaveStats | None = None  # the last committed save logged (each is logged once)
+
+    @cached_property
+    def expert_blocks(self) -> list[tuple[str, MoE]]:
+        """The model's mixture-of-experts blocks with their layer keys, found once: the step reads their
+        auxiliary loss and load (empty for a dense model)."""
+        return moe_blocks(self.model)

@@ -65,7 +65,7 @@ def train_step(job: Job, step: int) -> StepResult:
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
     on_loss = job.hooks.on_loss
     adjust = None if on_loss is None else functools.partial(on_loss, step)
-    load = ExpertLoad(job.model)  # a mixture of experts' auxiliary loss and load (nothing for a dense model)
+    load = ExpertLoad(job.expert_blocks)  # a mixture of experts' auxiliary loss and load (nothing for a dense model)
     if job.objective is not None:  # preference tuning (train/preference/objective.py); pp is refused for it
         local_loss = job.objective.forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, adjust)
     elif job.pipeline is None:
