@@ -129,6 +129,7 @@ def test_the_steps_auxiliary_loss_is_the_mean_over_micro_batches():
     (["model=qwen3_moe_tiny", "model.lora.rank=2", "model.lora.targets=[q,down]"], "model.lora.targets="),
     (["model=qwen3_moe_tiny", "cluster.procs_per_node=2", "sharding=none", "sharding.tp=2"], "sharding.tp=2"),
     (["model=mixtral_tiny", "cluster.procs_per_node=2", "sharding=none", "sharding.pp=2"], "sharding.pp=2"),
+    (["model=qwen3_moe_tiny", "train.objective=simpo"], "model.moe: train.objective=simpo does not balance"),
 ])
 def test_what_the_moe_families_do_not_run_is_one_line(overrides, starts):
     with pytest.raises(ConfigError) as err:

@@ -3,7 +3,7 @@ never does, and a layout that cannot keep a pair's log-probabilities on one rank
 
 from __future__ import annotations
 
-from trainctl.config.schema import CheckpointConfig, DataConfig, LoRAConfig, TrainConfig
+from trainctl.config.schema import CheckpointConfig, DataConfig, LoRAConfig, MoEConfig, TrainConfig
 from trainctl.core import lora, objectives
 from trainctl.data import format as dataset
 
@@ -22,7 +22,7 @@ def _contents(d: DataConfig) -> dict[str, str]:
 
 
 def objective_problems(train: TrainConfig, d: DataConfig, adapters: LoRAConfig, checkpoint: CheckpointConfig,
-                       sharding) -> list[str]:
+                       sharding, moe: MoEConfig | None = None) -> list[str]:
     """One line per problem of train.objective with this data, layout (resolved degrees) and start point."""
     name = train.objective
     if name not in objectives.OBJECTIVES:
@@ -47,6 +47,10 @@ def objective_problems(train: TrainConfig, d: DataConfig, adapters: LoRAConfig, 
     if train.batch_ramp.start or train.batch_ramp.steps:
         problems.append(f"train.batch_ramp: {head} steps whole pairs at a fixed batch (the pair sampler has no ramp); "
                         "drop train.batch_ramp.start and train.batch_ramp.steps")
+    if moe is not None and moe.num_experts and (moe.aux_loss_coef or moe.bias_update_rate):
+        # The pair objectives' step adds no auxiliary loss and logs no expert load (train/loop/expert_load.py).
+        problems.append(f"model.moe: {head} does not balance a mixture of experts' load; set "
+                        "model.moe.aux_loss_coef=0 and model.moe.bias_update_rate=0, or train with train.objective=sft")
     frozen = objectives.cost(name, lora.enabled(adapters)).reference_weights
     if frozen and checkpoint.resume not in ("auto", "never"):
         problems.append(f"checkpoint.resume={checkpoint.resume}: {head} without LoRA rebuilds its frozen reference "

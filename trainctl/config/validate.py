@@ -72,7 +72,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_expert_parallel(cfg.sharding, dims, cfg.model, train)
         problems += datasets_problems(cfg.data, cfg.model.vocab_size, train)
         problems += document_mask_problems(cfg.data, dims.pp, dims.cp)
-        problems += objective_problems(train, cfg.data, cfg.model.lora, cfg.checkpoint, resolved)
+        problems += objective_problems(train, cfg.data, cfg.model.lora, cfg.checkpoint, resolved, cfg.model.moe)
         problems += model_tokenizer_problems(cfg.data, cfg.checkpoint.init_from or cfg.model.path)
     problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:
