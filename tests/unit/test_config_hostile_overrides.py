@@ -94,14 +94,19 @@ def test_a_seed_in_range_is_kept():
 # ---------------------------------------------------------------- 3. nothing left behind, whatever ends it
 
 BLOCKED_COMPOSE = """
-import signal, sys, time
+import faulthandler, signal, sys, time
 from pathlib import Path
-signal.signal(signal.SIGINT, signal.default_int_handler)  # a background suite hands its children SIGINT ignored
+# Ctrl-C must reach this process whatever it inherited: a background suite hands its children SIGINT ignored, and a
+# blocked signal survives exec. SIGUSR1 prints every thread's stack (the test asks for it if we outlive the signal).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 import trainctl.config.compose as composer
 real = composer.hydra_compose
 def blocked(*args, **kwargs):  # Hydra is composing: whatever composing needs on disk exists now
     Path(sys.argv[1]).write_text("composing")
-    time.sleep(120)
+    for _ in range(1200):  # short sleeps: the handler runs within 0.1 s even if another thread took the signal
+        time.sleep(0.1)
     return real(*args, **kwargs)
 composer.hydra_compose = blocked
 composer.compose(["recipe=tiny_cpu"])
@@ -116,18 +121,35 @@ def test_a_composition_ended_by_a_signal_leaves_nothing_in_tmpdir(tmp_path, sig)
 
     from tests.helpers import wait_for, worker_env
 
-    tmp, ready = tmp_path / "tmp", tmp_path / "ready"
+    tmp, ready, err = tmp_path / "tmp", tmp_path / "ready", tmp_path / "stderr"
     tmp.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_COMPOSE, str(ready)], env=worker_env(TMPDIR=tmp),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with err.open("wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_COMPOSE, str(ready)], env=worker_env(TMPDIR=tmp),
+                                stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        wait_for(ready.exists, "the composition to start", timeout=60, proc=proc)
+        wait_for(lambda: ready.exists() and ready.read_text() == "composing", "the composition to start",
+                 timeout=60, proc=proc)
         proc.send_signal(sig)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 30 s after {sig.name}: {_signal_state(proc, err)}")
     finally:
         proc.kill()
         proc.wait()
     assert sorted(p.name for p in tmp.iterdir()) == []
+
+
+def _signal_state(proc, err) -> str:
+    """What the kernel says of a process that outlived its signal, and its threads' stacks (SIGUSR1)."""
+    import time
+    from pathlib import Path
+
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    wanted = [line for line in status.splitlines() if line.startswith(("State", "Threads", "Sig", "Shd"))]
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(1)
+    return "; ".join(wanted) + "\n" + err.read_text(errors="replace")[-4000:]
 
 
 def test_two_recipe_files_are_one_line_not_an_unknown_recipe(tmp_path):
