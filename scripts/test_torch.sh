@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The worker's distributed tests under another torch release, in its own venv (.venv-torch<VERSION>).
 #
-#   ./scripts/test_torch.sh 2.11.0                 # the default subset below
+#   ./scripts/test_torch.sh 2.11.0                 # the tests of tests/release_tier.txt
 #   ./scripts/test_torch.sh 2.11.0 tests/dist/test_pipeline.py -k gpipe
 #   TRAINCTL_PREPARE_ONLY=1 ./scripts/test_torch.sh 2.11.0   # only the venv and its torch (download, install)
 #
@@ -50,18 +50,8 @@ fi
 export PATH="$PWD/$VENV/bin:$PATH"
 
 "$PY" -c "import torch; print(f'[torch {torch.__version__}] worker tests under', torch.__file__)"
-if [ $# -eq 0 ]; then
-  # What changes between torch releases, once each: pipeline schedules, FSDP2 units and the ZeRO stages (DDP,
-  # ZeroRedundancyOptimizer, fully_shard), DTensor tensor parallel composed with FSDP2 and a pipeline
-  # (parity_3d) and each family's plan, distributed checkpoints and bitwise resume in every layout, autocast and torchao float8,
-  # and expert parallelism's uneven all-to-all (functional collectives, distribute_module).
-  # Not again: the launcher, CLI and Slurm tests (no torch); Hugging Face import and export (safetensors and
-  # plain tensor indexing); the optimizers' own resume cases and the plain data-parallel parity, whose torch
-  # pieces the files above already run, except SGD's momentum under tp (a buffer copied from the gradient: the
-  # tensor-parallel partial sums must be reduced before it is taken, or DCP refuses to save it).
-  set -- tests/dist/test_pipeline.py tests/dist/test_fsdp_units.py tests/dist/test_zero.py \
-    tests/dist/test_tensor_parallel.py tests/dist/test_checkpoint_store_dist.py tests/dist/test_precision.py \
-    tests/dist/test_parity_3d.py tests/dist/test_resume.py tests/dist/test_expert_parallel.py \
-    -k "not test_each_optimizer_stop_and_resume or sgd-tp"
+if [ $# -eq 0 ]; then  # what differs by release, one case of each (the list says why)
+  mapfile -t tier < <(grep -v '^#' tests/release_tier.txt)
+  set -- "${tier[@]}"
 fi
 "$PY" -m pytest -q -ra -p no:cacheprovider "$@"

@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, train_and_check, train_many
+from worker_runs import TINY, base_config, records, selected, series, train_and_check, train_many
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import assert_curve_close
@@ -49,11 +49,11 @@ def pipeline_config(data_cache, name: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache):
-    """The one-process reference and every layout; the layouts of one world size train in one torchrun."""
+def runs(request, tmp_path_factory, data_cache):
+    """The one-process reference and every selected layout; the layouts of one world size train in one torchrun."""
     reference = base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=4)
     cases = {"reference": (replace(reference, model=MODEL), None)}
-    cases.update((name, pipeline_config(data_cache, name)) for name in LAYOUTS)
+    cases.update((name, pipeline_config(data_cache, name)) for name in selected(request, "name", LAYOUTS))
     return train_many(tmp_path_factory.mktemp("pipeline"), cases)
 
 

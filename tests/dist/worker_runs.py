@@ -85,6 +85,15 @@ def check_worker(run_dir: Path, proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-4000:]}\n{stacks}"
 
 
+def selected(request, key: str, names) -> list[str]:
+    """`names` (in their order) that this module's selected tests take as the parametrize argument `key`: a module
+    fixture that trains every case in shared launches trains only what the session runs (`-k` that picks a few
+    cases, as the torch 2.11 tier does, does not pay for the rest)."""
+    chosen = {item.callspec.params[key] for item in request.session.items
+              if item.module is request.module and key in getattr(getattr(item, "callspec", None), "params", {})}
+    return [name for name in names if name in chosen]
+
+
 def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]],
                entry: Path = MANY_RUNS_WORKER) -> dict[str, Path]:
     """Every case's run directory, trained: the cases of one world size in one torchrun (tests/dist/
