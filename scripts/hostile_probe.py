@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Try trainctl as a hostile and a careless user would, and give each case a verdict (issue 21).
 
-    python scripts/hostile_probe.py [--only TEXT] [--fast] [--jobs N] [--trainctl DIR]
+    python scripts/hostile_probe.py [--only TEXT] [--fast] [--per-area N] [--jobs N] [--trainctl DIR]
                                     [--json FILE] [--markdown FILE] [--before FILE]
 
 Every case (scripts/hostile/*.py) runs the real CLI in a fresh folder with a deadline, the way a user types
@@ -73,12 +73,27 @@ def run_case(c: Case, trainctl: Path) -> dict:
             "seconds": round(time.monotonic() - started, 1)}
 
 
-def select(only: str | None, fast: bool) -> list[Case]:
+def select(only: str | None, fast: bool, per_area: int | None = None) -> list[Case]:
     chosen = [c for c in CASES if not (fast and c.slow)]
     if only:
         ids = case_ids(CASES)
         chosen = [c for c in chosen if only.lower() in f"{ids[id(c)]} {c.area} {c.name}".lower()]
+    if per_area:
+        chosen = spread_over_areas(chosen, per_area)
     return chosen
+
+
+def spread_over_areas(cases: list[Case], per_area: int) -> list[Case]:
+    """`per_area` cases of each area, evenly spaced over its cases (its first and last among them): every area's
+    machinery tried at once, the same cases every time."""
+    by_area: dict[str, list[Case]] = {}
+    for c in cases:
+        by_area.setdefault(c.area, []).append(c)
+    keep = set()
+    for group in by_area.values():
+        n = min(per_area, len(group))
+        keep |= {id(group[round(i * (len(group) - 1) / max(n - 1, 1))]) for i in range(n)}
+    return [c for c in cases if id(c) in keep]
 
 
 def markdown(rows: list[dict], before: dict[str, str] | None) -> str:
@@ -103,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="cases whose id, area or name contains this text")
     ap.add_argument("--fast", action="store_true", help="skip the cases that start torch workers")
+    ap.add_argument("--per-area", type=int, metavar="N",
+                    help="only N cases of each area, spread over it (a quick check of every area; CI's smoke test)")
     ap.add_argument("--jobs", type=int, default=2, help="cases run at once (default 2)")
     ap.add_argument("--trainctl", type=Path, default=REPO, help="the checkout to try (default: this one)")
     ap.add_argument("--json", type=Path, help="write the verdicts as JSON")
@@ -110,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", type=Path, help="an earlier --json: its verdicts become the table's before column")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     args = ap.parse_args(argv)
-    cases, ids = select(args.only, args.fast), case_ids(CASES)
+    cases, ids = select(args.only, args.fast, args.per_area), case_ids(CASES)
     if args.list:
         print("".join(f"{ids[id(c)]}\t{c.area}\t{c.name}\n" for c in cases), end="")
         return 0
