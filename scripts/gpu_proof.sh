@@ -290,6 +290,11 @@ main() {
   return "$status"
 }
 
+if [ "$REHEARSE" = 1 ] && [ "${TRAINCTL_PREPARE_ONLY:-0}" = 1 ]; then  # CI: the venv, while the tests run
+  rehearse_setup || { echo "rehearse: setting up $VENV failed"; exit 1; }
+  echo "rehearse: $VENV ready"
+  exit 0
+fi
 main "$@" 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 echo "=== \$OUT ($OUT):"
