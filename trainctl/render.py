@@ -321,7 +321,7 @@ def status_panel(console: Console, info) -> None:
             ("state", st.state), ("detail", st.detail), ("step", _step(st)),
             ("loss", f"{_fmt(f.loss, '.4f')}  {sparkline(f.losses)}".strip() if f.loss is not None else ""),
             ("eval", _fmt(f.val_loss, ".4f") if f.val_loss is not None else ""),
-            ("pairs", f.preference_text()),
+            ("pairs", f.preference_text()), ("experts", f.experts_text()),
             ("speed", f"{f.tokens_per_s:,.0f} tokens/s" if f.tokens_per_s is not None else ""),
             ("eta", duration(info.eta_s) if info.eta_s is not None else ""),
             ("mfu", f.mfu_text()), ("peak", peak), ("lm-eval", f.tasks_text()), ("log", str(info.log))]
