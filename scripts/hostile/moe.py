@@ -4,7 +4,7 @@ nothing launched."""
 
 from __future__ import annotations
 
-from hostile.common import Probe, case, refused
+from hostile.common import Probe, case, nothing_left, refused, succeeded
 
 TINY = ("plan", "recipe=tiny_cpu")
 MOE = (*TINY, "model=qwen3_moe_tiny")
@@ -30,3 +30,12 @@ def _(p: Probe) -> None:
                   "sharding.ep=2"), "sharding.ep=2", "sharding.tp=2", "not implemented")
     refused(p.cli(*MOE, "sharding=none", "sharding.pp=2"), "sharding.pp=2", "not implemented")
     refused(p.cli(*MOE, "model.lora.rank=4", "model.lora.targets=[q,gate]"), "model.lora.targets", "attention")
+
+
+@case("moe", "export of a run that routes through an aux-loss-free bias (no place for it in the HF class)")
+def _(p: Probe) -> None:
+    succeeded(p.cli("launch", "--dry-run", *TINY[1:], "model=qwen3_moe_tiny", "model.moe.bias_update_rate=0.01",
+                    "--name", "run"))
+    before = p.files()
+    refused(p.cli("export", "run", timeout=120), "model.moe.bias_update_rate=0.01", "bias_update_rate=0")
+    nothing_left(p, before)
