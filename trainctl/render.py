@@ -180,6 +180,8 @@ def plan_summary(console: Console, plan: dict) -> None:
     b, m = plan["batch"], plan["memory"]
     nodes = f"{plan['nodes']} nodes x {plan['procs_per_node']}" if plan["nodes"] > 1 else f"{plan['world_size']}"
     degrees = " x ".join(f"{k} {v}" for k, v in plan["dims"].items() if k in ("dp", "cp", "tp", "pp") and v > 1)
+    if plan["dims"].get("ep", 1) > 1:  # a split of dp_shard, not another factor of the world
+        degrees += f"; experts split over ep {plan['dims']['ep']}"
     params = plan["params_total"]
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     lines = [f"plan: {plan['model']}; {count} parameters",
