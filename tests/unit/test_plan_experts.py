@@ -127,3 +127,11 @@ def test_the_dims_table_and_the_launch_summary_show_ep_beside_dp_shard():
     out = io.StringIO()
     plan_summary(Console(file=out, width=200), data)
     assert "zero3 (dp 4; experts split over ep 2)" in out.getvalue()
+
+
+def test_the_plan_notes_that_tp_leaves_the_experts_whole():
+    cfg = resolve(compose([*EXPERTS, "cluster.procs_per_node=2", "sharding=none", "sharding.tp=2"]))
+    notes = runplan.build(cfg).notes
+    assert [n for n in notes if n.startswith("experts (tp=2): the router and every expert are whole")], notes
+    dense = runplan.build(resolve(compose(["cluster.procs_per_node=2", "sharding=none", "sharding.tp=2"]))).notes
+    assert not [n for n in dense if n.startswith("experts")]
