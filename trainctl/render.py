@@ -180,6 +180,8 @@ def plan_summary(console: Console, plan: dict) -> None:
     b, m = plan["batch"], plan["memory"]
     nodes = f"{plan['nodes']} nodes x {plan['procs_per_node']}" if plan["nodes"] > 1 else f"{plan['world_size']}"
     degrees = " x ".join(f"{k} {v}" for k, v in plan["dims"].items() if k in ("dp", "cp", "tp", "pp") and v > 1)
+    if plan["dims"].get("ep", 1) > 1:  # a split of dp_shard, not another factor of the world
+        degrees += f"; experts split over ep {plan['dims']['ep']}"
     params = plan["params_total"]
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     lines = [f"plan: {plan['model']}; {count} parameters",
@@ -321,7 +323,7 @@ def status_panel(console: Console, info) -> None:
             ("state", st.state), ("detail", st.detail), ("step", _step(st)),
             ("loss", f"{_fmt(f.loss, '.4f')}  {sparkline(f.losses)}".strip() if f.loss is not None else ""),
             ("eval", _fmt(f.val_loss, ".4f") if f.val_loss is not None else ""),
-            ("pairs", f.preference_text()),
+            ("pairs", f.preference_text()), ("experts", f.experts_text()),
             ("speed", f"{f.tokens_per_s:,.0f} tokens/s" if f.tokens_per_s is not None else ""),
             ("eta", duration(info.eta_s) if info.eta_s is not None else ""),
             ("mfu", f.mfu_text()), ("peak", peak), ("lm-eval", f.tasks_text()), ("log", str(info.log))]

@@ -85,6 +85,9 @@ RUNS = {
 MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64)
 RUNS["ep_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2), PrecisionConfig(),
                    {"micro_batch": 4, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
+# Tensor parallelism on a mixture of experts: attention split, the router and experts whole on each tp rank.
+RUNS["moe_tp"] = (2, ShardingConfig(strategy="zero2", tp=2), PrecisionConfig(),
+                  {"micro_batch": 8, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
 
 
 def run_config(name: str, data_cache):
@@ -95,7 +98,8 @@ def run_config(name: str, data_cache):
     optim = train.pop("optim", None)
     cfg = base_config(data_cache, steps=STEPS, **train)
     cfg = replace(cfg, optim=optim) if optim else cfg
-    model = replace(cfg.model, n_layers=4, ffn_dim=512) if sharding.tp > 1 else replace(cfg.model, lora=lora, **shape)
+    tp_shape = {"n_layers": 4, "ffn_dim": 512} if sharding.tp > 1 else {}
+    model = replace(cfg.model, lora=lora, **{**tp_shape, **shape})
     cfg = replace(cfg, name=name, model=model, sharding=sharding, precision=precision, cluster=replace(cfg.cluster, procs_per_node=nproc))
     return resolve(replace(cfg, train=replace(cfg.train, global_batch=-1))), nproc
 

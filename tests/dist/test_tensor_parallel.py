@@ -6,6 +6,10 @@ and the grad norm is summed shard by shard. Everything else (data, init, loss no
 is identical, so fp32 runs agree to rounding: tests.helpers.curve_rel's bound, the same under every torch
 release and CPU (torch 2.11's tp2 drifts to 1.3e-5 by step 10, within it). A real mistake (a missing
 gradient reduction, a wrong RoPE position, a mis-sliced init) is off by tens of percent at step 1.
+
+A mixture of experts (qwen3_moe) under tp2 keeps its router and experts whole on each rank and routes each rank's
+sequence shard: with the aux loss and the routing-bias update on, the curve, the aux loss and the expert load
+equal one process's (a router or expert gradient left unsummed over tp is off by ~1e-4 at step 1).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 from worker_runs import TINY, base_config, records, series, train_many
 
 from tests.helpers import assert_curve_close, curve_rel
-from trainctl.config.schema import OptimConfig, ShardingConfig
+from trainctl.config.schema import ModelConfig, MoEConfig, OptimConfig, ShardingConfig
 
 pytestmark = pytest.mark.dist
 
@@ -30,6 +34,13 @@ FAMILIES = {"qwen2": dict(family="qwen2"), "qwen3": dict(family="qwen3", head_di
 # SGD's momentum buffer starts as a copy of the first gradient: the norms' tp partial sums must be reduced before
 # the step (torch 2.11's multi-tensor SGD otherwise moves the replicated norm weights by unreduced sums).
 SGD = OptimConfig(name="sgd", lr=1e-2, momentum=0.9, nesterov=True, grad_clip=1.0)
+# A mixture of experts under tp: the experts and router replicated over tp, each rank routing its own sequence shard.
+# The auxiliary loss and the aux-loss-free bias are on: both need the tp ranks' routed counts summed (one process
+# routes the whole micro-batch), and the router's and experts' gradients summed over tp (Partial, as the norms').
+MOE = ModelConfig(name="moe", family="qwen3_moe", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  ffn_dim=128, vocab_size=256, max_seq_len=64,
+                  moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64, aux_loss_coef=0.01,
+                                bias_update_rate=0.01))
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +61,10 @@ def all_runs(tmp_path_factory, data_cache):
         configs[f"{family}-single"] = (cfg, ShardingConfig(), None)
         configs[f"{family}-tp2"] = (cfg, ShardingConfig(tp=2), 2)
     sgd = replace(base_config(data_cache, steps=4, micro_batch=8), optim=SGD)
+    moe = replace(base_config(data_cache, steps=STEPS, micro_batch=8), model=MOE)
+    # tp2 also recomputes every block (the aux loss's all-reduce over tp runs again in the backward)
+    moe_ac = replace(moe, train=replace(moe.train, activation_checkpointing="full"))
+    configs["moe-single"], configs["moe-tp2"] = (moe, ShardingConfig(), None), (moe_ac, ShardingConfig(tp=2), 2)
     configs["sgd-single"], configs["sgd-tp2"] = (sgd, ShardingConfig(), None), (sgd, ShardingConfig(tp=2), 2)
     return train_many(tmp_path_factory.mktemp("tensor-parallel"),
                       {name: (replace(cfg, sharding=sharding), nproc) for name, (cfg, sharding, nproc) in configs.items()})
@@ -113,3 +128,31 @@ def test_sgd_momentum_under_tensor_parallel_matches_one_process(all_runs, key):
     got, want = series(all_runs["sgd-tp2"], key), series(all_runs["sgd-single"], key)
     assert len(got) == len(want) == 4
     assert_curve_close(got, want, key)
+
+
+@pytest.mark.parametrize("key", ["loss", "grad_norm", "aux_loss"])
+def test_a_mixture_of_experts_under_tensor_parallel_matches_one_process(all_runs, key):
+    got, want = series(all_runs["moe-tp2"], key), series(all_runs["moe-single"], key)
+    assert len(got) == len(want) == STEPS and len(set(want)) == STEPS
+    assert_curve_close(got, want, key, model=MOE)
+
+
+def test_a_mixture_of_experts_under_tensor_parallel_routes_every_token_once_as_one_process(all_runs):
+    # Each tp rank counts its own tokens; the step's sum counts each once: the same load as one process, which
+    # the bias update (on here) feeds back into the next step's routing.
+    got, want = series(all_runs["moe-tp2"], "expert_load"), series(all_runs["moe-single"], "expert_load")
+    assert got == want and len({str(load) for load in want}) > 1
+    assert all(sum(layer) == 8 * 64 * MOE.moe.experts_per_token for load in want for layer in load)
+
+
+def test_the_plan_counts_the_experts_replicated_over_tp(all_runs):
+    # The worker's own count of what a tp rank holds equals the plan's: attention split, experts and router whole.
+    from trainctl.plan.shapes import stage_tensors, tp_local
+
+    tensors = stage_tensors(MOE, range(MOE.n_layers), True, True)
+    plan = (sum(tp_local(t, 2, MOE.family).numel for t in tensors), sum(t.numel for t in tensors))
+    found = re.search(r"tensor parallel x2: this rank holds (\d+) of (\d+) parameter elements",
+                      (all_runs["moe-tp2"] / "logs" / "rank0.log").read_text())
+    assert found and (int(found[1]), int(found[2])) == plan
+    moe = sum(t.numel for t in tensors if ".feed_forward." in t.name)  # the router and the experts
+    assert moe > plan[1] // 2 and plan[0] >= moe  # most of the model, and every tp rank holds all of it

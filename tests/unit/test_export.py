@@ -160,3 +160,18 @@ def test_plan_shards_keeps_order_and_gives_big_tensors_their_own_shard():
     sizes = {"a": 4, "b": 4, "c": 10, "d": 1, "e": 3}
     assert plan_shards(list(sizes), sizes, 8) == [["a", "b"], ["c"], ["d", "e"]]
     assert plan_shards(list(sizes), sizes, 100) == [list(sizes)]
+
+
+def test_an_moe_run_with_a_routing_bias_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys):
+    from trainctl.config.schema import MoEConfig
+
+    moe = ModelConfig(family="qwen3_moe", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, vocab_size=64,
+                      max_seq_len=16, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=16,
+                                                    bias_update_rate=0.01))
+    make_run(tmp_path / "biased", moe)
+    line = user_error([str(tmp_path / "biased")], capsys)
+    assert line.startswith("error: model.moe.bias_update_rate=0.01: ") and "qwen3_moe" in line
+    assert not (tmp_path / "biased" / "export").exists()
+    make_run(tmp_path / "plain", replace(moe, moe=replace(moe.moe, bias_update_rate=0.0)))
+    assert main([str(tmp_path / "plain")]) == 0  # the same model without the bias exports
+    assert (tmp_path / "plain" / "export" / STEP / "model.safetensors").is_file()

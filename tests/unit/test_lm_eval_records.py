@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from rich.console import Console
 
 from tests.helpers import make_run
@@ -43,3 +44,20 @@ def test_a_broken_record_reads_as_no_scores(tmp_path):
         (run_dir / "lm_eval.json").write_text(body)
         assert figures(run_dir).tasks is None and "lm_eval" not in RunInfo(run_state(run_dir),
                                                                           figures(run_dir)).to_dict()
+
+
+def test_status_shows_a_mixture_of_experts_aux_loss_imbalance_and_dropped_tokens(tmp_path):
+    train = {"kind": "train", "step": 3, "loss": 5.0, "aux_loss": 0.0201, "expert_imbalance": [1.2, 1.5, 1.3],
+             "expert_dropped": [0, 2, 1], "expert_load": [[4, 4], [6, 2], [5, 3]]}
+    run_dir = make_run(tmp_path / "runs", "moe", launch={"launcher": "local", "exit_code": 0}, metrics=[train])
+    dense = make_run(tmp_path / "runs", "dense", launch={"launcher": "local", "exit_code": 0},
+                     metrics=[{"kind": "train", "step": 3, "loss": 5.0}])
+    info = RunInfo(run_state(run_dir), figures(run_dir))
+    assert info.to_dict()["experts"] == {"aux_loss": 0.0201, "imbalance": 1.5, "worst_layer": 1,
+                                         "imbalance_mean": pytest.approx(4.0 / 3), "dropped": 3}
+    assert "experts  aux 0.0201, imbalance 1.5 (worst layer 1; mean 1.33), dropped 3" in shown(status_panel, info)
+    dense_info = RunInfo(run_state(dense), figures(dense))
+    assert "experts" not in dense_info.to_dict() and "experts" not in shown(status_panel, dense_info)
+    broken = {**train, "expert_imbalance": "high", "expert_dropped": [1, "x"], "aux_loss": None}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(broken) + "\n")
+    assert figures(run_dir).experts is None  # a malformed record reads as none, never an error

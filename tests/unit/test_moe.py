@@ -127,7 +127,10 @@ def test_the_steps_auxiliary_loss_is_the_mean_over_micro_batches():
     (["model=mixtral_tiny", "model.moe.router=softmax_topk"], "model.moe.router='softmax_topk': mixtral routes"),
     (["model=qwen3_moe_tiny", "model.moe.shared_expert_ffn_dim=8"], "model.moe.shared_expert_ffn_dim=8"),
     (["model=qwen3_moe_tiny", "model.lora.rank=2", "model.lora.targets=[q,down]"], "model.lora.targets="),
-    (["model=qwen3_moe_tiny", "cluster.procs_per_node=2", "sharding=none", "sharding.tp=2"], "sharding.tp=2"),
+    (["model=qwen3_moe_tiny", "cluster.procs_per_node=2", "sharding=none", "sharding.tp=2",
+      "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor=1.25: with sharding.tp=2"),
+    (["model=qwen3_moe_tiny", "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
+      "sharding.ep=2"], "sharding.ep=2: expert parallelism with sharding.tp=2"),
     (["model=mixtral_tiny", "cluster.procs_per_node=2", "sharding=none", "sharding.pp=2"], "sharding.pp=2"),
     (["model=qwen3_moe_tiny", "train.objective=simpo"], "model.moe: train.objective=simpo does not balance"),
 ])
@@ -135,6 +138,13 @@ def test_what_the_moe_families_do_not_run_is_one_line(overrides, starts):
     with pytest.raises(ConfigError) as err:
         resolve(compose([*overrides, "data=synthetic", "train.seq_len=32"]))
     assert [p for p in err.value.problems if p.startswith(starts)], err.value.problems
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe_tiny", "mixtral_tiny"])
+def test_tensor_parallelism_resolves_for_the_moe_families(model):
+    cfg = resolve(compose([f"model={model}", "data=synthetic", "train.seq_len=32", "cluster.procs_per_node=4",
+                           "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2"]))
+    assert cfg.sharding.tp == 2 and cfg.model.moe.num_experts > 0
 
 
 def test_lora_on_attention_and_fsdp_resolve_for_an_moe_family():

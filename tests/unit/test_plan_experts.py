@@ -106,3 +106,32 @@ def test_the_exchange_buffers_join_the_blocks_temporaries_under_ep_only():
     model = resolve(compose(["sharding=fsdp", *EXPERTS, *GPU])).model
     per_token = exchange_bytes_per_token(model, 2, 4)
     assert two.memory.grad_temp - one.memory.grad_temp == per_token * two.memory.tokens_per_micro_batch > 0
+
+
+def test_the_dims_table_and_the_launch_summary_show_ep_beside_dp_shard():
+    import io
+
+    from rich.console import Console
+
+    from trainctl.render import plan_summary, render_plan
+
+    cfg = resolve(compose([*EXPERTS, "cluster.procs_per_node=4", "sharding=fsdp", "sharding.ep=2",
+                           "train.micro_batch=2"]))
+    data = runplan.build(cfg).to_dict()
+    assert list(data["dims"]) == ["dp_replicate", "dp_shard", "ep", "cp", "tp", "pp", "dp"]
+    assert (data["dims"]["dp_shard"], data["dims"]["ep"]) == (4, 2) and data["experts"]["experts_per_rank"] == 4
+    out = io.StringIO()
+    render_plan(Console(file=out, width=120), data)
+    dims = out.getvalue().split("dims", 1)[1].split("batch", 1)[0]
+    assert [line.split() for line in dims.splitlines() if "ep" in line.split()[:1]] == [["ep", "2"]]
+    out = io.StringIO()
+    plan_summary(Console(file=out, width=200), data)
+    assert "zero3 (dp 4; experts split over ep 2)" in out.getvalue()
+
+
+def test_the_plan_notes_that_tp_leaves_the_experts_whole():
+    cfg = resolve(compose([*EXPERTS, "cluster.procs_per_node=2", "sharding=none", "sharding.tp=2"]))
+    notes = runplan.build(cfg).notes
+    assert [n for n in notes if n.startswith("experts (tp=2): the router and every expert are whole")], notes
+    dense = runplan.build(resolve(compose(["cluster.procs_per_node=2", "sharding=none", "sharding.tp=2"]))).notes
+    assert not [n for n in dense if n.startswith("experts")]

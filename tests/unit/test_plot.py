@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import make_run, run_cli
 from trainctl.launch.errors import LaunchError
-from trainctl.runs.plot import plot, series
+from trainctl.runs.plot import plot, series, worst_layer
 
 pytest.importorskip("matplotlib")
 
@@ -82,3 +82,25 @@ def test_the_cli_writes_the_png_next_to_the_run(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "runs" / "a" / "plot.png").stat().st_size > 10_000
     assert proc.probe == {"code": 0, "heavy": []}
+
+
+def a_moe_run(root, name: str, steps: int = 20):
+    """A mixture of experts' records: the aux loss and each layer's imbalance per train step (layer 1 the worse)."""
+    records = [{"kind": "train", "step": s, "loss": 5 / s, "lr": 1e-3, "tokens_per_s": 100.0, "grad_norm": 1.0,
+                "aux_loss": 0.02 - s / 1e4, "expert_imbalance": [1.2, 1.0 + 1 / s], "expert_dropped": [0, 0],
+                "expert_load": [[4, 4], [6, 2]]} for s in range(1, steps + 1)]
+    return make_run(root, name, steps=steps, metrics=records)
+
+
+def test_moe_runs_add_a_row_of_aux_loss_and_the_worst_layers_imbalance(tmp_path):
+    import matplotlib.image
+
+    sft = plot([a_run(tmp_path, "sft", 1.0)], tmp_path / "sft.png")
+    moe = plot([a_moe_run(tmp_path, "moe")], tmp_path / "moe.png")
+    sft_rows, moe_rows = (matplotlib.image.imread(str(p)).shape[0] for p in (sft, moe))
+    assert moe_rows == sft_rows * 3 // 2  # a third row of panels
+    bottom = tmp_path / "bottom.png"
+    matplotlib.image.imsave(bottom, matplotlib.image.imread(str(moe))[sft_rows:])
+    assert colored_pixels(bottom, (0.122, 0.467, 0.706)) > 500
+    steps, worst = worst_layer(tmp_path / "moe")
+    assert steps[:2] == [1, 2] and worst[:2] == [2.0, 1.5] and worst[-1] == 1.2  # layer 1 until it evens out

@@ -102,6 +102,7 @@ def export(
     an export that fails the check is never moved to `out`.
     """
     cfg = read_model_config(run_dir)
+    refuse_routing_bias(cfg)
     ckpt = find_checkpoint(run_dir, checkpoint)
     entries = model_entries(ckpt)
     names = check_against_config(entries, cfg, ckpt)
@@ -136,6 +137,18 @@ def export(
                 with contextlib.suppress(OSError):
                     parent.rmdir()
     return out, verified
+
+
+def refuse_routing_bias(cfg: ModelConfig) -> None:
+    """A run trained with aux-loss-free balancing routes through a learned per-expert bias that the Hugging Face
+    classes have no place for: an export without it would pick other experts than the trained model (and --verify,
+    comparing against a model built the same way, could not tell), so it is refused rather than written."""
+    rate = cfg.moe.bias_update_rate
+    if cfg.moe.num_experts and rate > 0:
+        raise ExportError(f"model.moe.bias_update_rate={rate}: this run routes through a learned per-expert bias "
+                          f"that the Hugging Face {cfg.family} class has no place for, so an export would route "
+                          "differently; use trainctl generate / eval on the run, or train with bias_update_rate=0 "
+                          "to export")
 
 
 def write_full(ckpt: Path, entries: dict, names: list[str], out: Path, max_shard_size: int, cfg: ModelConfig,

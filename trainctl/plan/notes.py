@@ -182,7 +182,12 @@ def optimizer_notes(cfg: RunConfig, mem: RankMemory) -> list[str]:
 
 
 def expert_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
-    """Under expert parallelism: the experts each rank holds and gathers, and the all-to-all (plan/experts.py)."""
+    """Under expert parallelism: the experts each rank holds and gathers, and the all-to-all (plan/experts.py);
+    under tensor parallelism: that the experts are not split by it."""
+    if cfg.model.moe.num_experts and dims.tp > 1:
+        return [f"experts (tp={dims.tp}): the router and every expert are whole on each tp rank (only attention, "
+                "the embedding and the output are split); each rank routes its own seq/tp tokens, so no "
+                "activation is gathered for the MoE MLP"]
     if dims.ep == 1 or cfg.model.moe.num_experts == 0:
         return []
     t, c = cfg.train, DTYPE_BYTES[cfg.precision.compute_dtype]

@@ -105,7 +105,9 @@ class RunPlan:
         """Plain JSON-serializable data (launch writes it to RUN_DIR/plan.json, with the launch command)."""
         skip = ("memory_per_pp_rank", "fits_per_pp_rank", "fit", "step_time", "attention_flops_causal")
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
-        data["dims"] = {**self.dims.as_dict(), "dp": self.dims.dp}
+        degrees = self.dims.as_dict()  # ep (a split of dp_shard, not a factor of the world) shown beside it
+        data["dims"] = {"dp_replicate": degrees.pop("dp_replicate"), "dp_shard": degrees.pop("dp_shard"),
+                        "ep": self.dims.ep, **degrees, "dp": self.dims.dp}
         data["batch"] = dataclasses.asdict(self.batch)
         data["memory"] = self.memory_dict()
         data["throughput"] = self.throughput()

@@ -37,6 +37,7 @@ class Figures:
     step_time_s: float | None = None  # median of the recent train records
     losses: tuple[float, ...] = ()  # the recent train losses, oldest first (for a sparkline)
     preference: dict | None = None  # train.objective=dpo|simpo: the last train record's pair metrics
+    experts: dict | None = None  # a mixture of experts: the last train record's aux loss, imbalance, dropped tokens
     tasks: dict | None = None  # `trainctl eval --tasks`: {"step": N, "tasks": {task: {metric: value}}} (lm_eval.json)
 
     def eta_s(self, step: int | None, steps: int | None) -> float | None:
@@ -50,7 +51,8 @@ class Figures:
                 "step_time_s": self.step_time_s, "mfu": self.mfu, "plan_mfu": self.plan_mfu,
                 "peak_bytes": self.peak_bytes, "plan_peak_bytes": self.plan_peak_bytes,
                 **({"lm_eval": self.tasks} if self.tasks else {}),
-                **({"preference": self.preference} if self.preference else {})}
+                **({"preference": self.preference} if self.preference else {}),
+                **({"experts": self.experts} if self.experts else {})}
 
     def tasks_text(self) -> str:
         """'hellaswag acc 0.2610, arc_easy acc 0.4010 (step 300)': each task's first metric; '' without any."""
@@ -69,6 +71,17 @@ class Figures:
                  f"margin {p['reward_margin']:.4g}" if "reward_margin" in p else "",
                  f"logp chosen {p['logp_chosen']:.2f} rejected {p['logp_rejected']:.2f}"
                  if "logp_chosen" in p and "logp_rejected" in p else ""]
+        return ", ".join(part for part in parts if part)
+
+    def experts_text(self) -> str:
+        """'aux 0.02013, imbalance 1.42 (worst layer 1; mean 1.21), dropped 0'; '' for a dense model."""
+        e = self.experts
+        if not e:
+            return ""
+        parts = [f"aux {e['aux_loss']:.4g}" if "aux_loss" in e else "",
+                 f"imbalance {e['imbalance']:.3g} (worst layer {e['worst_layer']}; mean {e['imbalance_mean']:.3g})"
+                 if "imbalance" in e else "",
+                 f"dropped {e['dropped']}" if "dropped" in e else ""]
         return ", ".join(part for part in parts if part)
 
     def mfu_text(self) -> str:
@@ -139,6 +152,7 @@ def figures(run_dir: Path) -> Figures:
         losses=tuple(x for r in trains[-SPARK:] if (x := rundir.as_float(r.get("loss"))) is not None),
         tasks=harness_scores(run_dir),
         preference=_pair_metrics(trains[-1]) if trains else None,
+        experts=expert_metrics(trains[-1]) if trains else None,
     )
 
 
@@ -146,6 +160,27 @@ def _pair_metrics(record: dict) -> dict | None:
     """A preference step's pair metrics (core/objectives.py), None for an SFT record."""
     found = {k: v for k in PAIR_METRICS if (v := rundir.as_float(record.get(k))) is not None}
     return found or None
+
+
+def expert_metrics(record: dict) -> dict | None:
+    """A mixture of experts' step metrics (the keys train/loop/expert_load.py writes): the aux loss, the worst
+    layer's load imbalance (max / mean tokens per expert), its mean over layers, and the tokens dropped over every
+    layer; None for a dense model's record."""
+    found = {}
+    if (aux := rundir.as_float(record.get("aux_loss"))) is not None:
+        found["aux_loss"] = aux
+    imbalance = [rundir.as_float(v) for v in _as_list(record.get("expert_imbalance"))]
+    if imbalance and None not in imbalance:
+        worst = max(range(len(imbalance)), key=imbalance.__getitem__)
+        found.update(imbalance=imbalance[worst], worst_layer=worst, imbalance_mean=statistics.fmean(imbalance))
+    dropped = [rundir.as_int(v) for v in _as_list(record.get("expert_dropped"))]
+    if dropped and None not in dropped:
+        found["dropped"] = sum(dropped)
+    return found or None
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def harness_scores(run_dir: Path) -> dict | None:

@@ -2,6 +2,8 @@
 
 Preference runs (train.objective=dpo|simpo) add a row: the pair accuracy (train solid, held-out dashed) and the
 implicit rewards (margin solid, chosen dotted, rejected dash-dot), from the keys core/objectives.py names.
+Mixture-of-experts runs add a row: the auxiliary (load-balancing) loss and the expert load imbalance (max / mean
+tokens per expert) of the worst layer, from the keys train/loop/expert_load.py writes.
 
 Reads metrics.jsonl through the run-directory module (each step once, after resumes too); matplotlib
 is imported here only, with its file-only backend, so the command works on a login node without a display.
@@ -19,6 +21,8 @@ PANELS = (("loss", "train loss (solid), eval loss (dashed)"), ("lr", "learning r
 PAIR_PANELS = (("reward_accuracy", "pair accuracy: train (solid), eval (dashed)"),
                ("reward_margin", "rewards: margin (solid), chosen (dotted), rejected (dash-dot)"))
 REWARD_STYLES = (("reward_margin", "-"), ("reward_chosen", ":"), ("reward_rejected", "-."))
+EXPERT_PANELS = (("aux_loss", "auxiliary (load-balancing) loss"),
+                 ("expert_imbalance", "expert load imbalance (max / mean), worst layer"))
 
 
 def series(run_dir: Path, kind: str, key: str) -> tuple[list[int], list[float]]:
@@ -26,6 +30,18 @@ def series(run_dir: Path, kind: str, key: str) -> tuple[list[int], list[float]]:
     points = [(rundir.as_int(r.get("step")), rundir.as_float(r.get(key)))
               for r in rundir.latest_per_step(rundir.metrics(run_dir), kind)]
     points = [(s, v) for s, v in points if s is not None and v is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def worst_layer(run_dir: Path, key: str = "expert_imbalance") -> tuple[list[int], list[float]]:
+    """(steps, the largest of the per-layer values) of a list-valued train key, each step once."""
+    points = []
+    for r in rundir.latest_per_step(rundir.metrics(run_dir), "train"):
+        values = r.get(key) if isinstance(r.get(key), list) else []
+        floats = [rundir.as_float(v) for v in values]
+        step = rundir.as_int(r.get("step"))
+        if floats and None not in floats and step is not None:
+            points.append((step, max(floats)))
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -81,13 +97,16 @@ def plot(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Pa
     if not drawn:
         raise LaunchError(f"nothing to plot: no training step logged yet in {', '.join(map(str, run_dirs))}")
     pairs = any(series(p, "train", "reward_accuracy")[0] for p in drawn)
-    panels = PANELS + PAIR_PANELS if pairs else PANELS
+    experts = any(worst_layer(p)[0] for p in drawn)
+    panels = PANELS + (PAIR_PANELS if pairs else ()) + (EXPERT_PANELS if experts else ())
     fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(12, 4 * len(panels) // 2), sharex=True)
     for index, (run_dir, label) in enumerate(zip(run_dirs, labels, strict=True)):
         color = f"C{index % 10}"
         for ax, (key, title) in zip(axes.flat, panels, strict=True):
             if key == "reward_margin":
                 _rewards(ax, run_dir, color)
+            elif key == "expert_imbalance":
+                ax.plot(*worst_layer(run_dir), color=color, linewidth=1.2)
             else:
                 _curve(ax, run_dir, key, color, label)
             ax.set_title(title)

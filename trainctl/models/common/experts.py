@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 
 class GroupedExperts(nn.Module):
@@ -32,7 +33,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         if grouped_mm_applies(x, w1):
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
@@ -58,7 +59,16 @@ def grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(d * x.element_size() % 16 == 0 for d in (w.shape[1], w.shape[2]))
 
 
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (expert parallelism holds this rank's experts), a plain tensor as it is."""
-    to_local = getattr(w, "to_local", None)
-    return to_local() if to_local is not None else w
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank computes with: a plain tensor as it is; a DTensor's local part.
+
+    Expert parallelism's experts are Shard(0) over ep (this rank's experts; their gradient is this rank's too).
+    Under tensor parallelism the MoE block's weights are replicated over tp and each rank runs them on its own
+    sequence-parallel tokens (models/common/parallel.py, moe_block_plan), so a replicated weight's local gradient
+    is this rank's tokens' part of the sum: it is handed back Partial, and reduced over tp like the norms'
+    (FSDP2 before its reduce-scatter; train/parallel/tensor_parallel.settle_partial_gradients otherwise).
+    """
+    if not isinstance(w, DTensor):
+        return w
+    grads = tuple(Partial() if placement.is_replicate() else placement for placement in w.placements)
+    return w.to_local(grad_placements=grads)

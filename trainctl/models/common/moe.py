@@ -26,11 +26,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 from trainctl.config.schema import ModelConfig
-from trainctl.models.common.experts import GroupedExperts
+from trainctl.models.common.experts import GroupedExperts, local_weight
 from trainctl.models.common.init import INIT_STD, fill, trunc_normal
 from trainctl.models.common.layers import FeedForward, TransformerBlock
 
@@ -44,7 +46,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, local_weight(self.weight))  # replicated over tp: its gradient Partial (experts.py)
 
 
 class MoEBlock(TransformerBlock):
@@ -68,6 +70,9 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.bias_update_rate > 0 else None)
         self.aux_loss: torch.Tensor | None = None
         self.load: dict[str, torch.Tensor] | None = None
+        # Under tensor parallelism (models/common/parallel.py: moe_block_plan) the tp group: each of its ranks routes
+        # its own sequence-parallel share of every sequence. None: this rank routes whole sequences.
+        self.token_group: dist.ProcessGroup | None = None
 
     def init_weights(self, out_std: float) -> None:
         trunc_normal(self.router.weight, INIT_STD)
@@ -100,12 +105,26 @@ class MoE(nn.Module):
 
     def keep_stats(self, probs, chosen, counts, dropped) -> None:
         """The auxiliary loss and the expert load of this forward (an activation-checkpoint recompute writes
-        the same values again)."""
+        the same values again).
+
+        Under tensor parallelism the loss is over the micro-batch's tokens, as one process computes it: the
+        routed fractions f are summed over the tp group (they carry no gradient), and each rank's term is its
+        own tokens' share of the mean probabilities P, so the tp ranks' terms add up to E * sum f * P and each
+        rank's gradient reaches only its own tokens (the router's is reduced over tp: experts.local_weight).
+        The load (counts) stays this rank's: the step sums it over every rank (train/loop/expert_load.py).
+        """
+        self.load = {"counts": counts.detach(), "dropped": dropped.detach()}
+        self.aux_loss = None
+        if not self.moe.aux_loss_coef:
+            return
         e = self.moe.num_experts
         routed = torch.bincount(chosen.reshape(-1), minlength=e).float()  # before any drop, as the router chose
-        aux = e * torch.sum(routed / chosen.shape[0] * probs.mean(0))
-        self.aux_loss = self.moe.aux_loss_coef * aux / self.n_layers if self.moe.aux_loss_coef else None
-        self.load = {"counts": counts.detach(), "dropped": dropped.detach()}
+        tokens = chosen.shape[0]
+        if self.token_group is not None:
+            routed = funcol.all_reduce(routed, "sum", self.token_group)
+            tokens *= dist.get_world_size(self.token_group)  # sequence parallelism: equal shares
+        aux = e * torch.sum(routed / tokens * (probs.sum(0) / tokens))
+        self.aux_loss = self.moe.aux_loss_coef * aux / self.n_layers
 
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor) -> None:

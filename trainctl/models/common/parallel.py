@@ -11,8 +11,15 @@ The output projection is column-parallel over the vocab and gathers full logits.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from trainctl.config.schema import ModelConfig
 from trainctl.models.build import build_model
@@ -58,13 +65,21 @@ def block_plan(block: nn.Module | None = None, float8_tensorwise: bool = False) 
     left in bf16 (excluded, unaligned) and the rowwise recipe use the plain styles. A colwise Linear's
     bias (qwen2's q, k, v) is split with its rows.
     """
+    mlp_col, mlp_row, mlp_in = _styles(block, float8_tensorwise, "feed_forward.w1", "feed_forward.w2",
+                                       "feed_forward.w3")
+    return {
+        **attention_plan(block, float8_tensorwise),
+        "feed_forward": mlp_in(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": mlp_col(),
+        "feed_forward.w2": mlp_row(output_layouts=Shard(1)),
+        "feed_forward.w3": mlp_col(),
+    }
 
-    def styles(*names: str):
-        layers = [block.get_submodule(n) for n in names] if block is not None else []
-        return linear_styles(float8_tensorwise and bool(layers) and all(is_float8(m) for m in layers))
 
-    attn_col, attn_row, attn_in = styles("attention.wq", "attention.wk", "attention.wv", "attention.wo")
-    mlp_col, mlp_row, mlp_in = styles("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+def attention_plan(block: nn.Module | None = None, float8_tensorwise: bool = False) -> dict:
+    """A block's norms and attention (block_plan without its MLP)."""
+    attn_col, attn_row, attn_in = _styles(block, float8_tensorwise, "attention.wq", "attention.wk", "attention.wv",
+                                          "attention.wo")
     return {
         "attention_norm": SequenceParallel(),
         # (x, freqs): gather x to the full sequence; the RoPE table is a plain, replicated buffer.
@@ -74,11 +89,43 @@ def block_plan(block: nn.Module | None = None, float8_tensorwise: bool = False) 
         "attention.wv": attn_col(),
         "attention.wo": attn_row(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": mlp_in(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": mlp_col(),
-        "feed_forward.w2": mlp_row(output_layouts=Shard(1)),
-        "feed_forward.w3": mlp_col(),
     }
+
+
+def _styles(block: nn.Module | None, float8_tensorwise: bool, *names: str):
+    layers = [block.get_submodule(n) for n in names] if block is not None else []
+    return linear_styles(float8_tensorwise and bool(layers) and all(is_float8(m) for m in layers))
+
+
+class LocalTokensMoE(ParallelStyle):
+    """A mixture-of-experts MLP under TP: its router and experts replicated over tp, run on the tokens this rank
+    already holds (the residual stream's sequence shard), so no activation is gathered and no expert is split.
+
+    Routing, the experts and the load act on this rank's seq/tp tokens; the block's output is this rank's shard
+    again, which the residual add expects. Each replicated weight's gradient comes back Partial (its rank's
+    tokens' part; models/common/experts.local_weight) and is summed over tp like the norms'. The auxiliary loss
+    sums its routed fractions over the tp group (the module's `token_group`: models/common/moe.py). The
+    aux-loss-free bias stays a plain buffer: every rank moves it by the same all-reduced counts.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for sub in module.modules():
+            for key, param in list(sub.named_parameters(recurse=False)):
+                replicated = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)
+                sub.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.token_group = device_mesh.get_group()
+        module.register_forward_pre_hook(_local_tokens)
+        return module
+
+
+def _local_tokens(_module: nn.Module, inputs: tuple) -> tuple:
+    """The sequence-parallel norm hands a DTensor Shard(1): its local tokens (the gradient flows back as Shard(1))."""
+    return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+
+def moe_block_plan(block: nn.Module | None = None, float8_tensorwise: bool = False) -> dict:
+    """A mixture-of-experts block: the shared decoder's attention plan, the MoE MLP on each rank's own tokens."""
+    return {**attention_plan(block, float8_tensorwise), "feed_forward": LocalTokensMoE()}
 
 
 def fsdp_units(model: nn.Module, blocks: dict) -> list[tuple[nn.Module | list[nn.Module], bool]]:

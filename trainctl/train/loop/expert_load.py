@@ -5,6 +5,8 @@ The MoE blocks (models/common/moe.py) keep the auxiliary loss and the load of th
 them after each micro-batch's forward. Each micro-batch's auxiliary loss is a mean over its tokens, so it is
 weighted 1/micro-batches: the step's is the mean over its micro-batches whatever the accumulation, and DDP / FSDP's
 gradient average over the data-parallel ranks makes it the mean over ranks, as the token loss's normalisation does.
+Under tensor parallelism each tp rank routes its own part of every sequence: its auxiliary loss is its part of the
+micro-batch's, and its counts its own tokens', so the sums over every rank count each token once.
 A dense model has no MoE block: every method is then a no-op and no collective runs.
 """
 
@@ -59,5 +61,10 @@ class ExpertLoad:
                    "expert_imbalance": [round(v, 4) for v in (counts.max(dim=1).values / mean).tolist()],
                    "expert_dropped": packed[layers * experts:-1].long().tolist()}
         if self.aux is not None:
-            metrics["aux_loss"] = packed[-1].item() / world
+            metrics["aux_loss"] = packed[-1].item() / (world // self.token_shards())
         return metrics
+
+    def token_shards(self) -> int:
+        """How many ranks share each sequence's routing (tp): each holds a part of the auxiliary loss (moe.py)."""
+        group = self.blocks[0][1].token_group
+        return 1 if group is None else dist.get_world_size(group)

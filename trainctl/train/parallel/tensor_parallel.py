@@ -65,8 +65,9 @@ def apply_replicate_over_tp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 
 def settle_partial_gradients(model: nn.Module) -> None:
-    """Reduce every gradient TP left as a partial sum (Replicate weights fed Shard(1) tokens: the norms) to the
-    layout of its weight, once per step, before clipping and the optimizer see it.
+    """Reduce every gradient TP left as a partial sum (Replicate weights fed Shard(1) tokens: the norms, and a
+    mixture of experts' router and experts, models/common/parallel.LocalTokensMoE) to the layout of its weight,
+    once per step, before clipping and the optimizer see it.
 
     Optimizers take a momentum buffer as a copy of the first gradient: a Partial one stays Partial, and DCP
     refuses to save it. Under torch 2.11 the multi-tensor SGD step also mixes the partial sums with the
