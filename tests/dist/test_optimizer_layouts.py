@@ -77,3 +77,4 @@ def test_each_optimizer_under_each_layout_matches_one_process(runs, name, layout
     assert len(want) == STEPS and len(set(want)) == STEPS  # a constant curve would match anything
     for key in ("loss", "grad_norm"):
         assert_curve_close(series(runs[f"{name}-{layout}"], key), series(reference, key), key)
+

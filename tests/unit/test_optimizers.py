@@ -255,16 +255,19 @@ def test_muon_leaves_stacked_experts_to_adamw_and_the_plan_counts_them_so():
     assert not optimizers.muon_steps(Tensor("experts", 2, 64 * 64))  # plan/experts.py's share under ep
 
 
-def test_muon_step_temporaries_are_the_whole_largest_matrix_even_when_sharded():
-    """Under zero3 and tp Newton-Schulz runs on the gathered whole matrix: the plan's step temporaries are the
-    same as one process's for the Muon part (the AdamW part's shrink with the shards)."""
+def test_muon_step_temporaries_are_the_whole_largest_matrix_gathered_when_sharded():
+    """Newton-Schulz runs on the whole largest matrix (n elements, smaller side m) in every layout: its fp32 update
+    and bf16 iterates (8n + 4m^2 bytes); under zero3 and tp that update is first gathered from the 2 shards: the
+    shard's update, the all-gather's output and its copy into the whole layout (4n/2 + 8n), here the larger."""
     model_cfg = dataclasses.replace(SMALL, ffn_dim=256)
-    largest = Tensor("layers.0.feed_forward.w1.weight", 256, 64)
-    want = 4 * largest.numel + 2 * (2 * largest.numel + 2 * 64 ** 2)
-    for sharding, dims in [(ShardingConfig(), ParallelDims()),
-                           (ShardingConfig(strategy="zero3", dp_shard=2), ParallelDims(dp_shard=2)),
-                           (ShardingConfig(strategy="none", tp=2), ParallelDims(tp=2))]:
+    n, m = 256 * 64, 64
+    newton_schulz, gather = 4 * n + 2 * (2 * n + 2 * m * m), 4 * (n // 2 + 2 * n)
+    for sharding, dims, want in [
+            (ShardingConfig(), ParallelDims(), newton_schulz),
+            (ShardingConfig(strategy="zero3", dp_shard=2), ParallelDims(dp_shard=2), gather),
+            (ShardingConfig(strategy="none", tp=2), ParallelDims(tp=2), gather)]:
         (stage,) = rank_stages(model_cfg, sharding, 1)
         mem = memory.estimate(model_cfg, PrecisionConfig(), sharding, TrainConfig(), dims, stage, "cuda",
                               OptimConfig(name="muon"))
         assert mem.step_temp == want, sharding
+    assert gather > newton_schulz

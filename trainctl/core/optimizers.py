@@ -49,8 +49,9 @@ class OptimizerSpec:
     zero1: bool = True  # whether ZeroRedundancyOptimizer can hold its state (sharding=zero1)
     why_not: str = ""  # why it refuses the layouts it cannot run on (the one-line refusal says it)
     # temporaries computed on each whole matrix (Muon's Newton-Schulz, gathered when sharded), given the unsharded
-    # tensors; the step's temporaries are the larger of the two (the parts step one after the other)
-    whole_temp_bytes: Callable[[Sequence[Tensor]], int] | None = None
+    # tensors and this rank's shards of them; the step's temporaries are the larger of the two (the parts step one
+    # after the other)
+    whole_temp_bytes: Callable[[Sequence[Tensor], Sequence[Tensor]], int] | None = None
 
 
 def _adamw_state(t: Tensor, optim: Any = None) -> int:
@@ -144,12 +145,16 @@ def _muon_temp(tensors: Sequence[Tensor], fused: bool) -> int:
     return _adamw_temp([t for t in tensors if not muon_steps(t)], fused)
 
 
-def _newton_schulz_temp(whole: Sequence[Tensor]) -> int:
-    """Newton-Schulz on one whole matrix at a time (the largest counts): the nesterov update in fp32 (gathered from
-    the shards when sharded), then in bf16 the iterate, its Gram matrix (m x m, m the smaller side), the
-    polynomial of it and the next iterate."""
-    ns = [FP32 * t.numel + BF16 * (2 * t.numel + 2 * min(t.rows, t.cols) ** 2) for t in whole if muon_steps(t)]
-    return max(ns or [0])
+def _newton_schulz_temp(whole: Sequence[Tensor], local: Sequence[Tensor]) -> int:
+    """Muon's step on one whole matrix at a time (the largest counts) of those this rank steps (`local`, by name):
+    Newton-Schulz holds the nesterov update in fp32, then in bf16 the iterate, its Gram matrix (m x m, m the smaller
+    side), the polynomial of it and the next iterate; a sharded matrix's update is first gathered: the shard's update,
+    the all-gather's output and DTensor's copy of it into the whole matrix's layout, all fp32, at once."""
+    def one(t: Tensor, mine: Tensor) -> int:
+        ns = FP32 * t.numel + BF16 * (2 * t.numel + 2 * min(t.rows, t.cols) ** 2)
+        return max(ns, FP32 * (mine.numel + 2 * t.numel)) if mine.numel < t.numel else ns
+    mine = {t.name: t for t in local}
+    return max([one(t, mine[t.name]) for t in whole if t.name in mine and muon_steps(t)] or [0])
 
 
 _ADAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -210,7 +215,7 @@ def step_temp_bytes(optim: Any, stepped: Sequence[Tensor], whole: Sequence[Tenso
     """The optimizer step's temporaries: on the tensors this rank steps (`stepped`, local) and, for an optimizer
     that works on whole matrices, on the unsharded `whole` ones (Muon gathers a sharded matrix for Newton-Schulz)."""
     s = spec(optim)
-    return max(s.step_temp_bytes(stepped, fused), s.whole_temp_bytes(whole) if s.whole_temp_bytes else 0)
+    return max(s.step_temp_bytes(stepped, fused), s.whole_temp_bytes(whole, stepped) if s.whole_temp_bytes else 0)
 
 
 def unsupported(name: str, wrap: Wrapping, tp: int) -> list[str]:
