@@ -107,3 +107,18 @@ def test_each_optimizers_checkpoint_resumes_resharded_to_one_process(runs, name)
     assert "resharded" in (resumed / "logs" / "rank0.log").read_text()
     for key in ("loss", "grad_norm"):
         assert_curve_close(series(resumed, key), series(source, key)[SAVED_AT:], key, steps)
+
+
+# 4 ranks: FSDP2 over tp's shards (2-D placements) and HSDP (replicated shards); a launch of its own, so slow.
+FOUR_RANKS = {"fsdp+tp": (ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4),
+              "hsdp2x2": (ShardingConfig(strategy="hsdp", dp_replicate=2, dp_shard=2), 2)}
+
+
+@pytest.mark.slow
+def test_muon_on_four_ranks_matches_one_process(tmp_path, data_cache):
+    single = run_config(data_cache, OPTIMIZERS["muon"], None)
+    cases = {name: (replace(single, sharding=sharding, train=replace(single.train, micro_batch=micro)), 4)
+             for name, (sharding, micro) in FOUR_RANKS.items()}
+    runs = train_many(tmp_path, {**cases, "single": (single, None)})
+    for name in FOUR_RANKS:
+        assert_curve_close(series(runs[name], "loss"), series(runs["single"], "loss"), "loss")
