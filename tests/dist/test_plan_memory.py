@@ -79,6 +79,9 @@ RUNS = {
                   {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="lion", lr=1e-4, beta2=0.99)}),
     "muon_ddp": (2, ShardingConfig(strategy="ddp", dp_replicate=2), PrecisionConfig(),
                  {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95, nesterov=True)}),
+    # Muon on FSDP2's shards: its momentum on the shard (each matrix's update is gathered whole for Newton-Schulz).
+    "muon_zero3": (2, ShardingConfig(strategy="zero3", dp_shard=2), PrecisionConfig(),
+                   {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95, nesterov=True)}),
 }
 
 # Expert parallelism: each rank's E/ep experts FSDP2-sharded over efsdp, and the token exchange's buffers.
@@ -88,6 +91,10 @@ RUNS["ep_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2), Precisi
 # Tensor parallelism on a mixture of experts: attention split, the router and experts whole on each tp rank.
 RUNS["moe_tp"] = (2, ShardingConfig(strategy="zero2", tp=2), PrecisionConfig(),
                   {"micro_batch": 8, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
+# Muon on a mixture of experts under FSDP2: the router a hidden matrix (Muon's), the stacked experts [E, a, b] AdamW's.
+RUNS["muon_moe_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2), PrecisionConfig(),
+                         {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95),
+                          "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
 
 
 def run_config(name: str, data_cache):

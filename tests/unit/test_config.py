@@ -23,8 +23,8 @@ FIXUPS = {
     ("sharding", "none"): ["cluster.procs_per_node=1"],  # no data parallelism: one process
     ("data", "stdlib"): ["model=tiny", "train.seq_len=256"],  # byte corpus: vocab 256 fits any model; keep it small
     ("optim", "adafactor"): ["sharding=ddp"],  # Adafactor cannot step FSDP2's DTensor shards
-    # Neither can the low-bit AdamWs nor Muon (trainctl does not gather the matrices Newton-Schulz needs whole)
-    **{("optim", name): ["sharding=ddp"] for name in ("adamw8bit", "adamw4bit", "adamwfp8", "muon")},
+    # Neither can the low-bit AdamWs (torchao's quantized states on whole tensors only)
+    **{("optim", name): ["sharding=ddp"] for name in ("adamw8bit", "adamw4bit", "adamwfp8")},
 }
 
 

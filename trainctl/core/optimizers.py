@@ -16,7 +16,9 @@ State is fp32 (master weights are fp32 whatever the compute dtype) unless quanti
                whole blocks is codes (1 byte, 1/2 byte, 1 byte fp8 per element) + one fp32 scale per block
                (+ a 256- or 16-entry fp32 code map for 8/4-bit); a smaller tensor keeps AdamW's fp32 moments
     muon       torch.optim.Muon's momentum buffer (4 bytes per element) for the hidden matrices; AdamW's states for
-               the embedding, the output, norms and biases (trainctl/train/muon.py)
+               the embedding, the output, norms, biases and stacked expert weights (trainctl/train/muon.py); on
+               sharded matrices (FSDP2, tp) the momentum lives on the shard and Newton-Schulz runs on the gathered
+               whole matrix, one at a time: the step's temporaries are the whole largest matrix's
 
 `optim` below is the name or the optim config itself (anything with `.name`; sgd reads its `.momentum`): the plan
 passes the config, so a knob that decides what exists (SGD without momentum keeps nothing) is counted.
@@ -46,6 +48,10 @@ class OptimizerSpec:
     on_dtensor: bool  # whether it steps DTensor parameters (FSDP2 shards, tensor parallelism)
     zero1: bool = True  # whether ZeroRedundancyOptimizer can hold its state (sharding=zero1)
     why_not: str = ""  # why it refuses the layouts it cannot run on (the one-line refusal says it)
+    # temporaries computed on each whole matrix (Muon's Newton-Schulz, gathered when sharded), given the unsharded
+    # tensors and this rank's shards of them; the step's temporaries are the larger of the two (the parts step one
+    # after the other)
+    whole_temp_bytes: Callable[[Sequence[Tensor], Sequence[Tensor]], int] | None = None
 
 
 def _adamw_state(t: Tensor, optim: Any = None) -> int:
@@ -114,12 +120,20 @@ def _low_bit_state(kind: str) -> Callable[[Tensor, Any], int]:
 
 def muon_steps(t: Tensor) -> bool:
     """Muon orthogonalizes the hidden matrices; the embedding and the output head are AdamW's (as Muon is used:
-    their gradients are not the matrix-shaped updates Newton-Schulz is meant for), as are norms, biases and
-    matrices with a side of 1 (a rank-1 LoRA factor: orthogonalizing a vector only normalizes it)."""
-    return t.is_matmul and min(t.rows, t.cols) > 1 and not t.name.startswith(MUON_EXCLUDED)
+    their gradients are not the matrix-shaped updates Newton-Schulz is meant for), as are norms, biases,
+    matrices with a side of 1 (a rank-1 LoRA factor: orthogonalizing a vector only normalizes it) and the stacked
+    expert weights of a mixture of experts ([E, a, b]: torch.optim.Muon takes 2-D matrices only)."""
+    return t.is_matmul and min(t.rows, t.cols) > 1 and not t.name.startswith(MUON_EXCLUDED) \
+        and not stacked_experts(t)
 
 
 MUON_EXCLUDED = ("tok_embeddings.", "output.")
+
+
+def stacked_experts(t: Tensor) -> bool:
+    """A stacked expert weight (models/common/experts.py's GroupedExperts `...experts.w1`, [E, a, b], which the
+    specs list as rows = E; plan/experts.py's `experts` share), not a 2-D matrix."""
+    return "experts" in t.name.split(".")[-2:]
 
 
 def _muon_state(t: Tensor, optim: Any = None) -> int:
@@ -127,17 +141,27 @@ def _muon_state(t: Tensor, optim: Any = None) -> int:
 
 
 def _muon_temp(tensors: Sequence[Tensor], fused: bool) -> int:
-    """Newton-Schulz on one matrix at a time (the largest counts): the nesterov update in fp32, then in bf16 the
-    iterate, its Gram matrix (m x m, m the smaller side), the polynomial of it and the next iterate; the AdamW
-    part as AdamW's step."""
-    ns = [FP32 * t.numel + BF16 * (2 * t.numel + 2 * min(t.rows, t.cols) ** 2) for t in tensors if muon_steps(t)]
-    return max(ns or [0]) + _adamw_temp([t for t in tensors if not muon_steps(t)], fused)
+    """The AdamW part's step (on the local tensors); Newton-Schulz's is _newton_schulz_temp's."""
+    return _adamw_temp([t for t in tensors if not muon_steps(t)], fused)
+
+
+def _newton_schulz_temp(whole: Sequence[Tensor], local: Sequence[Tensor]) -> int:
+    """Muon's step on one whole matrix at a time (the largest counts) of those this rank steps (`local`, by name):
+    Newton-Schulz holds the nesterov update in fp32, then in bf16 the iterate, its Gram matrix (m x m, m the smaller
+    side), the polynomial of it and the next iterate; a sharded matrix's update is first gathered: the shard's update,
+    the all-gather's output and DTensor's copy of it into the whole matrix's layout, all fp32, at once."""
+    def one(t: Tensor, mine: Tensor) -> int:
+        ns = FP32 * t.numel + BF16 * (2 * t.numel + 2 * min(t.rows, t.cols) ** 2)
+        return max(ns, FP32 * (mine.numel + 2 * t.numel)) if mine.numel < t.numel else ns
+    mine = {t.name: t for t in local}
+    return max([one(t, mine[t.name]) for t in whole if t.name in mine and muon_steps(t)] or [0])
 
 
 _ADAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 _LOW_BIT_WHY = ("trainctl checkpoints torchao's quantized states on whole tensors only, not on DTensor shards nor "
                 "through ZeroRedundancyOptimizer")
-_MUON_WHY = "Newton-Schulz needs each whole matrix, and trainctl does not all-gather sharded matrices for it"
+_MUON_WHY = ("ZeroRedundancyOptimizer builds one optimizer class over its partition, and Muon steps as two (Muon "
+             "for the hidden matrices, AdamW for the rest)")
 
 
 def _low_bit(name: str, what: str) -> OptimizerSpec:
@@ -164,7 +188,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamwfp8": _low_bit("adamwfp8", "fp8"),
     "muon": OptimizerSpec("muon", "Muon momentum (fp32) for hidden matrices, AdamW states for the rest",
                           ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov", "muon_adjust_lr"),
-                          _muon_state, _muon_temp, on_dtensor=False, zero1=False, why_not=_MUON_WHY),
+                          _muon_state, _muon_temp, on_dtensor=True, zero1=False, why_not=_MUON_WHY,
+                          whole_temp_bytes=_newton_schulz_temp),
 }
 
 
@@ -184,6 +209,13 @@ def state_bytes(optim: Any, tensors: Sequence[Tensor]) -> int:
     """Bytes of the optimizer state for these (local) tensors (`optim`: a name or the optim config)."""
     per_tensor = spec(optim).state_bytes
     return sum(per_tensor(t, optim) for t in tensors)
+
+
+def step_temp_bytes(optim: Any, stepped: Sequence[Tensor], whole: Sequence[Tensor], fused: bool) -> int:
+    """The optimizer step's temporaries: on the tensors this rank steps (`stepped`, local) and, for an optimizer
+    that works on whole matrices, on the unsharded `whole` ones (Muon gathers a sharded matrix for Newton-Schulz)."""
+    s = spec(optim)
+    return max(s.step_temp_bytes(stepped, fused), s.whole_temp_bytes(whole, stepped) if s.whole_temp_bytes else 0)
 
 
 def unsupported(name: str, wrap: Wrapping, tp: int) -> list[str]:

@@ -37,7 +37,8 @@ textbook ZeRO table (the worker wins):
   the gathered units and their gradients.
 - The optimizer step: its temporaries are the optimizer's (core/optimizers.py): fused AdamW on CUDA
   allocates nothing; the foreach AdamW used elsewhere (CPU, or CUDA parameters under cpu_offload
-  run on the host) allocates one fp32 temporary per stepped element.
+  run on the host) allocates one fp32 temporary per stepped element; Muon's Newton-Schulz works on the
+  whole largest matrix, gathered from its shards under FSDP2 or tp.
 Phases: the peak is the largest of (loss) the start of backward, (block) the first block's
 backward, (end) the end of backward, and (step) the optimizer step; each phase lists what is
 alive then. Gradients are conservatively counted as fully present from the end of backward on,
@@ -67,6 +68,7 @@ from trainctl.plan.rank_states import (
     trainable,
     trainable_of,
 )
+from trainctl.plan.shapes import stage_tensors
 from trainctl.plan.stages import RankStages
 from trainctl.plan.transients import (
     DTYPE_BYTES,
@@ -197,7 +199,8 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     accumulating = train.grad_accum > 1
     unsharded = max(c, r) * learn_local if fsdp and accumulating else 0
     head_reduce = head_reduce_bytes(m, stage, dims, wrap, r)
-    step_temp = optimizers.spec(optim).step_temp_bytes(stepped, device == "cuda" and not sharding.cpu_offload)
+    whole = trainable(stage_tensors(m, stage.layers, stage.first, stage.last))  # Muon's Newton-Schulz gathers them
+    step_temp = optimizers.step_temp_bytes(optim, stepped, whole, device == "cuda" and not sharding.cpu_offload)
     host = saved.host
     if sharding.cpu_offload:
         host, params, grads, optimizer, step_temp = host + params + grads + optimizer + reference, 0, 0, 0, 0

@@ -98,7 +98,7 @@ def with_micro_batch(cfg: RunConfig, micro_batch: int) -> Variant | None:
 
 def with_optimizer(cfg: RunConfig, name: str) -> Variant | None:
     """Another optimizer with its keys at the schema's defaults: its state bytes depend on none of them but SGD's
-    momentum (0.9 there, as conf/optim/sgd.yaml). Left out where the layout cannot hold it (Muon under FSDP2)."""
+    momentum (0.9 there, as conf/optim/sgd.yaml). Left out where the layout cannot hold it (Muon under zero1)."""
     optim = OptimConfig(name=name, grad_clip=cfg.optim.grad_clip)
     return _resolved(name, [f"optim={name}"], dataclasses.replace(cfg, optim=optim))
 
