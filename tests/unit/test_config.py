@@ -21,8 +21,8 @@ RECIPES = list_options("recipe")
 FIXUPS = {
     ("model", "tiny"): ["train.seq_len=256", "data=stdlib"],  # tiny's max_seq_len is 1024, vocab 256
     ("sharding", "none"): ["cluster.procs_per_node=1"],  # no data parallelism: one process
-    ("data", "stdlib"): ["model=tiny", "train.seq_len=256"],
-    ("data", "hf"): ["data.source=org/corpus", "data.val_split=validation", "data.tokenizer=bytes"],  # byte corpus: vocab 256 fits any model; keep it small
+    ("data", "stdlib"): ["model=tiny", "train.seq_len=256"],  # byte corpus: vocab 256 fits any model; keep it small
+    ("data", "hf"): ["data.source=org/corpus", "data.val_split=validation", "data.tokenizer=bytes"],
     ("optim", "adafactor"): ["sharding=ddp"],  # Adafactor cannot step FSDP2's DTensor shards
     # Neither can the low-bit AdamWs nor Muon (trainctl does not gather the matrices Newton-Schulz needs whole)
     **{("optim", name): ["sharding=ddp"] for name in ("adamw8bit", "adamw4bit", "adamwfp8", "muon")},

@@ -30,8 +30,7 @@ class StreamBatches:
         assert global_batch == micro_batch * grad_accum * dp_size, (global_batch, micro_batch, grad_accum, dp_size)
         name = data_cfg.split if split == "train" else data_cfg.val_split
         if not name:
-            raise DataError("data.val_split: none named, so nothing to evaluate on; name one or set "
-                            "train.eval_every=0")
+            raise DataError("data.val_split: none named, so there is no held-out split to evaluate on")
         self.split, self.seq_len, self.seed, self.micro_batch = split, seq_len, seed, micro_batch
         self.dp_rank, self.dp_size, self.vocab_size = dp_rank, dp_size, data_cfg.vocab_size
         self.ramp = ramp or BatchRamp(micro_batch * dp_size, grad_accum, grad_accum, 0, 0)
