@@ -29,6 +29,7 @@ from hostile import (  # noqa: E402,F401
     data,
     experts,
     hf,
+    hf_data,
     integrity,
     moe,
     optim,

@@ -22,6 +22,7 @@ FIXUPS = {
     ("model", "tiny"): ["train.seq_len=256", "data=stdlib"],  # tiny's max_seq_len is 1024, vocab 256
     ("sharding", "none"): ["cluster.procs_per_node=1"],  # no data parallelism: one process
     ("data", "stdlib"): ["model=tiny", "train.seq_len=256"],  # byte corpus: vocab 256 fits any model; keep it small
+    ("data", "hf"): ["data.source=org/corpus", "data.val_split=validation", "data.tokenizer=bytes"],
     ("optim", "adafactor"): ["sharding=ddp"],  # Adafactor cannot step FSDP2's DTensor shards
     # Neither can the low-bit AdamWs (torchao's quantized states on whole tensors only)
     **{("optim", name): ["sharding=ddp"] for name in ("adamw8bit", "adamw4bit", "adamwfp8")},

@@ -125,14 +125,19 @@ def test_inputs_and_hf_options_are_checked(tmp_path, monkeypatch, capsys, args, 
 
 
 def test_datasets_is_imported_by_the_hf_reader_only():
-    """The launcher and every other path stay free of `datasets` (and whatever it pulls in): one module reads it,
-    reached by a lazy import from api.prepare_data only when --hf is given."""
+    """The launcher and every other path stay free of `datasets` (and whatever it pulls in): two modules read it,
+    hf_source reached by a lazy import from api.prepare_data only when --hf is given, and hf_stream (data=hf, which
+    the launch preflight imports lazily for data.kind=hf only)."""
     from tests.unit.test_layering import ROOT, third_party_imports
 
     found = third_party_imports(ROOT.rglob("*.py"))
-    assert [where.split(":")[0] for where in found.get("datasets", [])] == ["trainctl/data/hf_source.py"]
+    readers = sorted({where.split(":")[0] for where in found.get("datasets", [])})
+    assert readers == ["trainctl/data/hf_source.py", "trainctl/data/hf_stream.py"]
     hf_users = [p for p in ROOT.rglob("*.py") if "hf_source" in p.read_text() and p.name != "hf_source.py"]
-    assert [p.relative_to(ROOT).as_posix() for p in hf_users] == ["api/tools.py"]
+    assert sorted(p.relative_to(ROOT).as_posix() for p in hf_users) == ["api/tools.py", "data/hf_stream.py"]
+    stream_users = [p for p in ROOT.rglob("*.py") if "hf_stream" in p.read_text() and p.name != "hf_stream.py"]
+    assert sorted(p.relative_to(ROOT).as_posix() for p in stream_users) == ["config/hf_data_check.py",
+                                                                           "train/loop/stream.py"]
 
 
 def test_an_interrupted_hf_prepare_resumes_to_the_same_bytes(tmp_path):

@@ -32,7 +32,7 @@ from trainctl.core.nf4 import BASE_DTYPES
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = schedules.names()
 OPTIMIZERS = optimizers.names()
-DATA_KINDS = ("stdlib", "memmap", "synthetic")
+DATA_KINDS = ("stdlib", "memmap", "synthetic", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
 AC_MODES = ("none", "full", "selective", "op")
 ATTENTION_KERNELS = ("cudnn", "flash")  # the SDPA kernel tried first on CUDA
@@ -194,7 +194,7 @@ class OptimConfig:
 class DataConfig:
     """Token source. Byte-level tokens for the embedded corpus."""
 
-    kind: str = choice("stdlib", DATA_KINDS)  # stdlib | memmap | synthetic
+    kind: str = choice("stdlib", DATA_KINDS)  # stdlib | memmap | synthetic | hf
     train_path: str = ""  # memmap: pre-tokenized token file
     val_path: str = ""  # memmap: held-out token file
     token_dtype: str = choice("uint16", TOKEN_DTYPES)  # memmap: uint16 | uint32
@@ -207,6 +207,15 @@ class DataConfig:
     document_mask: bool = False
     val_fraction: float = within(0.05, 0, 0.5, open_low=True)  # stdlib: share of files held out
     cache_dir: str = "~/.cache/trainctl"
+    # hf: a Hugging Face dataset tokenized on the fly: a Hub name (through the datasets cache), a save_to_disk
+    # folder, or a .parquet/.arrow/.json/.jsonl/.csv file or folder of them
+    source: str = ""
+    hf_config: str = ""  # hf: the dataset's configuration (subset) name; "": its default
+    split: str = "train"  # hf: the split trained on
+    val_split: str = ""  # hf: the held-out split evaluated on; "": none (needs train.eval_every=0)
+    text_field: str = "text"  # hf: the field holding each document's text
+    streaming: bool = False  # hf: read rows as they are needed (nothing downloaded or converted whole)
+    tokenizer: str = ""  # hf: a tokenizer.json (or its folder), or bytes; "": the model's (model.path, init_from)
 
 
 @dataclass(frozen=True)

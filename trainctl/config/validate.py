@@ -19,6 +19,7 @@ from trainctl.config.batch import resolve_batch
 from trainctl.config.data_check import datasets_problems, document_mask_problems, model_tokenizer_problems
 from trainctl.config.errors import ConfigError
 from trainctl.config.fields import declared_problems
+from trainctl.config.hf_data_check import hf_data_problems, resolve_hf_data
 from trainctl.config.layout_check import (
     check_context_parallel,
     check_expert_parallel,
@@ -74,13 +75,15 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += document_mask_problems(cfg.data, dims.pp, dims.cp)
         problems += objective_problems(train, cfg.data, cfg.model.lora, cfg.checkpoint, resolved, cfg.model.moe)
         problems += model_tokenizer_problems(cfg.data, cfg.checkpoint.init_from or cfg.model.path)
+        problems += hf_data_problems(cfg.data, cfg.model, cfg.checkpoint, train)
     problems = nonfinite + _without_keys(problems, nonfinite)
     if problems:
         raise ConfigError(problems)
     assert dims is not None  # a world size below 1 is a range problem above
     # The alias (fsdp) is resolved here, once: downstream code sees only the strategy it names.
     sharding = dataclasses.replace(cfg.sharding, strategy=canonical(cfg.sharding.strategy), **dims.as_dict())
-    return dataclasses.replace(cfg, sharding=sharding, train=train, data=resolve_data_vocab(cfg.data, cfg.model))
+    data = resolve_hf_data(resolve_data_vocab(cfg.data, cfg.model), cfg.model, cfg.checkpoint)
+    return dataclasses.replace(cfg, sharding=sharding, train=train, data=data)
 
 
 def resolve_hub_names(cfg: schema.RunConfig) -> tuple[schema.RunConfig, list[str]]:

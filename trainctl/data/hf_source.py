@@ -52,11 +52,13 @@ def _datasets():
         raise DatasetError("--hf: reading Hugging Face datasets needs the datasets package: "
                            "pip install 'trainctl[hf]' (or pip install datasets)") from None
     datasets.disable_progress_bars()  # prepare's own progress bar is the one the user watches
+    datasets.logging.set_verbosity_error()  # its notes ("Using the latest cached version") on every rank's log
     return datasets
 
 
-def load(name: str, split: str, config: str | None):
-    """The `split` of the dataset `name` (a save_to_disk folder, a data file or folder, a Hub name)."""
+def load(name: str, split: str, config: str | None, streaming: bool = False):
+    """The `split` of the dataset `name` (a save_to_disk folder, a data file or folder, a Hub name); `streaming`:
+    an IterableDataset that reads rows as they are asked for (a save_to_disk folder is a Dataset either way)."""
     datasets = _datasets()
     path = Path(name).expanduser()
     try:
@@ -67,8 +69,8 @@ def load(name: str, split: str, config: str | None):
             if kind is None:
                 raise DatasetError(f"--hf {name}: a {path.suffix or 'suffix-less'} file; pass a "
                                    f"{', '.join(FILE_FORMATS)} file, a save_to_disk folder or a Hub dataset name")
-            return _load_file(datasets, kind, path, name, split)
-        return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split)
+            return _load_file(datasets, kind, path, name, split, streaming)
+        return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split, streaming=streaming)
     except DatasetError:
         raise
     except ValueError as exc:  # an unknown split or configuration: datasets names the ones there are
@@ -82,12 +84,12 @@ def load(name: str, split: str, config: str | None):
                            "save_to_disk folder, a data file, or a Hub dataset name") from None
 
 
-def _load_file(datasets, kind: str, path: Path, name: str, split: str):
+def _load_file(datasets, kind: str, path: Path, name: str, split: str, streaming: bool = False):
     """One data file as the split; a file without rows says so (datasets says StopIteration, or "no data")."""
     if path.stat().st_size == 0:
         raise _no_rows(name, f"the file {path.resolve()}")
     try:
-        return datasets.load_dataset(kind, data_files={split: str(path)}, split=split)
+        return datasets.load_dataset(kind, data_files={split: str(path)}, split=split, streaming=streaming)
     except ValueError as exc:  # the split is ours here: its "corresponds to no data" means the file has no rows
         if "no data" in str(exc):
             raise _no_rows(name, f"the file {path.resolve()}") from None

@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from trainctl.config.data_check import data_file_problems
+from trainctl.config.hf_data_check import hf_dataset_problems
 from trainctl.config.schema import ClusterConfig, RunConfig, WandbConfig
 from trainctl.launch import backends
 from trainctl.plan.fit import Machine
@@ -40,6 +41,7 @@ def launch_problems(cfg: RunConfig, *, dry_run: bool = False, workdir: Path | No
     vocab = cfg.data.vocab_size or cfg.model.vocab_size
     problems += wandb_problems(cfg.logging.wandb, cfg.cluster, workdir=workdir)
     problems += data_file_problems(cfg.data, vocab, cfg.train.seq_len, workdir)
+    problems += hf_dataset_problems(cfg.data, vocab)
     return problems
 
 

@@ -34,6 +34,7 @@ class StartPoint:
     samples_seen: int = 0
     path: Path | None = None
     meta: dict = field(default_factory=dict)
+    data_state: dict | None = None  # this rank's stream position (data=hf), when the checkpoint holds one for it
 
     @property
     def resumed(self) -> bool:
@@ -129,4 +130,5 @@ def restore(manager: CheckpointManager, path: Path, load_only: str, model, optim
     if meta.get("world_size") != world_size:
         log.warning("resuming %s saved by %s ranks on %s ranks: weights and optimizer resharded, data position kept "
                     "in samples, RNG streams not restored", path, meta.get("world_size"), world_size)
-    return StartPoint(step=meta["step"], samples_seen=meta["samples_seen"], path=path, meta=meta)
+    data_state = (own_rank_state or {}).get("data")
+    return StartPoint(step=meta["step"], samples_seen=meta["samples_seen"], path=path, meta=meta, data_state=data_state)

@@ -37,6 +37,7 @@ from trainctl.train.loop.loss_scaling import build_loss_scaler
 from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.loop.sources import DataError
 from trainctl.train.loop.stop import StopRequest
+from trainctl.train.loop.stream import StreamBatches
 from trainctl.train.loop.watchdog import HangWatchdog
 from trainctl.train.observe.metrics import MetricsLogger, device_peak_flops, print0
 from trainctl.train.optim import build_optimizer, zero1_group
@@ -62,7 +63,8 @@ def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBat
     train = cfg.train
     common = dict(seq_len=train.seq_len, global_batch=train.global_batch, micro_batch=train.micro_batch,
                   grad_accum=train.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=train.seed)
-    batches = batches_for(train.objective)  # preference pairs or token windows
+    # preference pairs, a data=hf stream, or token windows
+    batches = StreamBatches if cfg.data.kind == "hf" else batches_for(train.objective)
     try:
         val = batches(cfg.data, "val", **common)
     except DataError as exc:
@@ -75,6 +77,17 @@ def build_data(cfg: RunConfig, mesh, world: distributed.World) -> tuple[TokenBat
     if warning:
         print0(warning, world.is_main)
     return train_batches, val
+
+
+def restore_stream(train_data, start: StartPoint) -> None:
+    """A data=hf stream continues where this rank's part of the checkpoint left it; without one, refused."""
+    if not isinstance(train_data, StreamBatches):
+        return
+    if start.data_state is None:
+        raise DataError(f"data=hf: {start.path} holds no stream position for this rank (saved by "
+                        f"{start.meta.get('world_size')} ranks, or from other data); resume with the world size it "
+                        "was saved with, or start anew with checkpoint.load_only=model")
+    train_data.load_state_dict(start.data_state)
 
 
 def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> tuple[nn.Module, Pipeline | None]:
@@ -146,6 +159,7 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     if start.resumed:
         meta.load_state_dict(start.meta)
         train_data.resume_at(progress.step, progress.samples_seen)
+        restore_stream(train_data, start)
     objective = build_objective(cfg, model, mesh, world.device, start.resumed)  # after the weights are loaded
     peak = device_peak_flops(world.device, cfg.precision)
     if peak:

@@ -141,7 +141,10 @@ def save_checkpoint(job: Job, step: int) -> None:
     """Checkpoint after `step` optimizer steps (see state.py for what it holds)."""
     job.watchdog.arm()  # a save is progress: a slow one is not a hang unless it alone outlasts the timeout
     state = checkpoint_state.app_state(job.model, job.optimizer)
-    job.checkpoints.save(step, state, checkpoint_state.rank_state(job.optimizer), job.meta.state_dict())
+    own = checkpoint_state.rank_state(job.optimizer)
+    if hasattr(job.train_data, "state_dict"):  # a stream's position is state, not a function of the step
+        own["data"] = job.train_data.state_dict()
+    job.checkpoints.save(step, state, own, job.meta.state_dict())
     log_commit(job)
 
 
