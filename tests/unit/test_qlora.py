@@ -205,7 +205,8 @@ def test_nf4_composes_with_ddp_zero1_and_fsdp2():
                                f"sharding={sharding}", "cluster.procs_per_node=2"]))
         assert cfg.model.lora.base_dtype == "nf4"
     # gate, up and down 128 x 256: two scale-factor blocks each, one per rank (hsdp shards over dp_shard=2)
-    for sharding, procs in ((["sharding=fsdp"], 2), (["sharding=zero2"], 2), (["sharding=hsdp", "sharding.dp_shard=2"], 4)):
+    layouts = ((["sharding=fsdp"], 2), (["sharding=zero2"], 2), (["sharding=hsdp", "sharding.dp_shard=2"], 4))
+    for sharding, procs in layouts:
         cfg = resolve(compose(["recipe=tiny_cpu", "model.lora.rank=8", "model.lora.base_dtype=nf4", *sharding,
                                f"cluster.procs_per_node={procs}",
                                "train.micro_batch=4", "model.dim=128", "model.n_kv_heads=4", "model.ffn_dim=256",
