@@ -213,12 +213,21 @@ def _(p: Probe) -> None:
                   "model.lora.targets=[q,up]"), "model.lora.base_dtype=nf4", "up 256x200", "16384")
 
 
-@case("edges", "QLoRA under FSDP2 is refused naming ddp and zero1; a resume that drops nf4 suggests a new run")
+@case("edges", "QLoRA under FSDP2: cpu offload and a weight two ranks cannot cut into whole NF4 blocks are refused; "
+               "a resume that drops nf4 suggests a new run")
 def _(p: Probe) -> None:
-    qlora = ("model.lora.rank=8", "model.lora.base_dtype=nf4")
+    # dim 128, ffn 256: gate, up and down are 128 x 256, two NF4 scale-factor blocks (one per rank); q is one
+    qlora = ("model.lora.rank=8", "model.lora.base_dtype=nf4", "model.dim=128", "model.n_kv_heads=4",
+             "model.ffn_dim=256", "sharding=fsdp", "cluster.procs_per_node=2", "train.micro_batch=4")
     before = p.files()
-    refused(p.cli("launch", "--dry-run", *TINY, *qlora, "sharding=fsdp", "cluster.procs_per_node=2", "runs_dir=r"),
-            "model.lora.base_dtype=nf4", "FSDP2", "sharding=ddp", "zero1")
+    refused(p.cli("launch", "--dry-run", *TINY, *qlora, "model.lora.targets=[gate,up,down]",
+                  "sharding.cpu_offload=true", "runs_dir=r"),
+            "sharding.cpu_offload=true", "model.lora.base_dtype=nf4", "sharding.cpu_offload=false")
+    refused(p.cli("launch", "--dry-run", *TINY, *qlora, "model.lora.targets=[q,up]", "runs_dir=r"),
+            "model.lora.base_dtype=nf4 with sharding.dp_shard=2", "q 128x128", "sharding=ddp")
     nothing_left(p, before, p.tmp / "r")
-    succeeded(p.cli("launch", "--dry-run", *TINY, *qlora, "sharding=ddp", "runs_dir=r", "name=q"))
+    succeeded(p.cli("launch", "--dry-run", *TINY, *qlora, "model.lora.targets=[gate,up,down]", "runs_dir=r",
+                    "name=f"))
+    succeeded(p.cli("launch", "--dry-run", *TINY, "model.lora.rank=8", "model.lora.base_dtype=nf4", "sharding=ddp",
+                    "runs_dir=r", "name=q"))
     refused(p.cli("resume", "q", "--runs-dir", "r", "model.lora.base_dtype=fp32"), "model.lora", "--merged")

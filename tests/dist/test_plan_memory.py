@@ -66,11 +66,16 @@ RUNS = {
                  {"micro_batch": 4, "grad_accum": 1, "lora": LoRAConfig(rank=8, targets=["q", "v", "up", "down"])}),
     "lora_fsdp_accum": (2, ShardingConfig(strategy="fsdp", dp_shard=2), BF16,
                         {"micro_batch": 2, "grad_accum": 2, "lora": LoRAConfig(rank=8)}),
-    # QLoRA: the adapted weights as torchao NF4 tensors (4 bits + block scales), whole on each rank. dim 128 with
+    # QLoRA: the adapted weights as torchao NF4 tensors (4 bits + block scales), whole on each rank under DDP. dim 128 with
     # as many kv heads as heads: every adapted weight is 128 x 128, one NF4 scale-factor block (core/nf4.py).
     "lora_nf4_ddp": (2, ShardingConfig(strategy="ddp", dp_replicate=2), BF16,
                      {"micro_batch": 4, "grad_accum": 1, "model": {"dim": 128, "n_kv_heads": 4},
                       "lora": LoRAConfig(rank=8, targets=["q", "k", "v", "o", "up"], base_dtype="nf4")}),
+    # QLoRA under FSDP2: each rank's rows of every 4-bit weight (codes and scales; the scale mean and code table
+    # whole). ffn 256: gate, up and down are 128 x 256, two scale-factor blocks, one per rank.
+    "lora_nf4_fsdp": (2, ShardingConfig(strategy="fsdp", dp_shard=2), BF16,
+                      {"micro_batch": 4, "grad_accum": 1, "model": {"dim": 128, "n_kv_heads": 4, "ffn_dim": 256},
+                       "lora": LoRAConfig(rank=8, targets=["gate", "up", "down"], base_dtype="nf4")}),
     # Adafactor's factored states (rows + cols per matrix) in ZeroRedundancyOptimizer's partition.
     "adafactor_zero1": (2, ShardingConfig(strategy="zero1", dp_replicate=2), PrecisionConfig(),
                         {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="adafactor", weight_decay=0.0)}),

@@ -123,6 +123,22 @@ def test_plan_counts_the_live_nf4_params_per_rank():
     assert planned["params_bytes"] < full["params_bytes"]
 
 
+def test_plan_counts_an_fsdp2_ranks_rows_of_each_nf4_weight():
+    """Under FSDP2 a rank holds its rows' codes and scales of each 4-bit weight plus the whole tensor's scale mean
+    and code table: the plan's bytes for the adapted weights, rank by rank, are those of torchao's chunk."""
+    cfg = dataclasses.replace(CFG, lora=dataclasses.replace(QLORA, targets=["up"]))  # 128 -> 256: two blocks
+    fp32 = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_dtype="fp32"))
+    sharding = ShardingConfig(strategy="zero3", dp_shard=2)
+    dims = ParallelDims.from_config(sharding)
+    stage = rank_stages(cfg, sharding, 1)[0]
+    whole = qlora.quantize(torch.randn(256, 128))
+    for rank in range(2):
+        rows = torch.chunk(whole, 2, dim=0)[rank]  # what fully_shard keeps on `rank` (torchao's split)
+        saved = (model_states(fp32, sharding, dims, stage, rank)["params_bytes"]
+                 - model_states(cfg, sharding, dims, stage, rank)["params_bytes"])
+        assert saved == cfg.n_layers * (4 * rows.numel() - tensor_bytes(rows))
+
+
 def test_plan_keeps_no_autocast_copy_of_an_nf4_weight():
     """bf16 autocast saves a bf16 copy of each matmul weight for backward; torchao's NF4 linear saves the 4-bit
     weight itself and dequantizes again in backward, so the plan's weight_casts leave the adapted weights out."""
@@ -167,8 +183,13 @@ def _problems(overrides):
     (["model.lora.base_dtype=nf4"], ["model.lora.base_dtype=nf4", "model.lora.rank=0"]),
     (["model.lora.rank=8", "model.lora.base_dtype=nf4", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2"],
      ["model.lora.base_dtype=nf4", "16384", "q 64x64", "k 64x32"]),
-    (["model.lora.rank=8", "model.lora.base_dtype=nf4", "sharding=fsdp", "cluster.procs_per_node=2"],
-     ["model.lora.base_dtype=nf4", "FSDP2", "sharding=ddp"]),
+    (["model.lora.rank=8", "model.lora.base_dtype=nf4", "sharding=fsdp", "cluster.procs_per_node=2",
+      "sharding.cpu_offload=true", "model.dim=128", "model.n_kv_heads=4", "model.ffn_dim=256"],
+     ["sharding.cpu_offload=true", "model.lora.base_dtype=nf4", "sharding.cpu_offload=false"]),
+    # dim 128, 4 kv heads: q is 128 x 128, one scale-factor block, which 2 FSDP2 ranks cannot split
+    (["model.lora.rank=8", "model.lora.base_dtype=nf4", "sharding=fsdp", "cluster.procs_per_node=2",
+      "model.dim=128", "model.n_kv_heads=4", "model.ffn_dim=256", "model.lora.targets=[q,up]"],
+     ["model.lora.base_dtype=nf4 with sharding.dp_shard=2", "q 128x128", "sharding=ddp"]),
     (["model.lora.rank=8", "model.lora.base_dtype=int4"], ["model.lora.base_dtype", "fp32, nf4"]),
 ])
 def test_bad_nf4_configs_are_one_line_each(overrides, words):
@@ -178,10 +199,18 @@ def test_bad_nf4_configs_are_one_line_each(overrides, words):
     assert "\n" not in line
 
 
-def test_nf4_composes_with_ddp_and_zero1():
+def test_nf4_composes_with_ddp_zero1_and_fsdp2():
     for sharding in ("ddp", "zero1"):
         cfg = resolve(compose(["recipe=tiny_cpu", "model.lora.rank=8", "model.lora.base_dtype=nf4",
                                f"sharding={sharding}", "cluster.procs_per_node=2"]))
+        assert cfg.model.lora.base_dtype == "nf4"
+    # gate, up and down 128 x 256: two scale-factor blocks each, one per rank (hsdp shards over dp_shard=2)
+    layouts = ((["sharding=fsdp"], 2), (["sharding=zero2"], 2), (["sharding=hsdp", "sharding.dp_shard=2"], 4))
+    for sharding, procs in layouts:
+        cfg = resolve(compose(["recipe=tiny_cpu", "model.lora.rank=8", "model.lora.base_dtype=nf4", *sharding,
+                               f"cluster.procs_per_node={procs}",
+                               "train.micro_batch=4", "model.dim=128", "model.n_kv_heads=4", "model.ffn_dim=256",
+                               "model.lora.targets=[gate,up,down]"]))
         assert cfg.model.lora.base_dtype == "nf4"
 
 

@@ -64,6 +64,9 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
         problems += check_model_parallel(dims, cfg.model)
         resolved = dataclasses.replace(cfg.sharding, **dims.as_dict())
         problems += lora_unsupported(cfg.model.lora, resolved, cfg.precision)
+        if not model_problems and not declared_problems(cfg.model, "model"):
+            problems += lora.shard_problems(cfg.model.lora, registry.spec(cfg.model.family).linear_shapes(cfg.model),
+                                            resolved)
         problems += optimizers.unsupported(cfg.optim.name, wrapping(cfg.sharding.strategy, dims), dims.tp)
         train, batch_problems = resolve_batch(cfg.train, dims.dp)
         problems += batch_problems

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from trainctl.core import nf4
 from trainctl.core.tensors import Tensor
+from trainctl.core.wrapping import shards_parameters
 
 # model.lora.targets -> the projection's module path inside a block (every family shares the llama layout).
 TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
@@ -56,6 +57,13 @@ def width_problems(lora, shapes: dict[str, tuple[int, int]]) -> list[str]:
     if not enabled(lora) or any(t not in TARGETS for t in lora.targets):
         return []
     return nf4.shape_problems(lora, shapes, TARGETS) + rank_problems(lora, shapes)
+
+
+def shard_problems(lora, shapes: dict[str, tuple[int, int]], sharding) -> list[str]:
+    """QLoRA's 4-bit weights cut by FSDP2 into whole NF4 blocks per rank (core/nf4.py); `sharding` resolved."""
+    if not enabled(lora) or any(t not in TARGETS for t in lora.targets) or not shards_parameters(sharding.strategy):
+        return []
+    return nf4.shard_problems(lora, shapes, TARGETS, sharding.dp_shard)
 
 
 def rank_problems(lora, shapes: dict[str, tuple[int, int]]) -> list[str]:

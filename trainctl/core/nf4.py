@@ -50,10 +50,28 @@ def shape_problems(lora, shapes: dict[str, tuple[int, int]], targets: dict[str, 
             f"{sizes} is not; adapt other projections (model.lora.targets), or model.lora.base_dtype=fp32"]
 
 
-def layout_problems(lora, fsdp: bool) -> list[str]:
-    """The layouts the worker quantizes the base under: data parallelism that replicates the weights (DDP, zero1)."""
-    if not enabled(lora) or not fsdp:
+def shard_problems(lora, shapes: dict[str, tuple[int, int]], targets: dict[str, str], shards: int) -> list[str]:
+    """Under FSDP2 each rank holds `shards`-th of every 4-bit weight's rows, cut from the whole tensor's codes and
+    scales (torchao's chunk of an NF4Tensor): whole scale-factor blocks each, so out divisible by `shards` and
+    in x out by QUANTUM x `shards` (a 1/shards slice of a block has no scale factor of its own)."""
+    if not enabled(lora) or shards <= 1:
         return []
-    return ["model.lora.base_dtype=nf4: a 4-bit base sharded by FSDP2 is not implemented in the worker yet; "
-            "use sharding=ddp or sharding=zero1 (the 4-bit base is replicated, the adapters' optimizer states "
-            "shard under zero1), or model.lora.base_dtype=fp32"]
+    bad = {t: shapes[targets[t]] for t in lora.targets if t in targets
+           and (shapes[targets[t]][1] % shards or (shapes[targets[t]][0] * shapes[targets[t]][1]) % (QUANTUM * shards))}
+    if not bad:
+        return []
+    sizes = ", ".join(f"{t} {i}x{o}" for t, (i, o) in bad.items())
+    return [f"model.lora.base_dtype=nf4 with sharding.dp_shard={shards}: FSDP2 gives each rank whole NF4 scale-factor "
+            f"blocks of every adapted weight, so out must divide by {shards} and in x out by {QUANTUM} x {shards}; "
+            f"{sizes} does not; adapt other projections (model.lora.targets), shard over fewer ranks "
+            "(sharding.dp_shard, or sharding=hsdp), or sharding=ddp or zero1 (the 4-bit base replicated)"]
+
+
+def layout_problems(lora, fsdp: bool, cpu_offload: bool) -> list[str]:
+    """The layouts the worker quantizes the base under: DDP and zero1 (replicated), FSDP2 (zero2, zero3, hsdp:
+    sharded by rows), but not FSDP2's CPU offload (the 4-bit shards' host copies are not implemented)."""
+    if not enabled(lora) or not (fsdp and cpu_offload):
+        return []
+    return ["sharding.cpu_offload=true: offloading a 4-bit base (model.lora.base_dtype=nf4) is not implemented in "
+            "the worker yet; use sharding.cpu_offload=false (FSDP2 shards the 4-bit base: zero2, zero3, fsdp or "
+            "hsdp), sharding=ddp or zero1, or model.lora.base_dtype=fp32"]

@@ -43,4 +43,5 @@ def lora_unsupported(lora, sharding, precision) -> list[str]:
     ]
     return [f"model.lora.rank={lora.rank}: LoRA with {key} is not implemented in the worker yet; use "
             "data parallelism (sharding=ddp, zero1, zero2, fsdp or hsdp) without fp8, or model.lora.rank=0"
-            for wanted, key in later if wanted] + nf4.layout_problems(lora, shards_parameters(sharding.strategy))
+            for wanted, key in later if wanted] + nf4.layout_problems(lora, shards_parameters(sharding.strategy),
+                                                             sharding.cpu_offload)

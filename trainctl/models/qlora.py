@@ -22,6 +22,7 @@ from trainctl.core import checkpoints, model_record, rundir
 from trainctl.core import nf4 as spec
 from trainctl.core.errors import UserError
 from trainctl.core.lora import quantized_base
+from trainctl.models.common.quantized import is_nf4
 from trainctl.models.lora import LoRALinear
 
 INSTALL = "model.lora.base_dtype=nf4 needs torchao: pip install 'trainctl[fp8]'"
@@ -39,10 +40,6 @@ def torchao_nf4():
     return NF4Tensor, to_nf4
 
 
-def is_nf4(tensor) -> bool:
-    return type(tensor).__name__ == "NF4Tensor"
-
-
 def quantize(weight: torch.Tensor) -> torch.Tensor:
     """`weight` as an NF4Tensor with core/nf4.py's block sizes (quantized in the weight's own dtype)."""
     _, to_nf4 = torchao_nf4()
@@ -51,7 +48,9 @@ def quantize(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_base(model: nn.Module, lora) -> int:
-    """Every LoRALinear's frozen weight as NF4, in place; returns how many (0 unless model.lora.base_dtype=nf4)."""
+    """Every LoRALinear's frozen weight as NF4, in place; returns how many (0 unless model.lora.base_dtype=nf4).
+
+    On the meta device (FSDP2, before fully_shard) this makes NF4 tensors of the right layout and no values."""
     if not spec.enabled(lora):
         return 0
     count = 0
@@ -93,6 +92,7 @@ def base_bytes(model: nn.Module) -> int:
     total = 0
     for param in model.parameters():
         if is_nf4(param):
-            names, _ = param.__tensor_flatten__()
-            total += sum(getattr(param, n).numel() * getattr(param, n).element_size() for n in names)
+            local = getattr(param, "_local_tensor", param)  # FSDP2: this rank's rows
+            names, _ = local.__tensor_flatten__()
+            total += sum(getattr(local, n).numel() * getattr(local, n).element_size() for n in names)
     return total

@@ -173,10 +173,11 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     local = sum(t.numel for t in tensors)
     learn = trainable(tensors)  # with LoRA only the adapters have gradients, DDP buckets and optimizer states
     learn_local = sum(t.numel for t in learn)
-    stored = stored_elements(tensors, wrap, dims, busiest_dp_rank(tensors, wrap, dims, optim))[0]
+    busiest = busiest_dp_rank(tensors, wrap, dims, optim)
+    stored = stored_elements(tensors, wrap, dims, busiest)[0]
     stepped = stepped_tensors(learn, wrap, dims, busiest_dp_rank(learn, wrap, dims, optim))
     fsdp = wrap.fully_shard
-    params, grads = param_bytes(m, tensors, stored), FP32 * stored_of(learn, wrap, dims)
+    params, grads = param_bytes(m, tensors, stored, wrap, dims, busiest), FP32 * stored_of(learn, wrap, dims)
     optimizer = optimizers.state_bytes(optim, stepped)
     # Preference objectives: a pair is two sequences, their loss reads whole logits (no chunked head), and DPO
     # without LoRA holds a frozen fp32 reference sharded as the weights (core/objectives.py); the reference's

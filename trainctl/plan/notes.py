@@ -12,7 +12,7 @@ from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.lora import target_paths
 from trainctl.core.loss_head import chunked_loss
-from trainctl.core.wrapping import wrapping
+from trainctl.core.wrapping import shards_parameters, wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import throughput as tp_model
 from trainctl.plan.attention_kernel import predicted_kernel
@@ -158,19 +158,21 @@ def lora_notes(cfg: RunConfig) -> list[str]:
     return [f"LoRA (rank {lora.rank} on {','.join(lora.targets)}): grads, ddp_buckets and optimizer count the "
             "adapters only; activations and FSDP's gathered gradients are counted as for full training (an upper "
             "bound: autograd saves no input for a frozen projection without an adapter), and FLOPs/MFU count the "
-            "full 6N though frozen weights compute no weight gradient"] + nf4_notes(cfg.model)
+            "full 6N though frozen weights compute no weight gradient"] + nf4_notes(cfg.model, cfg.sharding)
 
 
-def nf4_notes(m) -> list[str]:
+def nf4_notes(m, sharding) -> list[str]:
     """QLoRA's base: what params counts for it, and the load that precedes the quantization."""
     if not nf4.enabled(m.lora):
         return []
+    held = ("sharded by rows over the FSDP2 ranks" if shards_parameters(sharding.strategy)
+            else "whole on every rank")
     shapes = linear_shapes(m)
     numel = m.n_layers * sum(shapes[p][0] * shapes[p][1] for p in target_paths(m.lora))
     return [f"QLoRA (model.lora.base_dtype=nf4): params counts the {numel:,} adapted weights as torchao NF4 "
             f"({nf4.tensor_bytes(numel) / 2**20:.1f} MiB for all layers: 4 bits each, an int8 scale per {nf4.BLOCK} "
-            f"and an fp32 factor per {nf4.QUANTUM}; {4 * numel / 2**20:.1f} MiB in fp32), whole on every rank; the "
-            "worker quantizes them once loaded, so the load itself briefly holds them in fp32"]
+            f"and an fp32 factor per {nf4.QUANTUM}; {4 * numel / 2**20:.1f} MiB in fp32), "
+            f"{held}; the worker quantizes each whole once loaded, so the load briefly holds it in fp32"]
 
 
 def optimizer_notes(cfg: RunConfig, mem: RankMemory) -> list[str]:

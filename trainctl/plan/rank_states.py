@@ -76,13 +76,16 @@ def model_states(
     stored = stored_elements(tensors, wrap, dims, dp_rank)[0]
     optimizer = optimizers.state_bytes(optim, stepped_tensors(trainable(tensors), wrap, dims, dp_rank))
     grads = stored_of(trainable(tensors), wrap, dims)
-    return {"params_bytes": param_bytes(m, tensors, stored), "grads_bytes": FP32 * grads, "optimizer_bytes": optimizer}
+    params = param_bytes(m, tensors, stored, wrap, dims, dp_rank)
+    return {"params_bytes": params, "grads_bytes": FP32 * grads, "optimizer_bytes": optimizer}
 
 
-def param_bytes(m: ModelConfig, tensors: list[Tensor], stored: int) -> int:
-    """Bytes of `stored` parameter elements: fp32, but for QLoRA's 4-bit base weights (core/nf4.py), which the
-    worker holds whole on every rank (layouts that shard parameters are refused with nf4)."""
-    quantized = [t.numel for t in tensors if quantized_base(t.name, m.lora)]
+def param_bytes(m: ModelConfig, tensors: list[Tensor], stored: int, wrap: Wrapping, dims: ParallelDims,
+                dp_rank: int = 0) -> int:
+    """Bytes of `stored` parameter elements: fp32, but for QLoRA's 4-bit base weights (core/nf4.py). Under FSDP2
+    a rank holds its rows of each: their codes and scales, and the whole tensor's scale mean and code table."""
+    held = stepped_tensors(tensors, wrap, dims, dp_rank) if wrap.fsdp else tensors
+    quantized = [t.numel for t in held if quantized_base(t.name, m.lora)]
     return FP32 * (stored - sum(quantized)) + sum(nf4.tensor_bytes(n) for n in quantized)
 
 

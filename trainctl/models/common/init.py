@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainctl.models.common.quantized import is_nf4, set_whole
+
 INIT_STD = 0.02
 
 
@@ -27,6 +29,9 @@ def fill(param: torch.Tensor, init_fn: Callable[[torch.Tensor], object]) -> None
         return
     full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
     init_fn(full)
+    if is_nf4(param):  # QLoRA's base under FSDP2: quantized whole, then this rank's rows
+        set_whole(param, full)
+        return
     # src_data_rank=None: every rank holds the same full tensor, so slice locally, no communication.
     local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     param.to_local().copy_(local)

@@ -16,6 +16,7 @@ from pathlib import Path
 from trainctl.config.schema import CheckpointConfig, ModelConfig
 from trainctl.core import model_record, rundir
 from trainctl.core.lora import is_adapter
+from trainctl.models.qlora import saved_nf4
 from trainctl.train.checkpoint import state
 from trainctl.train.checkpoint.store import META, CheckpointError, CheckpointManager, checkpoint_dir
 from trainctl.train.errors import WorkerConfigError
@@ -121,7 +122,8 @@ def restore(manager: CheckpointManager, path: Path, load_only: str, model, optim
     parts = _PARTS[load_only]
     skip = fresh_adapters(path, model) if load_only == "model" else frozenset()
     # Stateful parts in the current layout: DCP loads them (from any layout) into the live model and optimizer.
-    meta, own_rank_state = manager.load(path, state.app_state(model, optimizer, parts, skip))
+    nf4_source = saved_nf4(path) is not None  # QLoRA's base under FSDP2 reads into NF4 or fp32 (state.py)
+    meta, own_rank_state = manager.load(path, state.app_state(model, optimizer, parts, skip, nf4_source))
     if load_only != "all":
         log.info("started from %s (%s only)", path, load_only)
         state.apply_rank_state(None, optimizer, load_optim=False)

@@ -3,7 +3,9 @@
 DCP part (resharded on load, so a checkpoint loads into another world size or layout):
   model   torch's get_model_state_dict over the model's pieces, under the full model's names
           (layers.3.attention.wq.weight): wrappers (DDP, compile, checkpointing) and the pipeline
-          split leave no trace in the names.
+          split leave no trace in the names. QLoRA's NF4 base under FSDP2 is saved whole (gathered), as
+          one process or DDP saves it: DCP cannot cut an NF4 tensor at another layout's row offsets, so
+          a sharded one would load only into the same layout, and not into export's whole tensors.
   optim   get_optimizer_state_dict, keyed by the same names (AdamW moments and step counts).
 Per rank (rank_state): RNG states of python, numpy, torch CPU and CUDA; zero1's optimizer shard
   (ZeroRedundancyOptimizer partitions whole tensors by rank, so its shards do not reshard).
@@ -33,8 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from trainctl.models.common.quantized import gathered, is_nf4, own_rows, quantized_like
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.optim import is_zero1
 
@@ -72,15 +76,33 @@ class ModelState(Stateful):
 
     skip: names left out (LoRA adapters a full run's checkpoint lacks, when a LoRA run starts from its weights);
     DCP still refuses a checkpoint that lacks any other tensor.
+    nf4_source: on load, whether the checkpoint holds QLoRA's base as NF4 (else fp32, quantized here whole).
     """
 
-    def __init__(self, view: nn.Module, skip: frozenset[str] = frozenset()):
-        self.view, self.skip = view, skip
+    def __init__(self, view: nn.Module, skip: frozenset[str] = frozenset(), nf4_source: bool = True):
+        self.view, self.skip, self.nf4_source = view, skip, nf4_source
 
     def state_dict(self) -> dict:
-        return {k: v for k, v in get_model_state_dict(self.view, options=_options()).items() if k not in self.skip}
+        return {k: self._whole(v) for k, v in get_model_state_dict(self.view, options=_options()).items()
+                if k not in self.skip}
+
+    def _whole(self, value):
+        """An FSDP2-sharded NF4 weight whole (module doc): gathered, or an fp32 tensor for an fp32 source to
+        load into."""
+        if not (isinstance(value, DTensor) and is_nf4(value)):
+            return value
+        if self.nf4_source:
+            return gathered(value)
+        return torch.empty(value.shape, dtype=value.dtype, device=value.to_local().quantized_data.device)
 
     def load_state_dict(self, state: dict) -> None:
+        live = get_model_state_dict(self.view, options=_options())
+        for name, value in state.items():
+            param = live.get(name)
+            if isinstance(param, DTensor) and is_nf4(param):  # this rank's rows of the whole, as DTensor
+                rows = own_rows(quantized_like(value, param.to_local()), param)
+                state[name] = DTensor.from_local(rows, param.device_mesh, param.placements, shape=param.shape,
+                                                 stride=param.stride())
         options = dataclasses.replace(_options(), strict=not self.skip)
         set_model_state_dict(self.view, state, options=options)
 
@@ -99,12 +121,12 @@ class OptimizerState(Stateful):
 
 
 def app_state(model: nn.Module, optimizer: torch.optim.Optimizer, parts: Sequence[str] = ("model", "optim"),
-              skip: frozenset[str] = frozenset()) -> dict:
+              skip: frozenset[str] = frozenset(), nf4_source: bool = True) -> dict:
     """The DCP-saved state (see module doc): the selected parts of {"model", "optim"}, as Stateful objects."""
     view = named_view(model)
     state: dict[str, Stateful] = {}
     if "model" in parts:
-        state["model"] = ModelState(view, skip)
+        state["model"] = ModelState(view, skip, nf4_source)
     if "optim" in parts and not is_zero1(optimizer):
         state["optim"] = OptimizerState(view, optimizer)
     return state

@@ -15,20 +15,21 @@ from torch import nn
 
 from trainctl.config.schema import ModelConfig
 from trainctl.core.errors import UserError
-from trainctl.models.qlora import base_bytes, quantize_base, saved_nf4
+from trainctl.models.qlora import base_bytes, is_nf4, quantize_base, saved_nf4
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.observe.metrics import print0
 
 
-def quantize(model: nn.Module, m: ModelConfig, is_main: bool = True) -> int:
-    """The live base in NF4 (once: a no-op when it already is); says so on rank 0."""
+def quantize(model: nn.Module, m: ModelConfig, is_main: bool = True, say: bool = True) -> int:
+    """The live base in NF4 (once: a no-op when it already is, as under FSDP2, which quantized it before
+    sharding); with `say`, says what this rank holds on rank 0."""
     try:
         count = quantize_base(model, m.lora)
     except UserError as exc:  # torchao missing: one line naming the key and the install
         raise WorkerConfigError(str(exc)) from None
-    if count:
-        print0(f"qlora: {count} adapted weights quantized to NF4, {base_bytes(model) / 2**20:.1f} MiB on this rank",
-               is_main)
+    held = sum(1 for p in model.parameters() if is_nf4(p))
+    if say and held:
+        print0(f"qlora: {held} adapted weights in NF4, {base_bytes(model) / 2**20:.1f} MiB on this rank", is_main)
     return count
 
 
@@ -41,7 +42,7 @@ def around_restore(model: nn.Module, m: ModelConfig, path: Path, restore: Callab
                                 "model.lora.base_dtype=nf4, or start from the run's merged export "
                                 "(trainctl export RUN --merged) with checkpoint.init_from")
     if before:
-        quantize(model, m, is_main)
+        quantize(model, m, is_main, say=False)
     start = restore()
     quantize(model, m, is_main)  # a no-op when done before
     return start

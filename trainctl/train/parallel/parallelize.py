@@ -9,8 +9,10 @@ The order matters and is the same as torchtitan's:
   -> expert parallel (every GroupedExperts' stacked weights Shard(0) over the ep mesh; all-to-all around them)
   -> activation checkpointing (wraps blocks; must wrap what FSDP will shard)
   -> compile (per block, around the checkpointed block)
+  -> QLoRA's base as NF4 on the meta device (before fully_shard: see quantize_before_sharding)
   -> FSDP2 fully_shard (under ep the experts first, over efsdp; then per block, then the root)
-  -> materialize: to_empty + init_weights (every shard inits its own slice)
+  -> materialize: to_empty + init_weights (every shard inits its own slice; an NF4 one its rows of the
+     whole weight quantized)
   -> DDP (last: it needs real weights and broadcasts rank 0's).
 Context parallelism changes no module except attention's kv heads: it shards each step's
 sequences (context_parallel.py) and joins the cp ranks to data parallelism for gradients.
@@ -33,10 +35,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from trainctl.config.schema import PrecisionConfig, ShardingConfig, TrainConfig
+from trainctl.core.errors import UserError
 from trainctl.core.support import unsupported
 from trainctl.core.wrapping import wrapping_of
 from trainctl.models.build import family_parallel
 from trainctl.models.lora import init_adapters
+from trainctl.models.qlora import quantize_base
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.parallel.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.parallel.context_parallel import expand_kv_heads_for_cp
@@ -127,6 +131,18 @@ def apply_fsdp(
     shard(model, reshard_after_forward=False)
 
 
+def quantize_before_sharding(model: nn.Module) -> None:
+    """model.lora.base_dtype=nf4 under FSDP2: the adapted weights become NF4 on the meta device, then fully_shard
+    shards them as NF4 (torchao implements the chunk, new_zeros and copy_ that FSDP2's sharding runs on an
+    NF4Tensor, and its all-gather extension). Not after: FSDP2 re-reads a parameter swapped after fully_shard
+    through its storage, which an NF4 wrapper has none of. The values come at init or load (models/common/
+    quantized.py: each rank's rows of the whole weight quantized, what one process holds)."""
+    try:
+        quantize_base(model, model.cfg.lora)
+    except UserError as exc:  # torchao missing: one line naming the key and the install
+        raise WorkerConfigError(str(exc)) from None
+
+
 def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
     """Allocate real (possibly sharded) storage on `device` and run the model's deterministic init.
 
@@ -183,6 +199,7 @@ def parallelize(
         apply_compile(model)
     dp_mesh = dp_mesh_for(wrap.dp_mesh, mesh) if wrap.dp_mesh else None
     if wrap.fsdp:
+        quantize_before_sharding(model)
         if sharding.ep > 1:  # the experts first: their own units over the ranks that hold the same experts
             shard_experts(model, expert_dp_mesh(mesh, wrap.dp_mesh), wrap.reshard_after_forward, fsdp_mp_policy(wrap))
         apply_fsdp(model, dp_mesh, wrap.reshard_after_forward, fsdp_mp_policy(wrap), sharding.cpu_offload)
