@@ -98,8 +98,11 @@ import faulthandler, signal, sys, time
 from pathlib import Path
 # Ctrl-C must reach this process whatever it inherited: a background suite hands its children SIGINT ignored, and a
 # blocked signal survives exec. SIGUSR1 prints every thread's stack (the test asks for it if we outlive the signal).
+# A suite run under nohup hands them SIGHUP ignored too: the signals under test get their default action back.
 signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGHUP, signal.SIGTERM})
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 import trainctl.config.compose as composer
 real = composer.hydra_compose
