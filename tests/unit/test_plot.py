@@ -55,16 +55,21 @@ def a_preference_run(root, name: str, steps: int = 20):
     return make_run(root, name, steps=steps, metrics=records)
 
 
-def test_preference_runs_add_a_row_of_pair_metrics(tmp_path):
+def third_row_pixels(tmp_path, run) -> int:
+    """`run`'s plot has a third row of panels beside a plain run's two; the run's color (C0) pixels in that row."""
     import matplotlib.image
 
-    sft = plot([a_run(tmp_path, "sft", 1.0)], tmp_path / "sft.png")
-    dpo = plot([a_preference_run(tmp_path, "dpo")], tmp_path / "dpo.png")
-    sft_rows, dpo_rows = (matplotlib.image.imread(str(p)).shape[0] for p in (sft, dpo))
-    assert dpo_rows == sft_rows * 3 // 2  # a third row of panels
-    bottom = tmp_path / "bottom.png"  # the pair row alone: the run's color (C0) drew its curves there
-    matplotlib.image.imsave(bottom, matplotlib.image.imread(str(dpo))[sft_rows:])
-    assert colored_pixels(bottom, (0.122, 0.467, 0.706)) > 500
+    plain = plot([a_run(tmp_path, "plain", 1.0)], tmp_path / "plain.png")
+    extra = plot([run], tmp_path / f"{run.name}.png")
+    plain_rows, extra_rows = (matplotlib.image.imread(str(p)).shape[0] for p in (plain, extra))
+    assert extra_rows == plain_rows * 3 // 2  # a third row of panels
+    bottom = tmp_path / "bottom.png"  # the third row alone
+    matplotlib.image.imsave(bottom, matplotlib.image.imread(str(extra))[plain_rows:])
+    return colored_pixels(bottom, (0.122, 0.467, 0.706))
+
+
+def test_preference_runs_add_a_row_of_pair_metrics(tmp_path):
+    assert third_row_pixels(tmp_path, a_preference_run(tmp_path, "dpo")) > 500
     assert series(tmp_path / "dpo", "eval", "reward_accuracy") == ([10, 20], [0.75, 1.0])
 
 
@@ -93,14 +98,6 @@ def a_moe_run(root, name: str, steps: int = 20):
 
 
 def test_moe_runs_add_a_row_of_aux_loss_and_the_worst_layers_imbalance(tmp_path):
-    import matplotlib.image
-
-    sft = plot([a_run(tmp_path, "sft", 1.0)], tmp_path / "sft.png")
-    moe = plot([a_moe_run(tmp_path, "moe")], tmp_path / "moe.png")
-    sft_rows, moe_rows = (matplotlib.image.imread(str(p)).shape[0] for p in (sft, moe))
-    assert moe_rows == sft_rows * 3 // 2  # a third row of panels
-    bottom = tmp_path / "bottom.png"
-    matplotlib.image.imsave(bottom, matplotlib.image.imread(str(moe))[sft_rows:])
-    assert colored_pixels(bottom, (0.122, 0.467, 0.706)) > 500
+    assert third_row_pixels(tmp_path, a_moe_run(tmp_path, "moe")) > 500
     steps, worst = worst_layer(tmp_path / "moe")
     assert steps[:2] == [1, 2] and worst[:2] == [2.0, 1.5] and worst[-1] == 1.2  # layer 1 until it evens out
