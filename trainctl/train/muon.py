@@ -24,6 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from trainctl.train.optim_closure import closure_loss
+
 
 class GatheredMuon(torch.optim.Muon):
     """torch.optim.Muon's single-tensor update (the same ops on a plain tensor), with a sharded matrix gathered
@@ -31,10 +33,7 @@ class GatheredMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -81,10 +80,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for part in self.parts:
             part.step()
         return loss
