@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from worker_runs import WORKER_TIMEOUT_S, base_config, records, train_written, write_run_dir
+from worker_runs import WORKER_TIMEOUT_S, base_config, records, selected, train_written, write_run_dir
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import curve_rel, torchrun_cmd, worker_env
@@ -173,12 +173,8 @@ def stopped_and_resumed_equals_straight(tmp_path, run, nproc, stop_at: int, step
 def selected_cases(request) -> list[str]:
     """The layouts and optimizer cases (not trained in their own processes) of this module's selected tests: the
     shared launches train only what the session runs (a -k that picks a few cases does not pay for the rest)."""
-    chosen = set()
-    for item in request.session.items:
-        params = getattr(item, "callspec", None) and item.callspec.params
-        if item.module is request.module and params:
-            chosen |= {params[key] for key in ("layout", "case") if key in params}
-    return [case for case in (*LAYOUTS, *OPTIMIZER_CASES) if case in chosen and case not in OWN_PROCESSES]
+    chosen = selected(request, "layout", LAYOUTS) + selected(request, "case", OPTIMIZER_CASES)
+    return [case for case in chosen if case not in OWN_PROCESSES]
 
 
 @pytest.fixture(scope="module")
