@@ -160,3 +160,38 @@ def test_any_recipe_file_composes_or_is_refused_and_never_reaches_outside(tmp_pa
             cfg = None
     assert overlays_left() <= before
     assert cfg is None or MARKER not in cfg.description, "a YAML outside the declared folders was composed in"
+
+
+OPTIONS = {group: composer.list_options(group) for group in composer.config_groups()}
+REAL_PICK = st.sampled_from(sorted(OPTIONS)).flatmap(lambda g: st.sampled_from(OPTIONS[g]).map(lambda o: f"{g}={o}"))
+PLAIN_VALUE = st.sampled_from(["1", "2", "0.5", "1e-4", "true", "x", "[1,2]", "null", "64", "bf16", "{a:1}", "''"])
+KEY_VALUE = st.one_of(st.builds(lambda p, k, v: f"{p}{k}={v}", st.sampled_from(["", "", "+", "++"]),
+                                st.sampled_from(KEYS), PLAIN_VALUE), st.sampled_from(KEYS).map(lambda k: f"~{k}"))
+
+
+@BOUNDED
+@given(st.lists(st.one_of(OVERRIDE, GROUP_PICK, REAL_PICK, KEY_VALUE), max_size=5))
+def test_composing_the_groups_first_is_composing_all_at_once(overrides):
+    # compose_dictconfig composes the group choices (cached) and then applies the key=value overrides, as Hydra
+    # does inside one compose: the same tree, or the same refusal, for any overrides.
+    with deadline(60):
+        split = composition(composer.compose_dictconfig, ["recipe=tiny_cpu", *overrides])
+        whole = composition(all_at_once, ["recipe=tiny_cpu", *overrides])
+    assert split == whole
+
+
+def all_at_once(overrides: list[str]):
+    """compose_dictconfig's steps with every override handed to one Hydra compose."""
+    composer.check_override_shapes(overrides)
+    overrides, sp = composer._take_recipe_file(list(overrides), composer.DEFAULT_PATH)
+    composer._check_group_choices(overrides, sp)
+    return composer._hydra_compose(overrides, sp, composer.catalog(sp))
+
+
+def composition(compose_fn, overrides: list[str]) -> tuple:
+    from omegaconf import OmegaConf
+
+    try:
+        return "composed", OmegaConf.to_container(compose_fn(overrides), resolve=False)
+    except USER_ERRORS as exc:
+        return "refused", str(exc)

@@ -13,9 +13,11 @@ import re
 from pathlib import Path
 
 from hydra import compose as hydra_compose
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
@@ -85,14 +87,26 @@ def recipe_description(name: str, sp: SearchPath = DEFAULT_PATH) -> str:
     return comments[0] if comments else ""
 
 
+_REGISTERED: dict[str, tuple] = {}  # the registered backends the schema in Hydra's ConfigStore was built for
+
+
 def _register_schema() -> None:
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=structured_schema())
+    """The schema in Hydra's ConfigStore, stored again only when the backends it lists changed (Hydra copies the
+    stored node on every load and never changes it; storing it costs a tenth of a composition)."""
+    backends, store = tuple(cluster_configs().items()), ConfigStore.instance()
+    if _REGISTERED.get("backends") == backends and f"{SCHEMA_NAME}.yaml" in store.repo:
+        return
+    store.store(name=SCHEMA_NAME, node=structured_schema())
+    _REGISTERED["backends"] = backends
 
 
-# Successful compositions by (overrides, the content of every file they may load, the registered backends): Hydra
-# rebuilds its defaults tree and re-reads every file per call (~130 ms); a hit is a deep copy. Content, not stat:
-# a file rewritten within one timestamp tick at the same size must still compose afresh. Interpolations
-# (${oc.env:...}) are resolved by the caller after this, so they never come from the cache. Failures are not cached.
+# Successful compositions of the group choices (recipe=, model=, ... each with its option) by (those overrides, the
+# content of every file they may load, the registered backends): Hydra rebuilds its defaults tree and re-reads
+# every file per call (~130 ms); a hit is a deep copy. Content, not stat: a file rewritten within one timestamp tick
+# at the same size must still compose afresh. The key=value overrides are applied to that copy afterwards by
+# Hydra's own step (what hydra.compose does after the defaults), so a sweep or a test varying values composes its
+# groups once. Interpolations (${oc.env:...}) are resolved by the caller after this, so they never come from the
+# cache. Failures are not cached.
 _COMPOSED: CopyingCache[DictConfig] = CopyingCache(max_entries=64)
 
 
@@ -117,8 +131,32 @@ def compose_dictconfig(overrides: list[str], sp: SearchPath = DEFAULT_PATH) -> D
     overrides, sp = _take_recipe_file(list(overrides), sp)
     _check_group_choices(overrides, sp)
     cat = catalog(sp)
-    key = (tuple(overrides), _files_key(cat), tuple(cluster_configs().items()))
-    return _COMPOSED.get_or_build(key, lambda: _hydra_compose(overrides, sp, cat))
+    split = _split_overrides(overrides)
+    groups, values = split if split is not None else (overrides, [])
+    key = (tuple(groups), _files_key(cat), tuple(cluster_configs().items()))
+    cfg = _COMPOSED.get_or_build(key, lambda: _hydra_compose(groups, sp, cat))
+    if values:
+        try:
+            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise ConfigError([_with_user_file(_one_line(exc), sp)]) from None
+    return cfg
+
+
+def _split_overrides(overrides: list[str]) -> tuple[list[str], list[Override]] | None:
+    """(the group choices, the parsed key=value overrides) as Hydra itself splits them: an override is a group
+    choice when it names a config group and its value is not a dict. None (compose all at once) when one is a
+    sweep or does not parse: Hydra's own message is then the answer."""
+    groups, values = [], []
+    for item in overrides:
+        override = _parse(item)
+        if override is None or override.is_sweep_override():
+            return None
+        if override.key_or_group in config_groups() and not isinstance(override.value(), dict):
+            groups.append(item)
+        else:
+            values.append(override)
+    return groups, values
 
 
 def _hydra_compose(overrides: list[str], sp: SearchPath, cat: Catalog) -> DictConfig:
