@@ -55,3 +55,42 @@ def _(p: Probe) -> None:
     r = p.cli("plan", "recipe=tiny_cpu", "data=hf", "data.tokenizer=bytes", env=OFFLINE)
     refused(r, "data.source", one_line=False)
     refused(r, "data.val_split", one_line=False)
+
+
+# A tokenizer folder with ChatML's template: a byte-level BPE learnt from a few words, its ids below the tiny
+# model's vocabulary, written as transformers saves one (tokenizer.json beside tokenizer_config.json).
+CHAT_TOKENIZER = """
+import json, pathlib, tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+tok = tokenizers.Tokenizer(models.BPE())
+tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+tok.train_from_iterator(['user assistant hello there'] * 8, trainers.BpeTrainer(
+    vocab_size=64, special_tokens=['<|im_start|>', '<|im_end|>'], show_progress=False))
+folder = pathlib.Path('tok'); folder.mkdir(); tok.save(str(folder / 'tokenizer.json'))
+template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}"
+            "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}")
+(folder / 'tokenizer_config.json').write_text(json.dumps({'chat_template': template, 'eos_token': '<|im_end|>'}))
+"""
+CHAT = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello there"}]
+
+
+@case("data", "data=hf naming a chat field its rows do not have")
+def _(p: Probe) -> None:
+    p.python(CHAT_TOKENIZER, timeout=120)
+    source = rows(p, [{"conversation": CHAT} for _ in range(4)])
+    refused_before_launch(p, f"data.source={source}", f"data.tokenizer={p.tmp / 'tok'}", "data.messages_field=messages",
+                          words=("data.messages_field=messages", "conversation"))
+
+
+@case("data", "data=hf naming a text field and a chat field at once")
+def _(p: Probe) -> None:
+    source = rows(p, [{"text": "hello", "messages": CHAT} for _ in range(4)])
+    refused_before_launch(p, f"data.source={source}", "data.text_field=text", "data.messages_field=messages",
+                          words=("data.text_field=text", "data.messages_field=messages", "one kind of row"))
+
+
+@case("data", "data=hf chat rows with a tokenizer that has no chat template")
+def _(p: Probe) -> None:
+    source = rows(p, [{"messages": CHAT} for _ in range(4)])
+    refused_before_launch(p, f"data.source={source}", "data.messages_field=messages",
+                          words=("data.messages_field=messages", "no chat template", "data.prompt_field"))

@@ -2,8 +2,10 @@
 
 Compose time (`config`, `plan`, `launch`): data.source given, a held-out split named when evaluation is on, and a
 tokenizer found (data.tokenizer, else the model's Hugging Face folder), resolved into data.tokenizer so the workers
-read the same file. Before launch (`hf_dataset_problems`): the dataset opens (offline mode honoured), has the split
-and data.text_field, and its first row tokenizes to ids below the vocabulary. `datasets` is imported then only.
+read the same file; one kind of row named (text, chat or instruction fields), and a chat template in the tokenizer's
+folder for chat rows. Before launch (`hf_dataset_problems`): the dataset opens (offline mode honoured), has the
+split and the named fields, its first row becomes a document, and the tokenizer's ids fit the vocabulary.
+`datasets` is imported then only.
 """
 
 from __future__ import annotations
@@ -43,20 +45,50 @@ def hf_data_problems(d: DataConfig, m: ModelConfig, c: CheckpointConfig, t: Trai
     """The data=hf keys, one line each (nothing opened but the tokenizer's path)."""
     if d.kind != "hf":
         return [f"data.{key}: read by data=hf only (data.kind={d.kind}); add data=hf"
-                for key in ("source",) if getattr(d, key)]
+                for key in ("source", "messages_field", "prompt_field", "completion_field") if getattr(d, key)]
     problems = []
     if not d.source.strip():
         problems.append("data.source: required for data=hf; pass a Hub dataset name (org/name), a save_to_disk "
                         "folder, or .parquet/.jsonl files: data.source=...")
-    for key in ("split", "text_field"):
-        if not getattr(d, key).strip():
-            problems.append(f"data.{key}: empty; name the dataset's {key.replace('_', ' ')} (e.g. "
-                            f"{'train' if key == 'split' else 'text'})")
+    if not d.split.strip():
+        problems.append("data.split: empty; name the dataset's split (e.g. train)")
+    problems += record_field_problems(d)
     if not d.val_split and t.eval_every > 0:
         problems.append(f"data.val_split: train.eval_every={t.eval_every} evaluates on a held-out split; name one "
                         "(data.val_split=validation) or set train.eval_every=0")
-    problems += [p for p in [tokenizer_file(d, m, c)[1]] if p]
+    tokenizer, problem = tokenizer_file(d, m, c)
+    if problem:
+        problems.append(problem)
+    elif d.messages_field and not problems:
+        problems += chat_template_problems(dataclasses.replace(d, tokenizer=tokenizer))
     return problems
+
+
+def record_field_problems(d: DataConfig) -> list[str]:
+    """One kind of row: text, chat (messages_field) or instruction (prompt_field and completion_field)."""
+    instruction = [f"data.{k}={getattr(d, k)}" for k in ("prompt_field", "completion_field") if getattr(d, k)]
+    named = ([f"data.text_field={d.text_field}"] if d.text_field else []) + (
+        [f"data.messages_field={d.messages_field}"] if d.messages_field else []) + instruction
+    if len(named) > len(instruction) > 0 or (d.text_field and d.messages_field):
+        return [f"{' and '.join(named)}: name one kind of row: data.text_field (all of it counts in the loss), "
+                "data.messages_field (chat), or data.prompt_field with data.completion_field (instruction)"]
+    if len(instruction) == 1:
+        missing = "completion_field" if d.prompt_field else "prompt_field"
+        return [f"{instruction[0]}: instruction rows need data.{missing} too (the completion is what counts in the "
+                "loss); name both, or use data.text_field or data.messages_field"]
+    return []
+
+
+def chat_template_problems(d: DataConfig) -> list[str]:
+    """data.messages_field renders with the tokenizer folder's own chat template: one must be there."""
+    from trainctl.data import hf_stream
+    from trainctl.data.format import DatasetError
+
+    try:
+        hf_stream.record_options(d)
+    except DatasetError as exc:
+        return [str(exc)]
+    return []
 
 
 def resolve_hf_data(d: DataConfig, m: ModelConfig, c: CheckpointConfig) -> DataConfig:
@@ -79,7 +111,7 @@ def hf_dataset_problems(d: DataConfig, vocab_size: int) -> list[str]:
             return [f"data.tokenizer={d.tokenizer}: {tokenizer.vocab_size} token ids, more than the vocabulary "
                     f"{vocab_size} (data.vocab_size, else model.vocab_size); use the model's tokenizer"]
         for split in [d.split] + ([d.val_split] if d.val_split else []):
-            hf_stream.first_text(d, split)
+            hf_stream.first_document(d, split)
     except DatasetError as exc:
         return [str(exc)]
     return []

@@ -213,7 +213,12 @@ class DataConfig:
     hf_config: str = ""  # hf: the dataset's configuration (subset) name; "": its default
     split: str = "train"  # hf: the split trained on
     val_split: str = ""  # hf: the held-out split evaluated on; "": none (needs train.eval_every=0)
-    text_field: str = "text"  # hf: the field holding each document's text
+    text_field: str = ""  # hf: the field holding each document's text; "": text (unless a chat field is named)
+    # hf: a field of chat rows (a list of {role, content}), rendered by the tokenizer's chat template; only the
+    # assistant's tokens count in the loss, as in `data prepare --format chat`
+    messages_field: str = ""
+    prompt_field: str = ""  # hf: instruction rows' prompt field (with completion_field); it does not count in the loss
+    completion_field: str = ""  # hf: instruction rows' answer field (with prompt_field); it and its EOS count
     streaming: bool = False  # hf: read rows as they are needed (nothing downloaded or converted whole)
     tokenizer: str = ""  # hf: a tokenizer.json (or its folder), or bytes; "": the model's (model.path, init_from)
 

@@ -5,18 +5,20 @@ micro_batch windows of its own share of the split (datasets' split_dataset_by_no
 random windows of a token file, the position is not a function of the step: it is state, saved in each rank's
 part of the checkpoint (`state_dict`) and restored from it (`load_state_dict`), so a resumed run reads the windows
 the uninterrupted one would have read. The samples count (`first_sample`) follows the same ramp as TokenBatches'.
+Chat and instruction rows carry loss-mask flags: a target outside the answers is IGNORE_INDEX, exactly as in the
+micro-batches of a prepared chat dataset (data.py's _to_inputs_targets), and the step's loss divides by the
+counted targets (loss.step_divisor) as it does for those.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from trainctl.config.schema import DataConfig
 from trainctl.core.batch_ramp import BatchRamp
 from trainctl.data import hf_stream
 from trainctl.data.format import DatasetError
-from trainctl.train.loop.data import MicroBatch
+from trainctl.train.loop.data import MicroBatch, _to_inputs_targets
 from trainctl.train.loop.sources import DataError
 
 
@@ -39,14 +41,16 @@ class StreamBatches:
         self._eval: list[MicroBatch] | None = None
         key = "data.split" if split == "train" else "data.val_split"
         try:
-            tokenizer = hf_stream.open_tokenizer(data_cfg.tokenizer)
+            documents = hf_stream.Documents(data_cfg, hf_stream.open_tokenizer(data_cfg.tokenizer), self._key)
+            fields = hf_stream.record_fields(data_cfg)
             self._stream = hf_stream.PackedStream(
                 lambda: hf_stream.open_split(data_cfg.source, name, data_cfg.hf_config, data_cfg.streaming,
-                                             data_cfg.text_field, dp_rank, dp_size, key),
-                tokenizer.encode_batch, tokenizer.prefix, tokenizer.eos_id, seq_len + 1, data_cfg.text_field,
-                self._key)
+                                             fields, dp_rank, dp_size, key),
+                documents, seq_len + 1, self._key)
         except DatasetError as exc:
             raise DataError(str(exc)) from None
+        # chat and instruction rows: targets outside the answers are IGNORE_INDEX, as prepared chat data's are
+        self.masked = documents.masked
 
     def state_dict(self) -> dict:
         """The stream's position (this rank's): saved with the rank's RNG state in each checkpoint."""
@@ -78,15 +82,16 @@ class StreamBatches:
                                                for i in range(n)]
         return self._eval[:n]
 
-    def _windows(self, count: int) -> list[np.ndarray]:
+    def _windows(self, count: int) -> list[tuple[np.ndarray, np.ndarray | None]]:
         try:
             return self._stream.windows(count)
         except DatasetError as exc:
             raise DataError(str(exc)) from None
 
-    def _pair(self, rows: list[np.ndarray]) -> MicroBatch:
-        batch = torch.from_numpy(np.stack(rows))
-        if int(batch.max()) >= self.vocab_size:
-            raise DataError(f"{self._key}: token id {int(batch.max())} >= data.vocab_size={self.vocab_size}; "
+    def _pair(self, rows: list[tuple[np.ndarray, np.ndarray | None]]) -> MicroBatch:
+        samples = np.stack([tokens for tokens, _ in rows])
+        if int(samples.max()) >= self.vocab_size:
+            raise DataError(f"{self._key}: token id {int(samples.max())} >= data.vocab_size={self.vocab_size}; "
                             "use the model's tokenizer (data.tokenizer) or a larger model.vocab_size")
-        return MicroBatch(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+        flags = np.stack([f for _, f in rows]) if self.masked else None
+        return _to_inputs_targets(samples, flags)
