@@ -16,7 +16,7 @@ from trainctl.data.format import DOC_START, LOSS
 from trainctl.models.build import build_model
 from trainctl.models.common import rope
 from trainctl.models.loss_head import IGNORE_INDEX
-from trainctl.train.loop.data import _to_inputs_targets, document_positions
+from trainctl.train.loop.data import document_positions, to_inputs_targets
 from trainctl.train.loop.loss import token_loss_sum
 
 BASE = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=97, max_seq_len=64)
@@ -147,9 +147,9 @@ def test_a_target_that_starts_the_next_document_does_not_count():
     samples = np.arange(9, dtype=np.int64)[None]
     flags = np.full((1, 9), LOSS, np.uint8)
     flags[0, [0, 4]] |= DOC_START
-    inputs, targets = _to_inputs_targets(samples, flags)
-    assert (targets != IGNORE_INDEX).all() and _to_inputs_targets(samples, flags).positions is None
-    batch = _to_inputs_targets(samples, flags, document_mask=True)
+    inputs, targets = to_inputs_targets(samples, flags)
+    assert (targets != IGNORE_INDEX).all() and to_inputs_targets(samples, flags).positions is None
+    batch = to_inputs_targets(samples, flags, document_mask=True)
     assert batch.positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
     assert batch[1].tolist() == [[1, 2, 3, IGNORE_INDEX, 5, 6, 7, 8]]  # token 3 would predict document 2's first
     inputs, targets = batch  # unpacks as the pair every consumer reads

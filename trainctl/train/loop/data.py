@@ -60,7 +60,7 @@ def document_positions(flags: np.ndarray) -> np.ndarray:
     return index - np.maximum.accumulate(np.where((flags & DOC_START) != 0, index, 0), axis=1)
 
 
-def _to_inputs_targets(samples: np.ndarray, flags: np.ndarray | None = None,
+def to_inputs_targets(samples: np.ndarray, flags: np.ndarray | None = None,
                        document_mask: bool = False) -> MicroBatch:
     """Split [rows, seq_len+1] tokens into int64 (inputs, targets), targets shifted by one token; a target whose
     flags lack LOSS (a prompt token, a chat's separator) becomes IGNORE_INDEX, and so does, with
@@ -250,4 +250,4 @@ class TokenBatches:
         if self._tokens is not None and int(samples.max()) >= self.vocab_size:
             raise DataError(f"{self._key}: token id {int(samples.max())} >= data.vocab_size={self.vocab_size}; "
                             f"set data.vocab_size (and model.vocab_size) above the largest id")
-        return _to_inputs_targets(samples, flags, self.document_mask)
+        return to_inputs_targets(samples, flags, self.document_mask)

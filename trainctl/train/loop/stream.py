@@ -6,7 +6,7 @@ random windows of a token file, the position is not a function of the step: it i
 part of the checkpoint (`state_dict`) and restored from it (`load_state_dict`), so a resumed run reads the windows
 the uninterrupted one would have read. The samples count (`first_sample`) follows the same ramp as TokenBatches'.
 Chat and instruction rows carry loss-mask flags: a target outside the answers is IGNORE_INDEX, exactly as in the
-micro-batches of a prepared chat dataset (data.py's _to_inputs_targets), and the step's loss divides by the
+micro-batches of a prepared chat dataset (data.py's to_inputs_targets), and the step's loss divides by the
 counted targets (loss.step_divisor) as it does for those.
 """
 
@@ -18,7 +18,7 @@ from trainctl.config.schema import DataConfig
 from trainctl.core.batch_ramp import BatchRamp
 from trainctl.data import hf_stream
 from trainctl.data.format import DatasetError
-from trainctl.train.loop.data import MicroBatch, _to_inputs_targets
+from trainctl.train.loop.data import MicroBatch, to_inputs_targets
 from trainctl.train.loop.sources import DataError
 
 
@@ -94,4 +94,4 @@ class StreamBatches:
             raise DataError(f"{self._key}: token id {int(samples.max())} >= data.vocab_size={self.vocab_size}; "
                             "use the model's tokenizer (data.tokenizer) or a larger model.vocab_size")
         flags = np.stack([f for _, f in rows]) if self.masked else None
-        return _to_inputs_targets(samples, flags)
+        return to_inputs_targets(samples, flags)
