@@ -209,6 +209,8 @@ def test_a_learning_rate_or_beta_out_of_range_is_one_line(key, value):
 @pytest.mark.parametrize(("name", "layout", "words"), [
     ("adamw8bit", ShardingConfig(strategy="zero1", dp_replicate=2), ("zero1", "sharding=ddp")),
     ("adamw4bit", ShardingConfig(strategy="zero3", dp_shard=2), ("DTensor", "ddp")),
+    ("adamw8bit", ShardingConfig(strategy="zero3", dp_shard=2), ("DTensor", "ddp")),
+    ("adamw8bit", ShardingConfig(strategy="none", tp=2), ("sharding.tp=2", "DTensor", "ddp")),
     ("muon", ShardingConfig(strategy="zero1", dp_replicate=2), ("zero1", "sharding=ddp")),
 ])
 def test_an_optimizer_a_layout_cannot_hold_is_refused_naming_what_works(name, layout, words):
