@@ -171,9 +171,12 @@ def test_measured_peak_is_within_ten_percent_of_the_prediction(runs, name):
         assert measured["peak_bytes"] == pytest.approx(measured["predicted_peak_bytes"], rel=tolerance), rank
 
 
-# AdamW's and Muon's runs (Lion's and Adafactor's step temporaries are not yet modelled to the byte).
+# AdamW's, Muon's and Lion's runs (Adafactor's step temporaries are not yet modelled to the byte).
+# A Python number passed to a DTensor op (Lion's `p.mul_(1 - lr * decay)`) is wrapped in a 0-dim float64 tensor
+# outside any operator for the call's length: on top of the largest update, not the plan's business.
+WRAPPED_SCALAR = 8
 STEP_TEMP_RUNS = [name for name, (*_, train) in RUNS.items()
-                  if getattr(train.get("optim"), "name", "adamw") in ("adamw", "muon")]
+                  if getattr(train.get("optim"), "name", "adamw") in ("adamw", "muon", "lion")]
 
 
 @pytest.mark.parametrize("name", STEP_TEMP_RUNS)
@@ -191,6 +194,8 @@ def test_the_optimizer_steps_temporaries_equal_the_plans(runs, name):
         measured = max(r["step_temp_bytes"] for r in record["per_rank"][stage * span:(stage + 1) * span])
         if cfg.optim.name == "muon" and dims_of(cfg).dp_shard > 1:
             assert measured >= planned["step_temp_bytes"], (stage, measured)
+        elif cfg.optim.name == "lion" and dims_of(cfg).dp_shard > 1:  # + the scalar DTensor's mul_ is handed
+            assert measured == planned["step_temp_bytes"] + WRAPPED_SCALAR, (stage, measured)
         else:
             assert measured == planned["step_temp_bytes"], (stage, measured)
 
