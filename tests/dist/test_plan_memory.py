@@ -12,6 +12,8 @@ peak_memory.PeakMeter) and the plan's prediction for that rank's pipeline stage.
 - Peak: within 10%. The model (trainctl/plan/memory.py) matched these CPU runs within 8%;
   the rest of the margin is for buffers whose overlap depends on timing (TP's async
   collectives: a few [tokens, dim] each) and gloo's own.
+- The optimizer step's temporaries (its own rise, less an operator's workspace): equal to the plan's, byte for
+  byte, for AdamW (its largest param group), Muon (Newton-Schulz; a gathered matrix at least) and Lion.
 The strategies none, ddp, zero1, zero2 and zero3 (+ cpu offload) are also checked against the
 plan rank by rank in test_zero.py; these runs add fsdp with accumulation, hsdp, tp and pp.
 """
