@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from trainctl.core import loss_head as rule  # noqa: E402
 from trainctl.models import loss_head  # noqa: E402
 from trainctl.models.loss_head import IGNORE_INDEX, dense_loss_sum, linear_cross_entropy  # noqa: E402
-from trainctl.train.observe.peak_memory import _allocation_events, largest_rise, stderr_silenced  # noqa: E402
+from trainctl.train.observe.peak_memory import profiled_rise, stderr_silenced  # noqa: E402
 
 DEFAULT_SIZES = ["16384x2048x128256", "8192x4096x128256"]
 QUICK_SIZE = "512x128x4096"
@@ -129,7 +129,7 @@ def peak_arm(arm, args, device: str) -> int:
 
     with stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         one_pass(arm, *args)
-    return largest_rise(_allocation_events(prof))
+    return profiled_rise(prof)
 
 
 def agreement(args, chunk: int) -> dict:

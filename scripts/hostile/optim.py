@@ -30,8 +30,10 @@ def _(p: Probe) -> None:
     refused(p.cli(*TINY, "optim=adamw8bit", *small), "optim.name=adamw8bit", "quantize", "4096")
 
 
-@case("optim", "a quantized optimizer under zero1 or FSDP2, Muon under zero1: refused naming what works")
+@case("optim", "a quantized optimizer under zero1, FSDP2 or tp, Muon under zero1: refused naming what works")
 def _(p: Probe) -> None:
     refused(p.cli(*TINY, "optim=adamw8bit", "sharding=zero1"), "optim.name=adamw8bit", "zero1", "sharding=ddp")
     refused(p.cli(*TINY, "optim=adamw8bit", "sharding=zero3"), "optim.name=adamw8bit", "DTensor", "ddp")
+    refused(p.cli(*TINY, "optim=adamw8bit", "sharding.tp=2", "cluster.procs_per_node=2"), "optim.name=adamw8bit",
+            "sharding.tp=2", "ddp")
     refused(p.cli(*TINY, "optim=muon", "sharding=zero1"), "optim.name=muon", "zero1", "sharding=ddp")

@@ -99,10 +99,11 @@ OPTIMIZER_CASES = {
     "lion-zero3": (OptimConfig(name="lion", lr=1e-4, beta2=0.99), LAYOUTS["zero3"], "exp_avg"),
     "muon-ddp": (OptimConfig(name="muon", momentum=0.95, nesterov=True), LAYOUTS["ddp"], "momentum_buffer"),
     "adamw8bit-single": (OptimConfig(name="adamw8bit"), SINGLE, "exp_avg_sq"),
+    "adamw8bit-ddp": (OptimConfig(name="adamw8bit"), LAYOUTS["ddp"], "exp_avg_sq"),  # its one multi-rank layout
 }
-# adamw8bit's step is torch.compile'd: compiled code and its caches live in the process, so its pair trains in
-# processes of its own, as it would in a launch; it is slow, and trains only when the slow tier runs.
-OWN_PROCESSES = {"adamw8bit-single"}
+# adamw8bit's step is torch.compile'd: compiled code and its caches live in the process, so each of its pairs trains
+# in processes of its own, as it would in a launch; it is slow, and trains only when the slow tier runs.
+OWN_PROCESSES = {"adamw8bit-single", "adamw8bit-ddp"}
 
 
 def case_run(data_cache, case: str):

@@ -127,11 +127,11 @@ def _peak_rise(fn) -> int:
     """The largest rise of CPU allocator memory while `fn` runs (torch's memory profiler, as PeakMeter uses)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from trainctl.train.observe.peak_memory import _allocation_events, largest_rise
+    from trainctl.train.observe.peak_memory import profiled_rise
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    return largest_rise(_allocation_events(prof))
+    return profiled_rise(prof)
 
 
 # dist, not unit: a whole-model forward and backward at a 32k vocabulary, twice each way, under the profiler

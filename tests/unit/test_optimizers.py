@@ -209,6 +209,8 @@ def test_a_learning_rate_or_beta_out_of_range_is_one_line(key, value):
 @pytest.mark.parametrize(("name", "layout", "words"), [
     ("adamw8bit", ShardingConfig(strategy="zero1", dp_replicate=2), ("zero1", "sharding=ddp")),
     ("adamw4bit", ShardingConfig(strategy="zero3", dp_shard=2), ("DTensor", "ddp")),
+    ("adamw8bit", ShardingConfig(strategy="zero3", dp_shard=2), ("DTensor", "ddp")),
+    ("adamw8bit", ShardingConfig(strategy="none", tp=2), ("sharding.tp=2", "DTensor", "ddp")),
     ("muon", ShardingConfig(strategy="zero1", dp_replicate=2), ("zero1", "sharding=ddp")),
 ])
 def test_an_optimizer_a_layout_cannot_hold_is_refused_naming_what_works(name, layout, words):
@@ -257,17 +259,29 @@ def test_muon_leaves_stacked_experts_to_adamw_and_the_plan_counts_them_so():
 
 def test_muon_step_temporaries_are_the_whole_largest_matrix_gathered_when_sharded():
     """Newton-Schulz runs on the whole largest matrix (n elements, smaller side m) in every layout: its fp32 update
-    and bf16 iterates (8n + 4m^2 bytes); under zero3 and tp that update is first gathered from the 2 shards: the
-    shard's update, the all-gather's output and its copy into the whole layout (4n/2 + 8n), here the larger."""
+    and bf16 iterates (8n + 4m^2 bytes). Sharded (zero3, tp), the shard's update and the all-gather's output come
+    first (4n/2 + 4n), plus DTensor's copy into the whole layout for tp's row-wise (dim 1) shards (+4n, here the
+    larger)."""
     model_cfg = dataclasses.replace(SMALL, ffn_dim=256)
     n, m = 256 * 64, 64
-    newton_schulz, gather = 4 * n + 2 * (2 * n + 2 * m * m), 4 * (n // 2 + 2 * n)
+    newton_schulz, dim0_gather = 4 * n + 2 * (2 * n + 2 * m * m), 4 * (n // 2 + n)
+    row_wise_gather = dim0_gather + 4 * n
     for sharding, dims, want in [
             (ShardingConfig(), ParallelDims(), newton_schulz),
-            (ShardingConfig(strategy="zero3", dp_shard=2), ParallelDims(dp_shard=2), gather),
-            (ShardingConfig(strategy="none", tp=2), ParallelDims(tp=2), gather)]:
+            (ShardingConfig(strategy="zero3", dp_shard=2), ParallelDims(dp_shard=2), newton_schulz),
+            (ShardingConfig(strategy="none", tp=2), ParallelDims(tp=2), row_wise_gather)]:
         (stage,) = rank_stages(model_cfg, sharding, 1)
         mem = memory.estimate(model_cfg, PrecisionConfig(), sharding, TrainConfig(), dims, stage, "cuda",
                               OptimConfig(name="muon"))
         assert mem.step_temp == want, sharding
-    assert gather > newton_schulz
+    assert row_wise_gather > newton_schulz > dim0_gather
+
+
+def test_foreach_adamw_temporaries_are_its_largest_param_groups():
+    """torch's foreach AdamW steps one param group at a time, each allocating one fp32 denominator per element: the
+    decayed matrices' group or the rest (embedding, norms), the larger; fused AdamW (CUDA) allocates none."""
+    ts = [Tensor("tok_embeddings.weight", 256, 64), Tensor("layers.0.attention.wq.weight", 64, 64),
+          Tensor("output.weight", 256, 64), Tensor("norm.weight", 64, 1)]
+    assert optimizers.step_temp_bytes("adamw", ts, ts, False) == 4 * (64 * 64 + 256 * 64)
+    assert optimizers.step_temp_bytes("adamw", ts[:1] + ts[3:], ts, False) == 4 * (256 * 64 + 64)
+    assert optimizers.step_temp_bytes("adamw", ts, ts, True) == 0

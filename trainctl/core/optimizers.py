@@ -59,8 +59,14 @@ def _adamw_state(t: Tensor, optim: Any = None) -> int:
 
 
 def _adamw_temp(tensors: Sequence[Tensor], fused: bool) -> int:
-    """Fused AdamW (CUDA) allocates nothing; the foreach one allocates one fp32 temporary per element."""
-    return 0 if fused else FP32 * sum(t.numel for t in tensors)
+    """Fused AdamW (CUDA) allocates nothing. The foreach one (torch.optim.adamw._multi_tensor_adamw) steps one param
+    group at a time; within a group every update is in place but the denominator, `_foreach_sqrt(exp_avg_sqs)`: one
+    fp32 temporary per element of the group, freed before the next group's. So the largest group counts, not the sum
+    (the worker's groups: trainctl/train/optim.param_groups, decayed matrices and the rest)."""
+    if fused:
+        return 0
+    decayed = sum(t.numel for t in tensors if t.is_matmul)  # the decayed group: matrices but the token embedding
+    return FP32 * max(decayed, sum(t.numel for t in tensors) - decayed)
 
 
 def _adafactor_state(t: Tensor, optim: Any = None) -> int:
@@ -146,13 +152,24 @@ def _muon_temp(tensors: Sequence[Tensor], fused: bool) -> int:
 
 
 def _newton_schulz_temp(whole: Sequence[Tensor], local: Sequence[Tensor]) -> int:
-    """Muon's step on one whole matrix at a time (the largest counts) of those this rank steps (`local`, by name):
-    Newton-Schulz holds the nesterov update in fp32, then in bf16 the iterate, its Gram matrix (m x m, m the smaller
-    side), the polynomial of it and the next iterate; a sharded matrix's update is first gathered: the shard's update,
-    the all-gather's output and DTensor's copy of it into the whole matrix's layout, all fp32, at once."""
+    """Muon's step on one whole matrix at a time (train/muon.GatheredMuon; the largest counts) of those this rank
+    steps (`local`, by name), n elements, m its smaller side. Each term is a tensor the step holds at its peak:
+    - the nesterov update, fp32 (4n): Newton-Schulz's input, alive until it returns;
+    - in bf16 (torch.optim._muon._zeropower_via_newtonschulz): the iterate X (2n), its Gram matrix X X^T and the
+      polynomial of it (2m^2 each), and the next iterate (2n) while X is still referenced: 8n + 4m^2 in all.
+    A sharded matrix's update is first gathered: the shard's update (4 x its elements) and the all-gather's output
+    (4n) at once; gathering along a dim other than 0 (tp's row-wise shards) adds DTensor's copy into the whole
+    layout (4n). The shard's update is freed before Newton-Schulz starts (the code's `del`), so the two phases do
+    not add up. Not counted: a communication backend frees a collective's input and output when its work ends
+    (gloo's worker thread, NCCL's watchdog), which can be after the next matrix's step began, so a sharded matrix's
+    buffers may outlive the code's `del` (measured on CPU with gloo: 0 to 2 matrices' worth at once, by timing).
+    Nor the bf16 matmuls' own workspace (oneDNN's packing buffers on CPU): the kernel library's."""
     def one(t: Tensor, mine: Tensor) -> int:
         ns = FP32 * t.numel + BF16 * (2 * t.numel + 2 * min(t.rows, t.cols) ** 2)
-        return max(ns, FP32 * (mine.numel + 2 * t.numel)) if mine.numel < t.numel else ns
+        if mine.numel == t.numel:
+            return ns
+        copy = FP32 * t.numel if mine.cols != t.cols else 0
+        return max(ns, FP32 * (mine.numel + t.numel) + copy)
     mine = {t.name: t for t in local}
     return max([one(t, mine[t.name]) for t in whole if t.name in mine and muon_steps(t)] or [0])
 

@@ -35,4 +35,5 @@ class Lion(torch.optim.Optimizer):
                 update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
                 p.mul_(1 - lr * decay).add_(update, alpha=-lr)
                 exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+                del update  # else it lives on while the next tensor's is made: two temporaries at once, not one
         return loss

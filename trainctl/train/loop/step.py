@@ -9,6 +9,7 @@ is skipped (weights unchanged), counted and warned by the guard.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -80,7 +81,8 @@ def train_step(job: Job, step: int) -> StepResult:
     # Under fp16 an overflowing gradient is routine: the loss scaler skips that step itself.
     guard_norm = 0.0 if isinstance(job.scaler, DynamicLossScaler) else grad_norm
     if job.guard.decide(step + 1, loss, guard_norm) == "ok":  # steps are named as logged: 1-based
-        job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
+        with meter.optimizer_step() if meter is not None else contextlib.nullcontext():  # its temporaries apart
+            job.scaler.step(job.optimizer)  # skipped (weights unchanged) if a gradient overflowed
     # Every model state exists now (gradients not yet zeroed): measure once.
     memory = memory_record(job.model, job.optimizer, meter.stop()) if meter is not None else None
     job.optimizer.zero_grad(set_to_none=True)

@@ -10,6 +10,9 @@ profiling: every allocation and free of the CPU allocator (resizes of FSDP2's st
 is an event, and the largest running sum is the step's rise. The peak is then the model states
 alive at the step's start (parameters, optimizer states, DDP's gradient buckets) plus that rise.
 The process's peak resident set size (RSS: the interpreter, libraries, data) is logged beside it.
+The optimizer step's own rise is reported apart (step_temp_bytes, the plan's step temporaries), less the buffers an
+operator allocates and frees within itself (step_workspace_bytes: a kernel library's, which the plan does not model)
+and those of other threads (gloo's).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import json
 import os
 import resource
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,23 +41,78 @@ def ddp_bucket_bytes(model: nn.Module) -> int:
     return sum(int(s) for s in sizes.split(",") if s.strip())
 
 
-def _allocation_events(profiler) -> list[tuple[int, int]]:
-    """(time ns, bytes: + allocated, - freed) of every CPU allocator event the profiler recorded."""
+STEP_MARK = "trainctl.optimizer_step"  # the profiler's range around the optimizer step (PeakMeter.optimizer_step)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    time_ns: int
+    size: int  # + allocated, - freed
+    ptr: int
+    op: int  # the outermost operator (aten::, c10d:: ...) it happened in, by identity; 0: in Python code
+    thread: int
+
+
+def _allocation_events(profiler) -> tuple[list[Allocation], tuple[int, int, int] | None]:
+    """Every CPU allocator event the profiler recorded, in time order, and the optimizer step's (start ns, end ns,
+    thread)."""
     from torch._C._profiler import _EventType
 
-    events, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    events, window, stack = [], None, [(node, 0) for node in profiler.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node = stack.pop()
+        node, op = stack.pop()
         if node.typed[0] == _EventType.Allocation and str(node.typed[1].device) == "cpu":
-            events.append((node.start_time_ns, node.typed[1].alloc_size))
-        stack.extend(node.children)
-    return sorted(events)
+            events.append(Allocation(node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr, op,
+                                     node.start_tid))
+        elif node.name == STEP_MARK:
+            window = (node.start_time_ns, node.end_time_ns, node.start_tid)
+        elif not op and "::" in node.name:
+            op = id(node)
+        stack.extend((child, op) for child in node.children)
+    return sorted(events, key=lambda e: e.time_ns), window
 
 
-def largest_rise(events: list[tuple[int, int]]) -> int:
-    """The largest running sum of allocation events: how far memory rose above where it started."""
+def profiled_rise(profiler) -> int:
+    """The largest rise of every CPU allocation a finished profiler recorded."""
+    return largest_rise(e.size for e in _allocation_events(profiler)[0])
+
+
+def own_thread(events: list[Allocation], thread: int) -> list[Allocation]:
+    """The events of buffers `thread` allocated, wherever freed: gloo's worker thread allocates its flat buffers at
+    times that vary run to run (like NCCL's on CUDA, a communication library's, not the step's), and it frees a
+    collective's input when its work ends, which is the step's tensor all the same."""
+    foreign: set[int] = set()
+    kept = []
+    for e in events:
+        if e.size > 0 and e.thread != thread:
+            foreign.add(e.ptr)
+        elif e.size < 0 and e.ptr in foreign:
+            foreign.discard(e.ptr)
+        else:
+            kept.append(e)
+    return kept
+
+
+def without_workspace(events: list[Allocation]) -> list[Allocation]:
+    """The events less the buffers one operator allocates and frees within itself: a kernel library's workspace
+    (oneDNN's packing buffers for a bf16 matmul on CPU, sized by its blocking, not by the tensors), which the plan
+    does not model; what is left are the tensors the step's code holds."""
+    open_in_op: dict[tuple[int, int], int] = {}
+    internal: set[int] = set()
+    for i, e in enumerate(events):
+        if not e.op:
+            continue
+        if e.size > 0:
+            open_in_op[(e.op, e.ptr)] = i
+        elif (e.op, e.ptr) in open_in_op:
+            internal |= {open_in_op.pop((e.op, e.ptr)), i}
+    return [e for i, e in enumerate(events) if i not in internal]
+
+
+def largest_rise(sizes: Iterable[int]) -> int:
+    """The largest running sum of allocation events' sizes: how far memory rose above where it started."""
     current = peak = 0
-    for _, size in events:
+    for size in sizes:
         current += size
         peak = max(peak, current)
     return peak
@@ -93,6 +152,12 @@ class PeakMeter:
         with stderr_silenced():  # Kineto prints "USDT: ... profiler_start" (and _stop) on the process's stderr
             self._profiler.__enter__()
 
+    def optimizer_step(self) -> contextlib.AbstractContextManager:
+        """Around the optimizer step: on CPU a profiler range, whose allocations stop() reports apart."""
+        if self._profiler is None:
+            return contextlib.nullcontext()
+        return torch.autograd.profiler.record_function(STEP_MARK)
+
     def stop(self) -> dict:
         """{peak_bytes, peak_source, and on CPU: rss_peak_bytes} of the step."""
         if self.device.type == "cuda":
@@ -101,9 +166,15 @@ class PeakMeter:
             return {"peak_bytes": peak, "peak_source": "cuda_max_memory_allocated"}
         with stderr_silenced():
             self._profiler.__exit__(None, None, None)
-        rise = largest_rise(_allocation_events(self._profiler))
+        events, window = _allocation_events(self._profiler)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        return {"peak_bytes": self._baseline + rise, "peak_source": "cpu_tracked_tensors", "rss_peak_bytes": rss}
+        peak = self._baseline + largest_rise(e.size for e in events)
+        out = {"peak_bytes": peak, "peak_source": "cpu_tracked_tensors", "rss_peak_bytes": rss}
+        if window is not None:  # the optimizer step alone: what the plan's step_temp predicts, and the workspace
+            inside = own_thread([e for e in events if window[0] <= e.time_ns <= window[1]], window[2])
+            tensors = largest_rise(e.size for e in without_workspace(inside))
+            out |= {"step_temp_bytes": tensors, "step_workspace_bytes": largest_rise(e.size for e in inside) - tensors}
+        return out
 
 
 def memory_step(begin: int, steps: int) -> int:
@@ -124,7 +195,8 @@ def read_prediction(run_dir: Path) -> dict | None:
     memory = plan.get("memory") or {}
     if "peak_bytes" not in memory:
         return None  # a plan from before the per-rank memory model
-    keys = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_phase")
+    keys = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "step_temp_bytes",
+            "peak_phase")
     stages = [{k: s[k] for k in keys if k in s} for s in memory.get("per_pp_rank", [])]
     return {**{k: memory[k] for k in keys if k in memory}, "per_pp_rank": stages, "pp": len(stages) or 1}
 
