@@ -131,8 +131,6 @@ def test_the_steps_auxiliary_loss_is_the_mean_over_micro_batches():
       "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor=1.25: with sharding.tp=2"),
     (["model=qwen3_moe_tiny", "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
       "sharding.ep=2"], "sharding.ep=2: expert parallelism with sharding.tp=2"),
-    (["model=qwen3_moe_tiny", "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.pp=2",
-      "sharding.ep=2"], "sharding.ep=2: expert parallelism with sharding.pp=2"),
     (["model=qwen3_moe_tiny", "train.objective=simpo"], "model.moe: train.objective=simpo does not balance"),
 ])
 def test_what_the_moe_families_do_not_run_is_one_line(overrides, starts):

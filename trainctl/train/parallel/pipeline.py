@@ -13,7 +13,8 @@ One optimizer step is one schedule step over this dp rank's `train.grad_accum` m
 each one pipeline microbatch. The last stage's loss is the summed token cross-entropy over
 the tokens of the whole rank step (as in the unsplit loop) with `scale_grads=False`, so the
 gradients match the unsplit path; the schedule itself syncs FSDP/DDP gradients after the
-last microbatch.
+last microbatch. A mixture of experts' auxiliary loss, which every stage's layers add, is backpropagated
+by each stage itself (stage_aux.py).
 """
 
 from __future__ import annotations
