@@ -60,7 +60,7 @@ class StageAux:
         loss) and whose load must not count."""
         load, self.load = self.load, None
         for records in self.records.values():
-            for record in records[len(records) - self.micro_batches:]:
+            for record in records[max(0, len(records) - self.micro_batches):]:
                 load.add(record)
         self.records = {}
 
