@@ -9,7 +9,10 @@ agree to fp32 rounding (tests.helpers.curve_rel).
 
 The load-balancing loss is a product of two batch means, so any data-parallel layout computes it per rank's
 micro-batch, not over the global batch: with it on, ep=2 is compared with FSDP2 over the same 2 ranks (ep=1),
-which routes the same tokens per rank. Stop and resume under ep=2 is bitwise the straight run, and its checkpoint
+which routes the same tokens per rank. Pipeline stages (pp=2, 1f1b, one layer each) on one data-parallel rank
+accumulate the same micro-batches of 4 sequences: each stage backpropagates its own layer's auxiliary loss
+(train/parallel/stage_aux.py), so the curve, the aux loss and the load are FSDP2's over 2 ranks; mixtral under pp=2
+(without the aux loss) is its one-process curve. Stop and resume under ep=2 is bitwise the straight run, and its checkpoint
 resumes under ep=1 (FSDP2 alone) with the same data order and the same steps to rounding.
 """
 
@@ -19,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 from test_resume import launch, losses, ok, stopped_and_resumed_equals_straight
-from worker_runs import base_config, series, train_many, write_run_dir
+from worker_runs import base_config, records, series, train_many, write_run_dir
 
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import CheckpointConfig, ModelConfig, MoEConfig, ShardingConfig
@@ -34,6 +37,7 @@ MOE = ModelConfig(name="moe", family="qwen3_moe", dim=64, n_layers=2, n_heads=4,
 AUX = replace(MOE, moe=replace(MOE.moe, aux_loss_coef=0.01))
 MIXTRAL = replace(MOE, family="mixtral", head_dim=0, moe=replace(MOE.moe, router="topk_softmax"))
 EP2 = ShardingConfig(strategy="zero3", dp_shard=2, ep=2)
+PP2 = ShardingConfig(strategy="none", pp=2, pp_schedule="1f1b")
 
 
 def config(cache, sharding: ShardingConfig, micro_batch: int, model: ModelConfig = MOE, **train):
@@ -51,11 +55,13 @@ def runs(tmp_path_factory, data_cache):
         "ep2_fsdp2": (config(data_cache, ShardingConfig(strategy="zero3", dp_shard=4, ep=2), 2), 4),
         "mixtral-single": (config(data_cache, ShardingConfig(), 8, MIXTRAL), None),
         "mixtral-ep2": (config(data_cache, EP2, 4, MIXTRAL), 2),
+        "aux-pp2": (config(data_cache, PP2, 4, AUX, grad_accum=2), 2),
+        "mixtral-pp2": (config(data_cache, PP2, 4, MIXTRAL, grad_accum=2), 2),
     }
     return train_many(tmp_path_factory.mktemp("expert-parallel"), cases)
 
 
-@pytest.mark.slow  # the fixture's 7 runs (3 torchruns, one of 4 ranks): 40-50 s on 2 cores
+@pytest.mark.slow  # the fixture's 9 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores
 @pytest.mark.parity
 @pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2"])
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
@@ -80,6 +86,31 @@ def test_expert_parallel_with_the_aux_loss_matches_the_same_data_parallel_ranks(
     want = series(runs["aux-fsdp2"], key)
     assert len(set(want)) == STEPS and want != series(runs["single"], key)  # the aux loss is in the gradients
     assert_curve_close(series(runs["aux-ep2"], key), want, key, model=MOE)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("key", ["loss", "grad_norm", "aux_loss"])
+def test_pipeline_stages_with_the_aux_loss_match_the_same_micro_batches(runs, key):
+    want = series(runs["aux-fsdp2"], key)
+    assert len(set(want)) == STEPS
+    assert_curve_close(series(runs["aux-pp2"], key), want, key, model=AUX)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_log_every_layers_expert_load(runs):
+    got, want = records(runs["aux-pp2"], "train"), records(runs["aux-fsdp2"], "train")
+    # The first step routes with the same weights: the same counts; every step counts each routed token once.
+    assert got[0]["expert_load"] == want[0]["expert_load"]
+    slots = 8 * 64 * AUX.moe.experts_per_token  # base_config: 8 sequences of 64 tokens a step, k slots each
+    assert all([sum(layer) for layer in r["expert_load"]] == [slots] * AUX.n_layers for r in got)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_mixtral_under_pp_matches_one_process(runs, key):
+    assert_curve_close(series(runs["mixtral-pp2"], key), series(runs["mixtral-single"], key), key, model=MIXTRAL)
 
 
 @pytest.mark.slow

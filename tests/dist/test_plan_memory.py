@@ -100,6 +100,10 @@ RUNS["ep_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2), Precisi
 # Tensor parallelism on a mixture of experts: attention split, the router and experts whole on each tp rank.
 RUNS["moe_tp"] = (2, ShardingConfig(strategy="zero2", tp=2), PrecisionConfig(),
                   {"micro_batch": 8, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
+# Pipeline stages of a mixture of experts: each stage holds its layers' experts (and backpropagates their aux loss).
+RUNS["moe_pp"] = (2, ShardingConfig(strategy="none", pp=2, pp_schedule="1f1b"), PrecisionConfig(),
+                  {"micro_batch": 4, "grad_accum": 2,
+                   "model": {"family": "qwen3_moe", "head_dim": 16, "moe": replace(MOE, aux_loss_coef=0.01)}})
 # Muon on a mixture of experts under FSDP2: the router a hidden matrix (Muon's), the stacked experts [E, a, b] AdamW's.
 RUNS["muon_moe_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2), PrecisionConfig(),
                          {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95),

@@ -131,7 +131,6 @@ def test_the_steps_auxiliary_loss_is_the_mean_over_micro_batches():
       "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor=1.25: with sharding.tp=2"),
     (["model=qwen3_moe_tiny", "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
       "sharding.ep=2"], "sharding.ep=2: expert parallelism with sharding.tp=2"),
-    (["model=mixtral_tiny", "cluster.procs_per_node=2", "sharding=none", "sharding.pp=2"], "sharding.pp=2"),
     (["model=qwen3_moe_tiny", "train.objective=simpo"], "model.moe: train.objective=simpo does not balance"),
 ])
 def test_what_the_moe_families_do_not_run_is_one_line(overrides, starts):
@@ -151,3 +150,14 @@ def test_lora_on_attention_and_fsdp_resolve_for_an_moe_family():
     cfg = resolve(compose(["model=qwen3_moe_tiny", "model.lora.rank=2", "model.lora.targets=[q,v]",
                            "data=synthetic", "train.seq_len=32", "cluster.procs_per_node=2", "sharding=fsdp"]))
     assert cfg.model.family == "qwen3_moe" and cfg.model.moe.num_experts == 4
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe_tiny", "mixtral_tiny"])
+@pytest.mark.parametrize("layout", [["cluster.procs_per_node=2", "sharding=none"],
+                                    ["cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2"],
+                                    ["cluster.procs_per_node=4", "sharding=none", "sharding.tp=2"]])
+def test_pipeline_stages_resolve_for_the_moe_families(model, layout):
+    """Each stage backpropagates its own layers' auxiliary loss (train/parallel/stage_aux.py): pp is not refused."""
+    cfg = resolve(compose([f"model={model}", "data=synthetic", "train.seq_len=32", *layout, "sharding.pp=2",
+                           "train.global_batch=8", "train.micro_batch=2", "train.grad_accum=-1"]))
+    assert cfg.sharding.pp == 2 and cfg.model.moe.num_experts > 0

@@ -135,3 +135,12 @@ def test_the_plan_notes_that_tp_leaves_the_experts_whole():
     assert [n for n in notes if n.startswith("experts (tp=2): the router and every expert are whole")], notes
     dense = runplan.build(resolve(compose(["cluster.procs_per_node=2", "sharding=none", "sharding.tp=2"]))).notes
     assert not [n for n in dense if n.startswith("experts")]
+
+
+def test_tune_tries_pipeline_stages_for_a_mixture_of_experts_model_without_ep():
+    """MoE pipeline stages run (train/parallel/stage_aux.py), so tune offers them; never beside ep (refused)."""
+    from trainctl.plan.tune import layouts
+
+    candidates = layouts(resolve(compose(["sharding=fsdp", *EXPERTS, *GPU])))
+    found = {(v.cfg.sharding.pp, v.cfg.sharding.ep) for v in candidates}
+    assert (2, 1) in found and not any(pp > 1 and ep > 1 for pp, ep in found)

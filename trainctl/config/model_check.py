@@ -45,9 +45,10 @@ def dense_moe_problems(m: schema.ModelConfig) -> list[str]:
 
 
 def moe_parallel_problems(dims: ParallelDims, m: schema.ModelConfig) -> list[str]:
-    """What the mixture-of-experts families do not run: pipeline stages (the auxiliary loss and load statistics are
-    not carried between stages); under tensor parallelism (experts replicated over tp, each rank routing its own
-    sequence shard) a capacity, which would count each rank's shard instead of the micro-batch."""
+    """What the mixture-of-experts families do not run: under tensor parallelism (experts replicated over tp, each rank
+    routing its own sequence shard) a capacity, which would count each rank's shard instead of the micro-batch.
+    Pipeline stages run them: each stage backpropagates its own layers' auxiliary loss (train/parallel/stage_aux.py);
+    expert parallelism refuses pp itself (layout_check.check_expert_parallel)."""
     if not _is_moe(m.family):
         return []
     problems = []
@@ -55,9 +56,6 @@ def moe_parallel_problems(dims: ParallelDims, m: schema.ModelConfig) -> list[str
         problems.append(f"model.moe.capacity_factor={m.moe.capacity_factor}: with sharding.tp={dims.tp} each tp rank "
                         "routes its own part of the sequence, so a capacity would drop other tokens than one process; "
                         "use capacity_factor=0 (no drop) or tp=1")
-    if dims.pp > 1:
-        problems.append(f"sharding.pp={dims.pp}: pipeline stages are not implemented for model.family={m.family} "
-                        "(its auxiliary loss is not carried between stages); use pp=1")
     return problems
 
 

@@ -66,13 +66,14 @@ def train_step(job: Job, step: int) -> StepResult:
     meter = PeakMeter(job.world.device, job.model, job.optimizer) if measured else None
     on_loss = job.hooks.on_loss
     adjust = None if on_loss is None else functools.partial(on_loss, step)
-    load = ExpertLoad(job.expert_blocks)  # a mixture of experts' auxiliary loss and load (nothing for a dense model)
+    # A mixture of experts' auxiliary loss and load (nothing for a dense model); under pp this rank's layers'.
+    load = ExpertLoad(job.expert_blocks, pp_group_of(job.pipeline))
     if job.objective is not None:  # preference tuning (train/preference/objective.py); pp is refused for it
         local_loss = job.objective.forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, adjust)
     elif job.pipeline is None:
         local_loss = forward_backward(job.model, micro_batches, job.contexts, job.scaler.scale, divisor, adjust, load)
     else:
-        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust)
+        local_loss = pipeline_forward_backward(job.pipeline, micro_batches, job.contexts, divisor, adjust, load)
     settle_partial_gradients(job.model)  # TP's partial sums reduced once, before the clip and the step
     job.scaler.unscale_(job.optimizer)  # clip true gradients, not scaled ones
     local_norm = clip_gradients(job.model, job.cfg.optim.grad_clip, pp_group_of(job.pipeline))

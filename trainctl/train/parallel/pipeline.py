@@ -13,7 +13,8 @@ One optimizer step is one schedule step over this dp rank's `train.grad_accum` m
 each one pipeline microbatch. The last stage's loss is the summed token cross-entropy over
 the tokens of the whole rank step (as in the unsplit loop) with `scale_grads=False`, so the
 gradients match the unsplit path; the schedule itself syncs FSDP/DDP gradients after the
-last microbatch.
+last microbatch. A mixture of experts' auxiliary loss, which every stage's layers add, is backpropagated
+by each stage itself (stage_aux.py).
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from trainctl.config.schema import ModelConfig, PrecisionConfig, ShardingConfig,
 from trainctl.core.stages import local_stage_ids, stage_layers
 from trainctl.models.build import family_parallel
 from trainctl.models.loss_head import IGNORE_INDEX
+from trainctl.train.loop.expert_load import ExpertLoad
 from trainctl.train.loop.loss import TokenLoss
 from trainctl.train.loop.micro_batch import MicroBatchContext
 from trainctl.train.parallel.parallelize import parallelize
+from trainctl.train.parallel.stage_aux import StageAux
 
 # torch.distributed.pipelining's class of each schedule. Single-stage schedules take one stage; the interleaved
 # ones a list (several stages per rank).
@@ -60,6 +63,7 @@ class Pipeline:
     rank_tokens: int  # target tokens of this rank's whole step: the loss normalizer
     device: torch.device
     loss_fn: StageLoss  # the last stage's loss; holds the unscaled microbatch losses of the last call
+    stage_aux: StageAux  # a mixture of experts' auxiliary loss of every stage into the backward (stage_aux.py)
 
 
 def build_stage_model(cfg: ModelConfig, layers: range, first: bool, last: bool) -> nn.Module:
@@ -132,7 +136,8 @@ def build_pipeline(
     # them up for forward only when that call is eval() (the initial evaluation of a fresh run), so the first
     # training step then fails ("has gradients None"). Separate stage objects keep each set-up right.
     return Pipeline(make_schedule(), make_schedule(), nn.ModuleList(parts), group, 0 in stage_ids,
-                    n_stages - 1 in stage_ids, train.grad_accum, rank_tokens, device, loss_fn)
+                    n_stages - 1 in stage_ids, train.grad_accum, rank_tokens, device, loss_fn,
+                    StageAux(parts, scale_loss))
 
 
 def _run_schedule(pipeline: Pipeline, run, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -164,13 +169,18 @@ def sum_over_stages(value: torch.Tensor, pipeline: Pipeline) -> torch.Tensor:
 
 def pipeline_forward_backward(pipeline: Pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                               contexts: MicroBatchContext, divisor: float | None = None,
-                              adjust=None) -> torch.Tensor:
+                              adjust=None, load: ExpertLoad | None = None) -> torch.Tensor:
     """One schedule step over this rank's micro-batches; returns the rank's mean token loss, same on every pp rank.
 
     divisor: masked data's (loss.step_divisor: the step's counted targets); None: every target counts.
+    load: a mixture of experts' auxiliary loss (backpropagated by each stage) and load (noted per stage).
     """
     pipeline.loss_fn.token_loss = TokenLoss(pipeline.rank_tokens if divisor is None else divisor, adjust)
-    losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches, contexts.forward)
+    pipeline.stage_aux.begin(load, len(micro_batches))
+    try:
+        losses = _run_schedule(pipeline, pipeline.schedule.step, micro_batches, contexts.forward)
+    finally:
+        pipeline.stage_aux.end()
     total = torch.stack(losses).sum().detach() if pipeline.is_last else torch.zeros((), device=pipeline.device)
     return sum_over_stages(total, pipeline)
 
