@@ -27,6 +27,9 @@ class ExpertLoad:
         self.stage_group = stage_group  # the pp group (None: no pipeline): its ranks hold the other layers
         # Each block's row in the model's [layers, experts] table: its global layer key (kept by a pipeline split).
         self.rows = {id(block): _row(key, index) for index, (key, block) in enumerate(blocks)}
+        # The rows of each block list `add` has seen, as a device tensor made once: a host list copied to the GPU at
+        # every micro-batch would wait for the stream's queued kernels each time.
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.aux = None  # the step's auxiliary loss so far (detached)
         self.counts = None  # [layers, experts] tokens routed this step (this rank; zeros in layers it does not hold)
         self.dropped = None  # [layers] tokens dropped by the capacity this step (this rank)
@@ -61,7 +64,9 @@ class ExpertLoad:
         if self.counts is None:
             layers, experts = self.blocks[0][1].n_layers, self.blocks[0][1].moe.num_experts
             self.counts, self.dropped = counts.new_zeros(layers, experts), dropped.new_zeros(layers)
-        index = torch.tensor(rows, device=self.counts.device)
+        index = self._indices.get(tuple(rows))
+        if index is None:
+            index = self._indices[tuple(rows)] = torch.tensor(rows, device=self.counts.device)
         self.counts.index_add_(0, index, counts.to(self.counts))
         self.dropped.index_add_(0, index, dropped.to(self.dropped))
         if aux is not None:
