@@ -16,9 +16,11 @@ on two cores the torchrun tests already fill both, and a whole-suite run on two 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -106,6 +108,19 @@ def unit_tests_start_no_process(request, monkeypatch):
 
 def pytest_configure(config: pytest.Config) -> None:
     process_leaks.mark_session(own=hasattr(config, "workerinput"))
+    own_inductor_cache(config)
+
+
+def own_inductor_cache(config: pytest.Config) -> None:
+    """The session compiles into a fresh Inductor cache folder (inherited by xdist workers and every program a test
+    starts), removed at its end, unless the caller named one (TORCHINDUCTOR_CACHE_DIR). What a machine's shared
+    /tmp/torchinductor_<user> holds from other runs (another torch, another CPU code path: entries its key cannot
+    tell apart, train/inductor_isa.py) cannot reach a test, and the suite proves the cold compile a fresh run pays."""
+    if hasattr(config, "workerinput") or os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return
+    folder = tempfile.mkdtemp(prefix="trainctl-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 @pytest.fixture(autouse=True)

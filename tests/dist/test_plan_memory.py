@@ -239,6 +239,7 @@ def test_a_blocks_saved_activations_match_the_plan(compiled):
     from trainctl.config.schema import ModelConfig
     from trainctl.models.build import build_model
     from trainctl.plan import activations as act
+    from trainctl.train.inductor_isa import pin_cpu_vector_isa
 
     m = ModelConfig(name="t", dim=256, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=256,
                     max_seq_len=256)
@@ -246,6 +247,8 @@ def test_a_blocks_saved_activations_match_the_plan(compiled):
     torch.manual_seed(0)
     model = build_model(m, "cpu")
     model.init_weights()
+    if compiled:  # as train.compile does: Inductor's cache entries keyed by this code path's vector width
+        pin_cpu_vector_isa()
     block = torch.compile(model.layers["0"], fullgraph=True) if compiled else model.layers["0"]
     x = torch.randn(2, 256, m.dim, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

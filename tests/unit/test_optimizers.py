@@ -109,6 +109,21 @@ def test_optim_name_dispatches_to_the_optimizer_it_names():
     assert state["row_var"].numel() + state["col_var"].numel() == wq.shape[0] + wq.shape[1]
 
 
+@pytest.mark.parametrize(("name", "device_type", "pins"), [("adamw8bit", "cpu", True), ("adamw8bit", "cuda", True),
+                                                          ("adamw", "cpu", False)])
+def test_a_compiled_optimizer_step_on_cpu_pins_inductors_vector_width(monkeypatch, name, device_type, pins):
+    """torchao's low-bit step is torch.compile'd: on CPU parameters (here on CPU even for a cuda run, as under CPU
+    offload) Inductor's vector width joins its cache key first (train/inductor_isa.py), or a cache entry written on
+    another code path is reused (NaN, or an abort). The eager optimizers compile nothing and pay nothing."""
+    pytest.importorskip("torchao")
+    import trainctl.train.optim as optim_module
+
+    calls = []
+    monkeypatch.setattr(optim_module, "pin_cpu_vector_isa", lambda: calls.append(1))
+    build_optimizer(build_model(SMALL, "cpu"), OptimConfig(name=name, lr=1e-3), device_type)
+    assert len(calls) == int(pins)
+
+
 def test_adafactor_keeps_less_state_than_adamw_in_the_plan():
     tiny = ModelConfig()
     adamw, adafactor = planned_optimizer_bytes(tiny, "adamw"), planned_optimizer_bytes(tiny, "adafactor")

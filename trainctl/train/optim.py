@@ -28,6 +28,7 @@ from trainctl.core.tensors import Tensor
 from trainctl.core.wrapping import Wrapping
 from trainctl.models.hf import WRAPPER_SEGMENTS
 from trainctl.train.errors import WorkerConfigError
+from trainctl.train.inductor_isa import pin_cpu_vector_isa
 from trainctl.train.lion import Lion
 from trainctl.train.muon import MuonWithAdamW
 
@@ -91,13 +92,16 @@ def _lion(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], d
 
 
 def _low_bit(cls_name: str):
-    """torchao's AdamW8bit / AdamW4bit / AdamWFp8 (the fp8 extra): imported when chosen, not before."""
+    """torchao's AdamW8bit / AdamW4bit / AdamWFp8 (the fp8 extra): imported when chosen, not before. Its step is
+    torch.compile'd: on CPU (not fused) Inductor's vector width is pinned first (train/inductor_isa.py)."""
     def build(cfg: OptimConfig, fused: bool) -> tuple[type[torch.optim.Optimizer], dict]:
         try:
             import torchao.optim
         except ImportError:
             raise WorkerConfigError(f"optim.name={cfg.name}: needs torchao (pip install 'trainctl[fp8]'); "
                                     "or use optim.name=adamw") from None
+        if not fused:
+            pin_cpu_vector_isa()
         return getattr(torchao.optim, cls_name), dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     return build
 

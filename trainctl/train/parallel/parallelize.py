@@ -42,6 +42,7 @@ from trainctl.models.build import family_parallel
 from trainctl.models.lora import init_adapters
 from trainctl.models.qlora import quantize_base
 from trainctl.train.errors import WorkerConfigError
+from trainctl.train.inductor_isa import pin_cpu_vector_isa
 from trainctl.train.parallel.activations import apply_activation_checkpointing, transformer_blocks
 from trainctl.train.parallel.context_parallel import expand_kv_heads_for_cp
 from trainctl.train.parallel.expert import apply_expert_parallel, expert_dp_mesh, shard_experts
@@ -82,22 +83,6 @@ def apply_compile(model: nn.Module) -> None:
     blocks = transformer_blocks(model)
     for name, block in list(blocks.items()):
         blocks[name] = torch.compile(block, fullgraph=True)
-
-
-def pin_cpu_vector_isa() -> None:
-    """Put the vector ISA Inductor generates CPU kernels for into its cache key: cpp.simdlen = the picked ISA's width.
-
-    Inductor picks the ISA from ATEN_CPU_CAPABILITY when set (else the widest the CPU has) and writes the kernels'
-    loops for its width, but torch 2.13's FX graph cache key leaves that pick out; only cpp.simdlen is in it. A run
-    under ATEN_CPU_CAPABILITY=avx2 then reuses kernels written for 16-lane AVX-512 floats by an earlier run, rebuilds
-    them with AVX2's 8-lane flags, and half of every output vector is never written: NaN at the first step. With
-    simdlen set, each ISA has its own cache entries; a width picks the same ISA as the capability did.
-    """
-    from torch._inductor import config as inductor_config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    if inductor_config.cpp.simdlen is None:  # set by the user: theirs is already in the key
-        inductor_config.cpp.simdlen = pick_vec_isa().bit_width()
 
 
 def dp_mesh_for(dp_dims: tuple[str, ...], mesh: DeviceMesh) -> DeviceMesh:
