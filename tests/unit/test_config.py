@@ -262,6 +262,17 @@ def test_a_changed_schema_node_does_not_reach_the_next_caller():
         second.train.nosuchkey = 1
 
 
+def test_a_typed_merge_reads_the_template_without_changing_it():
+    """from_dict merges onto the cached template itself (OmegaConf.merge copies it first): the merged values and a
+    user-named map's new key stay in the merged node, never in the template the next caller reads."""
+    merged, _ = load.typed_merge({"train": {"steps": 987654}, "cluster": {"env": {"LEAKED": "yes"}}})
+    assert merged.train.steps == 987654 and merged.cluster.env["LEAKED"] == "yes"
+    again, defaults = load.typed_merge({})
+    assert again.train.steps != 987654 and "LEAKED" not in again.cluster.env and "LEAKED" not in defaults["env"]
+    assert load.from_dict({"train": {"steps": 5}}).train.steps == 5
+    assert load.structured_schema().train.steps == again.train.steps
+
+
 def test_one_compose_does_not_leak_into_the_next():
     default_steps = compose([]).train.steps
     changed = compose(["cluster=slurm", f"train.steps={default_steps + 7}", "cluster.env.LEAKED=1"])

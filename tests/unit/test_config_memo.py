@@ -47,3 +47,10 @@ def test_a_failed_build_caches_nothing():
 def test_a_cache_holds_at_least_one_entry():
     with pytest.raises(ValueError, match="max_entries=0"):
         CopyingCache(max_entries=0)
+
+
+def test_read_hands_the_cached_object_to_a_reader_and_builds_once():
+    cache: CopyingCache[list] = CopyingCache(max_entries=1)
+    built = []
+    assert cache.read("k", lambda: built.append(1) or [3, 4], sum) == 7
+    assert cache.read("k", lambda: built.append(1) or [0], len) == 2 and built == [1]

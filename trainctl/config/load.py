@@ -125,11 +125,19 @@ def _canonical(value):
     return (type(value).__name__, repr(value))
 
 
+def typed_merge(data: dict | DictConfig) -> tuple[DictConfig, dict]:
+    """(`data` merged onto the schema: a typed node of its own, the schema's cluster defaults). OmegaConf.merge
+    deep-copies its first config before merging into it, so the cached template is read, never changed, and not
+    copied twice (a copy is about a fifth of the merge)."""
+    clusters = cluster_configs()
+    return _SCHEMA_TEMPLATES.read(
+        tuple(clusters.items()), lambda: _build_schema(clusters),
+        lambda schema: (OmegaConf.merge(schema, data), OmegaConf.to_container(schema.cluster)))
+
+
 def _from_dict(data: dict | DictConfig, strict: bool) -> RunConfig:
-    schema = structured_schema()
-    merged = OmegaConf.merge(schema, data)
-    cluster = cluster_from_dict(OmegaConf.to_container(merged.cluster), OmegaConf.to_container(schema.cluster),
-                                strict)
+    merged, cluster_defaults = typed_merge(data)
+    cluster = cluster_from_dict(OmegaConf.to_container(merged.cluster), cluster_defaults, strict)
     merged.cluster = ClusterConfig()  # the base, replaced below (to_object cannot build the union of keys)
     return replace(OmegaConf.to_object(merged), cluster=cluster)
 

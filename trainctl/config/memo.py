@@ -12,6 +12,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
+R = TypeVar("R")
 
 
 class CopyingCache(Generic[V]):
@@ -31,6 +32,13 @@ class CopyingCache(Generic[V]):
         if key not in self._entries:
             self._store(key, build())  # `build`'s own object is never handed out: no copy needed to keep it
         return copy.deepcopy(self._entries[key])
+
+    def read(self, key: Hashable, build: Callable[[], V], reader: Callable[[V], R]) -> R:
+        """`reader` applied to the result cached under `key` itself, no copy (built first if there is none): for a
+        reader that changes nothing, e.g. OmegaConf.merge, which copies its first config before merging into it."""
+        if key not in self._entries:
+            self._store(key, build())
+        return reader(self._entries[key])
 
     def put(self, key: Hashable, value: V) -> None:
         """Cache a copy of `value`: the caller may go on changing its own."""

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainctl.config.errors import ConfigError
-from trainctl.config.load import escape_interpolations, from_dict, load_run_config, structured_schema, to_yaml
+from trainctl.config.load import escape_interpolations, from_dict, load_run_config, to_yaml, typed_merge
 from trainctl.config.schema import GROUPS, RunConfig
 from trainctl.config.validate import resolve
 from trainctl.core import checkpoints
@@ -117,7 +117,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     problems = [p for o in parsed if (p := _override_problem(o))]
     if problems:
         raise ConfigError(problems)
-    node = OmegaConf.merge(structured_schema(), escape_interpolations(dataclasses.asdict(cfg)))
+    node, _ = typed_merge(escape_interpolations(dataclasses.asdict(cfg)))
     for o in parsed:
         try:
             OmegaConf.update(node, o.key_or_group, o.value(), merge=False)
