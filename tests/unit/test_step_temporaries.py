@@ -1,17 +1,23 @@
 """The optimizer step's measured temporaries (peak_memory.PeakMeter, CPU) equal the plan's (core/optimizers.py).
 
 In one process, on plain tensors: foreach AdamW over two param groups (the larger group's denominator, not the sum of
-both) and Muon with AdamW (Newton-Schulz on the largest matrix). The sharded cases are tests/dist/test_plan_memory.py's.
+both), Muon with AdamW (Newton-Schulz on the largest matrix) and Adafactor (for-loop and foreach, in the module's order
+and in zero1's largest-first order). The sharded cases are tests/dist/test_plan_memory.py's.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from trainctl.config.schema import ModelConfig, OptimConfig
 from trainctl.core import optimizers
 from trainctl.core.tensors import Tensor
+from trainctl.models.build import build_model
+from trainctl.plan.shapes import stage_tensors, zero1_assignment
 from trainctl.train.muon import MuonWithAdamW
 from trainctl.train.observe.peak_memory import Allocation, PeakMeter, own_thread, without_workspace
+from trainctl.train.optim import build_optimizer, param_groups
 
 # Matrices with different sides (Newton-Schulz's m^2 terms are not n's), a bias, and an embedding-named matrix.
 SHAPES = {"tok_embeddings.weight": (100, 64), "layers.0.w1.weight": (256, 64), "layers.0.w1.bias": (256,),
@@ -68,6 +74,57 @@ def test_muon_holds_its_update_and_newton_schulz_iterates_of_the_largest_matrix(
     n, m = 256 * 64, 64
     assert record["step_temp_bytes"] == optimizers.step_temp_bytes("muon", specs(), specs(), False) \
         == 4 * n + 2 * (2 * n + 2 * m * m)
+
+
+# Matrices of three sizes in a row (attention, MLP, output), an embedding, norms: Adafactor's peak depends on which
+# tensor follows which (the previous one's update is still bound), so a real model's order is the case that counts.
+LLAMA = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
+
+
+def llama() -> tuple[torch.nn.Module, list[Tensor]]:
+    torch.manual_seed(0)
+    model = build_model(LLAMA, "cpu")
+    model.init_weights()
+    return model, stage_tensors(LLAMA, range(LLAMA.n_layers), True, True)
+
+
+def test_adafactors_for_loop_step_holds_what_the_plan_says_in_the_modules_order():
+    """The worker's Adafactor on CPU (build_optimizer: torch's for-loop) over its two groups, in the module's order."""
+    model, tensors = llama()
+    assert [name for name, _ in model.named_parameters()] == [t.name for t in tensors]  # the plan's order is torch's
+    opt = build_optimizer(model, OptimConfig(name="adafactor", lr=1e-2, weight_decay=0.1), "cpu")
+    assert not opt.param_groups[0]["foreach"]
+    record = measured_step(opt, list(model.parameters()))
+    planned = optimizers.step_temp_bytes("adafactor", tensors, tensors, False)
+    whole = max(4 * (t.numel + t.rows + t.cols + 1) for t in tensors)  # the largest matrix's own, nothing before it
+    assert record["step_temp_bytes"] == planned > whole
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_adafactor_in_zero1s_largest_first_order_holds_what_the_plan_says(foreach):
+    """ZeroRedundancyOptimizer hands its optimizer each group's share largest first; the plan lists zero1's partition
+    so (plan/shapes.zero1_assignment; both sorts are stable, ties in the module's order). One rank's share of one:
+    every tensor, reordered."""
+    model, tensors = llama()
+    by_name = dict(model.named_parameters())
+    (mine,) = zero1_assignment(tensors, 1)
+    groups = [{**g, "params": sorted(g["params"], key=torch.Tensor.numel, reverse=True)}
+              for g in param_groups(model, 0.1)]
+    assert [p for g in groups for p in g["params"]] == [by_name[t.name] for t in mine]
+    opt = torch.optim.Adafactor(groups, lr=1e-2, foreach=foreach)
+    record = measured_step(opt, [p for g in groups for p in g["params"]])
+    assert record["step_temp_bytes"] == optimizers.step_temp_bytes("adafactor", mine, mine, foreach)
+
+
+def test_foreach_adafactor_holds_each_groups_updates_at_once():
+    """torch's foreach step (the worker's on CUDA, run here on CPU): a group's matrices' estimates all at once, then
+    its vectors' beside them; the larger group counts, not their sum."""
+    model, tensors = llama()
+    opt = torch.optim.Adafactor(param_groups(model, 0.1), lr=1e-2, foreach=True)
+    record = measured_step(opt, list(model.parameters()))
+    planned = optimizers.step_temp_bytes("adafactor", tensors, tensors, True)
+    decayed = sum(t.numel + 1 for t in tensors if t.is_matmul)
+    assert record["step_temp_bytes"] == planned == 4 * decayed  # each decayed matrix's estimate + its mean's element
 
 
 def test_an_operators_own_workspace_and_another_threads_buffers_are_left_out():

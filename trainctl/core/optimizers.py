@@ -9,7 +9,8 @@ are the field's choices (config/schema.py), one source.
 State is fp32 (master weights are fp32 whatever the compute dtype) unless quantized:
     adamw      exp_avg + exp_avg_sq: 2 x 4 bytes per element, + a float32 step scalar per tensor
     adafactor  a matrix keeps its row and column second-moment factors (rows + cols elements, not rows x cols),
-               a vector its full second moment; no first moment; + a float32 step scalar per tensor
+               a vector its full second moment; no first moment; + a float32 step scalar per tensor; its step holds
+               the previous tensor's update beside this one's estimate (the for-loop), or a whole group's (foreach)
     sgd        torch.optim.SGD: a momentum buffer (4 bytes per element) when optim.momentum > 0, else nothing
     lion       one moment (4 bytes per element), no step counter (trainctl/train/lion.py)
     adamw8bit  torchao's AdamW8bit (and adamw4bit, adamwfp8): each moment of a tensor with >= 4096 elements in
@@ -77,10 +78,60 @@ def _adafactor_state(t: Tensor, optim: Any = None) -> int:
 
 
 def _adafactor_temp(tensors: Sequence[Tensor], fused: bool) -> int:
-    """foreach on CUDA (torch's default there): a variance estimate and an update per element, for all at once;
-    the for-loop elsewhere: the same two for the largest tensor only."""
-    sizes = [t.numel for t in tensors] or [0]
-    return 2 * FP32 * (sum(sizes) if fused else max(sizes))
+    """torch.optim.Adafactor's step, one param group at a time (the worker's two, in its order: the plan lists the
+    tensors as the module's parameters, zero1's partition largest first as ZeroRedundancyOptimizer's); the largest
+    group's peak counts. foreach on CUDA (_multi_tensor_adafactor), the for-loop elsewhere
+    (_single_tensor_adafactor). Not counted: the 0-dim float64 tensor a Python number becomes for an op's call
+    (8 bytes, beside far larger temporaries)."""
+    decayed = [t for t in tensors if t.is_matmul]
+    rest = [t for t in tensors if not t.is_matmul]
+    group_peak = _adafactor_foreach_peak if fused else _adafactor_loop_peak
+    return FP32 * max(group_peak(decayed), group_peak(rest))
+
+
+def _adafactor_loop_peak(group: Sequence[Tensor]) -> int:
+    """Elements the for-loop holds at its peak over one group. A matrix's step holds its row and column means (rows,
+    cols) and its variance estimate (rows x cols, which becomes its update in place) + row_var.mean's one element; a
+    vector's its grad squared and a clone of its variance. Python keeps each name bound until the next tensor
+    rebinds it, so the previous tensor's update is alive until this one's update replaces it (after the estimate is
+    made), the last vector's grad squared until the next vector's, the last matrix's means until the next matrix's."""
+    peak = update = grad_sq = rows = cols = 0
+    for t in group:
+        if t.cols > 1:
+            peak = max(peak, update + grad_sq + rows + cols + t.rows,  # its row means beside the last matrix's
+                       update + grad_sq + t.rows + cols + t.cols,  # its column means beside the last matrix's
+                       update + grad_sq + t.rows + t.cols + t.numel + 1)  # the estimate and row_var.mean
+            rows, cols = t.rows, t.cols
+        else:
+            peak = max(peak, update + grad_sq + rows + cols + t.numel,  # its grad squared beside the last vector's
+                       update + rows + cols + 2 * t.numel)  # the variance's clone beside its grad squared
+            grad_sq = t.numel
+        update = t.numel
+    return peak
+
+
+def _adafactor_foreach_peak(group: Sequence[Tensor]) -> int:
+    """Elements the foreach step holds at its peak over one group: it steps the group's matrices together and its
+    vectors together, in the order of their first tensor. Matrices: all row means (freed), then all column means
+    (freed), then all estimates (their updates) + one row_var.mean element each; vectors: all grads squared (freed),
+    then all clones of the variances. The first part's updates stay bound until the second part's estimates replace
+    them."""
+    peak = before = 0
+    for part in _by_first_kind(group):
+        if part[0].cols > 1:
+            held = max(sum(t.rows for t in part), sum(t.cols for t in part), sum(t.numel + 1 for t in part))
+        else:
+            held = sum(t.numel for t in part)
+        peak, before = max(peak, before + held), sum(t.numel for t in part)
+    return peak
+
+
+def _by_first_kind(group: Sequence[Tensor]) -> list[list[Tensor]]:
+    """The group's matrices and vectors apart, the kind of its first tensor first (torch's grouping by is_multidim)."""
+    parts: dict[bool, list[Tensor]] = {}
+    for t in group:
+        parts.setdefault(t.cols > 1, []).append(t)
+    return list(parts.values())
 
 
 def _sgd_state(t: Tensor, optim: Any = None) -> int:
