@@ -1,6 +1,7 @@
 """Each optimizer optim.name builds steps as its reference does, in one process, fp32, over 10 steps: torch's
 own class where one exists (SGD, Muon with AdamW, torchao's low-bit AdamW) bitwise, since the same kernels run on
-the same gradients; Lion against the paper's update written plainly here, to rounding's bound."""
+the same gradients; Lion against the paper's update written plainly here, to rounding's bound. torchao's low-bit
+AdamWs also hold the state bytes the plan counts and resume bitwise through the worker's checkpoint."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import torch
 from torch import nn
 
 from tests.helpers import assert_close_fp
-from trainctl.config.schema import ModelConfig, OptimConfig
+from trainctl.config.schema import ModelConfig, OptimConfig, ShardingConfig
+from trainctl.core.dims import ParallelDims
 from trainctl.models.build import build_model
+from trainctl.plan import rank_states
+from trainctl.plan.stages import rank_stages
+from trainctl.train.checkpoint.state import app_state
+from trainctl.train.checkpoint.store import CheckpointManager
+from trainctl.train.observe.memory_stats import model_state_bytes
 from trainctl.train.optim import build_optimizer
 
 # Small enough for a unit test (Muon's Newton-Schulz runs bf16 matmuls, slow on a CPU), large enough to have every
@@ -112,6 +119,13 @@ def test_lion_is_the_papers_update():
 
 
 LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adamwfp8": "AdamWFp8"}
+# 64 x 64 matrices: quantized (>= 4096 elements, whole blocks); 32 x 64 (wk, wv) and the norms keep fp32 moments.
+# One model for every low-bit test: torchao compiles its step per shape, and the session reuses what it compiled.
+LOW_BIT_MODEL = dataclasses.replace(SMALL, dim=64, ffn_dim=64)
+
+
+def low_bit_config(name: str) -> OptimConfig:
+    return OptimConfig(name=name, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 # torchao compiles its step per tensor shape (Inductor runs a C++ compiler): a `dist` test by cost, not a `unit` one.
@@ -120,9 +134,8 @@ LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit", "adamwfp8": "Adam
 @pytest.mark.parametrize("name", list(LOW_BIT))
 def test_low_bit_adamw_is_torchaos_class(name):
     torchao_optim = pytest.importorskip("torchao.optim")
-    tiny = dataclasses.replace(SMALL, dim=64, ffn_dim=64)  # 64 x 64 matrices: quantized (>= 4096 elements)
-    ours, ref = model_pair(tiny)
-    cfg = OptimConfig(name=name, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    ours, ref = model_pair(LOW_BIT_MODEL)
+    cfg = low_bit_config(name)
     opt = build_optimizer(ours, cfg, "cpu")
     hidden, ends, norms = groups(ref)
     reference = getattr(torchao_optim, LOW_BIT[name])(
@@ -131,3 +144,61 @@ def test_low_bit_adamw_is_torchaos_class(name):
     train_both(ours, opt, ref, reference.step)
     assert_equal_models(ours, ref)
     assert type(opt).__name__ == LOW_BIT[name]
+
+
+def trained(cfg: OptimConfig, seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = build_model(LOW_BIT_MODEL, "cpu")
+    model.init_weights()
+    opt = build_optimizer(model, cfg, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randint(0, LOW_BIT_MODEL.vocab_size, (2, 16), generator=gen)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def step_both(a: nn.Module, opt_a: torch.optim.Optimizer, b: nn.Module, opt_b: torch.optim.Optimizer) -> None:
+    """One step of each on the same gradients (a's)."""
+    tokens = torch.randint(0, LOW_BIT_MODEL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+    a(tokens).float().square().mean().backward()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        q.grad = p.grad.clone()
+    opt_a.step()
+    opt_b.step()
+
+
+def plain(value: torch.Tensor) -> torch.Tensor:
+    """A state tensor's values: torchao's quantized subclasses dequantized (their codes and scales, decoded)."""
+    return value.dequantize() if hasattr(value, "dequantize") else value
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as a one-rank run saves
+@pytest.mark.parametrize("name", list(LOW_BIT))
+def test_low_bit_adamw_holds_the_planned_state_and_resumes_bitwise(name, tmp_path):
+    """After 3 steps the live state (memory_stats: codes, scales and code maps) is the plan's state bytes; the
+    worker's checkpoint (DCP through checkpoint/state.app_state) loads into a fresh model and optimizer (another
+    seed's), and the next step on both is the same bit for bit, parameters and moments."""
+    pytest.importorskip("torchao.optim")
+    cfg = low_bit_config(name)
+    ours, opt = trained(cfg, seed=0, steps=3)
+    sharding = ShardingConfig()
+    (stage,) = rank_stages(LOW_BIT_MODEL, sharding, 1)
+    planned = rank_states.model_states(LOW_BIT_MODEL, sharding, ParallelDims(), stage, 0, optim=name)
+    adamw = rank_states.model_states(LOW_BIT_MODEL, sharding, ParallelDims(), stage, 0, optim="adamw")
+    assert model_state_bytes(ours, opt)["optimizer_bytes"] == planned["optimizer_bytes"] < adamw["optimizer_bytes"]
+
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(3, app_state(ours, opt), {}, {})
+    resumed, resumed_opt = trained(cfg, seed=1, steps=0)
+    manager.load(manager.latest_valid(), app_state(resumed, resumed_opt))
+    step_both(ours, opt, resumed, resumed_opt)
+    assert_equal_models(ours, resumed)
+    for p, q in zip(ours.parameters(), resumed.parameters(), strict=True):
+        mine, theirs = opt.state[p], resumed_opt.state[q]
+        assert mine.keys() == theirs.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key in mine:
+            assert type(mine[key]) is type(theirs[key]) and torch.equal(plain(mine[key]), plain(theirs[key])), key

@@ -59,8 +59,9 @@ def test_the_registry_names_are_the_choices_and_every_one_has_a_builder():
         "adamw", "adafactor", "sgd", "lion", "adamw8bit", "adamw4bit", "adamwfp8", "muon")
 
 
-# The low-bit AdamWs compile their step (torchao, Inductor): their bytes are checked in test_optimizer_parity's
-# slow test instead, and their formula below against torchao's own buffers.
+# The low-bit AdamWs compile their step (torchao, Inductor): their live bytes after real steps are checked in
+# test_optimizer_parity's slow test_low_bit_adamw_holds_the_planned_state_and_resumes_bitwise instead, and their
+# formula below against torchao's own buffers.
 @pytest.mark.parametrize("name", ["adamw", "adafactor", "sgd", "lion", "muon"])
 @pytest.mark.parametrize("lora", [0, 4])
 def test_plan_optimizer_bytes_equal_the_live_state_of_a_real_step(name, lora):
@@ -90,7 +91,8 @@ def test_low_bit_state_formula_is_torchaos_buffers(name):
     cls = {"adamw8bit": torchao_optim.AdamW8bit, "adamw4bit": torchao_optim.AdamW4bit,
            "adamwfp8": torchao_optim.AdamWFp8}[name]
     low = optimizers.LOW_BIT[name]
-    for rows, cols in [(64, 64), (32, 64), (4096, 1), (96, 64)]:
+    # Quantized; under 4096 elements; a vector; 4224 elements: whole blocks of 128 (4-bit) but not of 256.
+    for rows, cols in [(64, 64), (32, 64), (63, 64), (4096, 1), (96, 64), (66, 64)]:
         p = torch.nn.Parameter(torch.zeros(rows, cols))
         opt = cls([p])
         assert opt.block_size == low.block
