@@ -10,11 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainctl.config.schema import ModelConfig, OptimConfig
+from trainctl.config.schema import ModelConfig, OptimConfig, PrecisionConfig, ShardingConfig, TrainConfig
 from trainctl.core import optimizers
+from trainctl.core.dims import ParallelDims
 from trainctl.core.tensors import Tensor
 from trainctl.models.build import build_model
+from trainctl.plan import memory
 from trainctl.plan.shapes import stage_tensors, zero1_assignment
+from trainctl.plan.stages import rank_stages
 from trainctl.train.muon import MuonWithAdamW
 from trainctl.train.observe.peak_memory import Allocation, PeakMeter, own_thread, without_workspace
 from trainctl.train.optim import build_optimizer, param_groups
@@ -114,6 +117,25 @@ def test_adafactor_in_zero1s_largest_first_order_holds_what_the_plan_says(foreac
     opt = torch.optim.Adafactor(groups, lr=1e-2, foreach=foreach)
     record = measured_step(opt, [p for g in groups for p in g["params"]])
     assert record["step_temp_bytes"] == optimizers.step_temp_bytes("adafactor", mine, mine, foreach)
+
+
+def test_under_zero1_the_plans_step_temporaries_are_the_largest_any_rank_holds():
+    """Each rank steps its share (measured: its groups, largest first, the worker's for-loop); the plan's figure is
+    the larger rank's, though the other rank holds more state bytes (Adafactor's temporaries follow the order)."""
+    model, tensors = llama()
+    sharding, dims = ShardingConfig(strategy="zero1", dp_replicate=2), ParallelDims(dp_replicate=2)
+    by_name = dict(model.named_parameters())
+    shares = zero1_assignment(tensors, 2)
+    measured = []
+    for mine in shares:
+        params = [by_name[t.name] for t in mine]
+        groups = [{"params": [p for p, t in zip(params, mine, strict=True) if t.is_matmul == decayed],
+                   "weight_decay": 0.1 if decayed else 0.0} for decayed in (True, False)]
+        measured.append(measured_step(torch.optim.Adafactor(groups, lr=1e-2), params)["step_temp_bytes"])
+    (stage,) = rank_stages(LLAMA, sharding, 1)
+    plan = memory.estimate(LLAMA, PrecisionConfig(), sharding, TrainConfig(), dims, stage, "cpu", "adafactor")
+    states = [optimizers.state_bytes("adafactor", mine) for mine in shares]
+    assert plan.step_temp == max(measured) and measured.index(max(measured)) != states.index(max(states))
 
 
 def test_foreach_adafactor_holds_each_groups_updates_at_once():

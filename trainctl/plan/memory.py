@@ -37,8 +37,10 @@ textbook ZeRO table (the worker wins):
   the gathered units and their gradients.
 - The optimizer step: its temporaries are the optimizer's (core/optimizers.py): fused AdamW on CUDA
   allocates nothing; the foreach AdamW used elsewhere (CPU, or CUDA parameters under cpu_offload
-  run on the host) allocates one fp32 temporary per stepped element; Muon's Newton-Schulz works on the
-  whole largest matrix, gathered from its shards under FSDP2 or tp.
+  run on the host) allocates one fp32 temporary per element of its largest param group; Muon's Newton-Schulz
+  works on the whole largest matrix, gathered from its shards under FSDP2 or tp. Under zero1 the ranks step
+  different tensors: the step's temporaries are the largest any data-parallel rank's are (Adafactor's follow the
+  tensors' order, not their state bytes), beside the busiest rank's states.
 Phases: the peak is the largest of (loss) the start of backward, (block) the first block's
 backward, (end) the end of backward, and (step) the optimizer step; each phase lists what is
 alive then. Gradients are conservatively counted as fully present from the end of backward on,
@@ -55,7 +57,8 @@ from trainctl.core.dims import ParallelDims
 from trainctl.core.float8 import converts
 from trainctl.core.lora import quantized_base
 from trainctl.core.loss_head import chunked_loss, planned_chunk_tokens
-from trainctl.core.wrapping import wrapping
+from trainctl.core.tensors import Tensor
+from trainctl.core.wrapping import Wrapping, wrapping
 from trainctl.plan import activations as act
 from trainctl.plan.experts import exchange_bytes_per_token
 from trainctl.plan.rank_states import (
@@ -163,6 +166,14 @@ class RankMemory:
         return out
 
 
+def step_temp_bytes(optim, learn: list[Tensor], stepped: list[Tensor], whole: list[Tensor], wrap: Wrapping,
+                    dims: ParallelDims, fused: bool) -> int:
+    """The optimizer step's temporaries on the busiest rank: under zero1 the largest of any data-parallel rank's
+    share (its partition, largest first), which need not be the rank with the most state bytes."""
+    shares = [stepped_tensors(learn, wrap, dims, r) for r in range(dims.dp_replicate)] if wrap.zero1 else [stepped]
+    return max(optimizers.step_temp_bytes(optim, mine, whole, fused) for mine in shares)
+
+
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,
              dims: ParallelDims, stage: RankStages, device: str = "cuda", optim="adamw") -> RankMemory:
     """Per-rank memory of one pipeline rank's stage (module doc), for a resolved layout and optimizer (optim.name, or
@@ -201,7 +212,7 @@ def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfi
     unsharded = max(c, r) * learn_local if fsdp and accumulating else 0
     head_reduce = head_reduce_bytes(m, stage, dims, wrap, r)
     whole = trainable(stage_tensors(m, stage.layers, stage.first, stage.last))  # Muon's Newton-Schulz gathers them
-    step_temp = optimizers.step_temp_bytes(optim, stepped, whole, device == "cuda" and not sharding.cpu_offload)
+    step_temp = step_temp_bytes(optim, learn, stepped, whole, wrap, dims, device == "cuda" and not sharding.cpu_offload)
     host = saved.host
     if sharding.cpu_offload:
         host, params, grads, optimizer, step_temp = host + params + grads + optimizer + reference, 0, 0, 0, 0
