@@ -179,15 +179,12 @@ def test_measured_peak_is_within_ten_percent_of_the_prediction(runs, name):
         assert measured["peak_bytes"] == pytest.approx(measured["predicted_peak_bytes"], rel=tolerance), rank
 
 
-# AdamW's, Muon's and Lion's runs (Adafactor's step temporaries are not yet modelled to the byte).
 # A Python number passed to a DTensor op (Lion's `p.mul_(1 - lr * decay)`) is wrapped in a 0-dim float64 tensor
 # outside any operator for the call's length: on top of the largest update, not the plan's business.
 WRAPPED_SCALAR = 8
-STEP_TEMP_RUNS = [name for name, (*_, train) in RUNS.items()
-                  if getattr(train.get("optim"), "name", "adamw") in ("adamw", "muon", "lion")]
 
 
-@pytest.mark.parametrize("name", STEP_TEMP_RUNS)
+@pytest.mark.parametrize("name", list(RUNS))
 def test_the_optimizer_steps_temporaries_equal_the_plans(runs, name):
     """The optimizer step's own rise (peak_memory.PeakMeter: its allocations less an operator's internal workspace)
     on the busiest rank equals the plan's step temporaries (core/optimizers.py) of that rank's stage, byte for byte:
