@@ -294,6 +294,27 @@ def test_muon_step_temporaries_are_the_whole_largest_matrix_gathered_when_sharde
     assert row_wise_gather > newton_schulz > dim0_gather
 
 
+def test_muon_under_fsdp_and_tp_gathers_tp_first_and_holds_fsdps_chunk_not_a_whole_copy():
+    """fsdp + tp (dp_shard=2, tp=2): DTensor.full_tensor gathers the tp mesh dim first, so beside the whole update it
+    holds FSDP2's chunk of it ([rows / 2, cols]: a row-wise shard's copy into its layout, or a col-wise shard's tp
+    gather, strided within FSDP2's chunk), not a whole copy as tp alone makes. With a wide row-wise matrix (w2: 64 x
+    512, more than 4 m^2 elements) a whole copy would have outgrown Newton-Schulz's 8n + 4m^2; FSDP2's chunk cannot
+    (n/4 + n + n/2 < 8n): the step's temporaries are Newton-Schulz's, where tp alone keeps the gather's."""
+    model_cfg = dataclasses.replace(SMALL, ffn_dim=512)
+    n, m = 64 * 512, 64
+    newton_schulz = 4 * n + 2 * (2 * n + 2 * m * m)
+    fsdp_tp = ShardingConfig(strategy="fsdp", dp_shard=2, tp=2)
+    tp_only = ShardingConfig(strategy="none", tp=2)
+    got = {}
+    for sharding, dims in [(fsdp_tp, ParallelDims(dp_shard=2, tp=2)), (tp_only, ParallelDims(tp=2))]:
+        (stage,) = rank_stages(model_cfg, sharding, 1)
+        got[sharding.strategy] = memory.estimate(model_cfg, PrecisionConfig(), sharding, TrainConfig(), dims, stage,
+                                                 "cuda", OptimConfig(name="muon")).step_temp
+    gathered_with_chunk, gathered_with_copy = 4 * (n // 4 + n + n // 2), 4 * (n // 4 + n + n)
+    assert got["fsdp"] == newton_schulz > gathered_with_chunk and gathered_with_copy > newton_schulz
+    assert got["none"] == 4 * (n // 2 + n + n) > newton_schulz  # tp alone: the shard, the gather, the copy
+
+
 def test_foreach_adamw_temporaries_are_its_largest_param_groups():
     """torch's foreach AdamW steps one param group at a time, each allocating one fp32 denominator per element: the
     decayed matrices' group or the rest (embedding, norms), the larger; fused AdamW (CUDA) allocates none."""

@@ -50,9 +50,9 @@ class OptimizerSpec:
     zero1: bool = True  # whether ZeroRedundancyOptimizer can hold its state (sharding=zero1)
     why_not: str = ""  # why it refuses the layouts it cannot run on (the one-line refusal says it)
     # temporaries computed on each whole matrix (Muon's Newton-Schulz, gathered when sharded), given the unsharded
-    # tensors and this rank's shards of them; the step's temporaries are the larger of the two (the parts step one
-    # after the other)
-    whole_temp_bytes: Callable[[Sequence[Tensor], Sequence[Tensor]], int] | None = None
+    # tensors, this rank's shards of them and FSDP2's shard count; the step's temporaries are the larger of the two
+    # (the parts step one after the other)
+    whole_temp_bytes: Callable[[Sequence[Tensor], Sequence[Tensor], int], int] | None = None
 
 
 def _adamw_state(t: Tensor, optim: Any = None) -> int:
@@ -202,27 +202,38 @@ def _muon_temp(tensors: Sequence[Tensor], fused: bool) -> int:
     return _adamw_temp([t for t in tensors if not muon_steps(t)], fused)
 
 
-def _newton_schulz_temp(whole: Sequence[Tensor], local: Sequence[Tensor]) -> int:
+def _newton_schulz_temp(whole: Sequence[Tensor], local: Sequence[Tensor], shards: int = 1) -> int:
     """Muon's step on one whole matrix at a time (train/muon.GatheredMuon; the largest counts) of those this rank
     steps (`local`, by name), n elements, m its smaller side. Each term is a tensor the step holds at its peak:
     - the nesterov update, fp32 (4n): Newton-Schulz's input, alive until it returns;
     - in bf16 (torch.optim._muon._zeropower_via_newtonschulz): the iterate X (2n), its Gram matrix X X^T and the
       polynomial of it (2m^2 each), and the next iterate (2n) while X is still referenced: 8n + 4m^2 in all.
-    A sharded matrix's update is first gathered: the shard's update (4 x its elements) and the all-gather's output
-    (4n) at once; gathering along a dim other than 0 (tp's row-wise shards) adds DTensor's copy into the whole
-    layout (4n). The shard's update is freed before Newton-Schulz starts (the code's `del`), so the two phases do
-    not add up. Not counted: a communication backend frees a collective's input and output when its work ends
-    (gloo's worker thread, NCCL's watchdog), which can be after the next matrix's step began, so a sharded matrix's
-    buffers may outlive the code's `del` (measured on CPU with gloo: 0 to 2 matrices' worth at once, by timing).
-    Nor the bf16 matmuls' own workspace (oneDNN's packing buffers on CPU): the kernel library's."""
+    A sharded matrix's update is first gathered (DTensor.full_tensor): the shard's update (4 x its elements) and the
+    whole (4n) at once, and, `_tp_gather_extra`, what a tp shard's gather leaves beside it. The shard's update is
+    freed before Newton-Schulz starts (the code's `del`), so the two phases do not add up. Not counted: a
+    communication backend frees a collective's input and output when its work ends (gloo's worker thread, NCCL's
+    watchdog), which can be after the next matrix's step began, so a sharded matrix's buffers may outlive the code's
+    `del` (measured on CPU with gloo: 0 to 2 matrices' worth at once, by timing). Nor the bf16 matmuls' own
+    workspace (oneDNN's packing buffers on CPU): the kernel library's. `shards`: FSDP2's ranks over dim 0."""
     def one(t: Tensor, mine: Tensor) -> int:
         ns = FP32 * t.numel + BF16 * (2 * t.numel + 2 * min(t.rows, t.cols) ** 2)
         if mine.numel == t.numel:
             return ns
-        copy = FP32 * t.numel if mine.cols != t.cols else 0
-        return max(ns, FP32 * (mine.numel + t.numel) + copy)
+        return max(ns, FP32 * (mine.numel + t.numel + _tp_gather_extra(t, mine, shards)))
     mine = {t.name: t for t in local}
     return max([one(t, mine[t.name]) for t in whole if t.name in mine and muon_steps(t)] or [0])
+
+
+def _tp_gather_extra(t: Tensor, mine: Tensor, shards: int) -> int:
+    """Elements DTensor's full_tensor holds beside the whole matrix, gathering the tp mesh dim first: a row-wise
+    (dim 1) tp shard is all-gathered along dim 0 and copied into its layout (each [rows / shards, cols]); under
+    FSDP2 as well (dim 0 over `shards`, a col-wise tp shard strided within it), the tp gather's result, FSDP2's
+    chunk of the whole ([rows / shards, cols], rank 0's the full one), stays until the dim-0 gather made the whole.
+    Nothing for a tp-only col-wise shard (one gather along dim 0) nor an FSDP2-only one."""
+    chunk = -(-t.rows // shards) * t.cols
+    if mine.cols != t.cols:  # row-wise tp: the copy into the layout (the whole's chunk; the whole without FSDP2)
+        return chunk
+    return chunk if shards > 1 and mine.rows < -(-t.rows // shards) else 0  # col-wise tp within FSDP2's chunk
 
 
 _ADAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -279,11 +290,14 @@ def state_bytes(optim: Any, tensors: Sequence[Tensor]) -> int:
     return sum(per_tensor(t, optim) for t in tensors)
 
 
-def step_temp_bytes(optim: Any, stepped: Sequence[Tensor], whole: Sequence[Tensor], fused: bool) -> int:
+def step_temp_bytes(optim: Any, stepped: Sequence[Tensor], whole: Sequence[Tensor], fused: bool,
+                    shards: int = 1) -> int:
     """The optimizer step's temporaries: on the tensors this rank steps (`stepped`, local) and, for an optimizer
-    that works on whole matrices, on the unsharded `whole` ones (Muon gathers a sharded matrix for Newton-Schulz)."""
+    that works on whole matrices, on the unsharded `whole` ones (Muon gathers a sharded matrix for Newton-Schulz;
+    `shards`: FSDP2's ranks over dim 0, 1 without it)."""
     s = spec(optim)
-    return max(s.step_temp_bytes(stepped, fused), s.whole_temp_bytes(whole, stepped) if s.whole_temp_bytes else 0)
+    return max(s.step_temp_bytes(stepped, fused),
+               s.whole_temp_bytes(whole, stepped, shards) if s.whole_temp_bytes else 0)
 
 
 def unsupported(name: str, wrap: Wrapping, tp: int) -> list[str]:

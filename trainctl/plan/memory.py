@@ -58,7 +58,7 @@ from trainctl.core.float8 import converts
 from trainctl.core.lora import quantized_base
 from trainctl.core.loss_head import chunked_loss, planned_chunk_tokens
 from trainctl.core.tensors import Tensor
-from trainctl.core.wrapping import Wrapping, wrapping
+from trainctl.core.wrapping import Wrapping, fsdp_shards, wrapping
 from trainctl.plan import activations as act
 from trainctl.plan.experts import exchange_bytes_per_token
 from trainctl.plan.rank_states import (
@@ -171,7 +171,8 @@ def step_temp_bytes(optim, learn: list[Tensor], stepped: list[Tensor], whole: li
     """The optimizer step's temporaries on the busiest rank: under zero1 the largest of any data-parallel rank's
     share (its partition, largest first), which need not be the rank with the most state bytes."""
     shares = [stepped_tensors(learn, wrap, dims, r) for r in range(dims.dp_replicate)] if wrap.zero1 else [stepped]
-    return max(optimizers.step_temp_bytes(optim, mine, whole, fused) for mine in shares)
+    shards = fsdp_shards(wrap, dims) if wrap.fsdp else 1
+    return max(optimizers.step_temp_bytes(optim, mine, whole, fused, shards) for mine in shares)
 
 
 def estimate(m: ModelConfig, precision: PrecisionConfig, sharding: ShardingConfig, train: TrainConfig,
