@@ -93,6 +93,9 @@ RUNS = {
                    {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95, nesterov=True)}),
 }
 
+# Muon under FSDP2 and tp together (the hsdp run's launch): each matrix's update gathered tp dim first, then FSDP2's.
+RUNS["muon_fsdp_tp"] = (4, ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), PrecisionConfig(),
+                        {"micro_batch": 4, "grad_accum": 1, "optim": OptimConfig(name="muon", momentum=0.95)})
 # Expert parallelism: each rank's E/ep experts FSDP2-sharded over efsdp, and the token exchange's buffers.
 MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64)
 RUNS["ep_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2), PrecisionConfig(),
