@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_close_fp, forward_terms
+from tests.helpers import assert_close_fp, forward_terms, rounding_rel
 from trainctl.config.compose import compose
 from trainctl.config.errors import ConfigError
 from trainctl.config.schema import LoRAConfig, ModelConfig, MoEConfig, PrecisionConfig, ShardingConfig, TrainConfig
@@ -263,3 +263,35 @@ def test_peft_loads_the_expert_adapters_with_the_adapted_models_logits(family, t
         want = model(tokens)
     assert (got - base_logits).abs().max() > 1e-2  # the adapters were applied: a lost or zero B would show
     assert_close_fp(got, want, torch.float32, adapted_terms(model.cfg, 16), what="peft against trainctl")
+
+
+@pytest.mark.parity
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_exporter_writes_both_from_a_checkpoint(tmp_path):
+    """`trainctl export --merged` and `--adapter` (the exporter's entry) on a committed DCP checkpoint of a run with
+    expert adapters: transformers on the merged folder, and peft on the base with the adapter folder, give the
+    checkpointed model's logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tests.unit.export_checkpoints import main, make_run
+
+    cfg = with_lora(MIXTRAL, ["v", *EXPERTS])
+    tensors = make_run(tmp_path / "run", cfg)[5]  # one AdamW step: every B moved off zero
+    model = build_model(cfg, "cpu").eval()
+    model.load_state_dict(tensors)
+    assert main([str(tmp_path / "run"), "--merged", "--out", str(tmp_path / "merged")]) == 0
+    assert main([str(tmp_path / "run"), "--adapter", "--out", str(tmp_path / "adapter")]) == 0
+    (tmp_path / "base").mkdir()
+    hf_folder(model, tmp_path / "base")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(tokens)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+        base_logits = base(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        for got, what in ((merged(tokens).logits, "merged"), (adapted(tokens).logits, "peft")):
+            assert_close_fp(got, want, torch.float32, adapted_terms(cfg, 16), what=what)
+    # the trained adapters moved the logits by more than rounding could: a dropped adapter would fail the above
+    allowed = rounding_rel(torch.float32, adapted_terms(cfg, 16)) * want.abs().max()
+    assert (want - base_logits).abs().max() > 10 * allowed
