@@ -100,7 +100,8 @@ def width_problems(lora, shapes: dict[str, tuple[int, int]]) -> list[str]:
         return [f"model.lora.targets={list(lora.targets)}: this model has no {', '.join(absent)} (routed experts "
                 f"are a mixture-of-experts family's: qwen3_moe, mixtral); adapt "
                 f"{', '.join(t for t, path in ALL_TARGETS.items() if path in shapes)}"]
-    return nf4.shape_problems(lora, shapes, TARGETS) + rank_problems(lora, shapes)
+    quantized = [] if expert_problems(lora) else nf4.shape_problems(lora, shapes, TARGETS)  # nf4 refused already
+    return quantized + rank_problems(lora, shapes)
 
 
 def shard_problems(lora, shapes: dict[str, tuple[int, int]], sharding) -> list[str]:
