@@ -115,7 +115,7 @@ def rank_problems(lora, shapes: dict[str, tuple[int, int]]) -> list[str]:
     """A rank above a target's min(in, out): B @ A is then no longer low-rank, so the extra rank adds parameters
     (rank x (in + out) each) and memory but nothing a full fine-tune could not do with fewer.
 
-    `shapes`: each matmul's (in, out) by its path in a block (the family spec's linear_shapes)."""
+    `shapes`: each matmul's (in, out) by its path in a block (the family spec's lora_shapes)."""
     narrowest = {t: min(shapes[ALL_TARGETS[t]]) for t in lora.targets}
     too_narrow = sorted(t for t, width in narrowest.items() if lora.rank > width)
     if not too_narrow:
