@@ -1,6 +1,7 @@
 """Mixture-of-experts keys: on a dense family, more experts per token than experts, and the layouts and adapters
 the MoE families do not implement (tp with a capacity or with ep; LoRA on a dense MLP they lack, on experts a dense
-model lacks, or on experts in what peft cannot say): each one line, exit 2, nothing launched. Pipeline stages they run (ep with pp is refused by ep's own check: hostile/experts.py)."""
+model lacks, or on experts in what peft cannot say): each one line, exit 2, nothing launched. Pipeline stages
+they run (ep with pp is refused by ep's own check: hostile/experts.py)."""
 
 from __future__ import annotations
 
