@@ -1,6 +1,7 @@
 """Mixture-of-experts keys: on a dense family, more experts per token than experts, and the layouts and adapters
-the MoE families do not implement (tp with a capacity or with ep, LoRA on the experts): each one line, exit 2,
-nothing launched. Pipeline stages they run (ep with pp is refused by ep's own check: hostile/experts.py)."""
+the MoE families do not implement (tp with a capacity or with ep; LoRA on a dense MLP they lack, on experts a dense
+model lacks, or on experts in what peft cannot say): each one line, exit 2, nothing launched. Pipeline stages
+they run (ep with pp is refused by ep's own check: hostile/experts.py)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,27 @@ def _(p: Probe) -> None:
     refused(p.cli(*MOE, "model.moe.num_experts=0"), "model.moe.num_experts=0", "mixture of experts")
 
 
-@case("moe", "tp with a capacity or with ep and LoRA on the experts of an MoE family; pipeline stages planned")
+@case("moe", "tp with a capacity or with ep and LoRA on a dense MLP of an MoE family; pipeline stages planned")
 def _(p: Probe) -> None:
     refused(p.cli(*MOE, "sharding=none", "sharding.tp=2", "model.moe.capacity_factor=1.5"),
             "model.moe.capacity_factor=1.5", "sharding.tp=2", "capacity_factor=0")
     refused(p.cli(*MOE, "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
                   "sharding.ep=2"), "sharding.ep=2", "sharding.tp=2", "not implemented")
     succeeded(p.cli(*MOE, "sharding=none", "sharding.pp=2"), "pp rank 1")
-    refused(p.cli(*MOE, "model.lora.rank=4", "model.lora.targets=[q,gate]"), "model.lora.targets", "attention")
+    refused(p.cli(*MOE, "model.lora.rank=4", "model.lora.targets=[q,gate]"), "model.lora.targets", "attention",
+            "expert_gate_up")
+
+
+@case("moe", "LoRA on the experts: on a dense model, split gate/up, with dropout or nf4 refused; planned on an MoE")
+def _(p: Probe) -> None:
+    lora = ("model.lora.rank=4", "model.lora.targets=[q,expert_gate_up,expert_down]")
+    refused(p.cli(*TINY, *lora), "model.lora.targets", "no expert_gate_up", "qwen3_moe")
+    refused(p.cli(*MOE, "model.lora.rank=4", "model.lora.targets=[expert_gate,expert_up]"), "unknown expert_gate",
+            "expert_gate_up")
+    refused(p.cli(*MOE, *lora, "model.lora.dropout=0.1"), "model.lora.dropout=0.1", "model.lora.dropout=0")
+    refused(p.cli(*MOE, *lora, "model.lora.base_dtype=nf4"), "model.lora.base_dtype=nf4", "fp32")
+    refused(p.cli(*MOE, "model.lora.rank=4", "model.lora.targets=expert_down"), "model.lora.targets")
+    succeeded(p.cli(*MOE, *lora, "cluster.procs_per_node=2", "sharding=fsdp", "sharding.ep=2"), "LoRA rank 4")
 
 
 @case("moe", "export of a run that routes through an aux-loss-free bias (no place for it in the HF class)")

@@ -13,7 +13,9 @@ which routes the same tokens per rank. Pipeline stages (pp=2, 1f1b, one layer ea
 accumulate the same micro-batches of 4 sequences: each stage backpropagates its own layer's auxiliary loss
 (train/parallel/stage_aux.py), so the curve, the aux loss and the load are FSDP2's over 2 ranks; mixtral under pp=2
 (without the aux loss) is its one-process curve. Stop and resume under ep=2 is bitwise the straight run, and its checkpoint
-resumes under ep=1 (FSDP2 alone) with the same data order and the same steps to rounding.
+resumes under ep=1 (FSDP2 alone) with the same data order and the same steps to rounding. LoRA on attention and on
+the experts (one adapter per expert, split with its expert) under ep=2 and under FSDP2 over 2 ranks follows its
+one-process curve.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from test_resume import launch, losses, ok, stopped_and_resumed_equals_straight
 from worker_runs import base_config, records, series, train_many, write_run_dir
 
 from tests.helpers import assert_curve_close, curve_rel
-from trainctl.config.schema import CheckpointConfig, ModelConfig, MoEConfig, ShardingConfig
+from trainctl.config.schema import CheckpointConfig, LoRAConfig, ModelConfig, MoEConfig, ShardingConfig
 from trainctl.train.checkpoint.store import list_committed
 
 pytestmark = pytest.mark.dist
@@ -37,6 +39,7 @@ MOE = ModelConfig(name="moe", family="qwen3_moe", dim=64, n_layers=2, n_heads=4,
 AUX = replace(MOE, moe=replace(MOE.moe, aux_loss_coef=0.01))
 MIXTRAL = replace(MOE, family="mixtral", head_dim=0, moe=replace(MOE.moe, router="topk_softmax"))
 EP2 = ShardingConfig(strategy="zero3", dp_shard=2, ep=2)
+LORA = replace(MOE, lora=LoRAConfig(rank=4, targets=["q", "v", "expert_gate_up", "expert_down"]))
 PP2 = ShardingConfig(strategy="none", pp=2, pp_schedule="1f1b")
 
 
@@ -57,11 +60,14 @@ def runs(tmp_path_factory, data_cache):
         "mixtral-ep2": (config(data_cache, EP2, 4, MIXTRAL), 2),
         "aux-pp2": (config(data_cache, PP2, 4, AUX, grad_accum=2), 2),
         "mixtral-pp2": (config(data_cache, PP2, 4, MIXTRAL, grad_accum=2), 2),
+        "lora-single": (config(data_cache, ShardingConfig(), 8, LORA), None),
+        "lora-ep2": (config(data_cache, EP2, 4, LORA), 2),
+        "lora-fsdp2": (config(data_cache, replace(EP2, ep=1), 4, LORA), 2),
     }
     return train_many(tmp_path_factory.mktemp("expert-parallel"), cases)
 
 
-@pytest.mark.slow  # the fixture's 9 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores
+@pytest.mark.slow  # the fixture's 12 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores
 @pytest.mark.parity
 @pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2"])
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
@@ -129,3 +135,13 @@ def test_stop_and_resume_under_ep_is_bitwise_identical_and_resumes_onto_ep1(tmp_
     assert sorted(got) == [4, 5, 6]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=curve_rel(step, model=MOE)), step
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("name", ["lora-ep2", "lora-fsdp2"])
+@pytest.mark.parametrize("key", ["loss", "grad_norm"])
+def test_lora_on_the_experts_matches_one_process(runs, name, key):
+    want = series(runs["lora-single"], key)
+    assert len(set(want)) == STEPS and want != series(runs["single"], key)  # the adapters, not the base, learn
+    assert_curve_close(series(runs[name], key), want, key, model=LORA)

@@ -67,7 +67,8 @@ class LoRAConfig:
     rank: int = 0  # r of every adapter; 0: no LoRA
     alpha: float = 16.0  # the update is scaled by alpha / rank (peft's lora_alpha)
     dropout: float = 0.0  # dropout on the adapter's input (peft's lora_dropout)
-    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])  # any of q, k, v, o, gate, up, down
+    # any of q, k, v, o, gate, up, down; on a mixture of experts expert_gate_up, expert_down (one adapter per expert)
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
     # the adapted projections' frozen weights: fp32 (the master weights), or nf4 (QLoRA: torchao's 4-bit NF4)
     base_dtype: str = choice("fp32", BASE_DTYPES)
 

@@ -54,7 +54,7 @@ def resolve(cfg: schema.RunConfig) -> schema.RunConfig:
     problems += check_names(cfg) + check_offload(cfg.sharding) + check_resume_optimizer(cfg.checkpoint, cfg.optim)
     problems += lora.problems(cfg.model.lora) + check_optim_keys(cfg.optim) + check_optim_model(cfg.optim, cfg.model)
     if not model_problems and not declared_problems(cfg.model, "model"):  # the shapes mean something
-        problems += lora.width_problems(cfg.model.lora, registry.spec(cfg.model.family).linear_shapes(cfg.model))
+        problems += lora.width_problems(cfg.model.lora, registry.spec(cfg.model.family).lora_shapes(cfg.model))
     # Without a positive world size the degrees and the batch math mean nothing (and divide by it).
     dims = None
     if cfg.cluster.nodes >= 1 and cfg.cluster.procs_per_node >= 1:

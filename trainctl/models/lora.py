@@ -4,6 +4,8 @@
 parallelize) and freezes every parameter but the adapters. `LoRALinear` is an nn.Linear: its frozen `weight`
 (and bias) keep their names, so Hugging Face loading, checkpoints and the export see the base model as always,
 and FSDP2 shards the frozen weight and the trainable A and B of a block in one unit.
+The routed experts of a mixture of experts (GroupedExperts) get an ExpertAdapter per targeted stacked weight
+(`experts.gate_up`, `experts.down`), one A and B per expert, beside the frozen w1/w2/w3.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from torch.nn import functional
 
 from trainctl.core import lora as spec
+from trainctl.models.common.experts import ExpertAdapter, GroupedExperts
 from trainctl.models.common.init import fill, rng_for
 
 
@@ -60,6 +63,26 @@ def _swap(parent: nn.Module, attr: str, lora) -> None:
     setattr(parent, attr, new)
 
 
+def _attach_experts(experts: GroupedExperts, lora) -> None:
+    """The experts' adapters (core/lora.py EXPERT_TARGETS): gate_up on w1|w3 (dim -> 2 hidden), down on w2."""
+    e, dim, hidden = experts.w1.shape
+    widths = {"expert_gate_up": (dim, 2 * hidden), "expert_down": (hidden, dim)}
+    for target in spec.expert_targets(lora):
+        adapter = ExpertAdapter(e, *widths[target], lora.rank, lora.alpha, device=experts.w1.device,
+                                dtype=experts.w1.dtype)
+        if experts.w1.device.type != "meta":
+            reset_expert_adapter(adapter)
+        setattr(experts, spec.EXPERT_TARGETS[target].rpartition(".")[2], adapter)
+
+
+@torch.no_grad()
+def reset_expert_adapter(adapter: ExpertAdapter) -> None:
+    """peft's init per expert: A uniform in +-1/sqrt(in) (nn.Linear's default on its [r, in]), B zero."""
+    bound = 1 / math.sqrt(adapter.lora_a.shape[1])
+    fill(adapter.lora_a, partial(nn.init.uniform_, a=-bound, b=bound))
+    fill(adapter.lora_b, nn.init.zeros_)
+
+
 def apply_lora(model: nn.Module, lora) -> nn.Module:
     """Adapters on model.lora.targets of every block, everything else frozen; a no-op with rank 0."""
     if not spec.enabled(lora):
@@ -68,6 +91,8 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
         for path in spec.target_paths(lora):
             parent_path, _, attr = path.rpartition(".")
             _swap(block.get_submodule(parent_path), attr, lora)
+        if spec.expert_targets(lora):
+            _attach_experts(block.get_submodule("feed_forward.experts"), lora)
     for name, param in model.named_parameters():
         param.requires_grad_(spec.is_adapter(name))
     return model
@@ -82,6 +107,9 @@ def init_adapters(model: nn.Module) -> None:
         if isinstance(module, LoRALinear):
             with rng_for(f"lora:{_clean(name)}", seed, module.lora_a.device):
                 module.reset_adapter()
+        elif isinstance(module, ExpertAdapter):
+            with rng_for(f"lora:{_clean(name)}", seed, module.lora_a.device):
+                reset_expert_adapter(module)
 
 
 def _clean(name: str) -> str:

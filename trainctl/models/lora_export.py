@@ -7,6 +7,13 @@ names) and adapter_model.safetensors with peft's keys (`base_model.model.model.l
 .weight`). trainctl's q and k rows are in interleaved rotary order: B (the rows of the update) gets the row
 reordering its base weight gets (models/hf.py); A (the columns) is untouched. `peft.PeftModel.from_pretrained`
 loads it onto the base model with the merged export's logits.
+
+The routed experts' adapters (core/lora.py EXPERT_TARGETS) go to peft's `target_parameters` (its ParamWrapper on
+transformers' fused `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`): per layer and parameter one lora_A
+[E * r, in] (expert e's A in rows e*r..) and one lora_B [out, r * E] (column k*E + e: rank k of expert e), as
+peft reshapes them. peft nests one wrapper per targeted parameter of a module in the module's registration order
+(gate_up_proj, then down_proj), the inner ones under `base_layer.`, so their keys say as much. Merged: w1 and w3
+get the gate's and the up's half of A[e] @ B[e], w2 the down adapter's.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 from trainctl.config.schema import LoRAConfig, ModelConfig
 from trainctl.core import nf4
 from trainctl.core.errors import UserError
-from trainctl.core.lora import HF_TARGETS, is_adapter, peft_name
+from trainctl.core.lora import EXPERT_TARGETS, HF_EXPERT_PARAMETERS, HF_TARGETS, expert_targets, is_adapter, peft_name
 from trainctl.models.hf import to_hf, to_hf_name
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -46,10 +53,31 @@ def base_names(names: list[str]) -> list[str]:
     return [n for n in names if not is_adapter(n)]
 
 
+# our stacked expert weight -> (its adapter's module, which part of B's columns: gate, up or all)
+EXPERT_WEIGHT_ADAPTERS = {"w1": ("gate_up", 0), "w3": ("gate_up", 1), "w2": ("down", None)}
+
+
 def adapters_of(weight: str) -> tuple[str, str]:
-    """`layers.0.attention.wq.weight` -> (its lora_a name, its lora_b name)."""
-    path = weight.removesuffix(".weight")
+    """`layers.0.attention.wq.weight` -> (its lora_a name, its lora_b name); a stacked expert weight
+    `layers.0.feed_forward.experts.w1` -> its experts' adapter's (`...experts.gate_up.lora_a`, ...)."""
+    parent, _, leaf = weight.rpartition(".")
+    if parent.endswith(".experts") and leaf in EXPERT_WEIGHT_ADAPTERS:
+        path = f"{parent}.{EXPERT_WEIGHT_ADAPTERS[leaf][0]}"
+    else:
+        path = weight.removesuffix(".weight")
     return f"{path}.lora_a", f"{path}.lora_b"
+
+
+def update_of(weight: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """B @ A in `weight`'s layout (float64): [out, in] for a projection; for a stacked expert weight ([E, in, out])
+    A[e] @ B[e] per expert, the gate's or the up's half of the fused gate/up adapter for w1 or w3."""
+    a, b = a.double(), b.double()
+    leaf = weight.rpartition(".")[2]
+    if a.dim() == 2:
+        return b @ a
+    update = torch.bmm(a, b)
+    half = EXPERT_WEIGHT_ADAPTERS[leaf][1]
+    return update if half is None else update.chunk(2, dim=-1)[half]
 
 
 def merged_reader(names: list[str], read: Callable[[list[str]], dict[str, torch.Tensor]],
@@ -73,7 +101,7 @@ def merge(tensors: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, torch
             continue
         a_name, b_name = adapters_of(name)
         if a_name in tensors:
-            update = tensors[b_name].double() @ tensors[a_name].double()
+            update = update_of(name, tensors[a_name], tensors[b_name])
             tensor = (tensor.double() + scale * update).to(tensor.dtype)
         out[name] = tensor
     return out
@@ -87,6 +115,9 @@ def write_adapter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: Path,
 
     weights = {}
     for name, tensor in tensors.items():
+        if (expert := expert_peft_item(name, tensor, cfg)) is not None:
+            weights.update([expert])
+            continue
         weight = name.rsplit(".", 1)[0] + ".weight"
         if name.endswith(".lora_b"):
             hf_weight, tensor = to_hf(weight, tensor, cfg)  # the rows of the update follow W's rows
@@ -97,12 +128,33 @@ def write_adapter(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: Path,
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg.lora, base_model, revision), indent=2) + "\n")
 
 
+def expert_peft_item(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor] | None:
+    """An experts' adapter (`layers.N.feed_forward.experts.gate_up.lora_a` [E, in, r]) as peft's key and tensor for
+    its target parameter (module doc); None for any other name."""
+    parts = name.split(".")
+    targets = {path.rpartition(".")[2]: t for t, path in EXPERT_TARGETS.items()}
+    if len(parts) != 6 or parts[2:4] != ["feed_forward", "experts"] or parts[4] not in targets:
+        return None
+    wanted = expert_targets(cfg.lora)
+    # peft wraps the targeted parameters in registration order, each around the last: the first is innermost
+    order = [t for t in ("expert_gate_up", "expert_down") if t in wanted]
+    depth = len(order) - 1 - order.index(targets[parts[4]])
+    module = HF_EXPERT_PARAMETERS[targets[parts[4]]].rpartition(".")[0]
+    prefix = f"base_model.model.model.layers.{parts[1]}.{module}.{'base_layer.' * depth}"
+    if parts[5] == "lora_a":  # [E, in, r] -> [E * r, in]: expert e's A^T in rows e*r..
+        return f"{prefix}lora_A.weight", tensor.transpose(1, 2).reshape(-1, tensor.shape[1]).contiguous()
+    # [E, r, out] -> [out, r * E]: column k*E + e holds rank k of expert e's B^T
+    return f"{prefix}lora_B.weight", tensor.permute(2, 1, 0).reshape(tensor.shape[2], -1).contiguous()
+
+
 def adapter_config(lora: LoRAConfig, base_model: str, revision: str | None = None) -> dict:
     """What peft's LoraConfig reads; everything else at peft's defaults."""
+    parameters = sorted(HF_EXPERT_PARAMETERS[t] for t in lora.targets if t in HF_EXPERT_PARAMETERS)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
             "revision": revision,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-            "target_modules": sorted(HF_TARGETS[t] for t in lora.targets), "bias": "none",
+            "target_modules": sorted(HF_TARGETS[t] for t in lora.targets if t in HF_TARGETS),
+            **({"target_parameters": parameters} if parameters else {}), "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "modules_to_save": None}
 
 

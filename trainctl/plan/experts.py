@@ -12,6 +12,8 @@ of every MoE layer, and FSDP2 shards those over the efsdp ranks. So per rank:
                                                      dispatch and a combine in forward, both again in backward
                                                      (and in the recomputed forward under full checkpointing), of
                                                      dim elements in the compute dtype, per MoE layer
+Under LoRA the experts are frozen: their gradients and optimizer states are those of their adapters (model.lora
+targets expert_gate_up / expert_down: one A and B per expert, core/lora.py; none otherwise), split like the experts.
 Memory: besides the gathered experts, a block's exchange holds the routed rows as they arrive and their regrouped
 copy (exchange_bytes_per_token), counted with the block's backward temporaries.
 The all-to-all is not overlapped with compute (the experts wait for their rows): its time adds to the step, at
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainctl.config.schema import ModelConfig
-from trainctl.core import optimizers
+from trainctl.core import lora, optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.wrapping import Wrapping, fsdp_shards
 from trainctl.models.registry import spec
@@ -68,8 +70,8 @@ class ExpertShare:
     experts_per_rank: int  # experts of each MoE layer this rank computes: E / ep
     stored_params: int  # expert parameter elements it stores (the FSDP2 shard)
     params_bytes: int  # fp32 master weights
-    grads_bytes: int  # fp32 gradients
-    optimizer_bytes: int  # the optimizer's states of the stored elements
+    grads_bytes: int  # fp32 gradients (under LoRA: of the experts' adapters)
+    optimizer_bytes: int  # the optimizer's states of the stored elements (under LoRA: of the adapters)
     gathered_bytes: int  # one MoE layer's experts as FSDP2 gathers them (compute dtype)
     all_to_all_bytes: float  # what this rank sends (and as much it receives), per step
 
@@ -96,13 +98,16 @@ def expert_share(m: ModelConfig, dims: ParallelDims, wrap: Wrapping, layers: int
     per_layer = expert_params_per_layer(m)
     shards = fsdp_shards(wrap, dims) if wrap.fsdp else 1  # ep x efsdp = dp_shard under ep
     stored = n * per_layer // shards
-    rows = stored // (m.dim * m.moe.expert_ffn_dim)
+    learned = [Tensor("experts", stored // (m.dim * m.moe.expert_ffn_dim), m.dim * m.moe.expert_ffn_dim)]
+    if lora.enabled(m.lora):  # the experts frozen: what learns is their adapters (if any), split alike
+        block = spec(m.family).block_tensors(m, 0)
+        learned = [Tensor(t.name, n * t.rows // shards, t.cols) for t in lora.expert_adapter_tensors(block, m.lora)]
     return ExpertShare(
         experts_per_rank=m.moe.num_experts // dims.ep,
         stored_params=stored,
         params_bytes=FP32 * stored,
-        grads_bytes=FP32 * stored,
-        optimizer_bytes=optimizers.state_bytes(optim, [Tensor("experts", rows, m.dim * m.moe.expert_ffn_dim)]),
+        grads_bytes=FP32 * sum(t.numel for t in learned),
+        optimizer_bytes=optimizers.state_bytes(optim, learned),
         gathered_bytes=compute_bytes * per_layer // dims.ep,
         all_to_all_bytes=all_to_all_bytes(m, tokens, dims.ep, n, compute_bytes, micro_batches, recompute),
     )

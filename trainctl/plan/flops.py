@@ -38,7 +38,7 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 def lora_formula_count(m: ModelConfig) -> int:
     """LoRA's trainable parameters (core/lora.py's count, which the worker reports too)."""
-    return adapter_count(m.lora, m.n_layers, linear_shapes(m))
+    return adapter_count(m.lora, m.n_layers, lora_shapes(m), m.moe.num_experts)
 
 
 def trainable_count(m: ModelConfig) -> int:
@@ -51,6 +51,11 @@ def trainable_count(m: ModelConfig) -> int:
 def linear_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every weight matmul's (in, out) by its module name in one block (`attention.wq`, ...) and `output`."""
     return spec(m.family).linear_shapes(m)
+
+
+def lora_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """What model.lora.targets can adapt in one block, (in, out) by path (one routed expert's for the experts)."""
+    return spec(m.family).lora_shapes(m)
 
 
 def fp8_matmul_params(m: ModelConfig, exclude: list[str] | tuple[str, ...], fp8_filter: str = "all",

@@ -22,7 +22,7 @@ from trainctl.core.wrapping import wrapping
 from trainctl.plan import advice, fit, memory
 from trainctl.plan.assess import Assessment, assess
 from trainctl.plan.experts import ExpertShare, expert_share
-from trainctl.plan.flops import flops_per_token, linear_shapes, lora_formula_count, param_count, trainable_count
+from trainctl.plan.flops import flops_per_token, lora_formula_count, lora_shapes, param_count, trainable_count
 from trainctl.plan.stages import rank_stages
 from trainctl.plan.throughput import StepTime, attention_flops_causal, hours
 from trainctl.plan.transients import DTYPE_BYTES
@@ -291,7 +291,7 @@ def lora_warnings(cfg: RunConfig) -> list[str]:
     """Adapters larger than what they adapt, and adapters trained on a frozen base that is random numbers."""
     if not lora.enabled(cfg.model.lora):
         return []
-    found = [lora.oversized(cfg.model.lora, linear_shapes(cfg.model))]
+    found = [lora.oversized(cfg.model.lora, lora_shapes(cfg.model))]
     ck = cfg.checkpoint
     if not (cfg.model.path or ck.init_from or ck.resume not in ("auto", "never")):
         found.append(f"model.lora.rank={cfg.model.lora.rank} on a random base: no checkpoint.init_from (or "

@@ -14,6 +14,10 @@ w1, w3: [E, dim, hidden] (gate and up), w2: [E, hidden, dim] (down).
 
 The grouped matmul (`torch._grouped_mm`, one kernel for all experts) is used where it runs: CUDA with bf16 weights,
 16-byte aligned rows. Elsewhere an exact loop over the experts computes the same products one expert at a time.
+
+LoRA (core/lora.py EXPERT_TARGETS; models/lora.py attaches them): `gate_up` and `down`, when set, are ExpertAdapters
+adding scale * (x @ A[e]) @ B[e] per expert to the fused gate/up product (B's first `hidden` columns the gate's,
+the rest the up's, as transformers' gate_up_proj) and to the down product. Both paths apply them alike.
 """
 
 from __future__ import annotations
@@ -23,6 +27,26 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
+# (A [E, in, r], B [E, r, out], scale) of one expert adapter, local tensors
+Adapter = tuple[torch.Tensor, torch.Tensor, float]
+
+
+class ExpertAdapter(nn.Module):
+    """One LoRA adapter per expert on a stacked weight, input-major as the experts' weights: lora_a [E, in, r],
+    lora_b [E, r, out]; expert e adds scale * (x @ lora_a[e]) @ lora_b[e], scale = alpha / rank."""
+
+    def __init__(self, num_experts: int, n_in: int, n_out: int, rank: int, alpha: float, device=None, dtype=None):
+        super().__init__()
+        self.rank, self.scale = rank, alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(num_experts, n_in, rank, device=device, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.empty(num_experts, rank, n_out, device=device, dtype=dtype))
+
+    def local(self) -> Adapter:
+        return local_weight(self.lora_a), local_weight(self.lora_b), self.scale
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, scale={self.scale:g}"
+
 
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden: int):
@@ -31,32 +55,67 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.gate_up: ExpertAdapter | None = None  # LoRA's, when model.lora targets the experts (models/lora.py)
+        self.down: ExpertAdapter | None = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
-        if grouped_mm_applies(x, w1):
-            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-            return torch._grouped_mm(h, w2, offs=offsets).type_as(x)
-        return expert_loop(x, counts, w1, w2, w3)
+        gate_up, down = (None if a is None else a.local() for a in (self.gate_up, self.down))
+        adapters = [t for a in (gate_up, down) if a is not None for t in a[:2]]
+        if grouped_mm_applies(x, w1, *adapters):
+            return grouped_path(x, counts, w1, w2, w3, gate_up, down).type_as(x)
+        return expert_loop(x, counts, w1, w2, w3, gate_up, down)
 
 
-def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
-    """The reference path: each expert's rows through its own SwiGLU, in order (empty experts cost nothing)."""
+def grouped_path(x, counts, w1, w2, w3, gate_up: Adapter | None, down: Adapter | None) -> torch.Tensor:
+    """The one-kernel path: every expert's rows at once, per matmul (the adapters' two products too)."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+    def mm(rows, w):
+        return torch._grouped_mm(rows, w, offs=offsets)
+
+    gate, up = mm(x, w1), mm(x, w3)
+    if gate_up is not None:
+        a, b, scale = gate_up
+        extra_gate, extra_up = (scale * mm(mm(x, a), b)).chunk(2, dim=-1)
+        gate, up = gate + extra_gate, up + extra_up
+    h = F.silu(gate) * up
+    out = mm(h, w2)
+    if down is not None:
+        a, b, scale = down
+        out = out + scale * mm(mm(h, a), b)
+    return out
+
+
+def expert_loop(x, counts, w1, w2, w3, gate_up: Adapter | None = None, down: Adapter | None = None) -> torch.Tensor:
+    """The reference path: each expert's rows through its own SwiGLU (and adapters), in order (empty experts cost
+    nothing)."""
     outputs = []
     for e, rows in enumerate(torch.split(x, counts.tolist(), dim=0)):
         if rows.shape[0]:
-            outputs.append((F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e])
-    if not outputs:
-        return x.new_zeros(x.shape) + 0 * (w1.sum() + w2.sum() + w3.sum())
+            gate, up = rows @ w1[e], rows @ w3[e]
+            if gate_up is not None:
+                a, b, scale = gate_up
+                extra_gate, extra_up = (scale * ((rows @ a[e]) @ b[e])).chunk(2, dim=-1)
+                gate, up = gate + extra_gate, up + extra_up
+            h = F.silu(gate) * up
+            out = h @ w2[e]
+            if down is not None:
+                a, b, scale = down
+                out = out + scale * ((h @ a[e]) @ b[e])
+            outputs.append(out)
+    if not outputs:  # no rows: every weight still gets its (zero) gradient, as the data-parallel peers' do
+        weights = [w1, w2, w3] + [t for adapter in (gate_up, down) if adapter is not None for t in adapter[:2]]
+        return x.new_zeros(x.shape) + 0 * sum(w.sum() for w in weights)
     return torch.cat(outputs, dim=0)
 
 
-def grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The one-kernel path: CUDA, bf16 operands (the kernel's dtype), rows 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """The one-kernel path: CUDA, bf16 operands (the kernel's dtype), every weight's rows 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
-    return all(d * x.element_size() % 16 == 0 for d in (w.shape[1], w.shape[2]))
+    return all(w.dtype == torch.bfloat16 and all(d * x.element_size() % 16 == 0 for d in (w.shape[1], w.shape[2]))
+               for w in weights)
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:

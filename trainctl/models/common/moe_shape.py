@@ -60,6 +60,13 @@ class MoEShape:
         return {name: shape for name, shape in super().linear_shapes(m).items()
                 if not name.startswith(("feed_forward.experts", "feed_forward.router"))}
 
+    def lora_shapes(self, m) -> dict[str, tuple[int, int]]:
+        """The matmuls plus one routed expert's LoRA targets (core/lora.py EXPERT_TARGETS): the fused gate and up
+        (dim -> 2 hidden, as transformers' gate_up_proj) and down (hidden -> dim)."""
+        h = m.moe.expert_ffn_dim
+        return {**super().lora_shapes(m), "feed_forward.experts.gate_up": (m.dim, 2 * h),
+                "feed_forward.experts.down": (h, m.dim)}
+
     # ---- counts and FLOPs ----
     def expert_params(self, m) -> int:
         """One routed expert's parameters (w1, w2, w3)."""
@@ -112,8 +119,9 @@ class MoEShape:
             problems.append(f"model.moe.router={moe.router!r}: {self.family} routes with {self.router!r}; use it")
         mlp = [t for t in m.lora.targets if t in ("gate", "up", "down")] if m.lora.rank else []
         if mlp:
-            problems.append(f"model.lora.targets={m.lora.targets}: LoRA on the experts ({', '.join(mlp)}) is not "
-                            f"implemented for {self.family}; adapt attention only (q, k, v, o)")
+            problems.append(f"model.lora.targets={m.lora.targets}: {self.family} has no dense MLP ({', '.join(mlp)}); "
+                            "adapt its routed experts with expert_gate_up and expert_down, and attention with q, k, "
+                            "v, o")
         if moe.shared_expert_ffn_dim:
             problems.append(f"model.moe.shared_expert_ffn_dim={moe.shared_expert_ffn_dim}: {self.family} has no "
                             "shared expert (its Hugging Face class has none); use 0")

@@ -107,6 +107,11 @@ class DecoderSpec:
                   for t in self.block_tensors(m, 0) if t.cols > 1}
         return {**shapes, "output": (m.dim, m.vocab_size)}
 
+    def lora_shapes(self, m) -> dict[str, tuple[int, int]]:
+        """What LoRA can adapt in one block, (in, out) by path (core/lora.py): the matmuls (a mixture of experts adds
+        one expert's fused gate/up and down)."""
+        return self.linear_shapes(m)
+
     # ---- counts and FLOPs ----
     def layer_params(self, m) -> int:
         return sum(t.numel for t in self.block_tensors(m, 0))

@@ -101,7 +101,7 @@ def build_parallel_model(cfg: RunConfig, mesh, device: torch.device, scaler) -> 
 
 def trainable_adapters(m) -> int:
     """model.lora's adapter parameters, counted as the plan counts them (core/lora.py, the family's shapes)."""
-    return adapter_count(m.lora, m.n_layers, registry.spec(m.family).linear_shapes(m))
+    return adapter_count(m.lora, m.n_layers, registry.spec(m.family).lora_shapes(m), m.moe.num_experts)
 
 
 def check_lora_supported(cfg: RunConfig) -> None:
