@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -208,3 +209,15 @@ class CheckpointMeta(Stateful):
         self.progress.load_state_dict(state)
         self.scaler.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state["guard"])
+
+
+# torchao's quantized optimizer states (optim=adamw8bit, adamw4bit, adamwfp8): module -> class.
+_QUANTIZED_STATES = {"torchao.optim.subclass_8bit": "OptimState8bit", "torchao.optim.subclass_4bit": "OptimState4bit",
+                     "torchao.optim.subclass_fp8": "OptimStateFp8"}
+
+
+def quantized_state_classes() -> list[type]:
+    """The quantized optimizer state classes already imported (never imported here). DCP reads tensors weights-only;
+    torchao allows its classes when first imported, but a library's load that clears the safe globals (accelerate's)
+    takes them away in a long process, and the resume of a low-bit run would fail."""
+    return [getattr(sys.modules[name], cls) for name, cls in _QUANTIZED_STATES.items() if name in sys.modules]

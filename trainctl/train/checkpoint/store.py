@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +65,7 @@ from trainctl.core.checkpoints import (  # noqa: F401  (checkpoint_dir, step_nam
 )
 from trainctl.train.checkpoint.failure import SAVE_ERRORS, Part, describe, human
 from trainctl.train.checkpoint.manifest import fsync_dir, hash_files, write_bytes
+from trainctl.train.checkpoint.state import quantized_state_classes
 from trainctl.train.errors import WorkerError
 
 log = logging.getLogger("trainctl.train")
@@ -383,7 +383,7 @@ class CheckpointManager:
         path = Path(path)
         try:
             meta = json.loads((path / META).read_text())
-            with torch.serialization.safe_globals(_quantized_state_classes()):
+            with torch.serialization.safe_globals(quantized_state_classes()):
                 dcp.load(app_state, checkpoint_id=path, process_group=self._dcp_group)
         except (OSError, ValueError, CheckpointException) as exc:
             raise CheckpointError(f"cannot load checkpoint {path}: {describe(exc)}") from None
@@ -392,16 +392,3 @@ class CheckpointManager:
             return meta, None
         # Not weights_only: RNG states may hold numpy arrays; the file is ours (DCP's .metadata is a pickle too).
         return meta, torch.load(own, weights_only=False)
-
-
-# torchao's quantized optimizer states (optim=adamw8bit, adamw4bit, adamwfp8): module -> class.
-_QUANTIZED_STATES = {"torchao.optim.subclass_8bit": "OptimState8bit", "torchao.optim.subclass_4bit": "OptimState4bit",
-                     "torchao.optim.subclass_fp8": "OptimStateFp8"}
-
-
-def _quantized_state_classes() -> list[type]:
-    """The quantized optimizer state classes already imported (never imported here). DCP reads tensors weights-only;
-    torchao allows its classes when first imported, but a `safe_globals` block that was open then (a library's load)
-    takes them away again when it closes, and the resume of a low-bit run would fail."""
-    return [getattr(sys.modules[name], cls) for name, cls in _QUANTIZED_STATES.items() if name in sys.modules]
-
