@@ -22,6 +22,7 @@ from worker_runs import WORKER_TIMEOUT_S, base_config, records, selected, train_
 from tests.faults.worker_faults import fault_env
 from tests.helpers import curve_rel, torchrun_cmd, worker_env
 from trainctl.config.schema import CheckpointConfig, GuardsConfig, OptimConfig, ShardingConfig
+from trainctl.train.checkpoint.state import quantized_state_classes
 from trainctl.train.checkpoint.store import list_committed, verify
 
 pytestmark = pytest.mark.dist
@@ -59,12 +60,10 @@ def final_weights(run_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
 def _low_bit_states() -> list[type]:
     """torchao's quantized optimizer state classes (optim.name=adamw8bit ...), which weights-only loading refuses."""
     try:
-        from torchao.optim.subclass_4bit import OptimState4bit
-        from torchao.optim.subclass_8bit import OptimState8bit
-        from torchao.optim.subclass_fp8 import OptimStateFp8
+        import torchao.optim  # noqa: F401  (imports the classes the checkpoint's allow-list names)
     except ImportError:
         return []
-    return [OptimState8bit, OptimState4bit, OptimStateFp8]
+    return quantized_state_classes()
 
 
 def config(cache, name: str, sharding: ShardingConfig, micro_batch: int, **ckpt):
