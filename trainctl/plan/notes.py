@@ -10,7 +10,7 @@ from trainctl.config.schema import RunConfig
 from trainctl.core import nf4, optimizers
 from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
-from trainctl.core.lora import target_paths
+from trainctl.core.lora import expert_targets, target_paths
 from trainctl.core.loss_head import chunked_loss
 from trainctl.core.wrapping import shards_parameters, wrapping
 from trainctl.plan import fit as fitting
@@ -202,7 +202,27 @@ def expert_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[st
             "each way, not overlapped (step time's ep_comm_s)"]
 
 
+def expert_kernel_notes(cfg: RunConfig) -> list[str]:
+    """On CUDA, whether the routed experts run as one grouped matmul or as a loop of one matmul per expert
+    (models/common/experts.py): the kernel takes bf16 operands whose rows are 16-byte aligned (widths multiple of 8)."""
+    m = cfg.model
+    if not m.moe.num_experts or cfg.cluster.device != "cuda":
+        return []
+    widths = {"model.dim": m.dim, "model.moe.expert_ffn_dim": m.moe.expert_ffn_dim}
+    if expert_targets(m.lora):
+        widths["model.lora.rank"] = m.lora.rank
+    unaligned = [f"{key}={value}" for key, value in widths.items() if value % 8]
+    if cfg.precision.compute_dtype != "bf16":
+        why = f"precision.compute_dtype={cfg.precision.compute_dtype}: the kernel takes bf16"
+    elif unaligned:
+        why = f"{', '.join(unaligned)}: its widths must be multiples of 8, 16-byte rows in bf16"
+    else:
+        return ["experts: one grouped matmul (torch._grouped_mm) per projection for all of a rank's experts"]
+    return [f"experts: a loop of one matmul per expert, not the grouped kernel ({why}); slower with many experts"]
+
+
 def notes_for(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     """Every note that applies to this config, strategy first."""
     return (strategy_notes(cfg, dims, mem) + optimizer_notes(cfg, mem) + activation_notes(cfg, dims, mem)
-            + expert_notes(cfg, dims, mem) + device_notes(cfg, dims) + lora_notes(cfg) + throughput_notes(cfg))
+            + expert_notes(cfg, dims, mem) + expert_kernel_notes(cfg) + device_notes(cfg, dims) + lora_notes(cfg)
+            + throughput_notes(cfg))

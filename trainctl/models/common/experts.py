@@ -12,8 +12,9 @@ all-to-all around this module's forward):
 Weights are stored input-major ([E, in, out]) so a token block multiplies them directly:
 w1, w3: [E, dim, hidden] (gate and up), w2: [E, hidden, dim] (down).
 
-The grouped matmul (`torch._grouped_mm`, one kernel for all experts) is used where it runs: CUDA with bf16 weights,
-16-byte aligned rows. Elsewhere an exact loop over the experts computes the same products one expert at a time.
+The grouped matmul (`torch._grouped_mm`, one kernel for all experts) is used where it runs: CUDA with bf16 weights
+(FSDP2's compute-dtype copies, or fp32 weights cast to autocast's dtype), 16-byte aligned rows. Elsewhere an exact
+loop over the experts computes the same products one expert at a time.
 
 LoRA (core/lora.py EXPERT_TARGETS; models/lora.py attaches them): `gate_up` and `down`, when set, are ExpertAdapters
 adding scale * (x @ A[e]) @ B[e] per expert to the fused gate/up product (B's first `hidden` columns the gate's,
@@ -61,6 +62,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         gate_up, down = (None if a is None else a.local() for a in (self.gate_up, self.down))
+        if (dtype := autocast_dtype(x)) is not None:
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+            gate_up, down = (None if a is None else (a[0].to(dtype), a[1].to(dtype), a[2]) for a in (gate_up, down))
         adapters = [t for a in (gate_up, down) if a is not None for t in a[:2]]
         if grouped_mm_applies(x, w1, *adapters):
             return grouped_path(x, counts, w1, w2, w3, gate_up, down).type_as(x)
@@ -116,6 +120,15 @@ def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     return all(w.dtype == torch.bfloat16 and all(d * x.element_size() % 16 == 0 for d in (w.shape[1], w.shape[2]))
                for w in weights)
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run this module's matmuls in, None outside autocast. Autocast casts each matmul's
+    operands itself, the loop's as anyone's; the grouped kernel needs them cast beforehand (fp32 master weights under
+    DDP or one process with precision=bf16 would otherwise keep the experts on the loop, the slow path). The cast
+    values are those autocast would compute with, so both paths give what they gave under autocast."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
