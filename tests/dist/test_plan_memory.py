@@ -100,6 +100,9 @@ RUNS["muon_fsdp_tp"] = (4, ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), Pr
 MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=64)
 RUNS["ep_fsdp"] = (2, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2), PrecisionConfig(),
                    {"micro_batch": 4, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
+# Expert parallelism with tp (the hsdp run's launch): E/ep experts a rank, whole over tp (replicated), efsdp=1.
+RUNS["ep_tp"] = (4, ShardingConfig(strategy="fsdp", dp_shard=2, ep=2, tp=2), PrecisionConfig(),
+                 {"micro_batch": 4, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
 # Tensor parallelism on a mixture of experts: attention split, the router and experts whole on each tp rank.
 RUNS["moe_tp"] = (2, ShardingConfig(strategy="zero2", tp=2), PrecisionConfig(),
                   {"micro_batch": 8, "grad_accum": 1, "model": {"family": "qwen3_moe", "head_dim": 16, "moe": MOE}})
