@@ -19,13 +19,15 @@ by ep leaving it, so the tokens' gradients are untouched): the result is the mea
 that every other weight gets. (FSDP2's own divide factor would do it with a PREMUL_SUM reduction, which gloo lacks.)
 
 With tensor parallelism the experts are not split over tp: they stay replicated over tp, as under tp alone
-(models/common/parallel.LocalTokensMoE), and the ep group is the ranks with the same tp coordinate (tp is the
-innermost mesh dim, apart from ep). Each tp rank routes its own sequence shard and exchanges it with its ep peers
-only, so no activation is gathered over tp and the expert GEMMs stay whole (torchtitan's choice for experts
-that are small per rank; splitting them over tp too would add a reduce per expert for little memory). The
-stacked weights are 2-D DTensors [Shard(0), Replicate()] over (ep, tp), which FSDP2 accepts as EP+TP. Their
-gradient sums the tp ranks' tokens (Partial over tp, reduced like the norms') and the ep peers' (the all-to-all's
-backward, divided by ep as above); FSDP2 averages over efsdp: the mean over every data-parallel rank again.
+(models/common/parallel.LocalTokensMoE), and the ep group is the ranks with the same tp coordinate. Each tp rank
+routes its own sequence shard (sequence parallelism already gives it one) and exchanges it with its ep peers only:
+no activation is gathered over tp, the expert GEMMs stay whole, and ep stays carved from dp_shard exactly as
+without tp, so the mesh, the data split and FSDP2's groups are unchanged. (torchtitan's other layout with whole
+experts spans the ep group over tp, holding E/(ep*tp) experts a rank for less memory, but it needs ep carved from
+tp too; splitting each expert over tp would add a reduction per expert layer.) The stacked weights are 2-D
+DTensors [Shard(0), Replicate()] over (ep, tp), which FSDP2 takes as EP+TP. Their gradient sums the tp ranks'
+tokens (Partial over tp, reduced like the norms') and the ep peers' (the all-to-all's backward, divided by ep as
+above); FSDP2 averages over efsdp: the mean over every data-parallel rank again.
 """
 
 from __future__ import annotations
