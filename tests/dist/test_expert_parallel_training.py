@@ -3,7 +3,8 @@
 qwen3_moe (and mixtral under ep=2) with 4 experts, 2 per token (the Qwen3-MoE router), fp32, no auxiliary loss: one process on the global
 batch of 8, and the same batch under ep=2 with full activation checkpointing (FSDP2 over dp_shard=2, each rank
 holding 2 experts; the all-to-alls run again in the recomputed forward), and ep=2 x FSDP2 2 (4 ranks: dp_shard=4
-split into [efsdp=2, ep=2], each expert's weights sharded over 2 ranks). Only the order of the sums differs (the
+split into [efsdp=2, ep=2], each expert's weights sharded over 2 ranks), and ep=2 x TP 2 (4 ranks, the experts
+replicated over tp, each tp rank exchanging its sequence shard with its ep peer; qwen3_moe and mixtral). Only the order of the sums differs (the
 experts' gradients are summed across ranks by the all-to-all's backward and FSDP2's reduce-scatter), so the curves
 agree to fp32 rounding (tests.helpers.curve_rel).
 
@@ -13,7 +14,8 @@ which routes the same tokens per rank. Pipeline stages (pp=2, 1f1b, one layer ea
 accumulate the same micro-batches of 4 sequences: each stage backpropagates its own layer's auxiliary loss
 (train/parallel/stage_aux.py), so the curve, the aux loss and the load are FSDP2's over 2 ranks; mixtral under pp=2
 (without the aux loss) is its one-process curve. Stop and resume under ep=2 is bitwise the straight run, and its checkpoint
-resumes under ep=1 (FSDP2 alone) with the same data order and the same steps to rounding. LoRA on attention and on
+resumes under ep=1 (FSDP2 alone) with the same data order and the same steps to rounding; under ep=2 x tp=2 too
+it is bitwise the straight run. LoRA on attention and on
 the experts (one adapter per expert, split with its expert) under ep=2 and under FSDP2 over 2 ranks follows its
 one-process curve.
 """
@@ -40,6 +42,7 @@ AUX = replace(MOE, moe=replace(MOE.moe, aux_loss_coef=0.01))
 MIXTRAL = replace(MOE, family="mixtral", head_dim=0, moe=replace(MOE.moe, router="topk_softmax"))
 EP2 = ShardingConfig(strategy="zero3", dp_shard=2, ep=2)
 LORA = replace(MOE, lora=LoRAConfig(rank=4, targets=["q", "v", "expert_gate_up", "expert_down"]))
+EP2_TP2 = ShardingConfig(strategy="zero3", dp_shard=2, ep=2, tp=2)
 PP2 = ShardingConfig(strategy="none", pp=2, pp_schedule="1f1b")
 
 
@@ -56,6 +59,8 @@ def runs(tmp_path_factory, data_cache):
         "aux-fsdp2": (config(data_cache, replace(EP2, ep=1), 4, AUX), 2),
         "aux-ep2": (config(data_cache, EP2, 4, AUX), 2),
         "ep2_fsdp2": (config(data_cache, ShardingConfig(strategy="zero3", dp_shard=4, ep=2), 2), 4),
+        "ep2_tp2": (config(data_cache, EP2_TP2, 4), 4),
+        "mixtral-ep2_tp2": (config(data_cache, EP2_TP2, 4, MIXTRAL), 4),
         "mixtral-single": (config(data_cache, ShardingConfig(), 8, MIXTRAL), None),
         "mixtral-ep2": (config(data_cache, EP2, 4, MIXTRAL), 2),
         "aux-pp2": (config(data_cache, PP2, 4, AUX, grad_accum=2), 2),
@@ -67,9 +72,9 @@ def runs(tmp_path_factory, data_cache):
     return train_many(tmp_path_factory.mktemp("expert-parallel"), cases)
 
 
-@pytest.mark.slow  # the fixture's 12 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores
+@pytest.mark.slow  # the fixture's 14 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores
 @pytest.mark.parity
-@pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2"])
+@pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2", "ep2_tp2"])
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_expert_parallel_matches_one_process(runs, name, key):
     want = series(runs["single"], key)
@@ -80,10 +85,11 @@ def test_expert_parallel_matches_one_process(runs, name, key):
 @pytest.mark.slow
 @pytest.mark.parity
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
-def test_mixtral_under_ep_matches_one_process(runs, key):
+@pytest.mark.parametrize("name", ["mixtral-ep2", "mixtral-ep2_tp2"])
+def test_mixtral_under_ep_matches_one_process(runs, name, key):
     want = series(runs["mixtral-single"], key)
     assert len(set(want)) == STEPS and want != series(runs["single"], key)  # another model
-    assert_curve_close(series(runs["mixtral-ep2"], key), want, key, model=MIXTRAL)
+    assert_curve_close(series(runs[name], key), want, key, model=MIXTRAL)
 
 
 @pytest.mark.slow
@@ -135,6 +141,16 @@ def test_stop_and_resume_under_ep_is_bitwise_identical_and_resumes_onto_ep1(tmp_
     assert sorted(got) == [4, 5, 6]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=curve_rel(step, model=MOE)), step
+
+
+@pytest.mark.slow  # its own 3 launches of 4 ranks: 60-90 s on 2 cores
+def test_stop_and_resume_under_ep_and_tp_is_bitwise_identical(tmp_path, data_cache):
+    # The experts as 2-D (ep, tp) DTensors through DCP: saved and loaded onto the same layout, every loss and the
+    # final weights bitwise the straight run's.
+    def run(name: str):
+        return replace(config(data_cache, EP2_TP2, 4, steps=6, eval_every=6), name=name)
+
+    stopped_and_resumed_equals_straight(tmp_path, run, 4, stop_at=3, steps=6)
 
 
 @pytest.mark.slow

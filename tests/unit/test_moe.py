@@ -129,8 +129,6 @@ def test_the_steps_auxiliary_loss_is_the_mean_over_micro_batches():
     (["model=qwen3_moe_tiny", "model.lora.rank=2", "model.lora.targets=[q,down]"], "model.lora.targets="),
     (["model=qwen3_moe_tiny", "cluster.procs_per_node=2", "sharding=none", "sharding.tp=2",
       "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor=1.25: with sharding.tp=2"),
-    (["model=qwen3_moe_tiny", "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
-      "sharding.ep=2"], "sharding.ep=2: expert parallelism with sharding.tp=2"),
     (["model=qwen3_moe_tiny", "train.objective=simpo"], "model.moe: train.objective=simpo does not balance"),
 ])
 def test_what_the_moe_families_do_not_run_is_one_line(overrides, starts):
@@ -139,11 +137,12 @@ def test_what_the_moe_families_do_not_run_is_one_line(overrides, starts):
     assert [p for p in err.value.problems if p.startswith(starts)], err.value.problems
 
 
+@pytest.mark.parametrize("ep", [1, 2])  # ep x tp: the experts replicated over tp (train/parallel/expert.py)
 @pytest.mark.parametrize("model", ["qwen3_moe_tiny", "mixtral_tiny"])
-def test_tensor_parallelism_resolves_for_the_moe_families(model):
+def test_tensor_parallelism_resolves_for_the_moe_families(model, ep):
     cfg = resolve(compose([f"model={model}", "data=synthetic", "train.seq_len=32", "cluster.procs_per_node=4",
-                           "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2"]))
-    assert cfg.sharding.tp == 2 and cfg.model.moe.num_experts > 0
+                           "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2", f"sharding.ep={ep}"]))
+    assert cfg.sharding.tp == 2 and cfg.sharding.ep == ep and cfg.model.moe.num_experts > 0
 
 
 def test_lora_on_attention_and_fsdp_resolve_for_an_moe_family():

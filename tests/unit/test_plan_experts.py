@@ -57,6 +57,8 @@ def test_all_to_all_volume_follows_the_routed_rows_that_leave_the_rank():
     assert share("zero3", ParallelDims(dp_shard=4)).all_to_all_bytes == 0
     # 512 tokens x 2 experts each, half of them to the other ep rank, dim 64 in bf16, 4 exchanges, 4 layers
     assert share("zero3", ParallelDims(dp_shard=4, ep=2)).all_to_all_bytes == 512 * 2 * 0.5 * 64 * 2 * 4 * 4
+    # ep x tp: each tp rank exchanges its own sequence shard, half the micro-batch's tokens
+    assert share("zero3", ParallelDims(dp_shard=2, ep=2, tp=2)).all_to_all_bytes == 256 * 2 * 0.5 * 64 * 2 * 4 * 4
     assert all_to_all_bytes(MOE, 512, 4, 4, 2, 1, False) == 512 * 2 * 0.75 * 64 * 2 * 4 * 4
     assert all_to_all_bytes(MOE, 512, 2, 4, 2, 3, True) == 512 * 2 * 0.5 * 64 * 2 * 6 * 4 * 3  # + recompute
 

@@ -120,9 +120,6 @@ def check_expert_parallel(sh: schema.ShardingConfig, dims: ParallelDims, m: sche
     elif dims.dp_shard % ep:
         problems.append(f"sharding.ep={ep}: the ep ranks are carved from sharding.dp_shard={dims.dp_shard} "
                         f"(data-parallel size {dims.dp}); use an ep that divides dp_shard, or raise dp_shard")
-    if dims.tp > 1:
-        problems.append(f"sharding.ep={ep}: expert parallelism with sharding.tp={dims.tp} is not implemented; use "
-                        "tp with sharding.ep=1 (the experts replicated over tp) or ep with sharding.tp=1")
     unsupported = [(dims.cp > 1, f"sharding.cp={dims.cp}"), (dims.pp > 1, f"sharding.pp={dims.pp}"),
                    (sh.cpu_offload, "sharding.cpu_offload=true"), (t.compile, "train.compile=true")]
     problems += [f"sharding.ep={ep}: expert parallelism with {key} is not implemented; use it with data "

@@ -109,5 +109,6 @@ def expert_share(m: ModelConfig, dims: ParallelDims, wrap: Wrapping, layers: int
         grads_bytes=FP32 * sum(t.numel for t in learned),
         optimizer_bytes=optimizers.state_bytes(optim, learned),
         gathered_bytes=compute_bytes * per_layer // dims.ep,
-        all_to_all_bytes=all_to_all_bytes(m, tokens, dims.ep, n, compute_bytes, micro_batches, recompute),
+        # under tp each rank routes (and exchanges) only its sequence shard: tokens / tp
+        all_to_all_bytes=all_to_all_bytes(m, tokens // dims.tp, dims.ep, n, compute_bytes, micro_batches, recompute),
     )

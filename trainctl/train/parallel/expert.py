@@ -17,9 +17,22 @@ remaining ranks (efsdp, and dp_replicate under hsdp) averages over its own group
 are divided by ep on the way (`grad_divisor`: the rows' gradient scaled by 1/ep entering the experts' backward and
 by ep leaving it, so the tokens' gradients are untouched): the result is the mean over every data-parallel rank
 that every other weight gets. (FSDP2's own divide factor would do it with a PREMUL_SUM reduction, which gloo lacks.)
+
+With tensor parallelism the experts are not split over tp: they stay replicated over tp, as under tp alone
+(models/common/parallel.LocalTokensMoE), and the ep group is the ranks with the same tp coordinate. Each tp rank
+routes its own sequence shard (sequence parallelism already gives it one) and exchanges it with its ep peers only:
+no activation is gathered over tp, the expert GEMMs stay whole, and ep stays carved from dp_shard exactly as
+without tp, so the mesh, the data split and FSDP2's groups are unchanged. (torchtitan's other layout with whole
+experts spans the ep group over tp, holding E/(ep*tp) experts a rank for less memory, but it needs ep carved from
+tp too; splitting each expert over tp would add a reduction per expert layer.) The stacked weights are 2-D
+DTensors [Shard(0), Replicate()] over (ep, tp), which FSDP2 takes as EP+TP. Their gradient sums the tp ranks'
+tokens (Partial over tp, reduced like the norms') and the ep peers' (the all-to-all's backward, divided by ep as
+above); FSDP2 averages over efsdp: the mean over every data-parallel rank again.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,7 +40,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from trainctl.core.dims import ParallelDims
 from trainctl.models.common.experts import GroupedExperts
@@ -58,11 +71,13 @@ def grouped_experts(model: nn.Module) -> list[GroupedExperts]:
     return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: float = 1.0) -> int:
-    """Split every GroupedExperts' experts over `ep_mesh` (meta device, before FSDP); returns how many modules.
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: float = 1.0,
+                          tp_mesh: DeviceMesh | None = None) -> int:
+    """Split every GroupedExperts' experts over `ep_mesh` (meta device, after TP, before FSDP); returns how many.
 
     grad_divisor: what the experts' weight gradients are divided by (ep under FSDP2: module doc); 1 leaves them
-    the plain sum over the ep peers' tokens.
+    the plain sum over the ep peers' tokens. tp_mesh: the world mesh's ("ep", "tp") under tensor parallelism,
+    where the experts are replicated over tp (module doc).
     """
     modules, ep = grouped_experts(model), ep_mesh.size()
     if not modules:  # validate refuses ep on a dense config; a model built otherwise is caught here
@@ -72,7 +87,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: f
             raise WorkerConfigError(f"sharding.ep={ep}: {module.num_experts} experts do not split over {ep} ranks; "
                                     "use an ep that divides model.moe.num_experts")
         module._ep_grad_divisor = float(grad_divisor)
-        distribute_module(module, ep_mesh, _shard_experts, _dispatch, _combine)
+        shard = partial(_shard_experts, weight_mesh=tp_mesh) if tp_mesh is not None else _shard_experts
+        distribute_module(module, ep_mesh, shard, _dispatch, _combine)
     return len(modules)
 
 
@@ -85,11 +101,14 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: boo
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 
 
-def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    """distribute_module's partition: the stacked weights Shard(0) over ep (this rank's experts)."""
+def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh, weight_mesh: DeviceMesh | None = None) -> None:
+    """distribute_module's partition: the stacked weights Shard(0) over ep (this rank's experts); under tp
+    (`weight_mesh` the (ep, tp) mesh) also Replicate over tp, where TP left them replicated."""
+    placements = [Shard(0)] if weight_mesh is None else [Shard(0), Replicate()]
     for key, param in list(module.named_parameters(recurse=False)):
-        module.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
-                                                    requires_grad=param.requires_grad))
+        whole = param.to_local().detach() if isinstance(param, DTensor) else param  # TP left it Replicate
+        sharded = distribute_tensor(whole, weight_mesh or mesh, placements)
+        module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 class _Exchange:

@@ -174,7 +174,9 @@ def parallelize(
         apply_tp(model, mesh["tp"], float8_tensorwise=float8_collectives)
     if sharding.ep > 1:
         # every GroupedExperts: E/ep experts here, all-to-all around them; gradients / ep for FSDP2's mean
-        apply_expert_parallel(model, mesh["ep"], grad_divisor=sharding.ep)
+        # under tp the experts stay replicated over it: 2-D (ep, tp) weights (expert.py's docstring)
+        tp_mesh = mesh["ep", "tp"] if sharding.tp > 1 else None
+        apply_expert_parallel(model, mesh["ep"], grad_divisor=sharding.ep, tp_mesh=tp_mesh)
     if sharding.cp > 1:
         expand_kv_heads_for_cp(model)  # the ring's kernels take equal q and kv head counts
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
