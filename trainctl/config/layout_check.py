@@ -123,7 +123,11 @@ def check_expert_parallel(sh: schema.ShardingConfig, dims: ParallelDims, m: sche
     if dims.tp > 1:
         problems.append(f"sharding.ep={ep}: expert parallelism with sharding.tp={dims.tp} is not implemented; use "
                         "tp with sharding.ep=1 (the experts replicated over tp) or ep with sharding.tp=1")
-    unsupported = [(dims.cp > 1, f"sharding.cp={dims.cp}"), (dims.pp > 1, f"sharding.pp={dims.pp}"),
+    if dims.pp > 1 and sh.pp_schedule == "interleaved_zero_bubble":
+        # its backward split into input and weight parts may run ep peers' all-to-alls in different orders
+        problems.append(f"sharding.ep={ep}: sharding.pp_schedule=interleaved_zero_bubble is not implemented with "
+                        "expert parallelism; use pp_schedule=gpipe, 1f1b or interleaved_1f1b")
+    unsupported = [(dims.cp > 1, f"sharding.cp={dims.cp}"),
                    (sh.cpu_offload, "sharding.cpu_offload=true"), (t.compile, "train.compile=true")]
     problems += [f"sharding.ep={ep}: expert parallelism with {key} is not implemented; use it with data "
                  "parallelism (zero2, zero3, hsdp) and activation checkpointing, or sharding.ep=1"
