@@ -13,7 +13,8 @@ micro-batch, not over the global batch: with it on, ep=2 is compared with FSDP2 
 which routes the same tokens per rank. Pipeline stages (pp=2, 1f1b, one layer each) on one data-parallel rank
 accumulate the same micro-batches of 4 sequences: each stage backpropagates its own layer's auxiliary loss
 (train/parallel/stage_aux.py), so the curve, the aux loss and the load are FSDP2's over 2 ranks; mixtral under pp=2
-(without the aux loss) is its one-process curve. Stop and resume under ep=2 is bitwise the straight run, and its checkpoint
+(without the aux loss) is its one-process curve; so is ep=2 x pp=2 (1f1b, 4 ranks: each stage's ep group
+inside it). Stop and resume under ep=2 is bitwise the straight run, and its checkpoint
 resumes under ep=1 (FSDP2 alone) with the same data order and the same steps to rounding; under ep=2 x tp=2 too
 it is bitwise the straight run. LoRA on attention and on
 the experts (one adapter per expert, split with its expert) under ep=2 and under FSDP2 over 2 ranks follows its
@@ -64,6 +65,7 @@ def runs(tmp_path_factory, data_cache):
         "mixtral-single": (config(data_cache, ShardingConfig(), 8, MIXTRAL), None),
         "mixtral-ep2": (config(data_cache, EP2, 4, MIXTRAL), 2),
         "aux-pp2": (config(data_cache, PP2, 4, AUX, grad_accum=2), 2),
+        "ep2_pp2": (config(data_cache, replace(EP2, pp=2, pp_schedule="1f1b"), 2, grad_accum=2), 4),
         "mixtral-pp2": (config(data_cache, PP2, 4, MIXTRAL, grad_accum=2), 2),
         "lora-single": (config(data_cache, ShardingConfig(), 8, LORA), None),
         "lora-ep2": (config(data_cache, EP2, 4, LORA), 2),
@@ -72,9 +74,9 @@ def runs(tmp_path_factory, data_cache):
     return train_many(tmp_path_factory.mktemp("expert-parallel"), cases)
 
 
-@pytest.mark.slow  # the fixture's 14 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores
+@pytest.mark.slow  # the fixture's 15 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores
 @pytest.mark.parity
-@pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2", "ep2_tp2"])
+@pytest.mark.parametrize("name", ["ep2_ac", "ep2_fsdp2", "ep2_tp2", "ep2_pp2"])
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 def test_expert_parallel_matches_one_process(runs, name, key):
     want = series(runs["single"], key)

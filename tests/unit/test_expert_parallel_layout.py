@@ -26,7 +26,10 @@ def _problems(overrides):
      "carved from sharding.dp_shard=2 (data-parallel size 4)"),
     (["sharding=ddp", "sharding.ep=2", *MOE], "runs under sharding=zero2, zero3 (fsdp) or hsdp, not strategy ddp"),
     (["sharding=zero1", "sharding.ep=2", *MOE], "not strategy zero1"),
-    (["sharding=fsdp", "sharding.ep=2", "sharding.dp_shard=2", "sharding.pp=2", *MOE], "with sharding.pp=2"),
+    (["sharding=fsdp", "sharding.ep=2", "sharding.dp_shard=2", "sharding.pp=2", "sharding.pp_stages_per_rank=2",
+      "sharding.pp_schedule=interleaved_zero_bubble", *MOE], "use pp_schedule=gpipe, 1f1b or interleaved_1f1b"),
+    ([*EXPERTS, "cluster.procs_per_node=8", "sharding=fsdp", "sharding.ep=2", "sharding.dp_shard=2", "sharding.tp=2",
+      "sharding.pp=2"], "with both sharding.tp=2 and sharding.pp=2 is not implemented; use ep with tp or ep with pp"),
     (["sharding=fsdp", "sharding.ep=2", "sharding.cpu_offload=true", *MOE], "with sharding.cpu_offload=true"),
     (["sharding=fsdp", "sharding.ep=2", "train.compile=true", *MOE], "with train.compile=true"),
     (["sharding=fsdp", "sharding.ep=0", *MOE], "sharding.ep=0: must be a positive integer"),
@@ -44,6 +47,9 @@ def test_expert_parallel_refusals(overrides, fragment):
     ["sharding=zero2", "sharding.ep=2", *MOE],
     ["sharding=hsdp", "sharding.ep=2", "sharding.dp_replicate=2", "sharding.dp_shard=2", *MOE],
     ["sharding=ddp", "sharding.ep=1", *MOE],
+    ["sharding=fsdp", "sharding.ep=2", "sharding.dp_shard=2", "sharding.tp=2", *MOE],
+    ["sharding=fsdp", "sharding.ep=2", "sharding.dp_shard=2", "sharding.pp=2", "sharding.pp_schedule=1f1b",
+     "train.grad_accum=2", *MOE],
 ])
 def test_expert_parallel_layouts_that_run(overrides):
     ep = int(overrides[1].removeprefix("sharding.ep="))

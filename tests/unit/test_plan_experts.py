@@ -139,10 +139,20 @@ def test_the_plan_notes_that_tp_leaves_the_experts_whole():
     assert not [n for n in dense if n.startswith("experts")]
 
 
-def test_tune_tries_pipeline_stages_for_a_mixture_of_experts_model_without_ep():
-    """MoE pipeline stages run (train/parallel/stage_aux.py), so tune offers them; never beside ep (refused)."""
+def test_tune_tries_pipeline_stages_for_a_mixture_of_experts_model_with_and_without_ep():
+    """MoE pipeline stages run (train/parallel/stage_aux.py), with ep too, so tune offers both."""
     from trainctl.plan.tune import layouts
 
     candidates = layouts(resolve(compose(["sharding=fsdp", *EXPERTS, *GPU])))
     found = {(v.cfg.sharding.pp, v.cfg.sharding.ep) for v in candidates}
-    assert (2, 1) in found and not any(pp > 1 and ep > 1 for pp, ep in found)
+    assert (2, 1) in found and (2, 2) in found
+
+
+def test_ep_with_pipeline_stages_stores_the_stage_layers_experts_over_dp_shard():
+    # ep 2 x pp 2 on 4 ranks: dp_shard=2 = ep, each stage 2 of the 4 layers; a rank stores E/ep experts of its layers
+    dims = ParallelDims(dp_shard=2, ep=2, pp=2)
+    staged = expert_share(MOE, dims, wrapping("zero3", dims), 2, tokens=512, compute_bytes=2, micro_batches=1,
+                          recompute=False)
+    assert staged.experts_per_rank == 4
+    assert staged.stored_params == 2 * expert_params_per_layer(MOE) // 2
+    assert staged.all_to_all_bytes == 512 * 2 * 0.5 * 64 * 2 * 4 * 2

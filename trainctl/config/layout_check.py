@@ -120,7 +120,14 @@ def check_expert_parallel(sh: schema.ShardingConfig, dims: ParallelDims, m: sche
     elif dims.dp_shard % ep:
         problems.append(f"sharding.ep={ep}: the ep ranks are carved from sharding.dp_shard={dims.dp_shard} "
                         f"(data-parallel size {dims.dp}); use an ep that divides dp_shard, or raise dp_shard")
-    unsupported = [(dims.cp > 1, f"sharding.cp={dims.cp}"), (dims.pp > 1, f"sharding.pp={dims.pp}"),
+    if dims.pp > 1 and sh.pp_schedule == "interleaved_zero_bubble":
+        # its backward split into input and weight parts may run ep peers' all-to-alls in different orders
+        problems.append(f"sharding.ep={ep}: sharding.pp_schedule=interleaved_zero_bubble is not implemented with "
+                        "expert parallelism; use pp_schedule=gpipe, 1f1b or interleaved_1f1b")
+    if dims.pp > 1 and dims.tp > 1:
+        problems.append(f"sharding.ep={ep}: expert parallelism with both sharding.tp={dims.tp} and "
+                        f"sharding.pp={dims.pp} is not implemented; use ep with tp or ep with pp")
+    unsupported = [(dims.cp > 1, f"sharding.cp={dims.cp}"),
                    (sh.cpu_offload, "sharding.cpu_offload=true"), (t.compile, "train.compile=true")]
     problems += [f"sharding.ep={ep}: expert parallelism with {key} is not implemented; use it with data "
                  "parallelism (zero2, zero3, hsdp) and activation checkpointing, or sharding.ep=1"
