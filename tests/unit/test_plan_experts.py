@@ -139,6 +139,14 @@ def test_the_plan_notes_that_tp_leaves_the_experts_whole():
     assert not [n for n in dense if n.startswith("experts")]
 
 
+def test_under_ep_and_tp_the_plan_notes_the_ep_split_and_the_tp_replication():
+    cfg = resolve(compose([*EXPERTS, "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2",
+                           "sharding.ep=2", "sharding.tp=2"]))
+    notes = [n for n in runplan.build(cfg).notes if n.startswith("experts (")]
+    assert len(notes) == 1 and notes[0].startswith("experts (ep=2): each rank computes 4 of 8 experts"), notes
+    assert "replicated over tp=2" in notes[0]
+
+
 def test_tune_tries_pipeline_stages_for_a_mixture_of_experts_model_with_and_without_ep():
     """MoE pipeline stages run (train/parallel/stage_aux.py), with ep too, so tune offers both."""
     from trainctl.plan.tune import layouts

@@ -186,7 +186,7 @@ def optimizer_notes(cfg: RunConfig, mem: RankMemory) -> list[str]:
 def expert_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[str]:
     """Under expert parallelism: the experts each rank holds and gathers, and the all-to-all (plan/experts.py);
     under tensor parallelism: that the experts are not split by it."""
-    if cfg.model.moe.num_experts and dims.tp > 1:
+    if cfg.model.moe.num_experts and dims.tp > 1 and dims.ep == 1:
         return [f"experts (tp={dims.tp}): the router and every expert are whole on each tp rank (only attention, "
                 "the embedding and the output are split); each rank routes its own seq/tp tokens, so no "
                 "activation is gathered for the MoE MLP"]
@@ -199,7 +199,9 @@ def expert_notes(cfg: RunConfig, dims: ParallelDims, mem: RankMemory) -> list[st
     return [f"experts (ep={dims.ep}): each rank computes {share.experts_per_rank} of {cfg.model.moe.num_experts} "
             f"experts per layer and gathers {_gib(share.gathered_bytes)} of them per layer (FSDP2 over "
             f"dp_shard/ep={dims.efsdp}); the token all-to-alls move {_gib(int(share.all_to_all_bytes))} per step "
-            "each way, not overlapped (step time's ep_comm_s)"]
+            "each way, not overlapped (step time's ep_comm_s)"
+            + (f"; they are whole and replicated over tp={dims.tp}, each tp rank exchanging its own seq/tp tokens "
+               "with the ep peers of its tp coordinate" if dims.tp > 1 else "")]
 
 
 def expert_kernel_notes(cfg: RunConfig) -> list[str]:
