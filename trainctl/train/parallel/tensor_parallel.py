@@ -48,7 +48,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tensorwise: bool = Fa
         model.output.weight = model.tok_embeddings.weight
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
-    log.info("tensor parallel x%d: this rank holds %d of %d parameter elements", tp_mesh.size(), local, total)
+    log.info("tensor parallel x%d: this rank holds %d of %d parameter elements (before expert parallelism and "
+             "FSDP2 split them further)", tp_mesh.size(), local, total)
 
 
 def apply_replicate_over_tp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
