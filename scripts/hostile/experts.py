@@ -18,7 +18,11 @@ for _name, _extra, _words in [
      ["sharding=hsdp", "sharding.dp_replicate=2", "sharding.dp_shard=2", "sharding.ep=4", *MOE],
      ("sharding.ep=4", "dp_shard=2", "divides dp_shard")),
     ("ep under ddp", ["sharding=ddp", "sharding.ep=2", *MOE], ("sharding.ep=2", "zero2", "hsdp", "ddp")),
-    ("ep with a pipeline", ["sharding=fsdp", "sharding.pp=2", "sharding.ep=2", *MOE], ("sharding.ep=2", "pp=2")),
+    ("ep with the zero-bubble pipeline schedule",
+     ["sharding=fsdp", "sharding.pp=2", "sharding.pp_schedule=interleaved_zero_bubble", "sharding.ep=2", *MOE],
+     ("sharding.ep=2", "interleaved_zero_bubble", "1f1b")),
+    ("ep with both tp and pp", ["sharding=fsdp", "cluster.procs_per_node=8", "sharding.tp=2", "sharding.pp=2",
+                                "sharding.ep=2", *MOE], ("sharding.ep=2", "tp=2", "pp=2", "ep with tp or ep with pp")),
     ("ep=-1 (no inference for ep)", ["sharding=fsdp", "sharding.ep=-1", *MOE], ("sharding.ep=-1", "positive")),
 ]:
     def _check(p: Probe, extra=_extra, words=_words) -> None:

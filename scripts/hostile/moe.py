@@ -1,7 +1,7 @@
 """Mixture-of-experts keys: on a dense family, more experts per token than experts, and the layouts and adapters
-the MoE families do not implement (tp with a capacity or with ep; LoRA on a dense MLP they lack, on experts a dense
-model lacks, or on experts in what peft cannot say): each one line, exit 2, nothing launched. Pipeline stages
-they run (ep with pp is refused by ep's own check: hostile/experts.py)."""
+the MoE families do not implement (tp with a capacity, ep with both tp and pp; LoRA on a dense MLP they lack, on
+experts a dense model lacks, or on experts in what peft cannot say): each one line, exit 2, nothing launched.
+Pipeline stages and ep with tp they run (ep's own refusals: hostile/experts.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,15 @@ def _(p: Probe) -> None:
     refused(p.cli(*MOE, "model.moe.num_experts=0"), "model.moe.num_experts=0", "mixture of experts")
 
 
-@case("moe", "tp with a capacity or with ep and LoRA on a dense MLP of an MoE family; pipeline stages planned")
+@case("moe", "tp with a capacity, ep with tp and pp, LoRA on a dense MLP of an MoE family; pp and ep x tp planned")
 def _(p: Probe) -> None:
     refused(p.cli(*MOE, "sharding=none", "sharding.tp=2", "model.moe.capacity_factor=1.5"),
             "model.moe.capacity_factor=1.5", "sharding.tp=2", "capacity_factor=0")
-    refused(p.cli(*MOE, "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
-                  "sharding.ep=2"), "sharding.ep=2", "sharding.tp=2", "not implemented")
+    refused(p.cli(*MOE, "cluster.procs_per_node=8", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
+                  "sharding.pp=2", "sharding.ep=2", "train.micro_batch=4", "train.grad_accum=2"),
+            "sharding.ep=2", "sharding.tp=2", "sharding.pp=2", "ep with tp or ep with pp")
+    succeeded(p.cli(*MOE, "cluster.procs_per_node=4", "sharding=fsdp", "sharding.dp_shard=2", "sharding.tp=2",
+                    "sharding.ep=2"), "experts (ep=2)")
     succeeded(p.cli(*MOE, "sharding=none", "sharding.pp=2"), "pp rank 1")
     refused(p.cli(*MOE, "model.lora.rank=4", "model.lora.targets=[q,gate]"), "model.lora.targets", "attention",
             "expert_gate_up")
