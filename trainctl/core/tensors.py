@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# torch._grouped_mm (the routed experts' one-kernel path, models/common/experts.py) takes rows of a multiple of 16 bytes
+GROUPED_MM_ROW_BYTES = 16
+
 
 @dataclass(frozen=True)
 class Tensor:

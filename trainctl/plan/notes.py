@@ -12,6 +12,7 @@ from trainctl.core.dims import ParallelDims
 from trainctl.core.gpus import MFU_FORMULA
 from trainctl.core.lora import expert_targets, target_paths
 from trainctl.core.loss_head import chunked_loss
+from trainctl.core.tensors import GROUPED_MM_ROW_BYTES
 from trainctl.core.wrapping import shards_parameters, wrapping
 from trainctl.plan import fit as fitting
 from trainctl.plan import throughput as tp_model
@@ -213,11 +214,13 @@ def expert_kernel_notes(cfg: RunConfig) -> list[str]:
     widths = {"model.dim": m.dim, "model.moe.expert_ffn_dim": m.moe.expert_ffn_dim}
     if expert_targets(m.lora):
         widths["model.lora.rank"] = m.lora.rank
-    unaligned = [f"{key}={value}" for key, value in widths.items() if value % 8]
+    multiple = GROUPED_MM_ROW_BYTES // DTYPE_BYTES["bf16"]
+    unaligned = [f"{key}={value}" for key, value in widths.items() if value % multiple]
     if cfg.precision.compute_dtype != "bf16":
         why = f"precision.compute_dtype={cfg.precision.compute_dtype}: the kernel takes bf16"
     elif unaligned:
-        why = f"{', '.join(unaligned)}: its widths must be multiples of 8, 16-byte rows in bf16"
+        why = (f"{', '.join(unaligned)}: its widths must be multiples of {multiple}, "
+               f"{GROUPED_MM_ROW_BYTES}-byte rows in bf16")
     else:
         return ["experts: one grouped matmul (torch._grouped_mm) per projection for all of a rank's experts"]
     return [f"experts: a loop of one matmul per expert, not the grouped kernel ({why}); slower with many experts"]

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
+from trainctl.core.tensors import GROUPED_MM_ROW_BYTES
+
 # (A [E, in, r], B [E, r, out], scale) of one expert adapter, local tensors
 Adapter = tuple[torch.Tensor, torch.Tensor, float]
 
@@ -118,8 +120,8 @@ def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """The one-kernel path: CUDA, bf16 operands (the kernel's dtype), every weight's rows 16-byte aligned."""
     if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
-    return all(w.dtype == torch.bfloat16 and all(d * x.element_size() % 16 == 0 for d in (w.shape[1], w.shape[2]))
-               for w in weights)
+    aligned = [d * x.element_size() % GROUPED_MM_ROW_BYTES == 0 for w in weights for d in (w.shape[1], w.shape[2])]
+    return all(w.dtype == torch.bfloat16 for w in weights) and all(aligned)
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
