@@ -43,7 +43,11 @@ fi
 if ! "$PY" -c "import trainctl, hydra, pytest, torchao, transformers, tokenizers, peft" >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$VENV/.trainctl-installed" ]; then
   echo "[torch $VERSION] installing trainctl (editable) with dev and fp8 extras"
-  "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev,fp8]"
+  # Its output (a pip configuration's missing find-links folders warn once per package) goes to a log, shown on failure.
+  if ! "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev,fp8]" > "$VENV/install.log" 2>&1; then
+    cat "$VENV/install.log"
+    exit 1
+  fi
   touch "$VENV/.trainctl-installed"
 fi
 # The tests start torchrun and `python -m trainctl...` from PATH: they must be this venv's.

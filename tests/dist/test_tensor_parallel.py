@@ -18,7 +18,7 @@ import re
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, train_many
+from worker_runs import TINY, base_config, records, series, selected_functions, train_many
 
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import ModelConfig, MoEConfig, OptimConfig, ShardingConfig
@@ -43,11 +43,25 @@ MOE = ModelConfig(name="moe", family="qwen3_moe", dim=64, n_layers=2, n_heads=4,
                                 bias_update_rate=0.01))
 
 
+# The run groups each test reads (the "layouts" group: single, tp2, fsdp2_tp2, ddp2_tp2): the module trains only
+# the groups its selected tests need (the torch 2.11 tier selects a few).
+GROUPS_READ = {
+    "test_tensor_parallel_matches_one_process": "layouts", "test_eval_loss_matches": "layouts",
+    "test_weights_are_really_split": "layouts", "test_each_familys_tensor_parallel_plan_matches_one_process": "families",
+    "test_sgd_momentum_under_tensor_parallel_matches_one_process": "sgd",
+    "test_a_mixture_of_experts_under_tensor_parallel_matches_one_process": "moe",
+    "test_a_mixture_of_experts_under_tensor_parallel_routes_every_token_once_as_one_process": "moe",
+    "test_the_plan_counts_the_experts_replicated_over_tp": "moe",
+}
+
+
 @pytest.fixture(scope="module")
-def all_runs(tmp_path_factory, data_cache):
+def all_runs(request, tmp_path_factory, data_cache):
     """One process on the global batch of 8, and the same batch under tp2, fsdp2 x tp2, ddp2 x tp2 (accumulating);
-    per family, one process and tp2 over 4 steps. The runs of one world size train in one torchrun."""
-    configs = {
+    per family, one process and tp2 over 4 steps. The runs of one world size train in one torchrun; only the groups
+    of the selected tests train."""
+    groups = {GROUPS_READ[name] for name in selected_functions(request)}
+    configs = {} if "layouts" not in groups else {
         "single": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(), None),
         "tp2": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(tp=2), 2),
         "fsdp2_tp2": (base_config(data_cache, steps=STEPS, micro_batch=4),
@@ -55,7 +69,7 @@ def all_runs(tmp_path_factory, data_cache):
         "ddp2_tp2": (base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=2),
                      ShardingConfig(strategy="ddp", dp_replicate=2, tp=2), 4),
     }
-    for family, model in FAMILIES.items():
+    for family, model in FAMILIES.items() if "families" in groups else ():
         cfg = base_config(data_cache, steps=4, micro_batch=8)
         cfg = replace(cfg, model=replace(cfg.model, **model))
         configs[f"{family}-single"] = (cfg, ShardingConfig(), None)
@@ -64,8 +78,10 @@ def all_runs(tmp_path_factory, data_cache):
     moe = replace(base_config(data_cache, steps=STEPS, micro_batch=8), model=MOE)
     # tp2 also recomputes every block (the aux loss's all-reduce over tp runs again in the backward)
     moe_ac = replace(moe, train=replace(moe.train, activation_checkpointing="full"))
-    configs["moe-single"], configs["moe-tp2"] = (moe, ShardingConfig(), None), (moe_ac, ShardingConfig(tp=2), 2)
-    configs["sgd-single"], configs["sgd-tp2"] = (sgd, ShardingConfig(), None), (sgd, ShardingConfig(tp=2), 2)
+    if "moe" in groups:
+        configs["moe-single"], configs["moe-tp2"] = (moe, ShardingConfig(), None), (moe_ac, ShardingConfig(tp=2), 2)
+    if "sgd" in groups:
+        configs["sgd-single"], configs["sgd-tp2"] = (sgd, ShardingConfig(), None), (sgd, ShardingConfig(tp=2), 2)
     return train_many(tmp_path_factory.mktemp("tensor-parallel"),
                       {name: (replace(cfg, sharding=sharding), nproc) for name, (cfg, sharding, nproc) in configs.items()})
 

@@ -94,6 +94,12 @@ def selected(request, key: str, names) -> list[str]:
     return [name for name in names if name in chosen]
 
 
+def selected_functions(request) -> set[str]:
+    """The names of the test functions of this module that the session runs (each once, whatever its parameters):
+    a module fixture whose runs serve different tests trains only the groups its selected tests read."""
+    return {item.originalname for item in request.session.items if item.module is request.module}
+
+
 def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]],
                entry: Path = MANY_RUNS_WORKER) -> dict[str, Path]:
     """Every case's run directory, trained: the cases of one world size in one torchrun (tests/dist/
