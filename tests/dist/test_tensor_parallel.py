@@ -18,7 +18,7 @@ import re
 from dataclasses import replace
 
 import pytest
-from worker_runs import TINY, base_config, records, series, selected_functions, train_many
+from worker_runs import TINY, base_config, records, selected_functions, series, train_many
 
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import ModelConfig, MoEConfig, OptimConfig, ShardingConfig
