@@ -60,28 +60,27 @@ def all_runs(request, tmp_path_factory, data_cache):
     """One process on the global batch of 8, and the same batch under tp2, fsdp2 x tp2, ddp2 x tp2 (accumulating);
     per family, one process and tp2 over 4 steps. The runs of one world size train in one torchrun; only the groups
     of the selected tests train."""
-    groups = {GROUPS_READ[name] for name in selected_functions(request)}
-    configs = {} if "layouts" not in groups else {
+    by_group = {"layouts": {
         "single": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(), None),
         "tp2": (base_config(data_cache, steps=STEPS, micro_batch=8), ShardingConfig(tp=2), 2),
         "fsdp2_tp2": (base_config(data_cache, steps=STEPS, micro_batch=4),
                       ShardingConfig(strategy="fsdp", dp_shard=2, tp=2), 4),
         "ddp2_tp2": (base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=2),
                      ShardingConfig(strategy="ddp", dp_replicate=2, tp=2), 4),
-    }
-    for family, model in FAMILIES.items() if "families" in groups else ():
+    }, "families": {}}
+    for family, model in FAMILIES.items():
         cfg = base_config(data_cache, steps=4, micro_batch=8)
         cfg = replace(cfg, model=replace(cfg.model, **model))
-        configs[f"{family}-single"] = (cfg, ShardingConfig(), None)
-        configs[f"{family}-tp2"] = (cfg, ShardingConfig(tp=2), 2)
+        by_group["families"] |= {f"{family}-single": (cfg, ShardingConfig(), None),
+                                 f"{family}-tp2": (cfg, ShardingConfig(tp=2), 2)}
     sgd = replace(base_config(data_cache, steps=4, micro_batch=8), optim=SGD)
     moe = replace(base_config(data_cache, steps=STEPS, micro_batch=8), model=MOE)
     # tp2 also recomputes every block (the aux loss's all-reduce over tp runs again in the backward)
     moe_ac = replace(moe, train=replace(moe.train, activation_checkpointing="full"))
-    if "moe" in groups:
-        configs["moe-single"], configs["moe-tp2"] = (moe, ShardingConfig(), None), (moe_ac, ShardingConfig(tp=2), 2)
-    if "sgd" in groups:
-        configs["sgd-single"], configs["sgd-tp2"] = (sgd, ShardingConfig(), None), (sgd, ShardingConfig(tp=2), 2)
+    by_group["moe"] = {"moe-single": (moe, ShardingConfig(), None), "moe-tp2": (moe_ac, ShardingConfig(tp=2), 2)}
+    by_group["sgd"] = {"sgd-single": (sgd, ShardingConfig(), None), "sgd-tp2": (sgd, ShardingConfig(tp=2), 2)}
+    groups = {GROUPS_READ[name] for name in selected_functions(request)}
+    configs = {name: case for group in by_group if group in groups for name, case in by_group[group].items()}
     return train_many(tmp_path_factory.mktemp("tensor-parallel"),
                       {name: (replace(cfg, sharding=sharding), nproc) for name, (cfg, sharding, nproc) in configs.items()})
 
