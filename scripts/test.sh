@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Fresh clone -> .venv -> install -> lint + the full test suite (unit, dist, CLI).
-# Extra arguments go to pytest, e.g. ./scripts/test.sh tests/unit -k plan
+# Fresh clone -> .venv -> install -> lint + the test suite (unit, dist, CLI, Slurm): what CI runs.
+#   ./scripts/test.sh          every proof once: the cases in tests/extended_tier.txt (more layouts, schedules and
+#                              optimizers of a proof this run already makes) are left out
+#   ./scripts/test.sh --full   every case (about twice as long); run it before changing the worker's layouts
+# Other arguments go to pytest, e.g. ./scripts/test.sh tests/unit -k plan
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_setup.sh
 
 ruff check trainctl tests scripts
+rest="not (unit or fuzz) and not extended"
+if [ "${1:-}" = "--full" ]; then
+    rest="not (unit or fuzz)"
+    shift
+fi
 if [ $# -gt 0 ]; then
     python -m pytest -q -ra "$@"
     exit
@@ -13,4 +21,4 @@ fi
 # The in-process tiers (about 2000 tests, one core each) on two xdist workers; then the rest in one process, where
 # each torchrun run already fills both cores.
 python -m pytest -q -ra -m "unit or fuzz" -n 2 --dist loadgroup
-python -m pytest -q -ra -m "not (unit or fuzz)"
+python -m pytest -q -ra -m "$rest"

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,20 @@ UNIT_WORKERS = 4
 # Session fixtures that set up and tear down something outside the worker (the Slurm cluster: a second worker's
 # teardown would stop it under the first). The others (caches, temp folders) are per worker by nature.
 ONE_WORKER_SESSION_FIXTURES = {"slurm_cluster"}
+# The cases `./scripts/test.sh` leaves to `./scripts/test.sh --full` (marker `extended`): more layouts, schedules,
+# optimizers and figures of a proof the default run makes once (the list says which proof covers each).
+EXTENDED_TIER = Path(__file__).resolve().parent / "extended_tier.txt"
+
+
+def tier_lines(path: Path) -> list[str]:
+    """A tier list's node ids (a file, a test function or one case), without comments and blank lines."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def is_listed(nodeid: str, lines) -> bool:
+    """Whether a list names this test: its file, its function (all of its cases) or exactly this case."""
+    function = nodeid.partition("[")[0]
+    return any(line in (nodeid, function, nodeid.partition("::")[0]) for line in lines)
 
 
 def unit_tier_workers(config: pytest.Config) -> int:
@@ -82,7 +97,10 @@ def xdist_group_of(item: pytest.Item) -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Without pytest-xdist (the GPU image has none) the marker is unknown and --strict-markers refuses it.
     grouped = config.pluginmanager.hasplugin("xdist")
+    extended = tier_lines(EXTENDED_TIER)
     for item in items:
+        if is_listed(item.nodeid, extended):
+            item.add_marker("extended")
         if not any(item.get_closest_marker(tier) for tier in TIERS) and (tier := tier_of(item)) is not None:
             item.add_marker(tier)
         if grouped and item.get_closest_marker("unit") is None and (group := xdist_group_of(item)) is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_runs import assert_same_steps, base_config, records, series, train_and_check, train_many
+from worker_runs import assert_same_steps, base_config, records, selected, series, train_and_check, train_many
 
 from tests.helpers import assert_close_fp, assert_curve_close, forward_terms, run_torchrun
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
@@ -49,13 +49,14 @@ CP_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory, data_cache):
-    """One process without cp, and each cp layout through the product's worker with the CPU ring."""
+def cp_runs(request, tmp_path_factory, data_cache):
+    """One process without cp, and each selected cp layout through the product's worker with the CPU ring."""
     root = tmp_path_factory.mktemp("cp")
     base = base_config(data_cache, steps=10, eval_every=5)
     runs = train_many(root, {"single": (base, None)})
     layouts = {}
-    for name, (sharding, ranks, micro, accum, ac) in CP_LAYOUTS.items():
+    for name in selected(request, "name", CP_LAYOUTS):
+        sharding, ranks, micro, accum, ac = CP_LAYOUTS[name]
         train = replace(base.train, micro_batch=micro, grad_accum=accum, activation_checkpointing=ac)
         layouts[name] = (replace(base, sharding=sharding, train=train), ranks)
     # The layouts of one world size in one torchrun of the CPU-ring worker.

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import pytest
 from test_resume import launch, losses, ok, stopped_and_resumed_equals_straight
-from worker_runs import base_config, records, series, train_many, write_run_dir
+from worker_runs import base_config, records, runs_read, series, train_many, write_run_dir
 
 from tests.helpers import assert_curve_close, curve_rel
 from trainctl.config.schema import CheckpointConfig, LoRAConfig, ModelConfig, MoEConfig, ShardingConfig
@@ -52,8 +52,21 @@ def config(cache, sharding: ShardingConfig, micro_batch: int, model: ModelConfig
     return replace(base, model=model, sharding=sharding)
 
 
+# The runs each test reads ({name}: its parameter's): the module trains only those of its selected tests.
+READS = {
+    "test_expert_parallel_matches_one_process": ("single", "{name}"),
+    "test_mixtral_under_ep_matches_one_process": ("single", "mixtral-single", "{name}"),
+    "test_expert_parallel_with_the_aux_loss_matches_the_same_data_parallel_ranks": ("single", "aux-fsdp2", "aux-ep2"),
+    "test_pipeline_stages_with_the_aux_loss_match_the_same_micro_batches": ("aux-fsdp2", "aux-pp2"),
+    "test_pipeline_stages_log_every_layers_expert_load": ("aux-fsdp2", "aux-pp2"),
+    "test_mixtral_under_pp_matches_one_process": ("mixtral-single", "mixtral-pp2"),
+    "test_lora_on_the_experts_matches_one_process": ("single", "lora-single", "{name}"),
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache):
+def runs(request, tmp_path_factory, data_cache):
+    read = runs_read(request, READS)
     cases = {
         "single": (config(data_cache, ShardingConfig(), 8), None),
         "ep2_ac": (config(data_cache, EP2, 4, activation_checkpointing="full"), 2),
@@ -71,7 +84,7 @@ def runs(tmp_path_factory, data_cache):
         "lora-ep2": (config(data_cache, EP2, 4, LORA), 2),
         "lora-fsdp2": (config(data_cache, replace(EP2, ep=1), 4, LORA), 2),
     }
-    return train_many(tmp_path_factory.mktemp("expert-parallel"), cases)
+    return train_many(tmp_path_factory.mktemp("expert-parallel"), {k: v for k, v in cases.items() if k in read})
 
 
 @pytest.mark.slow  # the fixture's 15 runs (3 torchruns, one of 4 ranks): 50-60 s on 2 cores

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 from test_context_parallel import CPU_RING_WORKER
-from worker_runs import TINY, assert_same_evals, assert_same_steps, base_config, train_and_check
+from worker_runs import TINY, assert_same_evals, assert_same_steps, base_config, selected, train_and_check
 
 from tests.unit.test_masked_loss import chat_set
 from trainctl.config.schema import DataConfig, ShardingConfig
@@ -25,14 +25,15 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_cache):
+def runs(request, tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("masked-layouts")
     data = DataConfig(kind="memmap", datasets=[str(chat_set(root, records=200))], vocab_size=256)
     # The held-out set is dp x eval_batches x micro_batch = 8 samples in every layout (the same samples).
     base = base_config(data_cache, steps=STEPS, micro_batch=2, grad_accum=4, eval_every=3, eval_batches=4)
     base = replace(base, model=MODEL, data=data)
     out = {"single": train_and_check(root, replace(base, name="single"), None)}
-    for name, (sharding, ranks, micro, accum, entry) in LAYOUTS.items():
+    for name in selected(request, "name", LAYOUTS):
+        sharding, ranks, micro, accum, entry = LAYOUTS[name]
         dp = ranks // (sharding.cp * sharding.pp)
         train = replace(base.train, micro_batch=micro, grad_accum=accum, eval_batches=8 // (micro * dp))
         out[name] = train_and_check(root, replace(base, name=name, sharding=sharding, train=train), ranks, entry)

@@ -97,7 +97,7 @@ def test_a_ddp_run_stopped_on_2_workers_resumes_on_1_as_if_it_never_stopped(ddp_
     assert_continues(resumed, straight, root)
 
 
-@pytest.mark.parametrize("split, dp, micro", [((), 4, 2), (("sharding.tp=2",), 2, 4)])
+@pytest.mark.parametrize("split, dp, micro", [((), 4, 2), (("sharding.tp=2",), 2, 4)], ids=["dp4", "dp2_tp2"])
 def test_a_ddp_run_stopped_on_2_workers_resumes_on_4(ddp_runs, split, dp, micro):
     """4 workers: ddp x 4 (2 micro x 1 accum x 4), or ddp x 2 with tensor parallelism of 2 (4 x 1 x 2)."""
     root, straight, stopped = ddp_runs

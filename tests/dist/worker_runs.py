@@ -94,6 +94,19 @@ def selected(request, key: str, names) -> list[str]:
     return [name for name in names if name in chosen]
 
 
+def runs_read(request, reads: dict[str, tuple[str, ...]]) -> set[str]:
+    """The runs read by this module's selected tests that use the calling fixture. reads: test function -> the runs
+    it reads, each a run's name or `{param}`, the run named by that parametrize argument (`("single", "{name}")`).
+    A module fixture trains only these: cases the default run leaves to --full (tests/extended_tier.txt) or a -k
+    selection do not pay for theirs."""
+    names = set()
+    for item in request.session.items:
+        if item.module is request.module and request.fixturename in getattr(item, "fixturenames", ()):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            names.update(params[run[1:-1]] if run.startswith("{") else run for run in reads[item.originalname])
+    return names
+
+
 def selected_functions(request) -> set[str]:
     """The names of the test functions of this module that the session runs (each once, whatever its parameters):
     a module fixture whose runs serve different tests trains only the groups its selected tests read."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import EXTENDED_TIER, is_listed, tier_lines
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.unit
@@ -38,7 +40,7 @@ COVERED = {
         "tests/dist/test_bench_loss_head.py::test_bench_loss_head_reports_time_and_peak_of_both_heads",
     "bench_titan.py":
         "tests/dist/test_bench_scripts.py::test_bench_titan_writes_torchtitan_s_config_and_compares_results",
-    # its torchtitan side; the run itself: .ci/run's `gpu_proof.sh --rehearse` (the titan stage)
+    # its torchtitan side; the run itself: `gpu_proof.sh --rehearse` (the titan stage), before a device call
     "titan_worker.py":
         "tests/dist/test_bench_scripts.py::test_bench_titan_writes_torchtitan_s_config_and_compares_results",
     "config_reference.py":
@@ -60,6 +62,7 @@ def test_the_named_test_exists_and_runs_the_script(script):
     if target == ".ci/run":
         assert script in (REPO / ".ci" / "run").read_text()
         return
+    assert not is_listed(target, tier_lines(EXTENDED_TIER)), f"{target} is {script}'s smoke test: CI must run it"
     path, function = target.split("::")
     source = (REPO / path).read_text()
     assert re.search(rf"^def {function}\(", source, re.MULTILINE), target
