@@ -3,7 +3,7 @@
 # and its rehearsal here on CPU in an environment shaped like the GPU image.
 #
 #   scripts/gpu_wheels.sh                               # here, first: .gpu-wheels/ (5 MB; name it in carry)
-#   scripts/gpu_proof.sh --rehearse                     # here: every stage on CPU, shrunk (CI runs it)
+#   scripts/gpu_proof.sh --rehearse                     # here: every stage on CPU, shrunk (before a device call)
 #   scripts/gpu_proof.sh check install tests            # call 1 on the GPU (carry .gpu-wheels)
 #   scripts/gpu_proof.sh install loop titan             # call 2: trainctl vs bare, then torchtitan, same $OUT
 #   scripts/gpu_proof.sh install variants:1/2           # call 3: eager, compile, ac_selective

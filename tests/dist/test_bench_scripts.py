@@ -107,7 +107,7 @@ def test_gpu_wheels_names_what_the_gpu_box_lacks():
 
 
 def test_bench_titan_writes_torchtitan_s_config_and_compares_results(tmp_path):
-    # The run itself needs torchtitan (scripts/gpu_proof.sh --rehearse titan runs it on CPU, in CI): here the
+    # The run itself needs torchtitan (scripts/gpu_proof.sh --rehearse titan runs it on CPU): here the
     # recipe -> torchtitan config, the ratio from two results of separate device calls, and a refusal.
     proc = run_script("bench_titan.py", "--dry-run", "train.micro_batch=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
