@@ -89,8 +89,7 @@ def selected(request, key: str, names) -> list[str]:
     """`names` (in their order) that this module's selected tests take as the parametrize argument `key`: a module
     fixture that trains every case in shared launches trains only what the session runs (`-k` that picks a few
     cases, as the torch 2.11 tier does, does not pay for the rest)."""
-    chosen = {item.callspec.params[key] for item in request.session.items
-              if item.module is request.module and key in getattr(getattr(item, "callspec", None), "params", {})}
+    chosen = {params[key] for item in module_items(request) if key in (params := item_params(item))}
     return [name for name in names if name in chosen]
 
 
@@ -100,9 +99,9 @@ def runs_read(request, reads: dict[str, tuple[str, ...]]) -> set[str]:
     A module fixture trains only these: cases the default run leaves to --full (tests/extended_tier.txt) or a -k
     selection do not pay for theirs."""
     names = set()
-    for item in request.session.items:
-        if item.module is request.module and request.fixturename in getattr(item, "fixturenames", ()):
-            params = getattr(getattr(item, "callspec", None), "params", {})
+    for item in module_items(request):
+        if request.fixturename in getattr(item, "fixturenames", ()):
+            params = item_params(item)
             names.update(params[run[1:-1]] if run.startswith("{") else run for run in reads[item.originalname])
     return names
 
@@ -110,7 +109,17 @@ def runs_read(request, reads: dict[str, tuple[str, ...]]) -> set[str]:
 def selected_functions(request) -> set[str]:
     """The names of the test functions of this module that the session runs (each once, whatever its parameters):
     a module fixture whose runs serve different tests trains only the groups its selected tests read."""
-    return {item.originalname for item in request.session.items if item.module is request.module}
+    return {item.originalname for item in module_items(request)}
+
+
+def module_items(request) -> list:
+    """The tests of the calling fixture's module that this session runs (after -k, -m and the tier lists)."""
+    return [item for item in request.session.items if item.module is request.module]
+
+
+def item_params(item) -> dict:
+    """A test's parametrize arguments ({} for one without)."""
+    return getattr(getattr(item, "callspec", None), "params", {})
 
 
 def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]],
