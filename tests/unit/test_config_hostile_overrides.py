@@ -87,6 +87,26 @@ def test_a_float_or_bool_for_an_int_is_one_line(override):
     assert refused([override]).startswith(override.split("=")[0] + ": Value ")
 
 
+@pytest.mark.parametrize(("override", "line"), [
+    ("data.datasets=[[]]", "data.datasets[0]=[]: a list where one str goes; write data.datasets=[a,b] with plain "
+                           "values"),
+    ("data.weights=[1,[2]]", "data.weights[1]=[2]: a list where one float goes; write data.weights=[a,b] with plain "
+                             "values"),
+    ("cluster=slurm cluster.container.mounts=[{a:1}]", "cluster.container.mounts[0]={'a': 1}: a dict where one str "
+                                                        "goes; write cluster.container.mounts=[a,b] with plain values"),
+    ("cluster=slurm cluster.env={A:[1]}", "cluster.env.A=[1]: a list where one str goes; write "
+                                          "cluster.env={NAME:value} with plain values"),
+])
+def test_a_list_or_mapping_inside_a_list_of_plain_values_is_one_line(override, line):
+    # OmegaConf's typed lists let a nested container through: it would reach a path, a shell line or a sum as repr
+    assert refused(override.split()) == line
+
+
+def test_plain_values_in_lists_are_kept():
+    cfg = compose(["cluster=slurm", "cluster.env={A:1}", "data.weights=[1,2]", "cluster.setup=[a,'b c']"])
+    assert (cfg.cluster.env, cfg.data.weights, cfg.cluster.setup) == ({"A": "1"}, [1.0, 2.0], ["a", "b c"])
+
+
 def test_a_seed_in_range_is_kept():
     assert resolve(compose([f"train.seed={MAX_SEED}"])).train.seed == MAX_SEED
 

@@ -8,12 +8,16 @@ upgrade path for older run directories live in one place. Imported on both sides
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
+import typing
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainctl.config.errors import ConfigError
 from trainctl.config.memo import CopyingCache
 from trainctl.config.schema import ClusterConfig, RunConfig, cluster_configs
 
@@ -139,7 +143,48 @@ def _from_dict(data: dict | DictConfig, strict: bool) -> RunConfig:
     merged, cluster_defaults = typed_merge(data)
     cluster = cluster_from_dict(OmegaConf.to_container(merged.cluster), cluster_defaults, strict)
     merged.cluster = ClusterConfig()  # the base, replaced below (to_object cannot build the union of keys)
-    return replace(OmegaConf.to_object(merged), cluster=cluster)
+    cfg = replace(OmegaConf.to_object(merged), cluster=cluster)
+    problems = nested_value_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def nested_value_problems(node, prefix: str = "") -> list[str]:
+    """A list or mapping where a list[str]/list[int]/list[float]/dict[str, str] field wants a scalar: one line each.
+
+    OmegaConf's typed lists and dicts check scalars (None, a word in an int list) but let a nested list or
+    mapping through (`data.datasets=[[]]`, `cluster.env={A:[1]}`), which would reach a path, a shell line or
+    a sum as Python's repr.
+    """
+    problems = []
+    for name, scalar in _container_fields(type(node)):
+        key, value = f"{prefix}.{name}" if prefix else name, getattr(node, name)
+        if scalar is None:
+            problems += nested_value_problems(value, key)
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        problems += [f"{key}[{index!r}]={item!r}: a {type(item).__name__} where one {scalar.__name__} goes; "
+                     f"write {key}=[a,b] with plain values" if isinstance(value, list) else
+                     f"{key}.{index}={item!r}: a {type(item).__name__} where one {scalar.__name__} goes; "
+                     f"write {key}={{NAME:value}} with plain values"
+                     for index, item in items if isinstance(item, (list, dict, tuple))]
+    return problems
+
+
+@functools.cache
+def _container_fields(cls: type) -> tuple[tuple[str, type | None], ...]:
+    """(name, the element type) of each list/dict-of-scalars field; (name, None) for a nested config."""
+    out, hints = [], typing.get_type_hints(cls)
+    for f in fields(cls):
+        hint = hints.get(f.name)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            out.append((f.name, None))
+        elif typing.get_origin(hint) in (list, dict):
+            element = typing.get_args(hint)[-1]
+            if element in (str, int, float, bool):
+                out.append((f.name, element))
+    return tuple(out)
 
 
 def cluster_from_dict(values: dict, defaults: dict, strict: bool = True) -> ClusterConfig:
