@@ -2,15 +2,16 @@
 
 A test's folder gives its tier unless the test names one itself: tests/unit -> unit, tests/dist -> dist,
 tests/slurm -> slurm, tests/fuzz -> fuzz. A test using a fixture that runs programs (stub Slurm clients, a tmpfs
-mount) is `cli`.
-A `unit` test that starts a process or opens a torch process group fails, saying so.
+mount) is `cli`; one listed in tests/component_tier.txt (in process, about 0.2 s or more each) is `component`.
+A `unit` or `component` test that starts a process or opens a torch process group fails, saying so.
 
-`pytest -m unit` runs on up to UNIT_WORKERS processes (pytest-xdist, in the dev extra) where the machine has the
-cores: the tier is about 1450 in-process tests, most of them one Hydra composition (~0.1 s) each, and two cores
-halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process unless it asks
-for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared torchrun run, and the Slurm cluster,
-on one worker). scripts/test.sh runs the in-process tiers (unit, fuzz) on two workers and the rest in one process:
-on two cores the torchrun tests already fill both, and a whole-suite run on two workers was no faster than one.
+`pytest -m unit` (or `-m component`) runs on up to UNIT_WORKERS processes (pytest-xdist, in the dev extra) where
+the machine has the cores: the unit tier is about 1400 in-process tests of a few milliseconds to 0.2 s each, and
+two cores halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process
+unless it asks for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared torchrun run, and the
+Slurm cluster, on one worker). scripts/test.sh runs the in-process tiers (unit, component, fuzz) on two workers and
+the rest in one process: on two cores the torchrun tests already fill both, and a whole-suite run on two workers
+was no faster than one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import pytest
 
 from tests import process_leaks
 
-TIERS = ("unit", "cli", "dist", "slurm", "fuzz")
+TIERS = ("unit", "component", "cli", "dist", "slurm", "fuzz")
+IN_PROCESS = ("unit", "component")  # tiers that may start no program and open no process group
 FOLDER_TIER = {"unit": "unit", "dist": "dist", "slurm": "slurm", "fuzz": "fuzz"}
 # Fixtures that start programs: a test using one is not in-process.
 PROCESS_FIXTURES = {"slurm_bin": "cli", "small_fs": "cli"}  # small_fs: mount/umount a tmpfs (test_checkpoint_store)
@@ -38,6 +40,9 @@ ONE_WORKER_SESSION_FIXTURES = {"slurm_cluster"}
 # The cases `./scripts/test.sh` leaves to `./scripts/test.sh --full` (marker `extended`): more layouts, schedules,
 # optimizers and figures of a proof the default run makes once (the list says which proof covers each).
 EXTENDED_TIER = Path(__file__).resolve().parent / "extended_tier.txt"
+# The in-process tests that take about 0.2 s or more each (marker `component` instead of `unit`), so that
+# `pytest -m unit` stays the fast loop; ./scripts/test.sh runs them beside the unit tier.
+COMPONENT_TIER = Path(__file__).resolve().parent / "component_tier.txt"
 
 
 def tier_lines(path: Path) -> list[str]:
@@ -59,7 +64,7 @@ def unit_tier_workers(config: pytest.Config) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    if ((config.option.markexpr or "").strip() != "unit" or hasattr(config, "workerinput")
+    if ((config.option.markexpr or "").strip() not in IN_PROCESS or hasattr(config, "workerinput")
             or not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None
             or config.option.usepdb or config.option.collectonly):
         return 0
@@ -97,10 +102,15 @@ def xdist_group_of(item: pytest.Item) -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Without pytest-xdist (the GPU image has none) the marker is unknown and --strict-markers refuses it.
     grouped = config.pluginmanager.hasplugin("xdist")
-    extended = tier_lines(EXTENDED_TIER)
+    extended, component = tier_lines(EXTENDED_TIER), tier_lines(COMPONENT_TIER)
     for item in items:
         if is_listed(item.nodeid, extended):
             item.add_marker("extended")
+        if is_listed(item.nodeid, component):
+            if own := [tier for tier in TIERS if item.get_closest_marker(tier)]:
+                raise pytest.UsageError(f"{item.nodeid} is marked {own[0]} and listed in {COMPONENT_TIER.name}: "
+                                        "a test has one tier")
+            item.add_marker("component")
         if not any(item.get_closest_marker(tier) for tier in TIERS) and (tier := tier_of(item)) is not None:
             item.add_marker(tier)
         if grouped and item.get_closest_marker("unit") is None and (group := xdist_group_of(item)) is not None:
@@ -109,15 +119,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def unit_tests_start_no_process(request, monkeypatch):
-    """Keeps the unit tier honest: a unit test that starts a program fails, naming the marker it needs."""
-    if request.node.get_closest_marker("unit") is None:
+    """Keeps the in-process tiers honest: a unit or component test that starts a program fails, naming the marker
+    it needs."""
+    if not any(request.node.get_closest_marker(tier) for tier in IN_PROCESS):
         return
 
     def refuse(self, args, *rest, **kwargs):
-        raise AssertionError(f"a `unit` test started a process ({args!r}): mark it `cli` (or `dist`)")
+        raise AssertionError(f"an in-process test started a process ({args!r}): mark it `cli` (or `dist`)")
 
     def refuse_group(*args, **kwargs):
-        raise AssertionError("a `unit` test opened a torch process group: mark it `dist`")
+        raise AssertionError("an in-process test opened a torch process group: mark it `dist`")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     if "torch.distributed" in sys.modules:  # imported by the test's module if it uses it; never imported here
@@ -165,7 +176,7 @@ def children_get_ctrl_c():
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test(request):
     """A serial test's leftover processes are killed after a grace period and reported (process_leaks.py)."""
-    if request.node.get_closest_marker("unit") is not None:
+    if any(request.node.get_closest_marker(tier) for tier in IN_PROCESS):
         yield
         return
     before = set(process_leaks.session_processes())

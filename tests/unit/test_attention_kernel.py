@@ -12,8 +12,6 @@ from trainctl.models.common import attention
 from trainctl.plan.attention_kernel import predicted_kernel
 from trainctl.plan.runplan import build
 
-pytestmark = pytest.mark.unit
-
 
 def cfg(*overrides: str):
     return resolve(compose.compose(["recipe=llama1b_bench", *overrides]))

@@ -15,8 +15,6 @@ from trainctl.config.compose import compose
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_titan  # noqa: E402
 
-pytestmark = pytest.mark.unit
-
 
 def torchtitan_ffn_width(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """torchtitan 0.2.2's FeedForward.__init__ (models/llama3/model/model.py), with hidden_dim = 4 * dim."""

@@ -12,8 +12,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_variants  # noqa: E402
 
-pytestmark = pytest.mark.unit
-
 
 def _metrics(run_dir: Path, steps: int) -> None:
     run_dir.mkdir(parents=True)

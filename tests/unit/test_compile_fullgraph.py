@@ -10,8 +10,6 @@ from torch._inductor import config as inductor_config
 
 from trainctl.train.parallel.parallelize import apply_compile
 
-pytestmark = pytest.mark.unit
-
 
 class Breaks(nn.Module):
     def forward(self, x):

@@ -7,12 +7,8 @@ import dataclasses
 import importlib.util
 import typing
 
-import pytest
-
 from tests.helpers import REPO
 from trainctl.config import schema
-
-pytestmark = pytest.mark.unit
 
 
 def _script():

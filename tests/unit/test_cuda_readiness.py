@@ -18,8 +18,6 @@ from trainctl.train.errors import WorkerConfigError
 from trainctl.train.loop import gc_schedule
 from trainctl.train.parallel import parallelize
 
-pytestmark = pytest.mark.unit
-
 
 def test_workers_get_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch):
     env: dict = {}

@@ -20,8 +20,6 @@ from trainctl.models.build import build_model
 from trainctl.plan.flops import fp8_matmul_params
 from trainctl.train.parallel.float8 import apply_float8, is_float8_linear
 
-pytestmark = pytest.mark.unit
-
 float8 = pytest.importorskip("torchao.float8")
 
 # Llama 3.2 1B's block widths with one layer and a small vocabulary (the output is excluded by name anyway).

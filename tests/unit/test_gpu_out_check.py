@@ -5,12 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import gpu_out_check  # noqa: E402
-
-pytestmark = pytest.mark.unit
 
 
 def _files(root: Path, *names: str, size: int = 10) -> None:

@@ -12,8 +12,6 @@ from trainctl.core.gpus import GPUS, match_gpu
 from trainctl.plan.assess import device_peak
 from trainctl.train.observe import metrics
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("name, kind", [
     ("NVIDIA H100 80GB HBM3", "h100_sxm"),

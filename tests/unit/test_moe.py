@@ -14,8 +14,6 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import ModelConfig, MoEConfig
 from trainctl.config.validate import resolve
 
-pytestmark = pytest.mark.unit
-
 CFG = ModelConfig(family="mixtral", dim=16, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=8, vocab_size=32,
                   max_seq_len=32, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=8,
                                                 router="topk_softmax", aux_loss_coef=0.01))

@@ -15,8 +15,6 @@ import pytest
 from trainctl.config.compose import compose
 from trainctl.plan.runplan import build
 
-pytestmark = pytest.mark.unit
-
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "h200" / "2026-11-27"
 # Overrides bench_variants adds to keep runs short; they change neither the step's speed nor its memory.
 BOOKKEEPING = ("train.steps=", "logging.", "train.eval_every=", "checkpoint.")

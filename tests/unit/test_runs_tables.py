@@ -76,7 +76,7 @@ def test_figures_give_an_eta_and_a_sparkline(runs_dir):
     assert sparkline((1.0,)) == "" and sparkline((float("nan"), 2.0, 1.0)) == "█▁"
 
 
-@pytest.mark.unit
+@pytest.mark.component
 def test_launches_follow_trainctl_runs_dir_too(monkeypatch):
     from trainctl.config.compose import compose
 

@@ -13,8 +13,6 @@ import torch.nn.functional as F
 from tests.helpers import assert_close_fp, rounding_rel, step_terms
 from trainctl.config.schema import ModelConfig, MoEConfig
 
-pytestmark = pytest.mark.unit
-
 CFG = ModelConfig(family="qwen3_moe", dim=16, n_layers=3, n_heads=2, n_kv_heads=2, head_dim=8, ffn_dim=8,
                   vocab_size=32, max_seq_len=32, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ffn_dim=8,
                                                                aux_loss_coef=0.1))

@@ -1,7 +1,8 @@
 """The tier lists name only tests that exist: tests/release_tier.txt (what scripts/test_torch.sh runs under the oldest
-supported torch) and tests/extended_tier.txt (what ./scripts/test.sh leaves to --full). A renamed test or case
-would otherwise drop out of the first, or stop it, only in CI's last stages, and silently move from the second
-into the default run."""
+supported torch), tests/extended_tier.txt (what ./scripts/test.sh leaves to --full) and tests/component_tier.txt
+(the in-process tests too slow for `-m unit`). A renamed test or case would otherwise drop out of the first, or
+stop it, only in CI's last stages, silently move from the second into the default run, or from the third back
+into the fast loop."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXTENDED_TIER, is_listed, tier_lines
+from tests.conftest import COMPONENT_TIER, EXTENDED_TIER, is_listed, tier_lines
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-LISTS = {"release": REPO / "tests" / "release_tier.txt", "extended": EXTENDED_TIER}
+LISTS = {"release": REPO / "tests" / "release_tier.txt", "extended": EXTENDED_TIER, "component": COMPONENT_TIER}
 NODES = [(name, line) for name, path in LISTS.items() for line in tier_lines(path)]
 
 
@@ -64,6 +65,12 @@ def test_the_extended_list_never_names_a_whole_file_of_the_default_run():
     """Each listed case is another case of a proof the default run makes: a whole file listed would take its proof
     out of CI."""
     assert [line for line in tier_lines(EXTENDED_TIER) if "::" not in line] == []
+
+
+def test_the_component_list_names_only_in_process_folders():
+    """A component test runs in process, beside the unit tier: a torchrun or Slurm test listed there would be refused
+    a process by the in-process guard, and leave its own tier."""
+    assert [line for line in tier_lines(COMPONENT_TIER) if not line.startswith("tests/unit/")] == []
 
 
 @pytest.mark.parametrize(("nodeid", "listed"), [
