@@ -36,7 +36,15 @@ if ! have_torch; then
   "$PY" -m pip install --quiet --disable-pip-version-check --no-index -f "$CACHE" "torch==$VERSION" numpy
 fi
 if [ "${TRAINCTL_PREPARE_ONLY:-0}" = 1 ]; then
-  # Only torch: trainctl's editable install writes into the checkout, where another install may be running.
+  # torch and trainctl's dependencies, not trainctl: its editable install writes into the checkout, where another
+  # install may be running. The install below then finds every dependency there (a few seconds instead of minutes).
+  if mapfile -t reqs < <("$PY" "$(dirname "$0")/_requirements.py" dev fp8) && [ ${#reqs[@]} -gt 0 ]; then
+    echo "[torch $VERSION] installing trainctl's dependencies (dev, fp8)"
+    if ! "$PY" -m pip install --quiet --disable-pip-version-check "${reqs[@]}" > "$VENV/deps.log" 2>&1; then
+      cat "$VENV/deps.log"
+      exit 1
+    fi
+  fi
   echo "[torch $VERSION] $VENV has torch"
   exit 0
 fi

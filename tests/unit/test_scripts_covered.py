@@ -23,6 +23,7 @@ COVERED = {
     "test.sh": ".ci/run",  # the suite itself
     "test_torch.sh": ".ci/run",  # the worker's dist tests under torch 2.11
     "test_parity_paths.sh": ".ci/run",  # the parity tests on a second CPU code path
+    "_requirements.py": "tests/unit/test_requirements_script.py::test_the_dependencies_and_the_named_extras_once_each",
     "bench_loop.py": "tests/dist/test_bench_scripts.py::test_bench_loop_runs_the_worker_loop_next_to_a_bare_one",
     "bench_checkpoint.py": "tests/dist/test_bench_scripts.py::test_bench_checkpoint_reports_every_figure",
     "bench_variants.py": "tests/dist/test_bench_variants.py::test_bench_variants_reports_each_variant_from_its_metrics",
