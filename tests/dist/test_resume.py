@@ -17,7 +17,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from worker_runs import WORKER_TIMEOUT_S, base_config, records, selected, train_written, write_run_dir
+from worker_runs import (
+    WORKER_TIMEOUT_S,
+    base_config,
+    records,
+    selected,
+    selected_functions,
+    train_written,
+    write_run_dir,
+)
 
 from tests.faults.worker_faults import fault_env
 from tests.helpers import curve_rel, torchrun_cmd, worker_env
@@ -236,16 +244,20 @@ RESHARD_TARGETS = {
 
 
 @pytest.fixture(scope="module")
-def from_four(four_worker_runs, data_cache):
-    """New runs from the 4-worker run's checkpoint: one per resharding target with everything (step, data position
-    too), and one from its weights only (load_only=model); those of one world size in one process per rank."""
+def from_four(request, four_worker_runs, data_cache):
+    """New runs from the 4-worker run's checkpoint: one per selected resharding target with everything (step, data
+    position too), and one from its weights only (load_only=model) when its test runs; those of one world size in
+    one process per rank."""
     root, _, source = four_worker_runs
     checkpoint = list_committed(source / "checkpoints")[-1][1]
-    cases = {target: (write_run_dir(root, config(data_cache, f"from-4-{target}", sharding, micro,
-                                                 resume=str(checkpoint), load_only="all")), nproc)
-             for target, (sharding, nproc, micro) in RESHARD_TARGETS.items()}
-    finetune = config(data_cache, "finetune", ShardingConfig(), 8, resume=str(source), load_only="model")
-    cases["finetune"] = (write_run_dir(root, finetune), None)
+    cases = {}
+    for target in selected(request, "target", RESHARD_TARGETS):
+        sharding, nproc, micro = RESHARD_TARGETS[target]
+        cfg = config(data_cache, f"from-4-{target}", sharding, micro, resume=str(checkpoint), load_only="all")
+        cases[target] = (write_run_dir(root, cfg), nproc)
+    if "test_load_only_model_starts_a_fresh_run_from_the_weights" in selected_functions(request):
+        finetune = config(data_cache, "finetune", ShardingConfig(), 8, resume=str(source), load_only="model")
+        cases["finetune"] = (write_run_dir(root, finetune), None)
     train_written(cases)
     return {name: run_dir for name, (run_dir, _) in cases.items()}
 
