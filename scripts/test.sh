@@ -9,16 +9,16 @@ cd "$(dirname "$0")/.."
 source scripts/_setup.sh
 
 ruff check trainctl tests scripts
-rest="not (unit or component or fuzz) and not extended"
+rest="not (unit or component or fuzz or cli) and not extended"
 if [ "${1:-}" = "--full" ]; then
-    rest="not (unit or component or fuzz)"
+    rest="not (unit or component or fuzz or cli)"
     shift
 fi
 if [ $# -gt 0 ]; then
     python -m pytest -q -ra "$@"
     exit
 fi
-# The in-process tiers (unit, component, fuzz: about 2300 tests, one core each) on two xdist workers; then the rest
-# in one process, where each torchrun run already fills both cores.
-python -m pytest -q -ra -m "unit or component or fuzz" -n 2 --dist loadgroup
+# The in-process tiers (unit, component, fuzz) and the CLI tests (short programs, one core each: about 2600 tests)
+# on two xdist workers; then the rest in one process, where each torchrun run already fills both cores.
+python -m pytest -q -ra -m "unit or component or fuzz or cli" -n 2 --dist loadgroup
 python -m pytest -q -ra -m "$rest"

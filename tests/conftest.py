@@ -9,9 +9,9 @@ A `unit` or `component` test that starts a process or opens a torch process grou
 the machine has the cores: the unit tier is about 1400 in-process tests of a few milliseconds to 0.2 s each, and
 two cores halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process
 unless it asks for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared torchrun run, and the
-Slurm cluster, on one worker). scripts/test.sh runs the in-process tiers (unit, component, fuzz) on two workers and
-the rest in one process: on two cores the torchrun tests already fill both, and a whole-suite run on two workers
-was no faster than one.
+Slurm cluster, on one worker). scripts/test.sh runs the in-process tiers (unit, component, fuzz) and the cli tier
+(short programs, one core each) on two workers and the rest in one process: on two cores the torchrun tests already
+fill both, and a whole-suite run on two workers was no faster than one.
 """
 
 from __future__ import annotations

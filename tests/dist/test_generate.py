@@ -170,7 +170,6 @@ def test_eval_all_scores_every_counted_token_of_the_split_once(trained, tmp_path
     assert (whole.tokens, whole.split_tokens, whole.full_pass) == (len(text.encode()), len(text.encode()) + 1, True)
 
 
-@pytest.mark.cli
 def test_generate_and_eval_through_the_cli(trained, tmp_path):
     run_dir, out = trained
     proc = run_cli("generate", str(run_dir), "--prompt", "7", "--chat", "--max-new-tokens", "30", timeout=300)
@@ -193,7 +192,6 @@ def test_generate_and_eval_through_the_cli(trained, tmp_path):
     assert "line 2" in answers[1]["error"] and "1 of 2 prompts not answered" in proc.stderr
 
 
-@pytest.mark.cli
 def test_eval_refuses_a_dataset_of_another_tokenizer(trained, tmp_path):
     pytest.importorskip("tokenizers")
     from trainctl.data.prepare import prepare
@@ -208,7 +206,6 @@ def test_eval_refuses_a_dataset_of_another_tokenizer(trained, tmp_path):
     assert "tokenized with another tokenizer than the run's" in lines[0]
 
 
-@pytest.mark.cli
 def test_user_errors_are_one_line_and_exit_2(trained, tmp_path):
     run_dir, _ = trained
     (tmp_path / "empty.txt").write_text("\n  \n")

@@ -92,7 +92,6 @@ def test_a_rank_hung_in_setup_is_caught_too(tmp_path, data_cache, reference):
     assert "hang_forever" in stuck.path.read_text() and "on_setup" in stuck.path.read_text()
 
 
-@pytest.mark.cli
 def test_a_hang_without_restarts_ends_failed_with_reason_hang(tmp_path):
     args = ["launch", "recipe=tiny_cpu", *TINY_OVERRIDES, f"data.cache_dir={tmp_path / 'cache'}",
             f"train.steps={STEPS}", "train.eval_every=0", f"checkpoint.every={EVERY}", "logging.log_every=1",

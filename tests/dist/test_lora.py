@@ -134,7 +134,6 @@ def test_lora_resume_after_a_stop_equals_a_straight_run(tmp_path, data_cache, hf
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.cli
 def test_cli_refuses_lora_export_without_a_mode_and_lora_with_tp(trained, tmp_path):
     run_dir, _ = trained["ddp"]
     both = run_cli("export", str(run_dir), "--merged", "--adapter", "--out", str(tmp_path / "x"))
