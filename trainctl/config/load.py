@@ -163,12 +163,13 @@ def nested_value_problems(node, prefix: str = "") -> list[str]:
         if scalar is None:
             problems += nested_value_problems(value, key)
             continue
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        problems += [f"{key}[{index!r}]={item!r}: a {type(item).__name__} where one {scalar.__name__} goes; "
-                     f"write {key}=[a,b] with plain values" if isinstance(value, list) else
-                     f"{key}.{index}={item!r}: a {type(item).__name__} where one {scalar.__name__} goes; "
-                     f"write {key}={{NAME:value}} with plain values"
-                     for index, item in items if isinstance(item, (list, dict, tuple))]
+        is_list = isinstance(value, list)
+        shape = f"{key}=[a,b]" if is_list else f"{key}={{NAME:value}}"
+        for index, item in enumerate(value) if is_list else value.items():
+            if isinstance(item, (list, dict, tuple)):
+                where = f"{key}[{index}]" if is_list else f"{key}.{index}"
+                problems.append(f"{where}={item!r}: a {type(item).__name__} where one {scalar.__name__} goes; "
+                                f"write {shape} with plain values")
     return problems
 
 
