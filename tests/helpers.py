@@ -171,9 +171,18 @@ def run_group(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_torchrun(nproc: int, *program: str, timeout: float = 240, **env: object) -> subprocess.CompletedProcess:
-    """torchrun to the end, output captured as text."""
-    return run_group(torchrun_cmd(nproc, *program), timeout, worker_env(**env))
+SPAWN_RANKS = REPO / "tests" / "dist" / "spawn_ranks.py"
+
+
+def ranks_cmd(nproc: int, *program: str) -> list[str]:
+    """N ranks of PROGRAM with torchrun's environment but without its agent (tests/dist/spawn_ranks.py): for the
+    tests of what the workers compute; the tests of torchrun's own part (restarts, hangs, stops) use torchrun_cmd."""
+    return [sys.executable, str(SPAWN_RANKS), str(nproc), *program]
+
+
+def run_ranks(nproc: int, *program: str, timeout: float = 240, **env: object) -> subprocess.CompletedProcess:
+    """N ranks of PROGRAM (ranks_cmd) to the end, output captured as text."""
+    return run_group(ranks_cmd(nproc, *program), timeout, worker_env(**env))
 
 
 # --- the CLI in a fresh interpreter ----------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The checkpoint store on 2 gloo ranks under torchrun: DTensor shards, async commit agreement, one rank failing, resharding.
+"""The checkpoint store on 2 gloo ranks: DTensor shards, async commit agreement, one rank failing, resharding.
 
-This file is also the worker: torchrun runs it as a script (`main`), the test checks what the ranks printed.
+This file is also the worker: each rank runs it as a script (`main`), the test checks what the ranks printed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_ranks
 from trainctl.train.checkpoint import store as ckpt
 from trainctl.train.checkpoint.store import CheckpointError, CheckpointManager, step_name
 
@@ -24,7 +24,7 @@ FULL = torch.arange(32, dtype=torch.float32).reshape(8, 4)
 
 
 def test_two_ranks_then_one(tmp_path):
-    proc = run_torchrun(2, __file__, str(tmp_path), timeout=240)  # this file is also the workers' script
+    proc = run_ranks(2, __file__, str(tmp_path), timeout=240)  # this file is also the workers' script
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("checkpoint store ok") == 2, proc.stdout
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from worker_runs import assert_same_steps, base_config, records, selected, series, train_and_check, train_many
 
-from tests.helpers import assert_close_fp, assert_curve_close, forward_terms, run_torchrun
+from tests.helpers import assert_close_fp, assert_curve_close, forward_terms, run_ranks
 from trainctl.config.schema import ClusterConfig, ModelConfig, ShardingConfig
 from trainctl.models.build import build_model
 
@@ -30,7 +30,7 @@ SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vo
 
 
 def test_cp_plumbing_under_torchrun():
-    proc = run_torchrun(4, str(HERE / "cp_plumbing_worker.py"), timeout=240)
+    proc = run_ranks(4, str(HERE / "cp_plumbing_worker.py"), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("cp plumbing ok") == 4
 

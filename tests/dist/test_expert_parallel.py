@@ -16,7 +16,7 @@ import pytest
 import torch
 from expert_parallel_worker import DIM, HIDDEN, ROUTINGS
 
-from tests.helpers import rounding_rel, run_torchrun
+from tests.helpers import rounding_rel, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
 @pytest.mark.parity
 def test_experts_split_over_ep_match_one_process(tmp_path):
     out = tmp_path / "ep"
-    proc = run_torchrun(2, str(HERE / "expert_parallel_worker.py"), str(out), timeout=120)
+    proc = run_ranks(2, str(HERE / "expert_parallel_worker.py"), str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokens = max(sum(sum(c) for c in routing.values()) for routing in ROUTINGS.values())
     # forward: the w1/w3 and w2 products (DIM, HIDDEN terms); backward the same chain transposed; a weight's

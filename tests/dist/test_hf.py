@@ -22,12 +22,12 @@ from worker_runs import MANY_RUNS_WORKER, WORKER_TIMEOUT_S, check_worker
 
 from tests.helpers import (
     forward_terms,
+    ranks_cmd,
     rounding_rel,
     run_cli,
     run_group,
-    run_torchrun,
+    run_ranks,
     tool_argv,
-    torchrun_cmd,
     worker_env,
 )
 
@@ -146,7 +146,7 @@ TEST_LAYOUTS = "test_imported_logits_equal_transformers_in_every_layout"
 
 @pytest.fixture(scope="module")
 def layout_logits(request, tmp_path_factory) -> tuple[dict[tuple[str, str], Path], object]:
-    """({(name, layout): the worker's out.pt}, the torchrun): every collected case of LAYOUTS in ONE torchrun
+    """({(name, layout): the worker's out.pt}, the ranks' process): every collected case of LAYOUTS in ONE start of 2 ranks
     (hf_layout_worker.py runs them one after another in one process group; all are 2 ranks), not one each."""
     wanted = {tuple(item.callspec.params[k] for k in ("name", "layout")) for item in request.session.items
               if getattr(item, "originalname", None) == TEST_LAYOUTS}
@@ -157,7 +157,7 @@ def layout_logits(request, tmp_path_factory) -> tuple[dict[tuple[str, str], Path
         torch.save(tokens, root / f"{name}-tokens.pt")
         outs[name, layout] = root / f"{name}-{layout}-out.pt"
         args += [str(folder), layout, str(root / f"{name}-tokens.pt"), str(outs[name, layout])]
-    return outs, run_torchrun(2, WORKER, *args, timeout=240 + 30 * len(cases))
+    return outs, run_ranks(2, WORKER, *args, timeout=240 + 30 * len(cases))
 
 
 @pytest.mark.parametrize(("name", "layout"), LAYOUTS)
@@ -166,9 +166,9 @@ def test_imported_logits_equal_transformers_in_every_layout(name, layout, layout
     if name == "gqa":
         assert (folder / "model.safetensors.index.json").is_file()
     outs, proc = layout_logits
-    # The cases run in order and the first failure ends the torchrun: a case after it has no file either.
+    # The cases run in order and the first failure ends the ranks: a case after it has no file either.
     assert outs[name, layout].is_file(), f"{name}/{layout}: no logits ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    # With every case's logits written, a failing exit is this torchrun's teardown: still a failure.
+    # With every case's logits written, a failing exit is the ranks' teardown: still a failure.
     assert proc.returncode == 0 or not all(out.is_file() for out in outs.values()), proc.stderr[-4000:]
     got = torch.load(outs[name, layout])
     assert got["loaded"] > 0  # load_hf_weights refuses a rank with any parameter left unset
@@ -207,9 +207,9 @@ ROUND_TRIP_SHAPES = ["gqa", "llama3_rope", "qwen2", "qwen3", "mistral"]
 
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory) -> tuple[dict[str, tuple], object]:
-    """({shape: (the source model, its run directory)}, the torchrun): every shape's run directory written as
+    """({shape: (the source model, its run directory)}, the ranks' process): every shape's run directory written as
     `trainctl launch` writes it (api.prepare_launch, model=hf from the source folder), then all five (2 ranks each)
-    trained in ONE torchrun (many_runs_worker.py: each through the worker's own entry) instead of a launch each."""
+    trained in ONE start of 2 ranks (many_runs_worker.py: each through the worker's own entry) instead of a launch each."""
     from trainctl import api
 
     root, runs = tmp_path_factory.mktemp("round-trip"), {}
@@ -223,7 +223,7 @@ def round_trips(tmp_path_factory) -> tuple[dict[str, tuple], object]:
                                        "logging.progress=false", f"runs_dir={root / 'runs'}"], name=f"rt-{shape}")
         runs[shape] = source_model, prepared.run_dir
     dirs = [str(run_dir) for _, run_dir in runs.values()]
-    proc = run_group(torchrun_cmd(2, str(MANY_RUNS_WORKER), *dirs), WORKER_TIMEOUT_S * len(dirs), worker_env())
+    proc = run_group(ranks_cmd(2, str(MANY_RUNS_WORKER), *dirs), WORKER_TIMEOUT_S * len(dirs), worker_env())
     return runs, proc
 
 
@@ -242,7 +242,7 @@ def test_hf_to_trainctl_to_hf_round_trip(round_trips, tmp_path, capsys, shape):
     source_model, run_dir = runs[shape]
     if not (run_dir / "result.json").is_file():
         check_worker(run_dir, proc)  # fails, naming the exit code, the stderr and this run's logs
-    # With every run trained, a failing exit is this torchrun's teardown: still a failure.
+    # With every run trained, a failing exit is the ranks' teardown: still a failure.
     done = all((r / "result.json").is_file() for _, r in runs.values())
     assert proc.returncode == 0 or not done, proc.stderr[-4000:]
     source = run_dir.parent.parent / f"source-{shape}"

@@ -1,4 +1,4 @@
-"""Helpers for the torchrun tests: write a run directory by hand, run the worker, read what it wrote."""
+"""Helpers for the worker tests: write a run directory by hand, run the worker, read what it wrote."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tests.helpers import assert_curve_close, run_group, torchrun_cmd, worker_env
+from tests.helpers import assert_curve_close, ranks_cmd, run_group, worker_env
 from trainctl.config.load import to_yaml
 from trainctl.config.schema import (
     DataConfig,
@@ -58,7 +58,8 @@ def write_run_dir(root: Path, cfg: RunConfig) -> Path:
 
 
 def run_worker(run_dir: Path, nproc: int | None, entry: Path | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=N -m trainctl.train RUN_DIR`, or a plain process when nproc is None.
+    """N ranks of `-m trainctl.train RUN_DIR` (helpers.ranks_cmd: torchrun's environment without its agent), or a
+    plain process when nproc is None.
 
     entry: a script to run instead of `-m trainctl.train` (a test wrapper around the worker).
     """
@@ -66,7 +67,7 @@ def run_worker(run_dir: Path, nproc: int | None, entry: Path | None = None) -> s
     if nproc is None:
         cmd = [sys.executable, *program, str(run_dir)]
     else:
-        cmd = torchrun_cmd(nproc, *program, str(run_dir))
+        cmd = ranks_cmd(nproc, *program, str(run_dir))
     return run_group(cmd, WORKER_TIMEOUT_S, worker_env())
 
 
@@ -124,8 +125,8 @@ def item_params(item) -> dict:
 
 def train_many(root: Path, cases: dict[str, tuple[RunConfig, int | None]],
                entry: Path = MANY_RUNS_WORKER) -> dict[str, Path]:
-    """Every case's run directory, trained: the cases of one world size in one torchrun (tests/dist/
-    many_runs_worker.py, each run through the worker's own entry), the cases without torchrun (None) in one plain
+    """Every case's run directory, trained: the cases of one world size in one start of its ranks (tests/
+    dist/many_runs_worker.py, each run through the worker's own entry), the cases without ranks (None) in one plain
     process (a world of one, as the worker forms alone).
 
     cases: name -> (config, nproc); each run directory is root/NAME. A failure names the run that failed.
@@ -143,7 +144,7 @@ def train_written(cases: dict[str, tuple[Path, int | None]], entry: Path = MANY_
         by_world.setdefault(nproc, []).append(run_dir)
     for nproc, run_dirs in by_world.items():
         program = [str(entry), *map(str, run_dirs)]
-        cmd = [sys.executable, *program] if nproc is None else torchrun_cmd(nproc, *program)
+        cmd = [sys.executable, *program] if nproc is None else ranks_cmd(nproc, *program)
         proc = run_group(cmd, WORKER_TIMEOUT_S * len(run_dirs), worker_env())
         failed = [run_dir for run_dir in run_dirs if not (run_dir / "result.json").is_file()]
         check_worker(failed[0] if failed else run_dirs[-1], proc)
