@@ -19,6 +19,9 @@ if [ $# -gt 0 ]; then
     exit
 fi
 # The in-process tiers (unit, component, fuzz) and the CLI tests (short programs, one core each: about 2600 tests)
-# on two xdist workers; then the rest in one process, where each torchrun run already fills both cores.
+# on two xdist workers; then the rest, also on two: one test's programs leave about a third of the two cores idle
+# (start-up, one-process references, the CLI's own work), which the other worker's test takes. A module's tests
+# share its runs and the Slurm tests one cluster: each such group stays on one worker (tests/conftest.py), the
+# longest start first (tests/longest_first.txt).
 python -m pytest -q -ra -m "unit or component or fuzz or cli" -n 2 --dist loadgroup
-python -m pytest -q -ra -m "$rest"
+python -m pytest -q -ra -m "$rest" -n 2 --dist loadgroup --no-loadscope-reorder

@@ -66,4 +66,5 @@ if [ $# -eq 0 ]; then  # what differs by release, one case of each (the list say
   mapfile -t tier < <(grep -v '^#' tests/release_tier.txt)
   set -- "${tier[@]}"
 fi
-"$PY" -m pytest -q -ra -p no:cacheprovider "$@"
+# Two workers, as scripts/test.sh runs its torchrun tests (a module's runs stay on one).
+"$PY" -m pytest -q -ra -p no:cacheprovider -n 2 --dist loadgroup --no-loadscope-reorder "$@"

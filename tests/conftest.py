@@ -8,10 +8,11 @@ A `unit` or `component` test that starts a process or opens a torch process grou
 `pytest -m unit` (or `-m component`) runs on up to UNIT_WORKERS processes (pytest-xdist, in the dev extra) where
 the machine has the cores: the unit tier is about 1400 in-process tests of a few milliseconds to 0.2 s each, and
 two cores halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process
-unless it asks for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared torchrun run, and the
-Slurm cluster, on one worker). scripts/test.sh runs the in-process tiers (unit, component, fuzz) and the cli tier
-(short programs, one core each) on two workers and the rest in one process: on two cores the torchrun tests already
-fill both, and a whole-suite run on two workers was no faster than one.
+unless it asks for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared runs, and the Slurm
+cluster, on one worker; tests/longest_first.txt orders the collection so the longest groups start first).
+scripts/test.sh runs the in-process tiers (unit, component, fuzz) and the cli tier (short programs, one core each) on
+two workers, then the rest on two as well: one torchrun test alone keeps the two cores about two thirds busy (its
+programs' start-up and one-process references run on one core), and the other worker's test takes the rest.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ EXTENDED_TIER = Path(__file__).resolve().parent / "extended_tier.txt"
 # The in-process tests that take about 0.2 s or more each (marker `component` instead of `unit`), so that
 # `pytest -m unit` stays the fast loop; ./scripts/test.sh runs them beside the unit tier.
 COMPONENT_TIER = Path(__file__).resolve().parent / "component_tier.txt"
+# The longest groups of tests that start programs (a module sharing its runs, a docs page, the Slurm tests), longest
+# first: run on two workers (`--dist loadgroup --no-loadscope-reorder`, as scripts/test.sh does), they start before
+# the short ones, so that neither worker is left alone with a long one at the end.
+LONGEST_FIRST = Path(__file__).resolve().parent / "longest_first.txt"
 
 
 def tier_lines(path: Path) -> list[str]:
@@ -99,9 +104,22 @@ def xdist_group_of(item: pytest.Item) -> str | None:
     return None
 
 
+def longest_first(items: list[pytest.Item]) -> None:
+    """Reorder `items` in place: the groups named in tests/longest_first.txt first, in its order; the rest after,
+    as collected. A module's tests stay together (they share its fixtures); only the order changes, never what
+    runs."""
+    lines = tier_lines(LONGEST_FIRST)
+
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, line in enumerate(lines) if is_listed(item.nodeid, (line,))), len(lines))
+
+    items.sort(key=rank)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Without pytest-xdist (the GPU image has none) the marker is unknown and --strict-markers refuses it.
     grouped = config.pluginmanager.hasplugin("xdist")
+    longest_first(items)
     extended, component = tier_lines(EXTENDED_TIER), tier_lines(COMPONENT_TIER)
     for item in items:
         if is_listed(item.nodeid, extended):

@@ -2,7 +2,8 @@
 supported torch), tests/extended_tier.txt (what ./scripts/test.sh leaves to --full) and tests/component_tier.txt
 (the in-process tests too slow for `-m unit`). A renamed test or case would otherwise drop out of the first, or
 stop it, only in CI's last stages, silently move from the second into the default run, or from the third back
-into the fast loop."""
+into the fast loop. tests/longest_first.txt (the order of the tests that start programs) names whole files and docs
+pages that exist, each once: a stale line would only cost the two workers' balance, silently."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import COMPONENT_TIER, EXTENDED_TIER, is_listed, tier_lines
+from tests.conftest import COMPONENT_TIER, EXTENDED_TIER, LONGEST_FIRST, is_listed, tier_lines
 
 pytestmark = pytest.mark.unit
 
@@ -59,6 +60,20 @@ def quoted(value: str, source: str) -> bool:
 def test_a_case_id_may_span_dashes(parts, ok):
     source = 'x = ["loss"]; y = ["lora-fsdp2"]; z = ("lora", "fsdp2"); seeds = [0, 6]; n = 17; id = f"{a}-from-{b}"'
     assert spelt(parts, source) is ok
+
+
+DOCS_PAGE = re.compile(r"^tests/dist/test_docs_blocks\.py::test_the_pages_blocks_run_as_written\[(?P<page>[\w.-]+\.md)\]$")
+
+
+def test_the_longest_first_list_names_whole_files_and_docs_pages_that_exist_once():
+    lines = tier_lines(LONGEST_FIRST)
+    assert len(lines) >= 5 and len(set(lines)) == len(lines)
+    for line in lines:
+        if page := DOCS_PAGE.match(line):
+            name = page["page"]
+            assert (REPO / name).is_file() if name == "README.md" else (REPO / "docs" / name).is_file(), line
+        else:
+            assert "::" not in line and (REPO / line).is_file(), f"{line}: not a test file (a module stays whole)"
 
 
 def test_the_extended_list_never_names_a_whole_file_of_the_default_run():
