@@ -62,7 +62,8 @@ def test_a_case_id_may_span_dashes(parts, ok):
     assert spelt(parts, source) is ok
 
 
-DOCS_PAGE = re.compile(r"^tests/dist/test_docs_blocks\.py::test_the_pages_blocks_run_as_written\[(?P<page>[\w.-]+\.md)\]$")
+DOCS_PAGE = re.compile(r"^tests/dist/test_docs_blocks\.py::test_the_pages_blocks_run_as_written"
+                       r"\[(?P<page>[\w.-]+\.md)\]$")
 
 
 def test_the_longest_first_list_names_whole_files_and_docs_pages_that_exist_once():
