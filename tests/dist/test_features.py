@@ -90,7 +90,7 @@ def test_compile_smoke(root, data_cache, reference):
 
 
 def test_unsupported_option_fails_with_one_line_naming_the_key(root, data_cache):
-    # Its own torchrun: the failing exit and the one error line are the point.
+    # Its own start of the ranks: the failing exit and the one error line are the point.
     # Context parallelism needs CUDA: the worker re-checks the device (validate refuses it first; this run dir is hand-written).
     cfg = replace(base_config(data_cache, steps=STEPS), name="cp2", sharding=ShardingConfig(strategy="none", cp=2))
     run_dir = write_run_dir(root, cfg)
