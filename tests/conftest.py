@@ -95,12 +95,13 @@ def xdist_group_of(item: pytest.Item) -> str | None:
     torchrun runs once per worker that needs it: one module, one worker) and those of a project session fixture
     (the Slurm cluster, brought up and down once). Every other test goes to whichever worker is free."""
     info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
-        for fixture in defs:
-            if fixture.scope in ("class", "module", "package"):
-                return str(item.path)
-            if fixture.argname in ONE_WORKER_SESSION_FIXTURES:
-                return f"session:{fixture.argname}"
+    fixtures = [fixture for defs in (info.name2fixturedefs.values() if info is not None else ()) for fixture in defs]
+    # The session's group first: a Slurm test that also uses a module fixture must still share the one cluster.
+    for fixture in fixtures:
+        if fixture.argname in ONE_WORKER_SESSION_FIXTURES:
+            return f"session:{fixture.argname}"
+    if any(fixture.scope in ("class", "module", "package") for fixture in fixtures):
+        return str(item.path)
     return None
 
 
@@ -116,6 +117,9 @@ def longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+# First: an xdist worker's own hook (registered after this file, so called before it otherwise) turns each test's
+# xdist_group marker into its node id's @group suffix, which is what --dist loadgroup schedules by.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Without pytest-xdist (the GPU image has none) the marker is unknown and --strict-markers refuses it.
     grouped = config.pluginmanager.hasplugin("xdist")
