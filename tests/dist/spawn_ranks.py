@@ -9,7 +9,8 @@ core on a 2-core CPU host), after the agent has imported torch for itself (2 s m
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT
 and TORCHELASTIC_MAX_RESTARTS, runs PROGRAM as `python PROGRAM` would (a script as __main__ with its folder first
 on sys.path, or -m MODULE), forms its process group through env:// as under torchrun, and ends without Python's
-teardown of torch's modules (its files are closed by then; its stdout and stderr flushed). When a rank fails, the
+teardown of torch's modules (after its non-daemon threads and atexit handlers, as an interpreter's exit runs
+them; its stdout and stderr flushed). When a rank fails, the
 others get SIGTERM (SIGKILL after a grace), as torchrun's agent does, and the first failure's exit code is this
 program's (the lowest rank's, when several have failed by the time it looks). SIGTERM or SIGINT to this program goes on to the ranks.
 
@@ -18,6 +19,7 @@ program's (the lowest rank's, when several have failed by the time it looks). SI
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import runpy
@@ -96,9 +98,10 @@ def start_rank(rank: int, nproc: int, port: int, program: list[str]) -> int:
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
         os.environ.update(rank_env(rank, nproc, port))
         code = run_program(program)
-        for thread in threading.enumerate():  # as the interpreter's exit does: its non-daemon threads end first
+        for thread in threading.enumerate():  # as the interpreter's exit does: its non-daemon threads end first,
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
+        atexit._run_exitfuncs()  # then its atexit handlers (a test probe writes its counts there); not the teardown
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
