@@ -161,6 +161,19 @@ def pytest_configure(config: pytest.Config) -> None:
     process_leaks.mark_session(own=hasattr(config, "workerinput"))
     own_inductor_cache(config)
     cache_bytecode()
+    one_thread_per_process()
+
+
+def one_thread_per_process() -> None:
+    """torch runs one intra-op thread in this process and in every program a test starts (OMP_NUM_THREADS=1,
+    which the worker and the launch keep), whatever the caller's environment says. Two xdist workers each running
+    torch on two threads over two cores do not share them but stall each other: OpenMP's threads wait for each
+    other at every kernel's end, and a waiting thread whose peer lost its core spins. Measured on 2 cores: a small
+    training loop took 7 CPU-s on one thread beside another such loop, and 160 s on two threads beside another on
+    two. One thread per process also keeps a test's in-process reference and a one-rank worker on the same kernels."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def cache_bytecode() -> None:

@@ -46,8 +46,9 @@ class ClusterConfig:
     assumed_mfu: float = within(0.0, 0, 1)
     max_restarts: int = at_least(0, 0)  # torchrun --max-restarts (whole-group restarts after a worker failure)
     rdzv_port: int = within(29500, 1, 65535)
-    # torch threads per CPU worker; 0: cores / procs_per_node
-    cpu_threads: int = at_least(0, 0, "0 picks cores / workers")
+    # torch threads per CPU worker; 0: OMP_NUM_THREADS if set (the launch sets cores / procs_per_node and a local
+    # run keeps a value you exported), else cores / procs_per_node
+    cpu_threads: int = at_least(0, 0, "0: OMP_NUM_THREADS, which the launch sets to cores / workers")
 
     def __post_init__(self) -> None:
         # A config of one backend naming another would be read by the wrong backend.

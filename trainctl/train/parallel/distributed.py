@@ -90,10 +90,20 @@ def close_distributed() -> None:
 
 
 def set_cpu_threads(cluster: ClusterConfig, local_world_size: int) -> int:
-    """torch intra-op threads: `cluster.cpu_threads`, or this node's cores shared among its ranks."""
-    threads = cluster.cpu_threads or max(1, (os.cpu_count() or 1) // local_world_size)
+    """torch intra-op threads: `cluster.cpu_threads`; else OMP_NUM_THREADS where it is a positive number (the
+    launch script sets it to the node's cores shared among its ranks, and keeps a value the user exported on a
+    local run); else the cores this process may run on, shared among the node's ranks. More threads than cores
+    is not a little slower but many times slower: OpenMP's threads wait for each other at every kernel's end."""
+    threads = cluster.cpu_threads or omp_threads() or max(1, len(os.sched_getaffinity(0)) // local_world_size)
     torch.set_num_threads(threads)
     return threads
+
+
+def omp_threads() -> int:
+    """OMP_NUM_THREADS as a number of threads; 0 where it is unset or not a positive number (OpenMP's own
+    `4,2` nesting form counts its first level)."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else 0
 
 
 def enable_tf32(device: torch.device) -> None:
