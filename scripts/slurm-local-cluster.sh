@@ -156,6 +156,11 @@ network_up() {
     ns=tcslurm-$node
     host_end=tcs-$node
     ip netns list | grep -qw "$ns" || ip netns add "$ns"
+    # A host end whose other end is not this namespace's eth0 is left from a cluster whose namespace went while a
+    # process still held it (an interrupted `up` or `down`): replace the pair.
+    if ip link show "$host_end" >/dev/null 2>&1 && ! ip -n "$ns" link show eth0 >/dev/null 2>&1; then
+      ip link del "$host_end"
+    fi
     if ! ip link show "$host_end" >/dev/null 2>&1; then
       ip link add "$host_end" type veth peer name eth0 netns "$ns"
     fi
@@ -167,8 +172,13 @@ network_up() {
 }
 
 network_down() {
-  local ns
+  local ns pid
   for ns in $(ip netns list | awk '/^tcslurm-node/ {print $1}'); do
+    # Whatever still runs on the node (a job step outliving its slurmd) would keep the namespace and its link alive
+    # after `ip netns del`, unreachable by name.
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do
+      kill -KILL "$pid" 2>/dev/null || true
+    done
     ip netns del "$ns"
   done
   ip link del "$BRIDGE" 2>/dev/null || true
