@@ -48,7 +48,8 @@ if [ "${TRAINCTL_PREPARE_ONLY:-0}" = 1 ]; then
   echo "[torch $VERSION] $VENV has torch"
   exit 0
 fi
-if ! "$PY" -c "import trainctl, hydra, pytest, torchao, transformers, tokenizers, peft" >/dev/null 2>&1 \
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" \
+     trainctl hydra pytest torchao transformers tokenizers peft >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$VENV/.trainctl-installed" ]; then
   echo "[torch $VERSION] installing trainctl (editable) with dev and fp8 extras"
   # Its output (a pip configuration's missing find-links folders warn once per package) goes to a log, shown on failure.
