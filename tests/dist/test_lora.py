@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from worker_runs import TINY, base_config, records, run_worker, train_many, write_run_dir
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import assert_close_fp, forward_terms, run_cli, tool_argv, torchrun_cmd, worker_env
+from tests.helpers import assert_close_fp, forward_terms, ranks_cmd, run_cli, run_group, tool_argv, worker_env
 from trainctl.config.schema import CheckpointConfig, LoRAConfig, OptimConfig, ShardingConfig
 from trainctl.core import checkpoints
 from trainctl.core.lora import is_adapter
@@ -123,9 +123,8 @@ def test_lora_resume_after_a_stop_equals_a_straight_run(tmp_path, data_cache, hf
     straight = write_run_dir(tmp_path, lora_config(data_cache, "straight", hf_base, sharding, lora=lora))
     ok(run_worker(straight, 2), straight)
     resumed = write_run_dir(tmp_path, lora_config(data_cache, "resumed", hf_base, sharding, lora=lora))
-    cmd = torchrun_cmd(2, "-m", "trainctl.train", str(resumed))
-    stop = subprocess.run(cmd, env=worker_env(**fault_env(stop_after_step=STEPS // 2)), capture_output=True,
-                          text=True, timeout=240)
+    stop = run_group(ranks_cmd(2, "-m", "trainctl.train", str(resumed)), 240,
+                     worker_env(**fault_env(stop_after_step=STEPS // 2)))
     ok(stop, resumed)
     assert [s for s, _ in checkpoints.list_committed(resumed / "checkpoints")] == [STEPS // 2]
     ok(run_worker(resumed, 2), resumed)

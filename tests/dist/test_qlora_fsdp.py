@@ -22,7 +22,7 @@ from worker_runs import (
 )
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import run_group, tool_argv, torchrun_cmd, worker_env
+from tests.helpers import ranks_cmd, run_group, tool_argv, worker_env
 from trainctl.config.schema import LoRAConfig, OptimConfig, ShardingConfig
 from trainctl.core import checkpoints
 from trainctl.core.lora import quantized_base
@@ -80,7 +80,7 @@ def test_fsdp_resume_after_a_stop_equals_the_straight_run(tmp_path, data_cache):
     cfg = replace(cfg, model=replace(MODEL, lora=replace(QLORA, dropout=0.1)))
     straight, resumed = (write_run_dir(tmp_path, replace(cfg, name=name)) for name in ("straight", "resumed"))
     check_worker(straight, run_worker(straight, 2))
-    stop = run_group(torchrun_cmd(2, "-m", "trainctl.train", str(resumed)), 240,
+    stop = run_group(ranks_cmd(2, "-m", "trainctl.train", str(resumed)), 240,
                      worker_env(**fault_env(stop_after_step=STEPS // 2)))
     check_worker(resumed, stop)
     assert [s for s, _ in checkpoints.list_committed(resumed / "checkpoints")] == [STEPS // 2]

@@ -28,7 +28,7 @@ from worker_runs import (
 )
 
 from tests.faults.worker_faults import fault_env
-from tests.helpers import curve_rel, torchrun_cmd, worker_env
+from tests.helpers import curve_rel, ranks_cmd, run_group, worker_env
 from trainctl.config.schema import CheckpointConfig, GuardsConfig, OptimConfig, ShardingConfig
 from trainctl.train.checkpoint.state import quantized_state_classes
 from trainctl.train.checkpoint.store import list_committed, verify
@@ -39,11 +39,14 @@ STEPS, STOP_AT = 20, 10
 
 
 def launch(run_dir: Path, nproc: int | None, **env) -> subprocess.CompletedProcess:
+    """The worker on RUN_DIR in fresh processes: N ranks (torchrun's environment, helpers.ranks_cmd), or one plain
+    process. The launcher's own resume (`trainctl resume`, torchrun, its restarts) is test_run_lock's and
+    test_faults'; here the subject is what the worker reads back."""
     if nproc is None:
         cmd = [sys.executable, "-m", "trainctl.train", str(run_dir)]
     else:
-        cmd = torchrun_cmd(nproc, "-m", "trainctl.train", str(run_dir))
-    return subprocess.run(cmd, env=worker_env(**env), capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        cmd = ranks_cmd(nproc, "-m", "trainctl.train", str(run_dir))
+    return run_group(cmd, WORKER_TIMEOUT_S, worker_env(**env))
 
 
 def ok(proc: subprocess.CompletedProcess, run_dir: Path) -> None:
@@ -309,7 +312,7 @@ def test_async_save_gives_the_same_run_and_valid_checkpoints(tmp_path, data_cach
     sharding, nproc, micro = LAYOUTS["zero3"]
     sync = write_run_dir(tmp_path, config(data_cache, "sync", sharding, micro, every=5))
     run_dir = write_run_dir(tmp_path, config(data_cache, "async", sharding, micro, every=5, async_save=True))
-    train_written({"sync": (sync, nproc), "async": (run_dir, nproc)})  # one torchrun; the async run last
+    train_written({"sync": (sync, nproc), "async": (run_dir, nproc)})  # one launch; the async run last
     assert losses(run_dir) == losses(sync)
     committed = list_committed(run_dir / "checkpoints")
     assert [s for s, _ in committed] == [15, 20] and all(verify(p) == [] for _, p in committed)
