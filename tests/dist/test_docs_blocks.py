@@ -107,4 +107,11 @@ def check_preference_tuning(folder: Path, out: str) -> None:
     assert json.loads((folder / "runs" / "simpo" / "result.json").read_text())["steps"] == 10
 
 
-CHECKS = {"fine-tuning.md": check_fine_tuning, "preference-tuning.md": check_preference_tuning}
+def check_tune(folder: Path, out: str) -> None:
+    """What docs/tune.md's tune prints: the measured table, fastest first, and the launch line of the pinned winner,
+    which the page's plan then reads."""
+    assert "fastest measured first" in out and "launch it with: trainctl launch recipe=" in out, out[-3000:]
+    assert (folder / "runs" / "tune" / "t" / "tiny_cpu_tuned.yaml").is_file()
+
+
+CHECKS = {"fine-tuning.md": check_fine_tuning, "preference-tuning.md": check_preference_tuning, "tune.md": check_tune}

@@ -1,8 +1,8 @@
 """scripts/quickstart.sh, the README's first command, end to end: its run on 2 CPU workers with its short plan, its
 own promise (the final validation loss at most half the step-0 one) and what to run next; a first run reads in at
 most 25 lines before its first step. The demo's 100 steps take about 3 minutes on 2 cores; the script passes its
-arguments to the launch, and 30 steps keep the promise already (val loss x0.43 at step 25 of the 100), in under
-two minutes."""
+arguments to the launch, and 30 steps of half the sequence length keep the promise already (val loss 5.755 -> 2.449,
+x0.43, on a 2-core AMD EPYC), in about 45 s."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_quickstart_trains_and_keeps_its_promise(tmp_path):
     env = {**os.environ, "TRAINCTL_RUNS_DIR": str(tmp_path / "runs"), "WANDB_SILENT": "true"}
     # One stream, as a terminal shows it: warnings and setup notes count as lines to read.
     proc = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh"), f"train.steps={STEPS}",
-                           "train.eval_every=15"], cwd=REPO, env=env, text=True,
+                           "train.eval_every=15", "train.seq_len=128"], cwd=REPO, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
