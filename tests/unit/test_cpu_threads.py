@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainctl.config.schema import ClusterConfig
-from trainctl.train.parallel.distributed import omp_threads, set_cpu_threads
+from trainctl.train.parallel.distributed import omp_threads, oversubscribed, set_cpu_threads
 
 
 @pytest.fixture
@@ -47,3 +47,11 @@ def test_without_either_the_cores_are_shared_among_the_ranks(monkeypatch, restor
     cores = len(os.sched_getaffinity(0))
     assert set_cpu_threads(ClusterConfig(procs_per_node=2), local_world_size=2) == max(1, cores // 2)
     assert set_cpu_threads(ClusterConfig(procs_per_node=1), local_world_size=cores + 1) == 1
+
+
+def test_more_threads_than_cores_is_named_in_one_line():
+    cores = len(os.sched_getaffinity(0))
+    assert oversubscribed(1, cores) is None and oversubscribed(max(1, cores // 2), 2) is None
+    warning = oversubscribed(cores, 2)
+    assert warning is not None and "\n" not in warning
+    assert f"2 rank(s) x {cores} torch threads on {cores} cores" in warning and "cluster.cpu_threads" in warning

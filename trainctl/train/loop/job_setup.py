@@ -123,6 +123,8 @@ def setup(cfg: RunConfig, run_dir: Path, world: distributed.World, stop: StopReq
     check_lora_supported(cfg)
     check_cp_device(cfg.sharding.cp, world.device)
     threads = distributed.set_cpu_threads(cfg.cluster, world.local_world_size)
+    if world.device.type == "cpu" and (crowded := distributed.oversubscribed(threads, world.local_world_size)):
+        print0(crowded, world.is_main)
     distributed.enable_tf32(world.device)
     distributed.seed_everything(cfg.train.seed)
     sharding, train = cfg.sharding, cfg.train

@@ -99,6 +99,15 @@ def set_cpu_threads(cluster: ClusterConfig, local_world_size: int) -> int:
     return threads
 
 
+def oversubscribed(threads: int, local_world_size: int) -> str | None:
+    """A warning where this node's ranks run more torch threads than it has cores for them, else None."""
+    cores = len(os.sched_getaffinity(0))
+    if threads * local_world_size <= cores:
+        return None
+    return (f"warning: {local_world_size} rank(s) x {threads} torch threads on {cores} cores: each rank runs many "
+            f"times slower than on {max(1, cores // local_world_size)}; set cluster.cpu_threads or OMP_NUM_THREADS")
+
+
 def omp_threads() -> int:
     """OMP_NUM_THREADS as a number of threads; 0 where it is unset or not a positive number (OpenMP's own
     `4,2` nesting form counts its first level)."""
