@@ -83,7 +83,9 @@ node_memory_mb() {
 
 write_config() {
   local nodes=$1 cpus mem ctl_name
-  cpus=$(nproc)
+  # nproc reports OMP_NUM_THREADS instead of the cores where it is set (a test session sets it to 1): the nodes'
+  # CPUs are the cores this host lets us run on.
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
   mem=$(node_memory_mb "$nodes")
   ctl_name=$(hostname -s)
   mkdir -p "$STATE/etc" "$STATE/ctld" "$STATE/spool" "$STATE/log" "$STATE/run"
