@@ -83,7 +83,7 @@ node_memory_mb() {
 
 write_config() {
   local nodes=$1 cpus mem ctl_name
-  # nproc reports OMP_NUM_THREADS instead of the cores where it is set (a test session sets it to 1): the nodes'
+  # nproc reports OMP_NUM_THREADS instead of the cores where it is set (the test suite sets it to 1): the nodes'
   # CPUs are the cores this host lets us run on.
   cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
   mem=$(node_memory_mb "$nodes")
