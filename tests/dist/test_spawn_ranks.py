@@ -26,7 +26,7 @@ dist.all_reduce(total)
 # One write per line: with PYTHONUNBUFFERED, print's text and its newline are two writes, which the ranks' shared
 # pipe can interleave.
 os.write(1, (f"rank {rank} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} sum {total.item():g} "
-             f"main {__name__} argv {sys.argv[1:]}\n").encode())
+             f"main {__name__} argv {sys.argv[1:]}\\n").encode())
 dist.destroy_process_group()
 """
 
