@@ -94,18 +94,23 @@ def set_cpu_threads(cluster: ClusterConfig, local_world_size: int) -> int:
     launch script sets it to the node's cores shared among its ranks, and keeps a value the user exported on a
     local run); else the cores this process may run on, shared among the node's ranks. More threads than cores
     is not a little slower but many times slower: OpenMP's threads wait for each other at every kernel's end."""
-    threads = cluster.cpu_threads or omp_threads() or max(1, len(os.sched_getaffinity(0)) // local_world_size)
+    threads = cluster.cpu_threads or omp_threads() or max(1, usable_cores() // local_world_size)
     torch.set_num_threads(threads)
     return threads
 
 
 def oversubscribed(threads: int, local_world_size: int) -> str | None:
     """A warning where this node's ranks run more torch threads than it has cores for them, else None."""
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     if threads * local_world_size <= cores:
         return None
     return (f"warning: {local_world_size} rank(s) x {threads} torch threads on {cores} cores: each rank runs many "
             f"times slower than on {max(1, cores // local_world_size)}; set cluster.cpu_threads or OMP_NUM_THREADS")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a Slurm job's cgroup, taskset), not the machine's count."""
+    return len(os.sched_getaffinity(0))
 
 
 def omp_threads() -> int:
