@@ -29,13 +29,22 @@ from trainctl.models.common.shape import head_dim
 from trainctl.models.loss_head import OutputHead, dense_loss_sum
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding; on the meta device without its own N(0, 1) draw, which init_weights replaces after `to_empty`
+    anyway: an operator on meta tensors that runs through torch._refs (normal_, arange) imports torch._dynamo, about
+    0.8 s of one core at every eval, generate or export, which never build an optimizer."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Decoder(nn.Module):
     block_class: type[TransformerBlock] = TransformerBlock
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): self.block_class(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = OutputHead(cfg.dim, cfg.vocab_size, bias=False)
@@ -46,6 +55,8 @@ class Decoder(nn.Module):
 
     def _rope_table(self, device) -> torch.Tensor:
         c = self.cfg
+        if device is None and torch.get_default_device().type == "meta":  # shapes only; init_weights computes it
+            return torch.empty(c.max_seq_len, head_dim(c) // 2, 2)
         return rope_frequencies(head_dim(c), c.max_seq_len, c.rope_theta, device=device, scaling=c)
 
     @torch.no_grad()
