@@ -24,7 +24,7 @@ BASE = ["recipe=tiny_cpu", *TINY_OVERRIDES, "train.steps=12", "train.eval_every=
 def tuned(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("tune")
     proc = run_cli("tune", *BASE, f"data.cache_dir={tmp_path / 'cache'}", "--top", "4", "--probe-steps", "6",
-                   "--name", "t", "--json", cwd=tmp_path, timeout=600)
+                   "--repeats", "1", "--name", "t", "--json", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp_path, json.loads(proc.stdout)
 
