@@ -9,19 +9,19 @@ cd "$(dirname "$0")/.."
 source scripts/_setup.sh
 
 ruff check trainctl tests scripts
-rest="not (unit or component or fuzz or cli) and not extended"
+tiers=(-m "not extended")
 if [ "${1:-}" = "--full" ]; then
-    rest="not (unit or component or fuzz or cli)"
+    tiers=()
     shift
 fi
 if [ $# -gt 0 ]; then
     python -m pytest -q -ra "$@"
     exit
 fi
-# The in-process tiers (unit, component, fuzz) and the CLI tests (short programs, one core each: about 2600 tests)
-# on two xdist workers; then the rest, also on two: one test's programs leave about a third of the two cores idle
-# (start-up, one-process references, the CLI's own work), which the other worker's test takes. A module's tests
-# share its runs and the Slurm tests one cluster: each such group stays on one worker (tests/conftest.py), the
-# longest start first (tests/longest_first.txt).
-python -m pytest -q -ra -m "unit or component or fuzz or cli" -n 2 --dist loadgroup
-python -m pytest -q -ra -m "$rest" -n 2 --dist loadgroup --no-loadscope-reorder
+# Every tier in one pytest run on two xdist workers (one collection, one start of each worker): the longest groups of
+# tests that start programs first (tests/longest_first.txt), the other programs' tests next, and the in-process tiers
+# (about 2600 tests of milliseconds to seconds) last, where they fill whichever worker is free until the end. One
+# test's programs leave about a third of the two cores idle (start-up, one-process references, the CLI's own work),
+# which the other worker's test takes. A module's tests share its runs and the Slurm tests one cluster: each such
+# group stays on one worker (tests/conftest.py).
+python -m pytest -q -ra "${tiers[@]}" -n 2 --dist loadgroup --no-loadscope-reorder

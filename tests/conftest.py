@@ -10,9 +10,9 @@ the machine has the cores: the unit tier is about 1400 in-process tests of a few
 two cores halve it. `-n 0` runs it in one process; `-n N` picks N. Every other selection runs in one process
 unless it asks for workers (`-n 2 --dist loadgroup`: xdist_group_of keeps a module's shared runs, and the Slurm
 cluster, on one worker; tests/longest_first.txt orders the collection so the longest groups start first).
-scripts/test.sh runs the in-process tiers (unit, component, fuzz) and the cli tier (short programs, one core each) on
-two workers, then the rest on two as well: one torchrun test alone keeps the two cores about two thirds busy (its
-programs' start-up and one-process references run on one core), and the other worker's test takes the rest.
+scripts/test.sh runs every tier in one run on two workers, the longest groups first and the in-process tiers last:
+one torchrun test alone keeps the two cores about two thirds busy (its programs' start-up and one-process references
+run on one core), and the other worker's test takes the rest.
 """
 
 from __future__ import annotations
