@@ -16,8 +16,8 @@ import os
 import sys
 
 import torch.distributed as dist
-from spawn_ranks import quick_exit  # this file's folder is first on sys.path
 
+from trainctl.core.process_end import exit_now
 from trainctl.train.__main__ import main
 
 
@@ -48,5 +48,5 @@ def run_all(run_dirs: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Every run's files are closed and the group is gone: no teardown of torch's modules (spawn_ranks.quick_exit).
-    quick_exit(run_all(sys.argv[1:]))
+    # Every run's files are closed and the group is gone: no teardown of torch's modules (core/process_end.py).
+    exit_now(run_all(sys.argv[1:]))

@@ -8,9 +8,8 @@ core on a 2-core CPU host), after the agent has imported torch for itself (2 s m
 (PRELOAD, no thread started), then forks the ranks: each gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT
 and TORCHELASTIC_MAX_RESTARTS, runs PROGRAM as `python PROGRAM` would (a script as __main__ with its folder first
-on sys.path, or -m MODULE), forms its process group through env:// as under torchrun, and ends without Python's
-teardown of torch's modules (after its non-daemon threads and atexit handlers, as an interpreter's exit runs
-them; its stdout and stderr flushed). When a rank fails, the
+on sys.path, or -m MODULE), forms its process group through env:// as under torchrun, and ends as the worker does,
+without Python's teardown of torch's modules (trainctl/core/process_end.py). When a rank fails, the
 others get SIGTERM (SIGKILL after a grace), as torchrun's agent does, and the first failure's exit code is this
 program's (the lowest rank's, when several have failed by the time it looks). SIGTERM or SIGINT to this program goes on to the ranks.
 
@@ -19,16 +18,16 @@ program's (the lowest rank's, when several have failed by the time it looks). SI
 
 from __future__ import annotations
 
-import atexit
 import os
 import random
 import runpy
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
+
+from trainctl.core.process_end import exit_now
 
 GRACE_S = 10.0  # after a rank failed: how long its peers get to end on SIGTERM before SIGKILL
 POLL_S = 0.02
@@ -99,22 +98,7 @@ def start_rank(rank: int, nproc: int, port: int, program: list[str]) -> int:
         os.environ.update(rank_env(rank, nproc, port))
         code = run_program(program)
     finally:
-        quick_exit(code)
-
-
-def quick_exit(code: int) -> None:
-    """End this process as the interpreter's exit would, but without its teardown of torch's modules (about 0.5 s of
-    one core): the non-daemon threads end first, then the atexit handlers run (a test probe writes its counts there),
-    then stdout and stderr are flushed."""
-    try:
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
 
 
 def exit_code(status: int) -> int:
@@ -177,4 +161,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    quick_exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

@@ -205,4 +205,6 @@ def failed(err: BaseException) -> tuple[int, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from trainctl.core.process_end import exit_now
+
+    exit_now(main(sys.argv[1:]))  # without the teardown of torch's modules (core/process_end.py)
