@@ -17,7 +17,7 @@ import sys
 
 import torch.distributed as dist
 
-from trainctl.core.process_end import exit_now
+from trainctl.core.lean_process import exit_now
 from trainctl.train.__main__ import main
 
 
@@ -48,5 +48,5 @@ def run_all(run_dirs: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Every run's files are closed and the group is gone: no teardown of torch's modules (core/process_end.py).
+    # Every run's files are closed and the group is gone: no teardown of torch's modules (core/lean_process.py).
     exit_now(run_all(sys.argv[1:]))

@@ -9,7 +9,7 @@ core on a 2-core CPU host), after the agent has imported torch for itself (2 s m
 GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT
 and TORCHELASTIC_MAX_RESTARTS, runs PROGRAM as `python PROGRAM` would (a script as __main__ with its folder first
 on sys.path, or -m MODULE), forms its process group through env:// as under torchrun, and ends as the worker does,
-without Python's teardown of torch's modules (trainctl/core/process_end.py). When a rank fails, the
+without Python's teardown of torch's modules (trainctl.core.lean_process.py). When a rank fails, the
 others get SIGTERM (SIGKILL after a grace), as torchrun's agent does, and the first failure's exit code is this
 program's (the lowest rank's, when several have failed by the time it looks). SIGTERM or SIGINT to this program goes on to the ranks.
 
@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 
-from trainctl.core.process_end import exit_now
+from trainctl.core.lean_process import exit_now, imports_without_gc
 
 GRACE_S = 10.0  # after a rank failed: how long its peers get to end on SIGTERM before SIGKILL
 POLL_S = 0.02
@@ -129,8 +129,9 @@ def end_all(pids: dict[int, int | None], sig: int) -> None:
 
 
 def run(nproc: int, program: list[str]) -> int:
-    for module in PRELOAD:
-        __import__(module)
+    with imports_without_gc():
+        for module in PRELOAD:
+            __import__(module)
     port = free_port()
     pids: dict[int, int | None] = {}
 

@@ -81,8 +81,9 @@ def test_the_api_refuses_bad_values_before_it_looks_for_the_run_or_starts_a_chil
                                      GenerateOptions(prompt="é\nb", seed=3, top_p=0.5), EvalOptions(data="tok")])
 def test_the_child_reads_what_the_api_sends(options, tmp_path):
     argv = child_argv("trainctl.some.tool", tmp_path / "run", options, tmp_path / "answer.json")
-    assert argv[1:3] == ["-m", "trainctl.some.tool"]
-    assert read_child_argv(type(options), argv[3:]) == (tmp_path / "run", options, tmp_path / "answer.json")
+    # the tool's module through core/lean_process.py, which hands it the rest
+    assert argv[1:4] == ["-m", "trainctl.core.lean_process", "trainctl.some.tool"]
+    assert read_child_argv(type(options), argv[4:]) == (tmp_path / "run", options, tmp_path / "answer.json")
 
 
 def test_results_render_as_the_commands_print_them():

@@ -283,8 +283,10 @@ class EvalResult:
 
 
 def child_argv(module: str, run_dir: Path, options: object, result: Path) -> list[str]:
-    """`python -m MODULE RUN_DIR OPTIONS_JSON RESULT_JSON`: how the api starts a tool's torch child."""
-    return [sys.executable, "-m", module, str(run_dir), json.dumps(asdict(options)), str(result)]
+    """`python -m MODULE RUN_DIR OPTIONS_JSON RESULT_JSON`, through core/lean_process.py (its imports without the
+    garbage collector, its end without the teardown of torch's modules): how the api starts a tool's torch child."""
+    return [sys.executable, "-m", "trainctl.core.lean_process", module, str(run_dir), json.dumps(asdict(options)),
+            str(result)]
 
 
 def read_child_argv(cls: type, argv: list[str]) -> tuple[Path, object, Path | None]:

@@ -202,6 +202,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trainctl.core.process_end import exit_now
+    from trainctl.core.lean_process import exit_now
 
-    exit_now(main())  # without the teardown of torch's modules (core/process_end.py)
+    exit_now(main())  # without the teardown of torch's modules (core/lean_process.py)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from trainctl.core import rundir
+from trainctl.core.lean_process import exit_now, imports_without_gc
 from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerError, storage_line
 
 log = logging.getLogger("trainctl.train")
@@ -172,8 +173,9 @@ def run_worker(run_dir: Path, rank: int, log_path: Path) -> int:
         if rank == 0:
             rundir.clear_stop(run_dir)  # a new attempt: an earlier stop no longer describes the run
         # Imported after logging is set up: torch import warnings land in the rank's log.
-        from trainctl.train.loop.hooks import hooks_from_env
-        from trainctl.train.loop.trainer import run
+        with imports_without_gc():
+            from trainctl.train.loop.hooks import hooks_from_env
+            from trainctl.train.loop.trainer import run
 
         summary = run(cfg, run_dir, stop, on_error=lambda exc: reported.append(report(exc, log_path)),
                       hooks=hooks_from_env())
@@ -205,6 +207,4 @@ def failed(err: BaseException) -> tuple[int, str]:
 
 
 if __name__ == "__main__":
-    from trainctl.core.process_end import exit_now
-
-    exit_now(main(sys.argv[1:]))  # without the teardown of torch's modules (core/process_end.py)
+    exit_now(main(sys.argv[1:]))  # without the teardown of torch's modules (core/lean_process.py)
