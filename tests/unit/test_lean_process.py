@@ -1,6 +1,7 @@
-"""core/lean_process.exit_now: a worker's or tool child's end without the teardown of its modules loses nothing the
-interpreter's own exit would have kept: non-daemon threads finish, atexit handlers run (logging's shutdown flushes
-and closes the log file), stdout's buffered text is written, and the exit code is the one given."""
+"""core/lean_process: a worker's or tool child's end without the teardown of its modules loses nothing the
+interpreter's own exit would have kept (non-daemon threads finish, an idle thread pool does not hold it, atexit
+handlers run, logging's shutdown flushes and closes the log file, stdout's buffered text is written, the exit code
+is the one given); a tool's module runs with its imports outside the garbage collector."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.cli
 
 PROGRAM = textwrap.dedent("""
     import atexit, logging, sys, threading, time
+    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
     from trainctl.core.lean_process import exit_now
 
@@ -27,6 +29,8 @@ PROGRAM = textwrap.dedent("""
         (folder / "thread").write_text("finished")
 
     threading.Thread(target=late_writer).start()
+    pool = ThreadPoolExecutor(2)  # left running, as Inductor's compile pool is: it must not hold the exit
+    pool.submit(lambda: None).result()
     sys.stdout.write("buffered, no newline")  # a pipe: block-buffered until flushed
     exit_now(int(sys.argv[2]) if sys.argv[2] != "none" else None)
 """)

@@ -39,12 +39,14 @@ def imports_without_gc() -> Iterator[None]:
 
 def exit_now(code: int | None) -> NoReturn:
     """End this process with `code` (None: 0) once its non-daemon threads have ended, its atexit handlers have run
-    and stdout and stderr are flushed, skipping the teardown of its modules. Files a program keeps open must be
-    closed (or line-buffered) by then, as the worker's are: nothing is flushed at teardown that was not before."""
+    and stdout and stderr are flushed, skipping the teardown of its modules. Call it from the main thread. Files a
+    program keeps open must be closed (or line-buffered) by then, as the worker's are: nothing is flushed at
+    teardown that was not before."""
     try:
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+        # What the interpreter's exit does first, as it does it: the executors' exit hooks (a thread pool's idle
+        # workers, e.g. Inductor's compile pool, end on them; joined without them, they would wait forever), then
+        # every non-daemon thread joined.
+        threading._shutdown()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
