@@ -29,11 +29,17 @@ from trainctl.models.common.shape import head_dim
 from trainctl.models.loss_head import OutputHead, dense_loss_sum
 
 
+def building_on_meta() -> bool:
+    """Whether modules are being built on the meta device (shapes only; init_weights fills them after `to_empty`).
+    There the build draws nothing: an operator on meta tensors that runs through torch._refs (normal_, arange)
+    imports torch._dynamo, about 0.8 s of one core at every eval, generate or export, which never build an
+    optimizer."""
+    return torch.get_default_device().type == "meta"
+
+
 def embedding(num: int, dim: int) -> nn.Embedding:
-    """nn.Embedding; on the meta device without its own N(0, 1) draw, which init_weights replaces after `to_empty`
-    anyway: an operator on meta tensors that runs through torch._refs (normal_, arange) imports torch._dynamo, about
-    0.8 s of one core at every eval, generate or export, which never build an optimizer."""
-    if torch.get_default_device().type == "meta":
+    """nn.Embedding; on the meta device without its own N(0, 1) draw (building_on_meta)."""
+    if building_on_meta():
         return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
     return nn.Embedding(num, dim)
 
@@ -55,7 +61,7 @@ class Decoder(nn.Module):
 
     def _rope_table(self, device) -> torch.Tensor:
         c = self.cfg
-        if device is None and torch.get_default_device().type == "meta":  # shapes only; init_weights computes it
+        if device is None and building_on_meta():  # shapes only; init_weights computes it
             return torch.empty(c.max_seq_len, head_dim(c) // 2, 2)
         return rope_frequencies(head_dim(c), c.max_seq_len, c.rope_theta, device=device, scaling=c)
 
