@@ -142,12 +142,16 @@ def worker_env(**extra: object) -> dict[str, str]:
     return env
 
 
-def torchrun_cmd(nproc: int, *program: str, max_restarts: int | None = None, args: tuple[str, ...] = ()) -> list[str]:
+def torchrun_cmd(nproc: int, *program: str, max_restarts: int | None = None, args: tuple[str, ...] = (),
+                 fork: bool = False) -> list[str]:
     """`torchrun --standalone --nproc_per_node=N [--max-restarts=R] [ARGS] PROGRAM...` with this interpreter.
 
-    program: a script and its arguments, or "-m", a module and its arguments.
+    program: a script and its arguments, or "-m", a module and its arguments. fork: torchrun as
+    cluster.rank_start=fork runs it (trainctl.train.agent, which starts `-m trainctl.train RUN_DIR` only), each
+    rank forked from the agent; else plain torchrun, each rank a new interpreter (exec, the CUDA default).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    module = "trainctl.train.agent" if fork else "torch.distributed.run"
+    cmd = [sys.executable, "-m", module, "--standalone", f"--nproc_per_node={nproc}"]
     if max_restarts is not None:
         cmd.append(f"--max-restarts={max_restarts}")
     return [*cmd, *args, *program]

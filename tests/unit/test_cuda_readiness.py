@@ -14,6 +14,7 @@ from trainctl.config.errors import ConfigError
 from trainctl.config.schema import RunConfig
 from trainctl.config.validate import resolve
 from trainctl.train import __main__ as worker_main
+from trainctl.train import rank_process
 from trainctl.train.errors import WorkerConfigError
 from trainctl.train.loop import gc_schedule
 from trainctl.train.parallel import parallelize
@@ -21,14 +22,14 @@ from trainctl.train.parallel import parallelize
 
 def test_workers_get_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch):
     env: dict = {}
-    worker_main.allocator_defaults(env)
+    rank_process.allocator_defaults(env)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    for name in worker_main.ALLOC_CONF_ENVS:
+    for name in rank_process.ALLOC_CONF_ENVS:
         mine = {name: "max_split_size_mb:512"}
-        worker_main.allocator_defaults(mine)
+        rank_process.allocator_defaults(mine)
         assert mine == {name: "max_split_size_mb:512"}
     # main sets it first thing, before anything imports torch.
-    for name in worker_main.ALLOC_CONF_ENVS:
+    for name in rank_process.ALLOC_CONF_ENVS:
         monkeypatch.setenv(name, "")  # empty counts as unset; monkeypatch restores the variables afterwards
     assert worker_main.main([]) == worker_main.EXIT_CONFIG
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

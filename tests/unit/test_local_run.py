@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,7 @@ def test_failure_without_summary_points_at_the_logs(tmp_path, capsys):
 
 RUNNER = """\
 import sys
+from dataclasses import replace
 from pathlib import Path
 from trainctl.launch.backends.local import launcher as local
 sys.exit(local.run(Path(sys.argv[1])))
@@ -182,7 +184,8 @@ def test_rendered_script_execs_torchrun_on_this_machine(tmp_path):
     assert f"cd {tmp_path}" in lines
     assert "export OMP_NUM_THREADS=3" in lines
     exec_line = next(line for line in lines if line.startswith("exec "))
-    for arg in ("-m torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+    # On cpu the ranks are forked by torchrun's agent after one import (cluster.rank_start=auto: train/agent.py).
+    for arg in ("-m trainctl.train.agent", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
                 "--local-ranks-filter=0"):
         assert arg in exec_line
     # The run directory is where the script is (a copied or moved run trains where it now is).
@@ -190,6 +193,22 @@ def test_rendered_script_execs_torchrun_on_this_machine(tmp_path):
     assert '"--log-dir=${RUN_DIR}/logs/torchrun"' in exec_line
     assert str(tmp_path / "run") not in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+@pytest.mark.parametrize(("device", "rank_start", "module"), [
+    ("cpu", "auto", "trainctl.train.agent"), ("cuda", "auto", "torch.distributed.run"),
+    ("cpu", "exec", "torch.distributed.run"), ("cuda", "fork", "trainctl.train.agent")])
+def test_rank_start_picks_plain_torchrun_or_its_forking_agent_with_the_same_arguments(tmp_path, device, rank_start,
+                                                                                      module):
+    cluster = ClusterConfig(procs_per_node=2, device=device, rank_start=rank_start)
+    exec_line = next(line for line in local.render_script(cluster, tmp_path / "run").splitlines()
+                     if line.startswith("exec "))
+    words = shlex.split(exec_line)
+    assert words[2:4] == ["-m", module]
+    plain = shlex.split(next(line for line in local.render_script(replace(cluster, rank_start="exec"),
+                                                                   tmp_path / "run").splitlines()
+                             if line.startswith("exec ")))
+    assert words[4:] == plain[4:]  # torchrun's own options and the worker, unchanged
 
 
 def test_rendered_script_shares_cores_between_workers_by_default(tmp_path):

@@ -12,6 +12,7 @@ from typing import ClassVar
 from trainctl.config.fields import at_least, choice, within
 
 DEVICES = ("cpu", "cuda")
+RANK_STARTS = ("auto", "fork", "exec")
 
 
 def _gpus() -> tuple[str, ...]:
@@ -49,12 +50,20 @@ class ClusterConfig:
     # torch threads per CPU worker; 0: OMP_NUM_THREADS if set (the launch sets cores / procs_per_node and a local
     # run keeps a value you exported), else cores / procs_per_node
     cpu_threads: int = at_least(0, 0, "0: OMP_NUM_THREADS, which the launch sets to cores / workers")
+    # How torchrun starts each rank: fork, from an agent that imported torch and the worker once (train/agent.py);
+    # exec, a new interpreter per rank (plain torchrun); auto: fork on cpu, exec on cuda
+    rank_start: str = choice("auto", RANK_STARTS)
 
     def __post_init__(self) -> None:
         # A config of one backend naming another would be read by the wrong backend.
         if self.launcher != self.NAME:
             raise ValueError(f"{type(self).__name__} is cluster={self.NAME}, not launcher={self.launcher!r}; "
                              "use that backend's config class (schema.cluster_configs())")
+
+    @property
+    def forks_ranks(self) -> bool:
+        """Whether the ranks are forked from an agent that imported the worker (`rank_start`, resolved)."""
+        return self.rank_start == "fork" or (self.rank_start == "auto" and self.device == "cpu")
 
     @property
     def stop_signal(self) -> str:

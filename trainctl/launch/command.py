@@ -1,10 +1,11 @@
 """The torchrun command line that starts the workers, locally or inside an sbatch script.
 
 Both launchers run the same `torch.distributed.run ... -m trainctl.train RUN_DIR`, as
-`<python> -m torch.distributed.run`: locally with the interpreter that planned the run (the
-workers share its environment); in a Slurm job with `cluster.python`, found where the job runs
-(after `cluster.setup`, inside the container), never the launching venv's path. torch is
-imported only in that child process, never here.
+`<python> -m torch.distributed.run`, or as `<python> -m trainctl.train.agent` with the same
+arguments where the ranks start by fork (`cluster.rank_start`; train/agent.py): locally with the
+interpreter that planned the run (the workers share its environment); in a Slurm job with
+`cluster.python`, found where the job runs (after `cluster.setup`, inside the container), never
+the launching venv's path. torch is imported only in that child process, never here.
 
 Output: every rank's stdout/stderr is captured under RUN_DIR/logs/torchrun/
 (`--redirects=3`), and only local rank 0 is also shown on the console
@@ -66,8 +67,17 @@ def lock_lines(python: str, accept_inherited: bool) -> list[str]:
     ]
 
 
-def torchrun_prefix(python: str | None = None) -> list[str]:
-    return [python or sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN_MODULE = "torch.distributed.run"
+AGENT_MODULE = "trainctl.train.agent"  # the same torchrun, its ranks forked after one import (cluster.rank_start)
+
+
+def torchrun_module(cluster: ClusterConfig) -> str:
+    """torch.distributed.run, or trainctl's agent running it where the ranks start by fork (cluster.rank_start)."""
+    return AGENT_MODULE if cluster.forks_ranks else TORCHRUN_MODULE
+
+
+def torchrun_prefix(cluster: ClusterConfig, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", torchrun_module(cluster)]
 
 
 def output_args(run_dir: RunDir) -> list[str]:

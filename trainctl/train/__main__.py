@@ -1,4 +1,5 @@
-"""Worker entry point: `python -m trainctl.train RUN_DIR` (under torchrun, or alone as a world of one).
+"""Worker entry point: `python -m trainctl.train RUN_DIR` (under torchrun, or alone as a world of one), or this
+file run in a rank that trainctl.train.agent forked (cluster.rank_start=fork: the same code, started forked).
 
 Reads only the run directory. Every rank logs to RUN_DIR/logs/rank{R}.log. How a worker ends:
 - done: exit 0;
@@ -21,8 +22,9 @@ import time
 from pathlib import Path
 
 from trainctl.core import rundir
-from trainctl.core.lean_process import exit_now, imports_without_gc
+from trainctl.core.lean_process import imports_without_gc
 from trainctl.train.errors import EXIT_CONFIG, EXIT_FAILURE, WorkerError, storage_line
+from trainctl.train.rank_process import allocator_defaults, as_new_rank, end_rank, is_forked_rank
 
 log = logging.getLogger("trainctl.train")
 
@@ -100,20 +102,6 @@ def fail(message: str, exit_code: int, log_path: Path | None) -> int:
     print(message, file=sys.stderr, flush=True)
     write_error_file(message, exit_code, log_path)
     return exit_code
-
-
-ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the older name, and torch's newer one
-ALLOC_CONF_DEFAULT = "expandable_segments:True"
-
-
-def allocator_defaults(env: dict = os.environ) -> None:
-    """Expandable segments for the CUDA caching allocator, unless the user configured it.
-
-    A large model runs near the device's capacity, where fixed-size segments fragment: expandable ones
-    grow in place. Set before torch is imported (the allocator reads it at its first CUDA allocation).
-    """
-    if not any(env.get(name) for name in ALLOC_CONF_ENVS):
-        env[ALLOC_CONF_ENVS[0]] = ALLOC_CONF_DEFAULT
 
 
 def main(argv: list[str]) -> int:
@@ -207,4 +195,9 @@ def failed(err: BaseException) -> tuple[int, str]:
 
 
 if __name__ == "__main__":
-    exit_now(main(sys.argv[1:]))  # without the teardown of torch's modules (core/lean_process.py)
+    # Started by plain torchrun (or alone), or forked by trainctl.train.agent (cluster.rank_start=fork): a forked
+    # rank first drops the agent's signal and exit handlers (train/rank_process.py). Either way the end skips the
+    # teardown of torch's modules.
+    if is_forked_rank():
+        as_new_rank()
+    end_rank(main(sys.argv[1:]))

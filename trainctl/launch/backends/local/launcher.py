@@ -61,7 +61,7 @@ _LOCATE = [
 def local_argv(cluster: ClusterConfig, run_dir: RunDir, python: str | None = None) -> list[str]:
     """torchrun on this machine: one node, a standalone rendezvous on a free port."""
     return [
-        *torchrun_prefix(python),
+        *torchrun_prefix(cluster, python),
         "--standalone",
         "--nnodes=1",
         f"--nproc_per_node={cluster.procs_per_node}",

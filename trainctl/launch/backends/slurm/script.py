@@ -35,6 +35,7 @@ from trainctl.launch.command import (
     output_args,
     shell_join,
     torchrun_env_exports,
+    torchrun_module,
     worker_args,
 )
 from trainctl.launch.errors import LaunchError
@@ -204,7 +205,7 @@ def slurm_argv(cluster: SlurmClusterConfig, run_dir: Path, srun_options: tuple[s
         *srun_options,
         *python_words(cluster),
         "-m",
-        "torch.distributed.run",
+        torchrun_module(cluster),
         Expand("--nnodes=${SLURM_NNODES}"),
         f"--nproc-per-node={cluster.procs_per_node}",
         "--rdzv-backend=c10d",
