@@ -68,6 +68,26 @@ def test_run_directory_is_complete(fsdp_run):
     assert json.loads((run_dir / "launch.json").read_text())["exit_code"] == 0
 
 
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "val_loss")} for r in lines
+            if r.get("kind") == kind]
+
+
+def test_ranks_started_by_plain_torchrun_train_the_same_losses_bit_for_bit(fsdp_run, tmp_path):
+    """cluster.rank_start=exec, each rank a new interpreter (plain torchrun, the cuda default), against the fixture's
+    ranks forked by trainctl's agent (the cpu default): the same run, the same numbers to the last bit."""
+    forked, _ = fsdp_run
+    proc = launch(tmp_path, "recipe=tiny_cpu", "sharding=fsdp", f"data.cache_dir={forked.parent.parent / 'cache'}",
+                  *SMALL, "cluster.rank_start=exec", "--name", "exec")
+    run_dir = tmp_path / "runs" / "exec"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "-m torch.distributed.run " in (run_dir / "launch.sh").read_text()
+    assert "-m trainctl.train.agent " in (forked / "launch.sh").read_text()
+    assert records(run_dir, "train") == records(forked, "train") and len(records(run_dir, "train")) == 6
+    assert records(run_dir, "eval") == records(forked, "eval") and records(run_dir, "eval")
+
+
 def test_a_missing_data_file_is_refused_before_anything_starts(tmp_path):
     missing = tmp_path / "nope.bin"
     proc = launch(tmp_path, "recipe=tiny_cpu", "data=memmap", f"data.train_path={missing}", f"data.val_path={missing}",

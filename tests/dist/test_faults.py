@@ -110,10 +110,14 @@ def assert_finished(proc_rc: int, output: str, run_dir: Path) -> None:
 
 # --- running torchrun in the background and stopping its workers -------------------------------
 
-def start_torchrun(run_dir: Path, max_restarts: int, **env: str) -> tuple[subprocess.Popen, Path]:
-    """torchrun --standalone (2 workers, --max-restarts) in the background; output to a file next to the run."""
+def start_torchrun(run_dir: Path, max_restarts: int, fork: bool = False, **env: str) -> tuple[subprocess.Popen, Path]:
+    """torchrun --standalone (2 workers, --max-restarts) in the background; output to a file next to the run.
+
+    fork: the ranks forked by trainctl's agent (cluster.rank_start=fork, the cpu default), else each one a new
+    interpreter (exec, the cuda default): the cases below take one or the other, so that both ways of starting (and
+    restarting) a rank meet a kill."""
     env = worker_env(**TORCHRUN_ENV, **env)
-    cmd = torchrun_cmd(2, "-m", "trainctl.train", str(run_dir), max_restarts=max_restarts)
+    cmd = torchrun_cmd(2, "-m", "trainctl.train", str(run_dir), max_restarts=max_restarts, fork=fork)
     output = run_dir.with_name(run_dir.name + ".torchrun.out")
     with open(output, "w") as out:  # a file, not a pipe: nobody reads while it runs, a pipe could fill and block it
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True), output
@@ -190,13 +194,14 @@ def freeze_after_step(run_dir: Path, pids: list[int], step: int) -> int:
 
 # --- a. a random worker killed at a random step ------------------------------------------------
 
-@pytest.mark.parametrize("seed", [0, 1, 6])  # rank 1 after step 11, rank 0 after 6, rank 0 after 12
-def test_killed_worker_restarts_and_matches(root, data_cache, reference, seed):
+# rank 1 after step 11, rank 0 after 6, rank 0 after 12
+@pytest.mark.parametrize(("seed", "fork"), [(0, True), (1, False), (6, False)], ids=["0-fork", "1", "6"])
+def test_killed_worker_restarts_and_matches(root, data_cache, reference, seed, fork):
     rng = random.Random(seed)
     # After the first checkpoint (step 4), so that the restart must resume from one.
     victim, kill_step = rng.randrange(2), rng.randint(EVERY + 1, STEPS - EVERY)
     run_dir = write_run_dir(root, ddp_config(data_cache, f"kill-seed{seed}"))
-    proc, output = start_torchrun(run_dir, max_restarts=2)
+    proc, output = start_torchrun(run_dir, max_restarts=2, fork=fork)
     try:
         pids = wait_on(lambda: first_pids(run_dir), proc, "both workers to start")
         killed_after = freeze_after_step(run_dir, pids, kill_step)

@@ -54,17 +54,18 @@ def reference(tmp_path_factory, data_cache) -> Path:
     return run_dir
 
 
-def run_hanging(root: Path, cache: Path, name: str, **faults) -> Path:
-    """2 workers under torchrun with one restart, the fault injected; the run must complete."""
+def run_hanging(root: Path, cache: Path, name: str, fork: bool = False, **faults) -> Path:
+    """2 workers under torchrun with one restart, the fault injected; the run must complete. fork: the ranks forked
+    by trainctl's agent (cluster.rank_start=fork), else plain torchrun's (exec)."""
     run_dir = write_run_dir(root, config(cache, name))
-    cmd = torchrun_cmd(2, "-m", "trainctl.train", str(run_dir), max_restarts=1)
+    cmd = torchrun_cmd(2, "-m", "trainctl.train", str(run_dir), max_restarts=1, fork=fork)
     proc = run_group(cmd, WORKER_TIMEOUT_S, worker_env(**TORCHRUN_ENV, **fault_env(**faults)))
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{logs_of(run_dir)[-3000:]}"
     return run_dir
 
 
 def test_a_hung_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path, data_cache, reference):
-    run_dir = run_hanging(tmp_path, data_cache, "hung", hang_after_step=HANG_STEP)
+    run_dir = run_hanging(tmp_path, data_cache, "hung", fork=True, hang_after_step=HANG_STEP)
     assert final_losses(run_dir) == final_losses(reference)  # exact resume: bit for bit
     assert [r["step"] for r in records(run_dir, "resume")] == [HANG_STEP - HANG_STEP % EVERY]
     result = json.loads((run_dir / rundir.RESULT).read_text())

@@ -39,7 +39,8 @@ def make_run_dir(tmp_path: Path, env: str) -> Path:
     (run_dir / "logs").mkdir(parents=True)
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    argv = local.local_argv(ClusterConfig(procs_per_node=2), run_dir)
+    # Plain torchrun (exec): the agent of cluster.rank_start=fork starts trainctl's worker only.
+    argv = local.local_argv(ClusterConfig(procs_per_node=2, rank_start="exec"), run_dir)
     assert argv[-3:-1] == ["-m", "trainctl.train"]
     argv = [*argv[:-3], str(worker), str(tmp_path)]
     (run_dir / "launch.sh").write_text(f"#!/usr/bin/env bash\n{textwrap.dedent(env)}export PYTHONUNBUFFERED=1\nexec {shell_join(argv)}\n")

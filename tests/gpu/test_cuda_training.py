@@ -21,9 +21,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.dist.worker_runs import records, run_worker, series, to_yaml, train_and_check
+from tests.dist.worker_runs import (
+    WORKER_TIMEOUT_S,
+    check_worker,
+    records,
+    run_worker,
+    series,
+    to_yaml,
+    train_and_check,
+    write_run_dir,
+)
 from tests.gpu import configs
 from tests.gpu.configs import gpu_config
+from tests.helpers import run_group, torchrun_cmd, worker_env
 
 CUDA = torch.cuda.is_available()
 GiB = 2**30
@@ -195,3 +205,18 @@ def test_op_checkpointing_keeps_float8_matmul_outputs(monkeypatch):
     plain, op, full = (float8_matmul_calls(monkeypatch, mode, "cuda") for mode in ("", "op", "full"))
     print(f"torch._scaled_mm calls, forward + backward: plain {plain}, op {op}, full {full}")
     assert plain > 0 and op == plain and full > plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_rank_forked_by_the_agent_trains_on_cuda(tmp_path, data_cache, fp32_run):
+    """cluster.rank_start=fork on CUDA (train/agent.py): importing torch and the worker in the agent initialises no
+    CUDA, and the forked rank trains the fp32 run on the device. `auto` keeps exec on cuda until this holds."""
+    cfg = gpu_config(data_cache, "fp32-forked")
+    run_dir = write_run_dir(tmp_path, replace(cfg, cluster=replace(cfg.cluster, rank_start="fork")))
+    proc = run_group(torchrun_cmd(1, "-m", "trainctl.train", str(run_dir), fork=True), WORKER_TIMEOUT_S,
+                     worker_env())
+    check_worker(run_dir, proc)
+    got, want = series(run_dir, "loss"), series(fp32_run, "loss")
+    assert len(got) == len(want) == configs.STEPS and got[-1] < got[0] * 0.9
+    print(f"forked rank on cuda: loss {got[0]:.4f} -> {got[-1]:.4f}; plain process {want[0]:.4f} -> {want[-1]:.4f}")

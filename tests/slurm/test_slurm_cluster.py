@@ -203,8 +203,9 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
     assert result["final_train_loss"] == pytest.approx(want[total], rel=1e-5)
 
 
-# A container stand-in: a prefix that changes the environment of whatever it runs, then execs it. Python started
-# under it imports `sitecustomize` from HOOKS, which records, for each worker (RANK set), what it saw.
+# A container stand-in: a prefix that changes the environment of whatever it runs, then execs it. Each worker rank
+# (started by an agent under it, as a new interpreter or forked) runs the test hook of HOOKS (the worker's
+# TRAINCTL_TEST_HOOKS, train/loop/hooks.py), which records what the rank saw.
 WRAPPER = """#!/usr/bin/env bash
 echo "$(hostname) $*" >> "$MARKS/wrapper.log"
 export CONTAINER_MARK="inside-$(hostname)"
@@ -216,10 +217,13 @@ while [ "${1#--}" != "$1" ]; do shift; done
 shift
 exec "$@"
 """
-SITECUSTOMIZE = """import os, socket
-if os.environ.get("RANK") is not None and os.environ.get("MARKS"):
+RANK_MARKS = """import os, socket
+from trainctl.train.loop.hooks import Hooks
+
+def hooks():
     with open(os.path.join(os.environ["MARKS"], f"rank{os.environ['RANK']}.{os.getpid()}"), "w") as f:
         f.write(f"{socket.gethostname()} {os.environ.get('CONTAINER_MARK', '-')}")
+    return Hooks()
 """
 
 
@@ -227,14 +231,14 @@ def test_a_container_exec_prefix_wraps_every_rank_and_the_bookkeeping(tmp_path):
     marks, hooks = tmp_path / "marks", tmp_path / "hooks"
     marks.mkdir()
     hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (hooks / "rank_marks.py").write_text(RANK_MARKS)
     wrapper = tmp_path / "fake-apptainer"
     wrapper.write_text(WRAPPER)
     wrapper.chmod(0o755)
     run_dir = launch(tmp_path, "wrapped", *SLURM_CPU, "cluster.nodes=2", "cluster.procs_per_node=2", "train.steps=3",
                      "train.micro_batch=2",
                      f"cluster.container.exec={wrapper} exec --nv image.sif", f"+cluster.env.MARKS={marks}",
-                     f"+cluster.env.HOOKS={hooks}")
+                     f"+cluster.env.HOOKS={hooks}", "+cluster.env.TRAINCTL_TEST_HOOKS=rank_marks:hooks")
     state = wait_done(run_dir)
     assert state.state == "COMPLETED", failure_report(run_dir)
     # Every worker, on both nodes, ran inside the prefix's environment.
@@ -244,7 +248,7 @@ def test_a_container_exec_prefix_wraps_every_rank_and_the_bookkeeping(tmp_path):
     assert all(host == mark.removeprefix("inside-") for host, mark in (line.split() for line in seen))
     # The prefix got its own words, then the job's Python: torchrun on each node, and the batch shell's bookkeeping.
     calls = (marks / "wrapper.log").read_text().splitlines()
-    torchruns = [c for c in calls if "-m torch.distributed.run" in c]
+    torchruns = [c for c in calls if "-m trainctl.train.agent" in c]  # torchrun forking its ranks (cpu)
     assert sorted(c.split()[0] for c in torchruns) == ["node1", "node2"]
     assert all(c.split()[1:5] == ["exec", "--nv", "image.sif", sys.executable] for c in calls)
     assert [c.split()[7] for c in calls if "trainctl.core.rundir" in c] == ["hold", "completed"]
