@@ -95,6 +95,20 @@ def test_summary_is_the_fallback_without_error_files(tmp_path):
     assert find_failure("no summary here", tmp_path) is None
 
 
+def test_a_rank_killed_by_a_signal_is_named_before_the_peer_whose_connection_it_broke(tmp_path):
+    # Rank 1 was killed (kill -9, the OOM killer): no error file; rank 0 then wrote the broken connection.
+    error_file(tmp_path, 0, time=T0 + 0.5, message="RuntimeError: Read error: Connection reset by peer")
+    summary = "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 1)\n"
+    failure = find_failure(summary, tmp_path)
+    assert (failure.rank, failure.local_rank, failure.exit_code) == (1, 1, -9)
+    assert failure.message.startswith("killed by SIGKILL") and "Connection reset by peer" in failure.message
+    # A positive exit code, or the error file's own rank, leaves the error files' answer.
+    for code, rank in ((3, 1), (-9, 0)):
+        other = summary.replace("exitcode  : -9", f"exitcode  : {code}").replace(": 1 (local_rank: 1)",
+                                                                                 f": {rank} (local_rank: {rank})")
+        assert find_failure(other, tmp_path).message == "RuntimeError: Read error: Connection reset by peer"
+
+
 DAMAGE = [b"", b"{", b"[]", b"null", b'"text"', b'{"message": 3}', b'{"message": {"extraInfo": "x"}}',
           b'{"message": {"message": ["a"], "extraInfo": {"timestamp": "soon"}},'
           b' "trainctl": {"rank": "x", "time": "t"}}',

@@ -11,8 +11,10 @@ rank, exit code, time to the microsecond, its log, and the attempt. Of the newes
 written first is the first failing rank: e.g. rank 0's DataError, not rank 1's "connection closed" that followed.
 
 A file damaged, missing or written by someone else (torchelastic's own ErrorHandler) is read as far as it
-goes, never raised. When there is none (a worker killed by a signal writes none), torchrun's printed summary
-is the fallback: its "Root Cause (first observed failure)" block reads, among other lines,
+goes, never raised. A worker killed by a signal writes none: torchrun's printed summary names it, and its "Root
+Cause (first observed failure)" block, when it names a rank that a signal ended, wins over the error files its
+peers wrote after (killed_first); without error files the summary is the only source. The block reads, among other
+lines,
 
     rank      : 1 (local_rank: 1)
     exitcode  : 3 (pid: 3775)
@@ -25,6 +27,7 @@ attempt name every rank whose watchdog fired, and they take precedence over erro
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -174,12 +177,33 @@ def rank_log(run_dir: Path, rank: int, local_rank: int) -> Path | None:
     return max(captured)[1] if captured else None
 
 
+def killed_first(output: str, run_dir: Path, failure: Failure) -> Failure | None:
+    """torchrun's root cause when it is another rank than the error files' and one ended by a signal: a rank killed
+    from outside (kill -9, the kernel's out-of-memory killer) writes no error file, and what its peers wrote after it
+    died (a connection reset by the dead peer) is the consequence, not the cause."""
+    parsed = parse_root_cause(output)
+    if parsed is None or parsed[2] is None or parsed[2] >= 0 or parsed[0] == failure.rank:
+        return None
+    rank, local_rank, code = parsed
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    log = rank_log(run_dir, rank, local_rank)
+    message = (f"killed by {name} (a rank killed from outside, e.g. kill -9 or the out-of-memory killer, writes no "
+               f"error of its own); then rank {failure.rank}: {failure.message}")
+    return Failure(rank=rank, local_rank=local_rank, exit_code=code, log=str(log) if log else "", message=message,
+                   restart=failure.restart)
+
+
 def find_failure(output: str, run_dir: Path, since: float | None = None) -> Failure | None:
     """The first failing rank: from the error files (see first_failure), else from torchrun's printed summary."""
     failure, hang = first_failure(run_dir, since), hang_failure(run_dir, since)
     if hang is not None and (failure is None or hang.restart >= failure.restart):  # not an older attempt's hang
         return hang
     if failure is not None:
+        if (killed := killed_first(output, run_dir, failure)) is not None:
+            return killed
         if failure.exit_code is None:  # a file torchelastic wrote for us: torchrun's summary has the code
             parsed = parse_root_cause(output)
             if parsed is not None and parsed[0] == failure.rank:
