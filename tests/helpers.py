@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 import pytest
 
 from trainctl.config.schema import ModelConfig
+from trainctl.launch.command import AGENT_MODULE, TORCHRUN_MODULE
 
 if TYPE_CHECKING:
     import torch
@@ -146,12 +147,10 @@ def torchrun_cmd(nproc: int, *program: str, max_restarts: int | None = None, arg
                  fork: bool = False) -> list[str]:
     """`torchrun --standalone --nproc_per_node=N [--max-restarts=R] [ARGS] PROGRAM...` with this interpreter.
 
-    program: a script and its arguments, or "-m", a module and its arguments. fork: torchrun as
-    cluster.rank_start=fork runs it (trainctl.train.agent, which starts `-m trainctl.train RUN_DIR` only), each
-    rank forked from the agent; else plain torchrun, each rank a new interpreter (exec, the CUDA default).
+    program: a script and its arguments, or "-m", a module and its arguments. fork: the agent of
+    cluster.rank_start=fork (it starts `-m trainctl.train RUN_DIR` only); else plain torchrun (exec).
     """
-    module = "trainctl.train.agent" if fork else "torch.distributed.run"
-    cmd = [sys.executable, "-m", module, "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, "-m", AGENT_MODULE if fork else TORCHRUN_MODULE, "--standalone", f"--nproc_per_node={nproc}"]
     if max_restarts is not None:
         cmd.append(f"--max-restarts={max_restarts}")
     return [*cmd, *args, *program]

@@ -15,7 +15,8 @@ dropped in the child before the worker runs, and the rank's success ends through
 a return value for every rank before any may exit (train/rank_process.py).
 
 Fork is safe only where the agent has not initialised CUDA; on a CUDA device `cluster.rank_start=auto` keeps exec
-(config/cluster_schema.py says why) and this module refuses a run whose agent finds CUDA initialised.
+(docs/run-directory.md: no GPU run has proven the fork yet) and this module refuses a run whose agent finds CUDA
+initialised.
 """
 
 from __future__ import annotations
